@@ -1,0 +1,1 @@
+"""tinkerrpc: the Python client SDK for the tinkerrpc TrainerService."""

@@ -1,0 +1,1 @@
+"""tinkerrpc server side: the gRPC service, the embedded engine, the OpenAI sidecar and the CLI."""
