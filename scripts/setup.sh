@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Create .venv and install tinkerrpc with its server and dev extras.
+# torch is installed first, pinned: on these machines torch==2.13.0 is a local CPU wheel, while an
+# unpinned torch requirement would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q torch==2.13.0
+.venv/bin/python -m pip install -q -e '.[server,dev]'

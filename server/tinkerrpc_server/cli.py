@@ -1,0 +1,73 @@
+"""The `tinkerrpc` command: serve, engine, sidecar and demo."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("serve", help="run the gRPC TrainerService")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--data-dir", type=Path, default=Path("tinkerrpc-data"))
+    p.add_argument("--max-message-mb", type=int, default=256, help="max gRPC send/receive message size")
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from tinkerrpc_server.server import ServerConfig, serve
+
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        data_dir=args.data_dir,
+        max_message_bytes=args.max_message_mb * 1024 * 1024,
+    )
+    return asyncio.run(serve(config))
+
+
+def _add_engine(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("engine", help="run the embedded Tinker-compatible engine (HTTP)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8111)
+    p.add_argument("--data-dir", type=Path, default=Path("tinkerrpc-engine-data"))
+    p.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="local models (default: $TINKERRPC_MODEL_DIR or ~/.cache/tinkerrpc/models)",
+    )
+    p.set_defaults(func=_engine)
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from tinkerrpc_server.engine.app import run_engine
+    from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
+
+    run_engine(args.host, args.port, args.data_dir, args.model_dir or DEFAULT_MODEL_DIR)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    parser = argparse.ArgumentParser(prog="tinkerrpc", description=__doc__)
+    parser.add_argument("--log-level", default=os.environ.get("TINKERRPC_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_engine(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

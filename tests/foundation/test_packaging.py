@@ -1,0 +1,34 @@
+"""The light client stays light, and the committed generated code matches protos/."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_importing_tinkerrpc_pulls_no_heavy_dependencies() -> None:
+    code = (
+        "import sys, tinkerrpc, tinkerrpc.v1.trainer_service_pb2_grpc\n"
+        "heavy = sorted(m for m in ('torch', 'tinker', 'fastapi', 'transformers', 'numpy') if m in sys.modules)\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_generated_code_matches_protos(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "generate_protos.py"), "--out", str(tmp_path)],
+        check=True,
+        capture_output=True,
+    )
+    committed_dir = ROOT / "client" / "tinkerrpc" / "v1"
+    fresh_dir = tmp_path / "tinkerrpc" / "v1"
+    fresh = {p.name: p.read_bytes() for p in fresh_dir.iterdir() if p.is_file()}
+    committed = {p.name: p.read_bytes() for p in committed_dir.iterdir() if p.is_file()}
+    assert sorted(fresh) == sorted(committed), "generated file set differs: run scripts/generate_protos.py"
+    stale = [name for name in fresh if fresh[name] != committed[name]]
+    assert not stale, f"committed generated code is stale: {stale}; run scripts/generate_protos.py"
