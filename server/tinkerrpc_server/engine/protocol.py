@@ -1,0 +1,223 @@
+"""Tinker wire formats: decode requests into runtime inputs, encode runtime outputs as Tinker's protobufs.
+
+The tinker SDK sends forward_backward as a protobuf `ForwardBackwardRequest` (maybe zstd-compressed) and
+expects forward_backward and sample results as protobuf; everything else is JSON.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zstandard
+from tinker.proto import tinker_public_pb2 as pb
+
+from tinkerrpc_server.engine.runtime import DatumArrays, ForwardResult, SampleJob, SampleOutput
+
+PROTOBUF_CONTENT_TYPE = "application/x-protobuf"
+
+_NUMPY_DTYPES: dict[int, np.dtype[Any]] = {
+    pb.DTYPE_FLOAT32: np.dtype(np.float32),
+    pb.DTYPE_INT64: np.dtype(np.int64),
+    pb.DTYPE_INT32: np.dtype(np.int32),
+}
+
+_STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
+
+
+class BadRequest(ValueError):
+    """A request the engine cannot accept; the message is shown to the user."""
+
+
+@dataclass
+class ForwardBackwardCall:
+    model_id: str
+    seq_id: int | None
+    loss_fn: str
+    loss_fn_config: dict[str, float] | None
+    forward_only: bool
+    data: list[DatumArrays]
+
+
+def decode_body(body: bytes, content_encoding: str | None) -> bytes:
+    """Undo the SDK's optional zstd compression of protobuf request bodies."""
+    if not content_encoding or content_encoding == "identity":
+        return body
+    if content_encoding != "zstd":
+        raise BadRequest(f"unsupported Content-Encoding {content_encoding!r}")
+    try:
+        return zstandard.ZstdDecompressor().decompressobj().decompress(body)
+    except zstandard.ZstdError as exc:
+        raise BadRequest(f"body is not valid zstd: {exc}") from exc
+
+
+def _tensor_to_numpy(name: str, tensor: pb.Tensor) -> np.ndarray:
+    dtype = _NUMPY_DTYPES.get(tensor.dtype)
+    if dtype is None:
+        raise BadRequest(f"loss_fn_inputs[{name!r}]: unsupported dtype {tensor.dtype}")
+    if tensor.HasField("sparse_csr"):
+        raise BadRequest(f"loss_fn_inputs[{name!r}]: sparse tensors are not supported by this engine")
+    if len(tensor.dense) % dtype.itemsize:
+        raise BadRequest(f"loss_fn_inputs[{name!r}]: {len(tensor.dense)} bytes is not a whole {dtype} array")
+    array = np.frombuffer(tensor.dense, dtype=dtype)
+    if tensor.shape:
+        shape = tuple(tensor.shape)
+        if math.prod(shape) != array.size:
+            raise BadRequest(
+                f"loss_fn_inputs[{name!r}]: shape {list(shape)} does not match {array.size} values"
+            )
+        array = array.reshape(shape)
+    # int32 widens to the runtime's int64 token convention; float stays float32.
+    return array.astype(np.int64) if dtype == np.int32 else array.copy()
+
+
+def _datum_tokens(index: int, datum: pb.Datum) -> np.ndarray:
+    parts: list[np.ndarray] = []
+    for chunk in datum.model_input:
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise BadRequest(f"data[{index}]: model input chunk {kind!r} is not supported (text tokens only)")
+        parts.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32))
+    if not parts:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate(parts).astype(np.int64)
+
+
+def parse_forward_backward(raw: bytes) -> ForwardBackwardCall:
+    request = pb.ForwardBackwardRequest()
+    try:
+        request.ParseFromString(raw)
+    except Exception as exc:  # protobuf raises its own DecodeError subclasses
+        raise BadRequest(f"body is not a ForwardBackwardRequest protobuf: {exc}") from exc
+    if not request.model_id:
+        raise BadRequest("model_id is required")
+    config: dict[str, float] = {}
+    for key, value in request.loss_fn_config_v2.items():
+        if value.WhichOneof("value") == "text":
+            raise BadRequest(f"loss_fn_config[{key!r}]: text values are not supported, give a number")
+        config[key] = float(value.number)
+    for key, number in request.loss_fn_config.items():
+        config.setdefault(key, float(number))
+    data = [
+        DatumArrays(
+            input_tokens=_datum_tokens(i, datum),
+            loss_fn_inputs={name: _tensor_to_numpy(name, t) for name, t in datum.loss_fn_inputs.items()},
+        )
+        for i, datum in enumerate(request.data)
+    ]
+    return ForwardBackwardCall(
+        model_id=request.model_id,
+        # The SDK numbers a model's requests from 1; 0 means "not given".
+        seq_id=request.seq_id or None,
+        loss_fn=request.loss_fn,
+        loss_fn_config=config or None,
+        forward_only=request.forward_only,
+        data=data,
+    )
+
+
+def encode_forward_result(result: ForwardResult) -> bytes:
+    """ForwardBackwardOutput with one ArrayRecord whose `logprobs` field holds every datum's array."""
+    arrays = [np.asarray(lp, dtype=np.float32).reshape(-1) for lp in result.logprobs]
+    sizes = [a.nbytes for a in arrays]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64) if arrays else np.zeros(1, np.int64)
+    record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(arrays))
+    field = record.fields["logprobs"]
+    field.data = b"".join(a.tobytes() for a in arrays)
+    field.offsets = offsets.tobytes()
+    field.dtype = pb.DTYPE_FLOAT32
+    output = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record])
+    for key, value in result.metrics.items():
+        output.metrics[key] = float(value)
+    return bytes(output.SerializeToString())
+
+
+def encode_sample_output(result: SampleOutput) -> bytes:
+    response = pb.SampleResponse()
+    for seq in result.sequences:
+        response.sequences.add(
+            stop_reason=_STOP_REASONS[seq.stop_reason],
+            tokens=np.asarray(seq.tokens, dtype=np.int32).tobytes(),
+            logprobs=np.asarray(seq.logprobs, dtype=np.float32).tobytes(),
+        )
+    if result.prompt_logprobs is not None:
+        # The wire marks positions without a logprob (the first token) as NaN.
+        values = [math.nan if lp is None else lp for lp in result.prompt_logprobs]
+        response.prompt_logprobs = np.asarray(values, dtype=np.float32).tobytes()
+    if result.topk_prompt_logprobs is not None:
+        rows = result.topk_prompt_logprobs
+        k = max((len(row) for row in rows if row), default=0)
+        if k:
+            ids = np.zeros((len(rows), k), dtype=np.int32)
+            lps = np.full((len(rows), k), -math.inf, dtype=np.float32)
+            for i, row in enumerate(rows):
+                for j, (token, logprob) in enumerate(row or []):
+                    ids[i, j] = token
+                    lps[i, j] = logprob
+            response.topk_prompt_logprobs.token_ids = ids.tobytes()
+            response.topk_prompt_logprobs.logprobs = lps.tobytes()
+            response.topk_prompt_logprobs.k = k
+            response.topk_prompt_logprobs.length = len(rows)
+    return bytes(response.SerializeToString())
+
+
+def prompt_tokens(prompt: dict[str, Any]) -> list[int]:
+    """Tokens of a JSON ModelInput ({"chunks": [{"type": "encoded_text", "tokens": [...]}, ...]})."""
+    tokens: list[int] = []
+    for chunk in prompt.get("chunks", []):
+        kind = chunk.get("type", "encoded_text")
+        if kind != "encoded_text":
+            raise BadRequest(f"prompt chunk {kind!r} is not supported (text tokens only)")
+        tokens.extend(int(t) for t in chunk.get("tokens", []))
+    return tokens
+
+
+def sample_job(request: dict[str, Any]) -> SampleJob:
+    """Translate a JSON SampleRequest into a runtime SampleJob.
+
+    Stop semantics: `stop` absent/None keeps the model's default EOS stop; any list, including [],
+    is the complete set of stops and replaces EOS: token ids stop on those ids, strings stop when
+    the decoded text contains one of them.
+    """
+    params = request.get("sampling_params") or {}
+    tokens = prompt_tokens(request.get("prompt") or {})
+    if not tokens:
+        raise BadRequest("prompt is empty")
+    num_samples = int(request.get("num_samples", 1))
+    if num_samples < 1:
+        raise BadRequest(f"num_samples must be >= 1, got {num_samples}")
+    max_tokens = params.get("max_tokens")
+    if max_tokens is not None and int(max_tokens) < 0:
+        raise BadRequest(f"max_tokens must be >= 0, got {max_tokens}")
+    stop = params.get("stop")
+    stop_token_ids: list[int] | None = None
+    stop_strings: list[str] = []
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        stop_token_ids = [s for s in stop if isinstance(s, int)]
+        stop_strings = [s for s in stop if isinstance(s, str)]
+        if len(stop_token_ids) + len(stop_strings) != len(stop):
+            raise BadRequest("stop must be a list of strings or of token ids")
+    temperature = float(params.get("temperature", 1.0))
+    top_p = float(params.get("top_p", 1.0))
+    if temperature < 0:
+        raise BadRequest(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise BadRequest(f"top_p must be in (0, 1], got {top_p}")
+    topk_prompt = int(request.get("topk_prompt_logprobs") or 0)
+    return SampleJob(
+        prompt_tokens=tokens,
+        num_samples=num_samples,
+        max_tokens=-1 if max_tokens is None else int(max_tokens),
+        temperature=temperature,
+        top_k=int(params.get("top_k", -1)),
+        top_p=top_p,
+        stop_token_ids=stop_token_ids,
+        stop_strings=stop_strings,
+        seed=None if params.get("seed") is None else int(params["seed"]),
+        include_prompt_logprobs=bool(request.get("prompt_logprobs")) or topk_prompt > 0,
+        topk_prompt_logprobs=topk_prompt,
+    )

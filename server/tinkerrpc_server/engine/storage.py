@@ -1,0 +1,201 @@
+"""The engine's on-disk state: training runs and checkpoints under --data-dir, indexed in one JSON file.
+
+Layout:
+    <data-dir>/engine_index.json                      runs and checkpoints (written atomically)
+    <data-dir>/runs/<model_id>/weights/<name>/        save_state (adapter + optimizer)
+    <data-dir>/runs/<model_id>/sampler_weights/<name>/ save_weights_for_sampler (adapter only)
+
+`tinker://<model_id>/weights/<name>` and `tinker://<model_id>/sampler_weights/<name>` resolve to those
+directories. A new engine on the same data dir sees every run and checkpoint of the previous one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import threading
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+CheckpointKind = Literal["training", "sampler"]
+
+_KIND_SEGMENT: dict[CheckpointKind, str] = {"training": "weights", "sampler": "sampler_weights"}
+_SEGMENT_KIND: dict[str, CheckpointKind] = {v: k for k, v in _KIND_SEGMENT.items()}
+_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_INDEX_FILE = "engine_index.json"
+
+
+class UnknownPathError(ValueError):
+    """A tinker:// path or checkpoint this engine does not hold."""
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+@dataclass
+class RunRecord:
+    model_id: str
+    base_model: str
+    lora_rank: int
+    seed: int | None
+    train_mlp: bool
+    train_attn: bool
+    train_unembed: bool
+    created_at: str
+    last_request_time: str
+    user_metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class CheckpointRecord:
+    model_id: str
+    kind: CheckpointKind
+    name: str
+    created_at: str
+    size_bytes: int
+    user_metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return f"{_KIND_SEGMENT[self.kind]}/{self.name}"
+
+    @property
+    def tinker_path(self) -> str:
+        return f"tinker://{self.model_id}/{self.checkpoint_id}"
+
+
+def validate_checkpoint_name(name: str) -> None:
+    if not _NAME_PATTERN.match(name):
+        raise ValueError(
+            f"checkpoint name {name!r} is invalid: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+
+
+def parse_tinker_path(path: str) -> tuple[str, CheckpointKind, str]:
+    """(model_id, kind, name) of `tinker://<model_id>/<weights|sampler_weights>/<name>`."""
+    if not path.startswith("tinker://"):
+        raise UnknownPathError(f"{path!r} is not a tinker:// path")
+    parts = path[len("tinker://") :].split("/")
+    if len(parts) != 3 or parts[1] not in _SEGMENT_KIND or not parts[0] or not parts[2]:
+        raise UnknownPathError(
+            f"{path!r} is not of the form tinker://<model_id>/weights/<name> or .../sampler_weights/<name>"
+        )
+    return parts[0], _SEGMENT_KIND[parts[1]], parts[2]
+
+
+def _write_json_atomically(path: Path, payload: Any) -> None:
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(payload, handle, indent=1, sort_keys=True)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def directory_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+class Storage:
+    """Thread-safe index of runs and checkpoints; every change is persisted before it returns."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._runs: dict[str, RunRecord] = {}
+        self._checkpoints: dict[str, CheckpointRecord] = {}
+        index_path = data_dir / _INDEX_FILE
+        if index_path.exists():
+            payload = json.loads(index_path.read_text())
+            self._runs = {r["model_id"]: RunRecord(**r) for r in payload.get("runs", [])}
+            for c in payload.get("checkpoints", []):
+                record = CheckpointRecord(**c)
+                self._checkpoints[record.tinker_path] = record
+
+    def _persist(self) -> None:
+        payload = {
+            "runs": [asdict(r) for r in self._runs.values()],
+            "checkpoints": [asdict(c) for c in self._checkpoints.values()],
+        }
+        _write_json_atomically(self.data_dir / _INDEX_FILE, payload)
+
+    def checkpoint_dir(self, model_id: str, kind: CheckpointKind, name: str) -> Path:
+        return self.data_dir / "runs" / model_id / _KIND_SEGMENT[kind] / name
+
+    def put_run(self, record: RunRecord) -> None:
+        with self._lock:
+            self._runs[record.model_id] = record
+            self._persist()
+
+    def touch_run(self, model_id: str) -> None:
+        """Record activity in memory; persisted with the next change (no disk write per step)."""
+        with self._lock:
+            run = self._runs.get(model_id)
+            if run is not None:
+                run.last_request_time = now_iso()
+
+    def get_run(self, model_id: str) -> RunRecord:
+        with self._lock:
+            run = self._runs.get(model_id)
+        if run is None:
+            raise UnknownPathError(f"unknown training run {model_id!r}")
+        return run
+
+    def list_runs(self) -> list[RunRecord]:
+        with self._lock:
+            return sorted(self._runs.values(), key=lambda r: r.created_at, reverse=True)
+
+    def add_checkpoint(self, record: CheckpointRecord) -> None:
+        with self._lock:
+            self._checkpoints[record.tinker_path] = record
+            run = self._runs.get(record.model_id)
+            if run is not None:
+                run.last_request_time = record.created_at
+            self._persist()
+
+    def has_checkpoint(self, tinker_path: str) -> bool:
+        with self._lock:
+            return tinker_path in self._checkpoints
+
+    def resolve(self, tinker_path: str) -> tuple[CheckpointRecord, Path]:
+        """The checkpoint record and directory for a tinker:// path; UnknownPathError if absent."""
+        model_id, kind, name = parse_tinker_path(tinker_path)
+        with self._lock:
+            record = self._checkpoints.get(tinker_path)
+        directory = self.checkpoint_dir(model_id, kind, name)
+        if record is None or not directory.is_dir():
+            raise UnknownPathError(f"no checkpoint at {tinker_path}")
+        return record, directory
+
+    def list_checkpoints(self, model_id: str) -> list[CheckpointRecord]:
+        with self._lock:
+            found = [c for c in self._checkpoints.values() if c.model_id == model_id]
+        return sorted(found, key=lambda c: c.created_at)
+
+    def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> CheckpointRecord:
+        tinker_path = f"tinker://{model_id}/{checkpoint_id}"
+        parse_tinker_path(tinker_path)
+        with self._lock:
+            record = self._checkpoints.pop(tinker_path, None)
+            if record is None:
+                raise UnknownPathError(f"no checkpoint at {tinker_path}")
+            self._persist()
+        shutil.rmtree(self.checkpoint_dir(model_id, record.kind, record.name), ignore_errors=True)
+        return record

@@ -1,0 +1,230 @@
+"""The compute worker: one thread runs every runtime call (the runtime is not thread-safe).
+
+Scheduling rules:
+- training operations of one model run in seq_id order (the SDK numbers a model's requests from 1;
+  creation is seq 0); a request whose predecessor never arrives runs after `gap_timeout` seconds;
+- sample requests that are pending together for the same weights go to the runtime as ONE batch;
+- the worker alternates between a training operation and a sample batch whenever both are waiting,
+  so sampling keeps being served while training requests queue (and vice versa).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tinkerrpc_server.engine.futures import FailedResult, Outcome
+
+log = logging.getLogger("tinkerrpc.engine")
+
+TrainingWork = Callable[[], Outcome]
+# Runs one batch: gets the payloads of every request in it, returns one outcome per payload.
+BatchWork = Callable[[list[Any]], list[Outcome]]
+
+
+@dataclass(order=True)
+class _TrainingOp:
+    seq_id: int
+    arrival: int
+    enqueued_at: float = field(compare=False)
+    name: str = field(compare=False)
+    work: TrainingWork = field(compare=False)
+    future: concurrent.futures.Future[Outcome] = field(compare=False)
+
+
+@dataclass
+class _ModelQueue:
+    next_seq: int = 0
+    pending: list[_TrainingOp] = field(default_factory=list)
+
+
+@dataclass
+class _SampleRequest:
+    payload: Any
+    future: concurrent.futures.Future[Outcome]
+
+
+@dataclass
+class _SampleGroup:
+    run_batch: BatchWork
+    description: str
+    requests: list[_SampleRequest] = field(default_factory=list)
+
+
+@dataclass
+class WorkerStats:
+    sample_requests: int = 0
+    sample_batches: int = 0
+    largest_sample_batch: int = 0
+    training_ops: int = 0
+
+
+class ComputeWorker:
+    def __init__(
+        self, classify_error: Callable[[BaseException], FailedResult], gap_timeout: float = 10.0
+    ) -> None:
+        self._classify_error = classify_error
+        self._gap_timeout = gap_timeout
+        self._cond = threading.Condition()
+        self._models: dict[str, _ModelQueue] = {}
+        self._model_rotation: list[str] = []
+        self._samples: OrderedDict[Hashable, _SampleGroup] = OrderedDict()
+        self._arrivals = itertools.count()
+        self._prefer_sampling = False
+        self._stopping = False
+        self.stats = WorkerStats()
+        self._thread = threading.Thread(target=self._loop, name="engine-compute", daemon=True)
+        self._thread.start()
+
+    # ---- submission (any thread) ----
+
+    def submit_training(
+        self,
+        model_id: str,
+        seq_id: int | None,
+        name: str,
+        work: TrainingWork,
+        future: concurrent.futures.Future[Outcome],
+    ) -> None:
+        """Queue `work` for `model_id`; seq_id None runs after everything already queued for it."""
+        with self._cond:
+            queue = self._models.get(model_id)
+            if queue is None:
+                queue = self._models[model_id] = _ModelQueue()
+                self._model_rotation.append(model_id)
+            if seq_id is None:
+                seq_id = max([queue.next_seq, *(op.seq_id + 1 for op in queue.pending)])
+            elif seq_id < queue.next_seq or any(op.seq_id == seq_id for op in queue.pending):
+                future.set_result(
+                    FailedResult(f"seq_id {seq_id} was already used for model {model_id}", "user")
+                )
+                return
+            op = _TrainingOp(seq_id, next(self._arrivals), time.monotonic(), name, work, future)
+            heapq.heappush(queue.pending, op)
+            self._cond.notify()
+
+    def submit_sample(
+        self,
+        group_key: Hashable,
+        description: str,
+        run_batch: BatchWork,
+        payload: Any,
+        future: concurrent.futures.Future[Outcome],
+    ) -> None:
+        """Queue one sample request; pending requests with the same group_key run as one batch."""
+        with self._cond:
+            group = self._samples.get(group_key)
+            if group is None:
+                group = self._samples[group_key] = _SampleGroup(run_batch, description)
+            group.requests.append(_SampleRequest(payload, future))
+            self._cond.notify()
+
+    def forget_model(self, model_id: str) -> None:
+        with self._cond:
+            queue = self._models.get(model_id)
+            if queue is not None and not queue.pending:
+                del self._models[model_id]
+                self._model_rotation.remove(model_id)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    # ---- the compute thread ----
+
+    def _next_training_op(self, now: float) -> tuple[_TrainingOp | None, float | None]:
+        """The next runnable training op (round-robin over models), or the time until one may run."""
+        wait: float | None = None
+        for index, model_id in enumerate(self._model_rotation):
+            queue = self._models[model_id]
+            if not queue.pending:
+                continue
+            head = queue.pending[0]
+            waited = now - head.enqueued_at
+            if head.seq_id == queue.next_seq or waited >= self._gap_timeout:
+                if head.seq_id != queue.next_seq:
+                    log.warning(
+                        "model %s: seq %d never arrived, running seq %d",
+                        model_id,
+                        queue.next_seq,
+                        head.seq_id,
+                    )
+                heapq.heappop(queue.pending)
+                queue.next_seq = head.seq_id + 1
+                # Rotate so the next pick starts after this model.
+                self._model_rotation = self._model_rotation[index + 1 :] + self._model_rotation[: index + 1]
+                return head, None
+            remaining = self._gap_timeout - waited
+            wait = remaining if wait is None else min(wait, remaining)
+        return None, wait
+
+    def _loop(self) -> None:
+        while True:
+            op: _TrainingOp | None = None
+            group: _SampleGroup | None = None
+            with self._cond:
+                while not self._stopping:
+                    if self._samples and self._prefer_sampling:
+                        group = self._samples.popitem(last=False)[1]
+                        break
+                    op, wait = self._next_training_op(time.monotonic())
+                    if op is not None:
+                        break
+                    if self._samples:
+                        group = self._samples.popitem(last=False)[1]
+                        break
+                    self._cond.wait(timeout=wait)
+                else:
+                    return
+            # Alternate: after a training op, waiting samples go first, and the other way round.
+            self._prefer_sampling = op is not None
+            if group is not None:
+                self._run_sample_group(group)
+            elif op is not None:
+                self._run_training_op(op)
+
+    def _run_training_op(self, op: _TrainingOp) -> None:
+        started = time.perf_counter()
+        try:
+            outcome = op.work()
+        except BaseException as exc:
+            outcome = self._classify_error(exc)
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        self.stats.training_ops += 1
+        status = (
+            "ok" if not isinstance(outcome, FailedResult) else f"{outcome.category} error: {outcome.message}"
+        )
+        log.info("%s seq=%d %.1f ms %s", op.name, op.seq_id, elapsed_ms, status)
+        op.future.set_result(outcome)
+
+    def _run_sample_group(self, group: _SampleGroup) -> None:
+        started = time.perf_counter()
+        payloads = [r.payload for r in group.requests]
+        try:
+            outcomes = group.run_batch(payloads)
+        except BaseException as exc:
+            outcomes = [self._classify_error(exc)] * len(payloads)
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        self.stats.sample_requests += len(payloads)
+        self.stats.sample_batches += 1
+        self.stats.largest_sample_batch = max(self.stats.largest_sample_batch, len(payloads))
+        failures = sum(isinstance(o, FailedResult) for o in outcomes)
+        log.info(
+            "sample %s: %d request(s) in one batch, %.1f ms, %d failed",
+            group.description,
+            len(payloads),
+            elapsed_ms,
+            failures,
+        )
+        for request, outcome in zip(group.requests, outcomes, strict=True):
+            request.future.set_result(outcome)
