@@ -1,1 +1,79 @@
-"""tinkerrpc: the Python client SDK for the tinkerrpc TrainerService."""
+"""tinkerrpc: the Python client SDK for the tinkerrpc TrainerService.
+
+Plain dataclasses in, plain dataclasses out; protobuf stays inside. `Client` blocks,
+`AsyncClient` awaits; both retry transient failures and make every Train exactly-once.
+"""
+
+from tinkerrpc._async_client import AsyncClient, AsyncModel
+from tinkerrpc._client import Client, Model
+from tinkerrpc._errors import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    RPCError,
+    StalePolicyError,
+    UnauthenticatedError,
+    UnavailableError,
+    raise_for_rpc_error,
+)
+from tinkerrpc._gather import (
+    GatherResult,
+    RewardSummary,
+    TooManyRolloutErrors,
+    gather_groups,
+    gather_trajectories,
+)
+from tinkerrpc._retry import RetryPolicy
+from tinkerrpc._types import (
+    CheckpointInfo,
+    Message,
+    ModelInfo,
+    Sample,
+    SampledTurn,
+    SupervisedExample,
+    Tool,
+    ToolCall,
+    TopLogprob,
+    TrainMetrics,
+    TrainResult,
+    Trajectory,
+    TrajectoryGroup,
+)
+
+__all__ = [
+    "AlreadyExistsError",
+    "AsyncClient",
+    "AsyncModel",
+    "CheckpointInfo",
+    "Client",
+    "FailedPreconditionError",
+    "GatherResult",
+    "InvalidArgumentError",
+    "Message",
+    "Model",
+    "ModelInfo",
+    "NotFoundError",
+    "RPCError",
+    "ResourceExhaustedError",
+    "RetryPolicy",
+    "RewardSummary",
+    "Sample",
+    "SampledTurn",
+    "StalePolicyError",
+    "SupervisedExample",
+    "TooManyRolloutErrors",
+    "Tool",
+    "ToolCall",
+    "TopLogprob",
+    "TrainMetrics",
+    "TrainResult",
+    "Trajectory",
+    "TrajectoryGroup",
+    "UnauthenticatedError",
+    "UnavailableError",
+    "gather_groups",
+    "gather_trajectories",
+    "raise_for_rpc_error",
+]

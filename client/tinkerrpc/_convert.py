@@ -1,0 +1,377 @@
+"""The one place where the SDK's dataclasses become protobuf messages and back."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+from google.protobuf import timestamp_pb2
+
+from tinkerrpc._types import (
+    CheckpointInfo,
+    CheckpointKind,
+    Message,
+    ModelInfo,
+    Role,
+    Sample,
+    SampledTurn,
+    StopReason,
+    SupervisedExample,
+    Tool,
+    ToolCall,
+    TopLogprob,
+    TrainMetrics,
+    TrainOn,
+    TrainResult,
+    Trajectory,
+    TrajectoryGroup,
+)
+from tinkerrpc.v1 import trainer_service_pb2 as service_pb
+from tinkerrpc.v1 import types_pb2 as pb
+
+_ROLE_TO_PB: dict[Role, pb.Role.ValueType] = {
+    "system": pb.ROLE_SYSTEM,
+    "user": pb.ROLE_USER,
+    "assistant": pb.ROLE_ASSISTANT,
+    "tool": pb.ROLE_TOOL,
+}
+_ROLE_FROM_PB = {v: k for k, v in _ROLE_TO_PB.items()}
+
+_KIND_TO_PB: dict[CheckpointKind, pb.CheckpointKind.ValueType] = {
+    "state": pb.CHECKPOINT_KIND_STATE,
+    "sampler": pb.CHECKPOINT_KIND_SAMPLER,
+}
+_KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
+
+_STOP_FROM_PB: dict[pb.StopReason.ValueType, StopReason | None] = {
+    pb.STOP_REASON_UNSPECIFIED: None,
+    pb.STOP_REASON_STOP: "stop",
+    pb.STOP_REASON_LENGTH: "length",
+}
+_STOP_TO_PB = {v: k for k, v in _STOP_FROM_PB.items()}
+
+_TRAIN_ON_TO_PB: dict[TrainOn, pb.TrainOn.ValueType] = {
+    "all": pb.TRAIN_ON_ALL_ASSISTANT_MESSAGES,
+    "last": pb.TRAIN_ON_LAST_ASSISTANT_MESSAGE,
+}
+_TRAIN_ON_FROM_PB: dict[pb.TrainOn.ValueType, TrainOn] = {
+    pb.TRAIN_ON_UNSPECIFIED: "all",
+    pb.TRAIN_ON_ALL_ASSISTANT_MESSAGES: "all",
+    pb.TRAIN_ON_LAST_ASSISTANT_MESSAGE: "last",
+}
+
+LOSS_TO_PB: dict[str, pb.LossFunction.ValueType] = {
+    "cross_entropy": pb.LOSS_FUNCTION_CROSS_ENTROPY,
+    "importance_sampling": pb.LOSS_FUNCTION_IMPORTANCE_SAMPLING,
+    "ppo": pb.LOSS_FUNCTION_PPO,
+    "cispo": pb.LOSS_FUNCTION_CISPO,
+    "dro": pb.LOSS_FUNCTION_DRO,
+}
+
+
+def kind_to_proto(kind: CheckpointKind) -> pb.CheckpointKind.ValueType:
+    if kind not in _KIND_TO_PB:
+        raise ValueError(f"checkpoint kind must be one of {tuple(_KIND_TO_PB)}, got {kind!r}")
+    return _KIND_TO_PB[kind]
+
+
+def train_on_to_proto(train_on: TrainOn) -> pb.TrainOn.ValueType:
+    if train_on not in _TRAIN_ON_TO_PB:
+        raise ValueError(f"train_on must be one of {tuple(_TRAIN_ON_TO_PB)}, got {train_on!r}")
+    return _TRAIN_ON_TO_PB[train_on]
+
+
+def _time_to_proto(value: datetime | None) -> timestamp_pb2.Timestamp | None:
+    if value is None:
+        return None
+    stamp = timestamp_pb2.Timestamp()
+    stamp.FromDatetime(value)
+    return stamp
+
+
+def _time_from_proto(msg: timestamp_pb2.Timestamp, present: bool) -> datetime | None:
+    return msg.ToDatetime(tzinfo=timezone.utc) if present else None
+
+
+def tool_call_to_proto(call: ToolCall) -> pb.ToolCall:
+    return pb.ToolCall(id=call.id, name=call.name, arguments_json=call.arguments)
+
+
+def tool_call_from_proto(msg: pb.ToolCall) -> ToolCall:
+    return ToolCall(id=msg.id, name=msg.name, arguments=msg.arguments_json or "{}")
+
+
+def tool_to_proto(tool: Tool) -> pb.Tool:
+    return pb.Tool(
+        name=tool.name, description=tool.description, parameters_json=json.dumps(dict(tool.parameters))
+    )
+
+
+def tool_from_proto(msg: pb.Tool) -> Tool:
+    return Tool(
+        name=msg.name,
+        description=msg.description,
+        parameters=json.loads(msg.parameters_json) if msg.parameters_json else {},
+    )
+
+
+def message_to_proto(message: Message) -> pb.Message:
+    return pb.Message(
+        role=_ROLE_TO_PB[message.role],
+        content=message.content,
+        tool_calls=[tool_call_to_proto(c) for c in message.tool_calls],
+        tool_call_id=message.tool_call_id,
+        name=message.name,
+    )
+
+
+def message_from_proto(msg: pb.Message) -> Message:
+    if msg.role not in _ROLE_FROM_PB:
+        raise ValueError(f"message has no valid role (got enum value {msg.role})")
+    return Message(
+        role=_ROLE_FROM_PB[msg.role],
+        content=msg.content,
+        tool_calls=tuple(tool_call_from_proto(c) for c in msg.tool_calls),
+        tool_call_id=msg.tool_call_id,
+        name=msg.name,
+    )
+
+
+def turn_to_proto(turn: SampledTurn) -> pb.SampledTurn:
+    return pb.SampledTurn(
+        prompt_token_ids=turn.prompt_token_ids,
+        completion_token_ids=turn.completion_token_ids,
+        completion_logprobs=turn.logprobs,
+        policy_version=turn.policy_version,
+    )
+
+
+def turn_from_proto(msg: pb.SampledTurn) -> SampledTurn:
+    return SampledTurn(
+        prompt_token_ids=tuple(msg.prompt_token_ids),
+        completion_token_ids=tuple(msg.completion_token_ids),
+        logprobs=tuple(msg.completion_logprobs),
+        policy_version=msg.policy_version,
+    )
+
+
+def trajectory_to_proto(traj: Trajectory) -> pb.Trajectory:
+    return pb.Trajectory(
+        messages=[message_to_proto(m) for m in traj.messages],
+        turns=[turn_to_proto(t) for t in traj.turns],
+        reward=traj.reward,
+        metrics=traj.metrics,
+        metadata=traj.metadata,
+        tools=[tool_to_proto(t) for t in traj.tools],
+    )
+
+
+def trajectory_from_proto(msg: pb.Trajectory) -> Trajectory:
+    return Trajectory(
+        messages=[message_from_proto(m) for m in msg.messages],
+        turns=[turn_from_proto(t) for t in msg.turns],
+        reward=msg.reward,
+        metrics=dict(msg.metrics),
+        metadata=dict(msg.metadata),
+        tools=[tool_from_proto(t) for t in msg.tools],
+    )
+
+
+def group_to_proto(group: TrajectoryGroup) -> pb.TrajectoryGroup:
+    return pb.TrajectoryGroup(trajectories=[trajectory_to_proto(t) for t in group.trajectories])
+
+
+def group_from_proto(msg: pb.TrajectoryGroup) -> TrajectoryGroup:
+    return TrajectoryGroup([trajectory_from_proto(t) for t in msg.trajectories])
+
+
+def example_to_proto(example: SupervisedExample) -> pb.SupervisedExample:
+    return pb.SupervisedExample(
+        messages=[message_to_proto(m) for m in example.messages],
+        tools=[tool_to_proto(t) for t in example.tools],
+        train_on=train_on_to_proto(example.train_on),
+    )
+
+
+def example_from_proto(msg: pb.SupervisedExample) -> SupervisedExample:
+    return SupervisedExample(
+        messages=tuple(message_from_proto(m) for m in msg.messages),
+        tools=tuple(tool_from_proto(t) for t in msg.tools),
+        train_on=_TRAIN_ON_FROM_PB[msg.train_on],
+    )
+
+
+def checkpoint_to_proto(info: CheckpointInfo) -> pb.CheckpointInfo:
+    return pb.CheckpointInfo(
+        model=info.model,
+        name=info.name,
+        policy_version=info.policy_version,
+        kind=kind_to_proto(info.kind),
+        tinker_path=info.tinker_path,
+        create_time=_time_to_proto(info.create_time),
+        automatic=info.automatic,
+    )
+
+
+def checkpoint_from_proto(msg: pb.CheckpointInfo) -> CheckpointInfo:
+    if msg.kind not in _KIND_FROM_PB:
+        raise ValueError(f"checkpoint {msg.name!r} has no valid kind (got enum value {msg.kind})")
+    return CheckpointInfo(
+        model=msg.model,
+        name=msg.name,
+        policy_version=msg.policy_version,
+        kind=_KIND_FROM_PB[msg.kind],
+        tinker_path=msg.tinker_path,
+        create_time=_time_from_proto(msg.create_time, msg.HasField("create_time")),
+        automatic=msg.automatic,
+    )
+
+
+def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        name=info.name,
+        base_model=info.base_model,
+        lora=pb.LoraConfig(
+            rank=info.lora_rank,
+            train_mlp=info.train_mlp,
+            train_attn=info.train_attn,
+            train_unembed=info.train_unembed,
+        ),
+        renderer=info.renderer,
+        policy_version=info.policy_version,
+        sampleable_versions=info.sampleable_versions,
+        create_time=_time_to_proto(info.create_time),
+        seed=info.seed,
+        tinker_run_id=info.tinker_run_id,
+        vocab_size=info.vocab_size,
+        max_context_length=info.max_context_length,
+    )
+
+
+def model_info_from_proto(msg: pb.ModelInfo) -> ModelInfo:
+    lora = msg.lora
+    # Unset LoRA flags mean the documented default (true).
+    return ModelInfo(
+        name=msg.name,
+        base_model=msg.base_model,
+        policy_version=msg.policy_version,
+        lora_rank=lora.rank,
+        train_mlp=lora.train_mlp if lora.HasField("train_mlp") else True,
+        train_attn=lora.train_attn if lora.HasField("train_attn") else True,
+        train_unembed=lora.train_unembed if lora.HasField("train_unembed") else True,
+        renderer=msg.renderer,
+        sampleable_versions=tuple(msg.sampleable_versions),
+        create_time=_time_from_proto(msg.create_time, msg.HasField("create_time")),
+        seed=msg.seed,
+        tinker_run_id=msg.tinker_run_id,
+        vocab_size=msg.vocab_size,
+        max_context_length=msg.max_context_length,
+    )
+
+
+def metrics_to_proto(metrics: TrainMetrics) -> pb.TrainMetrics:
+    return pb.TrainMetrics(
+        loss=metrics.loss,
+        mean_reward=metrics.mean_reward,
+        trained_tokens=metrics.trained_tokens,
+        total_tokens=metrics.total_tokens,
+        trajectories_used=metrics.trajectories_used,
+        dropped_stale=metrics.dropped_stale,
+        dropped_zero_variance=metrics.dropped_zero_variance,
+        zero_variance_groups=metrics.zero_variance_groups,
+        staleness_histogram=metrics.staleness_histogram,
+        step_seconds=metrics.step_seconds,
+        tokens_per_second=metrics.tokens_per_second,
+        extra=metrics.extra,
+    )
+
+
+def metrics_from_proto(msg: pb.TrainMetrics) -> TrainMetrics:
+    return TrainMetrics(
+        loss=msg.loss,
+        mean_reward=msg.mean_reward,
+        trained_tokens=msg.trained_tokens,
+        total_tokens=msg.total_tokens,
+        trajectories_used=msg.trajectories_used,
+        dropped_stale=msg.dropped_stale,
+        dropped_zero_variance=msg.dropped_zero_variance,
+        zero_variance_groups=msg.zero_variance_groups,
+        staleness_histogram=dict(msg.staleness_histogram),
+        step_seconds=msg.step_seconds,
+        tokens_per_second=msg.tokens_per_second,
+        extra=dict(msg.extra),
+    )
+
+
+def train_result_to_proto(result: TrainResult) -> service_pb.TrainResponse:
+    return service_pb.TrainResponse(
+        policy_version=result.policy_version,
+        metrics=metrics_to_proto(result.metrics),
+        sampler_checkpoint=checkpoint_to_proto(result.sampler_checkpoint)
+        if result.sampler_checkpoint
+        else None,
+        state_checkpoint=checkpoint_to_proto(result.state_checkpoint) if result.state_checkpoint else None,
+        replayed=result.replayed,
+    )
+
+
+def train_result_from_proto(msg: service_pb.TrainResponse) -> TrainResult:
+    return TrainResult(
+        policy_version=msg.policy_version,
+        metrics=metrics_from_proto(msg.metrics),
+        sampler_checkpoint=(
+            checkpoint_from_proto(msg.sampler_checkpoint) if msg.HasField("sampler_checkpoint") else None
+        ),
+        state_checkpoint=checkpoint_from_proto(msg.state_checkpoint)
+        if msg.HasField("state_checkpoint")
+        else None,
+        replayed=msg.replayed,
+    )
+
+
+def samples_from_proto(msg: service_pb.SampleResponse) -> list[Sample]:
+    """Every sequence of a Sample response; the response's prompt ids and logprobs go on each."""
+    prompt_ids = tuple(msg.prompt_token_ids)
+    prompt_logprobs = tuple(msg.prompt_logprobs)
+    return [
+        Sample(
+            tokens=tuple(seq.token_ids),
+            logprobs=tuple(seq.logprobs),
+            text=seq.text,
+            message=message_from_proto(seq.message) if seq.HasField("message") else None,
+            stop_reason=_STOP_FROM_PB.get(seq.stop_reason),
+            policy_version=seq.policy_version,
+            prompt_token_ids=prompt_ids,
+            top_logprobs=tuple(
+                tuple(
+                    TopLogprob(token_id, logprob, top.token_texts[i] if i < len(top.token_texts) else "")
+                    for i, (token_id, logprob) in enumerate(zip(top.token_ids, top.logprobs, strict=False))
+                )
+                for top in seq.top_logprobs
+            ),
+            token_texts=tuple(seq.token_texts),
+            prompt_logprobs=prompt_logprobs,
+        )
+        for seq in msg.sequences
+    ]
+
+
+def sample_to_proto(sample: Sample) -> pb.SampledSequence:
+    """One Sample as the sequence a server returns (the prompt fields live on the response)."""
+    return pb.SampledSequence(
+        token_ids=sample.tokens,
+        logprobs=sample.logprobs,
+        text=sample.text,
+        message=message_to_proto(sample.message) if sample.message is not None else None,
+        stop_reason=_STOP_TO_PB[sample.stop_reason],
+        policy_version=sample.policy_version,
+        top_logprobs=[
+            pb.TopLogprobs(
+                token_ids=[c.token_id for c in position],
+                logprobs=[c.logprob for c in position],
+                token_texts=[c.text for c in position],
+            )
+            for position in sample.top_logprobs
+        ],
+        token_texts=sample.token_texts,
+    )

@@ -1,0 +1,386 @@
+"""User-facing dataclasses: plain Python objects, no protobuf in sight."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from tinkerrpc._openai import ChatCompletionLike
+
+Role = Literal["system", "user", "assistant", "tool"]
+ROLES: tuple[Role, ...] = ("system", "user", "assistant", "tool")
+StopReason = Literal["stop", "length"]
+CheckpointKind = Literal["state", "sampler"]
+TrainOn = Literal["all", "last"]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A function call requested by an assistant message; arguments are JSON text, as in OpenAI's API."""
+
+    id: str
+    name: str
+    arguments: str = "{}"
+
+    def parsed_arguments(self) -> Any:
+        return json.loads(self.arguments)
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call; `parameters` is a JSON Schema object."""
+
+    name: str
+    description: str = ""
+    parameters: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_openai(cls, tool: Mapping[str, Any]) -> Tool:
+        """From OpenAI's `{"type": "function", "function": {...}}` form (or the inner function dict)."""
+        function = tool.get("function", tool)
+        return cls(
+            name=function["name"],
+            description=function.get("description") or "",
+            parameters=dict(function.get("parameters") or {}),
+        )
+
+    def to_openai(self) -> dict[str, Any]:
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": dict(self.parameters),
+            },
+        }
+
+
+@dataclass(frozen=True)
+class Message:
+    """One chat message."""
+
+    role: Role
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"Message role must be one of {ROLES}, got {self.role!r}")
+        # Accept lists for convenience while keeping the dataclass hashable and immutable.
+        object.__setattr__(self, "tool_calls", tuple(self.tool_calls))
+
+    @classmethod
+    def system(cls, content: str) -> Message:
+        return cls("system", content)
+
+    @classmethod
+    def user(cls, content: str) -> Message:
+        return cls("user", content)
+
+    @classmethod
+    def assistant(cls, content: str = "", tool_calls: Sequence[ToolCall] = ()) -> Message:
+        return cls("assistant", content, tuple(tool_calls))
+
+    @classmethod
+    def tool(cls, content: str, tool_call_id: str, name: str = "") -> Message:
+        return cls("tool", content, tool_call_id=tool_call_id, name=name)
+
+    @classmethod
+    def from_openai(cls, message: Mapping[str, Any]) -> Message:
+        """From an OpenAI chat message dict (request or response form)."""
+        calls = tuple(
+            ToolCall(
+                id=call.get("id") or "",
+                name=call["function"]["name"],
+                arguments=call["function"].get("arguments") or "{}",
+            )
+            for call in message.get("tool_calls") or ()
+        )
+        return cls(
+            role=message["role"],
+            content=message.get("content") or "",
+            tool_calls=calls,
+            tool_call_id=message.get("tool_call_id") or "",
+            name=message.get("name") or "",
+        )
+
+    def to_openai(self) -> dict[str, Any]:
+        """The OpenAI chat message dict, ready for `client.chat.completions.create(messages=...)`."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name:
+            out["name"] = self.name
+        return out
+
+
+MessageLike = Message | Mapping[str, Any]
+
+
+def as_messages(messages: Iterable[MessageLike]) -> list[Message]:
+    """Messages given as dataclasses or OpenAI-style dicts, as dataclasses."""
+    return [m if isinstance(m, Message) else Message.from_openai(m) for m in messages]
+
+
+@dataclass(frozen=True)
+class SampledTurn:
+    """One completion exactly as the sampler produced it: the unit that trains, token-exact."""
+
+    prompt_token_ids: tuple[int, ...]
+    completion_token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    policy_version: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
+        object.__setattr__(self, "completion_token_ids", tuple(self.completion_token_ids))
+        object.__setattr__(self, "logprobs", tuple(self.logprobs))
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    """One candidate token at a sampled position."""
+
+    token_id: int
+    logprob: float
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sampled completion."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    text: str
+    message: Message | None
+    stop_reason: StopReason | None
+    policy_version: int
+    prompt_token_ids: tuple[int, ...]
+    top_logprobs: tuple[tuple[TopLogprob, ...], ...] = ()
+    token_texts: tuple[str, ...] = ()
+    prompt_logprobs: tuple[float, ...] = ()
+
+    def to_turn(self) -> SampledTurn:
+        return SampledTurn(self.prompt_token_ids, self.tokens, self.logprobs, self.policy_version)
+
+    def to_message(self) -> Message:
+        """The parsed assistant message, or the raw text as one when the prompt was not chat."""
+        return self.message if self.message is not None else Message.assistant(self.text)
+
+
+@dataclass
+class Trajectory:
+    """One rollout: the conversation, every sampled assistant turn in it, and its reward.
+
+    Build it from samples (`from_sample`, `add_sample`) or from the sidecar's chat completions
+    (`from_openai`, `add_openai`); a trajectory without sampled turns cannot train.
+    """
+
+    messages: list[Message] = field(default_factory=list)
+    turns: list[SampledTurn] = field(default_factory=list)
+    reward: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+    tools: list[Tool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.messages = as_messages(self.messages)
+
+    @classmethod
+    def from_sample(
+        cls,
+        messages: Iterable[MessageLike],
+        sample: Sample,
+        reward: float = 0.0,
+        *,
+        tools: Iterable[Tool] = (),
+        metrics: Mapping[str, float] | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> Trajectory:
+        """The prompt messages plus the sampled assistant message, with its turn."""
+        traj = cls(
+            messages=as_messages(messages),
+            reward=reward,
+            tools=list(tools),
+            metrics=dict(metrics or {}),
+            metadata=dict(metadata or {}),
+        )
+        return traj.add_sample(sample)
+
+    @classmethod
+    def from_openai(
+        cls,
+        messages: Iterable[MessageLike],
+        chat_completion: ChatCompletionLike,
+        reward: float = 0.0,
+        choice_index: int = 0,
+        *,
+        tools: Iterable[Tool | Mapping[str, Any]] = (),
+        metrics: Mapping[str, float] | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> Trajectory:
+        """The prompt messages plus one choice of a sidecar chat completion, with its turn."""
+        traj = cls(
+            messages=as_messages(messages),
+            reward=reward,
+            tools=[t if isinstance(t, Tool) else Tool.from_openai(t) for t in tools],
+            metrics=dict(metrics or {}),
+            metadata=dict(metadata or {}),
+        )
+        return traj.add_openai(chat_completion, choice_index)
+
+    def add_sample(self, sample: Sample) -> Trajectory:
+        """Append a sampled assistant turn (its message and tokens); returns self for chaining."""
+        self.messages.append(sample.to_message())
+        self.turns.append(sample.to_turn())
+        return self
+
+    def add_openai(self, chat_completion: ChatCompletionLike, choice_index: int = 0) -> Trajectory:
+        """Append one choice of a sidecar chat completion as a sampled turn; returns self."""
+        from tinkerrpc._openai import turn_from_chat_completion
+
+        message, turn = turn_from_chat_completion(chat_completion, choice_index)
+        self.messages.append(message)
+        self.turns.append(turn)
+        return self
+
+    def add_messages(self, *messages: MessageLike) -> Trajectory:
+        """Append non-sampled messages (tool results, user replies); returns self."""
+        self.messages.extend(as_messages(messages))
+        return self
+
+    @property
+    def min_policy_version(self) -> int | None:
+        return min((t.policy_version for t in self.turns), default=None)
+
+    @property
+    def max_policy_version(self) -> int | None:
+        return max((t.policy_version for t in self.turns), default=None)
+
+
+@dataclass
+class TrajectoryGroup:
+    """Rollouts of the same prompt; advantages are computed within the group."""
+
+    trajectories: list[Trajectory] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.trajectories = list(self.trajectories)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.trajectories]
+
+
+@dataclass(frozen=True)
+class SupervisedExample:
+    """A conversation to imitate; `train_on` picks which assistant messages carry loss."""
+
+    messages: tuple[Message, ...]
+    tools: tuple[Tool, ...] = ()
+    train_on: TrainOn = "all"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "messages", tuple(as_messages(self.messages)))
+        object.__setattr__(self, "tools", tuple(self.tools))
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A saved checkpoint of a model."""
+
+    model: str
+    name: str
+    policy_version: int
+    kind: CheckpointKind
+    tinker_path: str = ""
+    create_time: datetime | None = None
+    automatic: bool = False
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A named LoRA run on a base model."""
+
+    name: str
+    base_model: str
+    policy_version: int
+    lora_rank: int = 32
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+    renderer: str = ""
+    sampleable_versions: tuple[int, ...] = ()
+    create_time: datetime | None = None
+    seed: int = 0
+    tinker_run_id: str = ""
+    vocab_size: int = 0
+    max_context_length: int = 0
+
+
+@dataclass(frozen=True)
+class TrainMetrics:
+    """Figures from one Train step (see TrainMetrics in protos/tinkerrpc/v1/types.proto)."""
+
+    loss: float = 0.0
+    mean_reward: float = 0.0
+    trained_tokens: int = 0
+    total_tokens: int = 0
+    trajectories_used: int = 0
+    dropped_stale: int = 0
+    dropped_zero_variance: int = 0
+    zero_variance_groups: int = 0
+    staleness_histogram: Mapping[int, int] = field(default_factory=dict)
+    step_seconds: float = 0.0
+    tokens_per_second: float = 0.0
+    extra: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """The outcome of one optimizer step."""
+
+    policy_version: int
+    metrics: TrainMetrics
+    sampler_checkpoint: CheckpointInfo | None = None
+    state_checkpoint: CheckpointInfo | None = None
+    replayed: bool = False
+
+
+def check_trainable(groups: Sequence[TrajectoryGroup]) -> None:
+    """Refuse, before any network call, groups the server would reject for missing or broken turns."""
+    if not groups:
+        raise ValueError("train() needs at least one TrajectoryGroup")
+    for g, group in enumerate(groups):
+        if not group.trajectories:
+            raise ValueError(f"groups[{g}] has no trajectories")
+        for t, traj in enumerate(group.trajectories):
+            where = f"groups[{g}].trajectories[{t}]"
+            if not traj.turns:
+                raise ValueError(
+                    f"{where} has no sampled turns: RL needs the sampler's tokens and logprobs; build it with "
+                    "Trajectory.from_sample / from_openai or add_sample / add_openai"
+                )
+            if not math.isfinite(traj.reward):
+                raise ValueError(f"{where}.reward must be finite, got {traj.reward}")
+            for k, turn in enumerate(traj.turns):
+                if not turn.completion_token_ids:
+                    raise ValueError(f"{where}.turns[{k}] has no completion tokens")
+                if len(turn.logprobs) != len(turn.completion_token_ids):
+                    raise ValueError(
+                        f"{where}.turns[{k}] has {len(turn.logprobs)} logprobs for "
+                        f"{len(turn.completion_token_ids)} completion tokens"
+                    )
