@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tinkerrpc_server.stack import free_port
 
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+__all__ = ["Proc", "free_port", "tinkerrpc_cmd"]
 
 
 def tinkerrpc_cmd(*args: str) -> list[str]:

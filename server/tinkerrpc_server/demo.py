@@ -1,0 +1,309 @@
+"""`tinkerrpc demo`: SFT then RL on the yes / no / maybe task, through the whole stack.
+
+The demo starts `tinkerrpc serve` (which starts the embedded engine), then drives it only through
+the Python client, like a user's training script would:
+1. SFT: teach the random tiny model to answer "respond with …" prompts with exactly one of
+   yes / no / maybe (answers drawn uniformly, so the policy starts RL near reward 0.75);
+2. RL: sample groups at the current policy version, reward maybe = 1.0, no = 0.75, yes = 0.5,
+   anything else 0, and train with importance sampling until the mean reward reaches the target.
+It prints a line per step, writes a reward-curve PNG and a JSON summary, and exits non-zero when
+the final mean reward is below the target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import random
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import tinkerrpc
+from tinkerrpc_server.model_store import TINY_CHAT
+
+ANSWERS = ("yes", "no", "maybe")
+REWARDS = {"maybe": 1.0, "no": 0.75, "yes": 0.5}
+
+
+def yes_no_maybe_prompts() -> list[str]:
+    """ART's canonical prompt set: every ordering of 2 or 3 of the answers, in a few phrasings."""
+    prompts = []
+    for prefix in ("respond", "just respond"):
+        for use_quotes in (False, True):
+            for n in (3, 2):
+                for words in itertools.permutations(ANSWERS, n):
+                    quoted = [f"'{w}'" if use_quotes else w for w in words]
+                    listed = f"{', '.join(quoted[:-1])} or {quoted[-1]}" if n == 3 else " or ".join(quoted)
+                    prompts.append(f"{prefix} with {listed}")
+    return prompts
+
+
+def reward_of(text: str) -> float:
+    return REWARDS.get(text.strip().lower(), 0.0)
+
+
+@dataclass
+class DemoConfig:
+    out_dir: Path
+    target_reward: float = 0.9
+    sft_batch: int = 32
+    sft_learning_rate: float = 3e-3
+    sft_max_steps: int = 150
+    sft_valid_target: float = 0.95
+    rl_prompts_per_step: int = 8
+    rl_samples_per_prompt: int = 8
+    rl_learning_rate: float = 2e-3
+    rl_max_steps: int = 40
+    max_tokens: int = 8
+    lora_rank: int = 8
+    seed: int = 0
+    data_dir: Path | None = None
+
+
+@dataclass
+class StepRecord:
+    phase: str
+    step: int
+    policy_version: int
+    mean_reward: float
+    valid_rate: float
+    loss: float
+    staleness_max: int
+    tokens_per_second: float
+    step_seconds: float
+
+
+@dataclass
+class DemoSummary:
+    passed: bool
+    final_mean_reward: float
+    target_reward: float
+    sft_steps: int
+    rl_steps: int
+    wall_seconds: float
+    final_policy_version: int
+    steps: list[StepRecord] = field(default_factory=list)
+
+
+async def _sample_groups(
+    model: tinkerrpc.AsyncModel, prompts: list[str], n: int, max_tokens: int, seed: int
+) -> list[tuple[list[tinkerrpc.Message], list[tinkerrpc.Sample]]]:
+    """One Sample call per prompt, all in flight at once so the engine batches them."""
+    conversations = [[tinkerrpc.Message.user(p)] for p in prompts]
+    results = await asyncio.gather(
+        *(
+            model.sample(messages, n=n, max_tokens=max_tokens, temperature=1.0, seed=seed + i)
+            for i, messages in enumerate(conversations)
+        )
+    )
+    return list(zip(conversations, results, strict=True))
+
+
+def _answer(sample: tinkerrpc.Sample) -> str:
+    return sample.message.content if sample.message is not None else sample.text
+
+
+async def _valid_rate(
+    model: tinkerrpc.AsyncModel, prompts: list[str], config: DemoConfig, seed: int
+) -> float:
+    rollouts = await _sample_groups(model, prompts, config.rl_samples_per_prompt, config.max_tokens, seed)
+    answers = [_answer(s).strip().lower() for _, samples in rollouts for s in samples]
+    return sum(a in ANSWERS for a in answers) / len(answers)
+
+
+def _print_step(record: StepRecord) -> None:
+    print(
+        f"{record.phase} step {record.step:3d} | v{record.policy_version:<3d} | reward {record.mean_reward:.3f} | "
+        f"valid {record.valid_rate:6.1%} | loss {record.loss:9.3f} | staleness {record.staleness_max} | "
+        f"{record.tokens_per_second:7.0f} tok/s | {record.step_seconds:.2f} s",
+        flush=True,
+    )
+
+
+async def _sft(model: tinkerrpc.AsyncModel, config: DemoConfig, records: list[StepRecord]) -> int:
+    rng = random.Random(config.seed)
+    prompts = yes_no_maybe_prompts()
+    eval_prompts = rng.sample(prompts, config.rl_prompts_per_step)
+    for step in range(1, config.sft_max_steps + 1):
+        batch = [
+            [tinkerrpc.Message.user(p), tinkerrpc.Message.assistant(rng.choice(ANSWERS))]
+            for p in rng.choices(prompts, k=config.sft_batch)
+        ]
+        result = await model.train_supervised(batch, learning_rate=config.sft_learning_rate)
+        if step % 5 and step != config.sft_max_steps:
+            continue
+        valid = await _valid_rate(model, eval_prompts, config, seed=10_000 + step)
+        record = StepRecord(
+            phase="sft",
+            step=step,
+            policy_version=result.policy_version,
+            mean_reward=0.0,
+            valid_rate=valid,
+            loss=result.metrics.loss,
+            staleness_max=0,
+            tokens_per_second=result.metrics.tokens_per_second,
+            step_seconds=result.metrics.step_seconds,
+        )
+        records.append(record)
+        _print_step(record)
+        if valid >= config.sft_valid_target:
+            return step
+    return config.sft_max_steps
+
+
+async def _rl(
+    model: tinkerrpc.AsyncModel, config: DemoConfig, records: list[StepRecord]
+) -> tuple[int, float]:
+    rng = random.Random(config.seed + 1)
+    prompts = yes_no_maybe_prompts()
+    mean_reward = 0.0
+    for step in range(1, config.rl_max_steps + 1):
+        rollouts = await _sample_groups(
+            model,
+            rng.sample(prompts, config.rl_prompts_per_step),
+            config.rl_samples_per_prompt,
+            config.max_tokens,
+            seed=rng.randrange(2**31),
+        )
+        groups = [
+            tinkerrpc.TrajectoryGroup(
+                [tinkerrpc.Trajectory.from_sample(messages, s, reward=reward_of(_answer(s))) for s in samples]
+            )
+            for messages, samples in rollouts
+        ]
+        rewards = [t.reward for g in groups for t in g.trajectories]
+        mean_reward = sum(rewards) / len(rewards)
+        valid = sum(r > 0 for r in rewards) / len(rewards)
+        result = await model.train(groups, loss="importance_sampling", learning_rate=config.rl_learning_rate)
+        record = StepRecord(
+            phase="rl",
+            step=step,
+            policy_version=result.policy_version,
+            mean_reward=mean_reward,
+            valid_rate=valid,
+            loss=result.metrics.loss,
+            staleness_max=max(result.metrics.staleness_histogram, default=0),
+            tokens_per_second=result.metrics.tokens_per_second,
+            step_seconds=result.metrics.step_seconds,
+        )
+        records.append(record)
+        _print_step(record)
+        if mean_reward >= config.target_reward:
+            # Confirm on a fresh batch from the new version before declaring success.
+            final = await _rl_eval(model, config, seed=rng.randrange(2**31))
+            print(f"eval at v{result.policy_version}: mean reward {final:.3f}", flush=True)
+            if final >= config.target_reward:
+                return step, final
+    return config.rl_max_steps, await _rl_eval(model, config, seed=rng.randrange(2**31))
+
+
+async def _rl_eval(model: tinkerrpc.AsyncModel, config: DemoConfig, seed: int) -> float:
+    prompts = random.Random(seed).sample(yes_no_maybe_prompts(), config.rl_prompts_per_step)
+    rollouts = await _sample_groups(model, prompts, config.rl_samples_per_prompt, config.max_tokens, seed)
+    rewards = [reward_of(_answer(s)) for _, samples in rollouts for s in samples]
+    return sum(rewards) / len(rewards)
+
+
+def _plot(records: list[StepRecord], summary: DemoSummary, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    sft = [r for r in records if r.phase == "sft"]
+    rl = [r for r in records if r.phase == "rl"]
+    ax.plot([r.policy_version for r in sft], [r.valid_rate for r in sft], "o-", label="SFT: valid answers")
+    ax.plot([r.policy_version for r in rl], [r.mean_reward for r in rl], "o-", label="RL: mean reward")
+    ax.axhline(summary.target_reward, color="gray", linestyle="--", label=f"target {summary.target_reward}")
+    ax.set_xlabel("policy version")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"tinkerrpc demo: yes / no / maybe ({summary.wall_seconds:.0f} s)")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+async def run_demo_against(target: str, config: DemoConfig, started: float) -> DemoSummary:
+    """Run both phases against a running server at `target`."""
+    records: list[StepRecord] = []
+    async with tinkerrpc.AsyncClient(target) as client:
+        model = await client.create_model(
+            f"demo-{int(time.time())}-{random.Random().randrange(10**6)}",
+            base_model=TINY_CHAT,
+            lora_rank=config.lora_rank,
+            seed=config.seed,
+        )
+        print(
+            f"created {model.name} on {TINY_CHAT} ({time.monotonic() - started:.1f} s after start)",
+            flush=True,
+        )
+        sft_steps = await _sft(model, config, records)
+        rl_steps, final_reward = await _rl(model, config, records)
+        version = (await model.info()).policy_version
+    return DemoSummary(
+        passed=final_reward >= config.target_reward,
+        final_mean_reward=final_reward,
+        target_reward=config.target_reward,
+        sft_steps=sft_steps,
+        rl_steps=rl_steps,
+        wall_seconds=time.monotonic() - started,
+        final_policy_version=version,
+        steps=records,
+    )
+
+
+def run_demo(config: DemoConfig) -> DemoSummary:
+    """Start the stack in child processes, run the demo, stop the stack, write the outputs."""
+    from tinkerrpc_server.stack import LocalStack
+
+    started = time.monotonic()
+    config.out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="tinkerrpc-demo-") as tmp:
+        data_dir = config.data_dir or Path(tmp) / "data"
+        with LocalStack(data_dir, log_path=config.out_dir / "server.log") as stack:
+            summary = asyncio.run(run_demo_against(stack.target, config, started))
+    summary.wall_seconds = time.monotonic() - started
+    (config.out_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=2))
+    _plot(summary.steps, summary, config.out_dir / "reward_curve.png")
+    verdict = "PASSED" if summary.passed else "FAILED"
+    print(
+        f"{verdict}: final mean reward {summary.final_mean_reward:.3f} (target {summary.target_reward}) after "
+        f"{summary.sft_steps} SFT + {summary.rl_steps} RL steps in {summary.wall_seconds:.1f} s; "
+        f"outputs in {config.out_dir}",
+        flush=True,
+    )
+    return summary
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=Path("demo-out"), help="where the PNG and JSON go")
+    parser.add_argument("--target-reward", type=float, default=DemoConfig.target_reward)
+    parser.add_argument("--rl-max-steps", type=int, default=DemoConfig.rl_max_steps)
+    parser.add_argument("--seed", type=int, default=DemoConfig.seed)
+    parser.add_argument(
+        "--data-dir", type=Path, default=None, help="keep the server state here (default: temp)"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    config = DemoConfig(
+        out_dir=args.out,
+        target_reward=args.target_reward,
+        rl_max_steps=args.rl_max_steps,
+        seed=args.seed,
+        data_dir=args.data_dir,
+    )
+    return 0 if run_demo(config).passed else 1
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))
