@@ -59,7 +59,7 @@ class DemoConfig:
     rl_samples_per_prompt: int = 8
     rl_learning_rate: float = 2e-3
     rl_max_steps: int = 40
-    max_tokens: int = 8
+    max_tokens: int = 12  # the qwen3 renderer puts an empty <think> block (6 tokens) before the answer
     lora_rank: int = 8
     seed: int = 0
     data_dir: Path | None = None
