@@ -1,0 +1,292 @@
+"""Where base models come from: local Hugging Face directories, names under a model dir, or the
+built-in tiny chat models that are generated deterministically on first use (no model hub needed).
+
+Importable by the engine and the service alike; torch/transformers/tokenizers load lazily.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL_DIR = Path(os.environ.get("TINKERRPC_MODEL_DIR", "~/.cache/tinkerrpc/models")).expanduser()
+
+TINY_CHAT = "tinkerrpc/tiny-chat"
+TINY_CHAT_30M = "tinkerrpc/tiny-chat-30m"
+
+RECIPE_SEED = 1234
+TOKENIZER_VOCAB_TARGET = 1024
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Not special (they show up in decoded text) but single tokens, as in Qwen3, so that
+# tinker-cookbook's qwen3 renderer can frame thinking and tool calls.
+ADDED_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+ANSWER_WORDS = ("yes", "no", "maybe")
+
+# A Qwen3-style chat template: system/user/assistant/tool turns, optional tool list, and the
+# empty think block Qwen3 puts before the answer when thinking is disabled.
+CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n\n<tools>"
+    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools><|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}"
+    "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'system' %}{% if not loop.first %}"
+    "<|im_start|>system\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{% elif message.role == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "{% if message.tool_calls %}{% for call in message.tool_calls %}"
+    "\n<tool_call>\n{{ (call.function if call.function is defined else call) | tojson }}\n</tool_call>"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
+)
+
+
+class UnknownBaseModelError(ValueError):
+    """The base model name is neither a local directory, a name under the model dir, nor built in."""
+
+    def __init__(self, name: str, model_dir: Path) -> None:
+        self.name = name
+        self.model_dir = model_dir
+        builtin = ", ".join(sorted(TINY_MODEL_SHAPES))
+        super().__init__(
+            f"unknown base model {name!r}: not a local Hugging Face directory, no config.json under "
+            f"{model_dir / name}, and not a built-in model ({builtin})"
+        )
+
+
+@dataclass(frozen=True)
+class TinyModelShape:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int = 2048
+
+
+TINY_MODEL_SHAPES: dict[str, TinyModelShape] = {
+    TINY_CHAT: TinyModelShape(64, 2, 4, 2, 16, 192),
+    TINY_CHAT_30M: TinyModelShape(512, 9, 8, 4, 64, 1536),
+}
+
+
+def resolve_base_model(name: str, model_dir: Path) -> Path:
+    """Map a base model name to a Hugging Face directory, building a built-in model on first use."""
+    if not name:
+        raise UnknownBaseModelError(name, model_dir)
+    direct = Path(name).expanduser()
+    if direct.is_dir() and (direct / "config.json").is_file():
+        return direct
+    under_model_dir = model_dir / name
+    if (under_model_dir / "config.json").is_file():
+        return under_model_dir
+    shape = TINY_MODEL_SHAPES.get(name)
+    if shape is None:
+        raise UnknownBaseModelError(name, model_dir)
+    build_tiny_model(
+        under_model_dir,
+        hidden_size=shape.hidden_size,
+        num_layers=shape.num_layers,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        intermediate_size=shape.intermediate_size,
+        max_position_embeddings=shape.max_position_embeddings,
+    )
+    return under_model_dir
+
+
+def build_tiny_model(
+    path: Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 192,
+    max_position_embeddings: int = 2048,
+    seed: int = RECIPE_SEED,
+) -> Path:
+    """Write the tiny-chat recipe (tokenizer + random Qwen3 model) to `path` unless it is there.
+
+    Built in a temporary sibling directory and renamed into place, so a reader never sees a
+    half-written model and two racing builders both end with the same complete directory.
+    """
+    if (path / "config.json").is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.build-", dir=path.parent))
+    try:
+        tokenizer = _build_tokenizer(seed)
+        tokenizer.save_pretrained(staging)
+        _build_model(
+            staging,
+            tokenizer,
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            intermediate_size=intermediate_size,
+            max_position_embeddings=max_position_embeddings,
+            seed=seed,
+        )
+        for file in staging.iterdir():
+            _fsync_file(file)
+        try:
+            os.rename(staging, path)
+        except OSError:
+            # Another process finished first; its directory is equivalent (same seed).
+            if not (path / "config.json").is_file():
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
+def synthetic_chat_corpus(seed: int = RECIPE_SEED, conversations: int = 3000) -> list[str]:
+    """Chat-formatted training text for the tokenizer: yes/no/maybe tasks plus generic English."""
+    rng = random.Random(seed)
+    lines: list[str] = []
+    for _ in range(conversations):
+        turns = []
+        if rng.random() < 0.3:
+            turns.append(f"<|im_start|>system\n{_english_sentence(rng)}<|im_end|>\n")
+        if rng.random() < 0.6:
+            question = answer_format_prompt(rng)
+            answer = rng.choice(ANSWER_WORDS)
+        else:
+            question = _english_sentence(rng) + "?"
+            answer = _english_sentence(rng)
+        turns.append(f"<|im_start|>user\n{question}<|im_end|>\n")
+        think = "<think>\n\n</think>\n\n" if rng.random() < 0.5 else ""
+        turns.append(f"<|im_start|>assistant\n{think}{answer}<|im_end|>\n")
+        if rng.random() < 0.1:
+            turns.append('<tool_call>\n{"name": "search", "arguments": {"query": "weather"}}\n</tool_call>')
+        lines.append("".join(turns) + "<|endoftext|>")
+    lines.extend(_english_sentence(rng) for _ in range(conversations))
+    lines.append("".join(chr(c) for c in range(32, 127)))
+    return lines
+
+
+def answer_format_prompt(rng: random.Random) -> str:
+    """A prompt asking for exactly one of yes / no / maybe, phrased like ART's yes-no-maybe task."""
+    words = list(ANSWER_WORDS)
+    rng.shuffle(words)
+    quote = rng.choice(["", "'", '"'])
+    listed = f"{quote}{words[0]}{quote}, {quote}{words[1]}{quote} or {quote}{words[2]}{quote}"
+    verb = rng.choice(["respond", "answer", "reply"])
+    opener = rng.choice(["", f"{_english_sentence(rng)}. "])
+    phrasing = rng.choice(
+        [
+            f"{verb} with {listed}",
+            f"{verb} with one word: {listed}",
+            f"please {verb} with {listed}",
+            f"{verb} only with {listed}",
+        ]
+    )
+    return opener + phrasing[0].upper() + phrasing[1:] + "."
+
+
+_WORD_TEXT = (
+    "the a an and or but if then it is was are be to of in on at for with from by as this that "
+    "what which who when where why how not all any some many much more most other such only own "
+    "same so than too very can will just should now one two three first last good new old great "
+    "little long right big high small large next early young important few public bad able time "
+    "year people way day man woman thing world life hand part child eye place work week case point "
+    "number group problem fact model train data value answer question word sentence test learn "
+    "think know make take see come say get give find tell ask seem feel try leave call run read "
+    "write open close start stop help play move live believe bring happen stand lose pay meet "
+    "weather rain sun water city house road book story music food tree river night morning"
+)
+_WORDS = _WORD_TEXT.split()
+
+
+def _english_sentence(rng: random.Random) -> str:
+    words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 12))]
+    sentence = " ".join(words)
+    return sentence[0].upper() + sentence[1:]
+
+
+def _build_tokenizer(seed: int):  # type: ignore[no-untyped-def]
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_TARGET,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(synthetic_chat_corpus(seed), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=2048,
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.add_tokens(ADDED_TOKENS)
+    return tokenizer
+
+
+def _build_model(  # type: ignore[no-untyped-def]
+    directory: Path,
+    tokenizer,
+    *,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+    seed: int,
+) -> None:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        # Untied, so a LoRA on lm_head never has to reason about a shared embedding matrix.
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        bos_token_id=None,
+        torch_dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    model.save_pretrained(directory, safe_serialization=True)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
