@@ -152,18 +152,10 @@ class Engine:
         runtime = self.runtime(sampler.base_model)
         if sampler.weights_dir is not None and not sampler.weights_dir.is_dir():
             raise EngineUserError(f"the weights of {sampler.model_path} were deleted")
-        outcomes: list[Outcome | None] = [None] * len(requests)
-        batch: list[int] = []
-        jobs: list[SampleJob] = []
-        for i, (job, _) in enumerate(requests):
-            try:
-                jobs.append(fit_job(job, runtime))
-                batch.append(i)
-            except EngineUserError as exc:
-                outcomes[i] = FailedResult(str(exc), "user")
+        jobs = [fill_max_tokens(job, runtime) for job, _ in requests]
         results: list[SampleOutput | EngineUserError] = []
         try:
-            results.extend(runtime.sample(sampler.weights_dir, jobs) if jobs else [])
+            results.extend(runtime.sample(sampler.weights_dir, jobs))
         except EngineUserError:
             if len(jobs) == 1:
                 raise
@@ -173,18 +165,19 @@ class Engine:
                     results.extend(runtime.sample(sampler.weights_dir, [job]))
                 except EngineUserError as exc:
                     results.append(exc)
-        for i, result in zip(batch, results, strict=True):
+        outcomes: list[Outcome] = []
+        for (_, last_n), result in zip(requests, results, strict=True):
             if isinstance(result, EngineUserError):
-                outcomes[i] = FailedResult(str(result), "user")
+                outcomes.append(FailedResult(str(result), "user"))
                 continue
-            last_n = requests[i][1]
             if last_n is not None and result.prompt_logprobs is not None:
+                # Only the last N prompt positions were asked for; the SDK checks the rest are None.
                 keep_from = len(result.prompt_logprobs) - last_n
                 result.prompt_logprobs = [
                     None if j < keep_from else lp for j, lp in enumerate(result.prompt_logprobs)
                 ]
-            outcomes[i] = ProtoResult(protocol.encode_sample_output(result))
-        return [o if o is not None else FailedResult("not run", "server") for o in outcomes]
+            outcomes.append(ProtoResult(protocol.encode_sample_output(result)))
+        return outcomes
 
 
 def validate_name(name: str) -> None:
@@ -194,27 +187,11 @@ def validate_name(name: str) -> None:
         raise EngineUserError(str(exc)) from exc
 
 
-def fit_job(job: SampleJob, runtime: BaseModelRuntime) -> SampleJob:
-    """Check a sample job against the model and fill in an unset max_tokens (fill the context)."""
-    bad = [t for t in job.prompt_tokens if not 0 <= t < runtime.vocab_size]
-    if bad:
-        raise EngineUserError(
-            f"prompt token id {bad[0]} is outside the vocabulary (size {runtime.vocab_size})"
-        )
-    room = runtime.max_context_length - len(job.prompt_tokens)
-    if room < 0:
-        raise EngineUserError(
-            f"prompt has {len(job.prompt_tokens)} tokens, more than the context length "
-            f"{runtime.max_context_length}"
-        )
-    if job.max_tokens < 0:
-        return replace(job, max_tokens=room)
-    if job.max_tokens > room:
-        raise EngineUserError(
-            f"prompt ({len(job.prompt_tokens)} tokens) + max_tokens ({job.max_tokens}) exceeds the "
-            f"context length {runtime.max_context_length}"
-        )
-    return job
+def fill_max_tokens(job: SampleJob, runtime: BaseModelRuntime) -> SampleJob:
+    """An unset max_tokens (-1) samples until the context is full (the runtime rejects a too-long prompt)."""
+    if job.max_tokens >= 0:
+        return job
+    return replace(job, max_tokens=max(1, runtime.max_context_length - len(job.prompt_tokens)))
 
 
 def _run_record_json(run: RunRecord, checkpoints: list[CheckpointRecord]) -> dict[str, Any]:

@@ -177,7 +177,8 @@ def prompt_tokens(prompt: dict[str, Any]) -> list[int]:
 def sample_job(request: dict[str, Any]) -> SampleJob:
     """Translate a JSON SampleRequest into a runtime SampleJob.
 
-    Stop semantics: `stop` absent/None keeps the model's default EOS stop; any list, including [],
+    An unset max_tokens becomes -1: the worker fills in "until the context is full" once the model is
+    loaded. Stop semantics: `stop` absent/None keeps the model's default EOS stop; any list, including [],
     is the complete set of stops and replaces EOS: token ids stop on those ids, strings stop when
     the decoded text contains one of them.
     """
