@@ -1,0 +1,245 @@
+// A Node.js client of the tinkerrpc v1 contract, built straight from protos/ with no generated code:
+// create a model, sample with logprobs, train one RL step on its own samples, read back the new
+// policy version and sample pinned to it. Prints one JSON line of what it observed; exits non-zero
+// with the gRPC status code and details on any error or contract mismatch.
+//
+// Usage: node client.mjs HOST:PORT [--base-model NAME] [--timeout-s SECONDS]
+
+import { randomUUID } from "node:crypto";
+import { dirname, join } from "node:path";
+import { fileURLToPath } from "node:url";
+
+import grpc from "@grpc/grpc-js";
+import protoLoader from "@grpc/proto-loader";
+
+const PROTOS_DIR = join(dirname(fileURLToPath(import.meta.url)), "..", "..", "protos");
+const DEFAULT_BASE_MODEL = "tinkerrpc/tiny-chat";
+const SAMPLES_PER_PROMPT = 4;
+const MAX_NEW_TOKENS = 8;
+const SAMPLING_SEED = 20240601;
+
+// keepCase keeps the proto's snake_case field names, so the code reads like the contract;
+// int64 fields arrive as decimal strings (never silently rounded) and go through toInt();
+// enums travel as their names.
+const LOADER_OPTIONS = {
+  includeDirs: [PROTOS_DIR],
+  keepCase: true,
+  longs: String,
+  enums: String,
+  defaults: true,
+  oneofs: true,
+};
+
+class ClientFailure extends Error {}
+
+class RpcFailure extends ClientFailure {
+  constructor(method, error) {
+    const codeName = grpc.status[error.code] ?? "UNKNOWN";
+    super(`${method} failed: ${codeName} (${error.code}): ${error.details}`);
+    this.codeName = codeName;
+  }
+}
+
+function parseArgs(argv) {
+  const args = { target: null, baseModel: DEFAULT_BASE_MODEL, timeoutSeconds: 120 };
+  for (let i = 0; i < argv.length; i++) {
+    const arg = argv[i];
+    if (arg === "--base-model") {
+      args.baseModel = requireValue(argv, ++i, arg);
+    } else if (arg === "--timeout-s") {
+      args.timeoutSeconds = Number(requireValue(argv, ++i, arg));
+      if (!(args.timeoutSeconds > 0)) throw new ClientFailure(`--timeout-s must be a positive number`);
+    } else if (arg.startsWith("--")) {
+      throw new ClientFailure(`unknown option ${arg}`);
+    } else if (args.target === null) {
+      args.target = arg;
+    } else {
+      throw new ClientFailure(`unexpected argument ${arg}`);
+    }
+  }
+  if (args.target === null) throw new ClientFailure("usage: node client.mjs HOST:PORT [--base-model NAME]");
+  return args;
+}
+
+function requireValue(argv, index, option) {
+  if (index >= argv.length) throw new ClientFailure(`${option} needs a value`);
+  return argv[index];
+}
+
+function loadTrainerService() {
+  const definition = protoLoader.loadSync("tinkerrpc/v1/trainer_service.proto", LOADER_OPTIONS);
+  return grpc.loadPackageDefinition(definition).tinkerrpc.v1.TrainerService;
+}
+
+/** An int64 received as a decimal string, as a JS number; refuses values a double cannot hold. */
+function toInt(value, field) {
+  const number = Number(value);
+  if (!Number.isSafeInteger(number)) throw new ClientFailure(`${field} = ${value} is not a safe integer`);
+  return number;
+}
+
+function expect(condition, message) {
+  if (!condition) throw new ClientFailure(`contract mismatch: ${message}`);
+}
+
+/** Wraps a callback-style unary stub in a promise with a per-call deadline. */
+function unaryCaller(stub, timeoutSeconds) {
+  return (method, request) =>
+    new Promise((resolve, reject) => {
+      const deadline = new Date(Date.now() + timeoutSeconds * 1000);
+      stub[method](request, { deadline }, (error, response) => {
+        if (error) reject(new RpcFailure(method, error));
+        else resolve(response);
+      });
+    });
+}
+
+/** Reward rule: 1 when the completion's text has odd length, else 0. */
+function rewardFor(text) {
+  return text.length % 2;
+}
+
+/** The rewards of a group; when the rule gives every sample the same one, alternate by index so the
+ * group has variance and the step carries signal. */
+function groupRewards(texts) {
+  const byRule = texts.map(rewardFor);
+  const allEqual = byRule.every((reward) => reward === byRule[0]);
+  return { rewards: allEqual ? texts.map((_, index) => index % 2) : byRule, byIndex: allEqual };
+}
+
+function checkSequences(response, expectedVersion, label) {
+  expect(toInt(response.policy_version, `${label}.policy_version`) === expectedVersion,
+    `${label}.policy_version is ${response.policy_version}, expected ${expectedVersion}`);
+  response.sequences.forEach((sequence, index) => {
+    const where = `${label}.sequences[${index}]`;
+    expect(sequence.token_ids.length > 0, `${where} has no tokens`);
+    expect(sequence.logprobs.length === sequence.token_ids.length,
+      `${where} has ${sequence.logprobs.length} logprobs for ${sequence.token_ids.length} tokens`);
+    expect(sequence.logprobs.every((logprob) => Number.isFinite(logprob) && logprob <= 0),
+      `${where}.logprobs are not all finite and <= 0`);
+    expect(toInt(sequence.policy_version, `${where}.policy_version`) === expectedVersion,
+      `${where}.policy_version is ${sequence.policy_version}, expected ${expectedVersion}`);
+  });
+}
+
+function summariseSequences(response) {
+  return response.sequences.map((sequence) => ({
+    policy_version: toInt(sequence.policy_version, "policy_version"),
+    token_ids: sequence.token_ids.length,
+    logprobs: sequence.logprobs.length,
+    stop_reason: sequence.stop_reason,
+    text: sequence.text,
+  }));
+}
+
+async function run({ target, baseModel, timeoutSeconds }) {
+  const TrainerService = loadTrainerService();
+  const stub = new TrainerService(target, grpc.credentials.createInsecure());
+  const call = unaryCaller(stub, timeoutSeconds);
+  try {
+    const name = `node-${randomUUID().slice(0, 8)}`;
+    const created = await call("CreateModel", { name, base_model: baseModel, seed: 0 });
+    const createdVersion = toInt(created.model.policy_version, "CreateModel.model.policy_version");
+    expect(created.model.name === name, `CreateModel returned model ${created.model.name}, asked for ${name}`);
+    expect(createdVersion === 0, `a new model is at policy version ${createdVersion}, expected 0`);
+
+    const prompt = [{ role: "ROLE_USER", content: "Is the sky blue? Answer yes, no or maybe." }];
+    const params = { n: SAMPLES_PER_PROMPT, max_tokens: MAX_NEW_TOKENS, temperature: 1, seed: SAMPLING_SEED };
+    const sampled = await call("Sample", { model: name, chat: { messages: prompt }, params });
+    expect(sampled.sequences.length === SAMPLES_PER_PROMPT,
+      `Sample returned ${sampled.sequences.length} sequences, asked for ${SAMPLES_PER_PROMPT}`);
+    expect(sampled.prompt_token_ids.length > 0, "Sample returned no prompt_token_ids");
+    checkSequences(sampled, 0, "Sample");
+    sampled.sequences.forEach((sequence, index) =>
+      expect(sequence.message?.role === "ROLE_ASSISTANT",
+        `Sample.sequences[${index}].message is not a parsed assistant message for a chat prompt`));
+
+    const { rewards, byIndex } = groupRewards(sampled.sequences.map((sequence) => sequence.text));
+    const trajectories = sampled.sequences.map((sequence, index) => ({
+      messages: [...prompt, sequence.message],
+      turns: [{
+        prompt_token_ids: sampled.prompt_token_ids,
+        completion_token_ids: sequence.token_ids,
+        completion_logprobs: sequence.logprobs,
+        policy_version: sequence.policy_version,
+      }],
+      reward: rewards[index],
+      metadata: { client: "node", sample_index: String(index) },
+    }));
+    const trainRequest = {
+      model: name,
+      groups: [{ trajectories }],
+      adam: { learning_rate: 1e-3 },
+      idempotency_key: randomUUID(),
+    };
+    const trained = await call("Train", trainRequest);
+    const trainedVersion = toInt(trained.policy_version, "Train.policy_version");
+    const completionTokens = sampled.sequences.reduce((total, sequence) => total + sequence.token_ids.length, 0);
+    expect(trainedVersion === 1, `Train moved the model to version ${trainedVersion}, expected 1`);
+    expect(trained.replayed === false, "the first Train with a fresh idempotency key says replayed");
+    expect(toInt(trained.metrics.trajectories_used, "trajectories_used") === SAMPLES_PER_PROMPT,
+      `Train used ${trained.metrics.trajectories_used} trajectories, sent ${SAMPLES_PER_PROMPT}`);
+    expect(toInt(trained.metrics.trained_tokens, "trained_tokens") === completionTokens,
+      `Train trained ${trained.metrics.trained_tokens} tokens, the samples had ${completionTokens} completion tokens`);
+
+    // The same idempotency key again: the recorded result comes back and no second step applies.
+    const retried = await call("Train", trainRequest);
+    expect(retried.replayed === true, "a Train retried with the same idempotency key is not marked replayed");
+    expect(toInt(retried.policy_version, "Train(retry).policy_version") === 1,
+      `the retried Train reports version ${retried.policy_version}, expected 1`);
+
+    const fetched = await call("GetModel", { name });
+    const currentVersion = toInt(fetched.model.policy_version, "GetModel.model.policy_version");
+    const sampleableVersions = fetched.model.sampleable_versions.map((version) => toInt(version, "sampleable_versions"));
+    expect(currentVersion === 1, `GetModel says version ${currentVersion} after one step, expected 1`);
+    expect(sampleableVersions.includes(1), `version 1 is not sampleable: [${sampleableVersions}]`);
+
+    const pinned = await call("Sample", {
+      model: name,
+      policy_version: 1,
+      chat: { messages: prompt },
+      params: { ...params, n: 2 },
+    });
+    checkSequences(pinned, 1, "Sample(pinned)");
+
+    return {
+      target,
+      model: name,
+      base_model: created.model.base_model,
+      renderer: created.model.renderer,
+      versions: {
+        created: createdVersion,
+        sampled: toInt(sampled.policy_version, "policy_version"),
+        trained: trainedVersion,
+        retried: toInt(retried.policy_version, "policy_version"),
+        current: currentVersion,
+        pinned_sample: toInt(pinned.policy_version, "policy_version"),
+      },
+      sampleable_versions: sampleableVersions,
+      prompt_tokens: sampled.prompt_token_ids.length,
+      samples: summariseSequences(sampled),
+      rewards,
+      rewards_by_index: byIndex,
+      train: {
+        replayed_on_retry: retried.replayed,
+        loss: trained.metrics.loss,
+        trajectories_used: toInt(trained.metrics.trajectories_used, "trajectories_used"),
+        trained_tokens: toInt(trained.metrics.trained_tokens, "trained_tokens"),
+        total_tokens: toInt(trained.metrics.total_tokens, "total_tokens"),
+        sampler_checkpoint: trained.sampler_checkpoint?.name ?? null,
+      },
+      pinned_samples: summariseSequences(pinned),
+    };
+  } finally {
+    stub.close();
+  }
+}
+
+try {
+  const observed = await run(parseArgs(process.argv.slice(2)));
+  process.stdout.write(`${JSON.stringify(observed)}\n`);
+} catch (error) {
+  if (!(error instanceof ClientFailure)) throw error;
+  process.stderr.write(`tinkerrpc node client: ${error.message}\n`);
+  process.exitCode = 1;
+}

@@ -1,0 +1,141 @@
+"""The protos as a contract for non-Python users: a Node.js client (client.mjs, @grpc/grpc-js with
+the protos loaded at run time) creates a model, samples, trains one step and samples the new version
+against a real `tinkerrpc serve`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from procs import Proc, free_port, tinkerrpc_cmd
+from tinkerrpc.v1 import trainer_service_pb2, trainer_service_pb2_grpc
+
+NODE_DIR = Path(__file__).parent
+NPM_CI_TIMEOUT_S = 300
+CLIENT_TIMEOUT_S = 120
+SAMPLES_PER_PROMPT = 4
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not on PATH: the polyglot tests need Node.js 18+ and npm")
+    return path
+
+
+@pytest.fixture(scope="module")
+def node() -> str:
+    """The node binary, with the client's npm dependencies installed from the lock file."""
+    node_path = _tool("node")
+    if not (NODE_DIR / "node_modules").is_dir():
+        install = subprocess.run(
+            [_tool("npm"), "ci", "--no-audit", "--no-fund"],
+            cwd=NODE_DIR,
+            capture_output=True,
+            text=True,
+            timeout=NPM_CI_TIMEOUT_S,
+        )
+        if install.returncode != 0:
+            pytest.fail(f"npm ci failed ({install.returncode}):\n{install.stdout}\n{install.stderr}")
+    return node_path
+
+
+def _serving(channel: grpc.Channel) -> bool:
+    response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+    return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("polyglot")
+    port = free_port()
+    proc = Proc(
+        tinkerrpc_cmd("serve", "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(tmp / "data")),
+        tmp / "serve.log",
+    )
+    address = f"127.0.0.1:{port}"
+    try:
+        with grpc.insecure_channel(address) as channel:
+            proc.wait_ready(lambda: _serving(channel))
+        yield address
+    finally:
+        proc.stop()
+
+
+def _run_client(node: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [node, str(NODE_DIR / "client.mjs"), *args],
+        cwd=NODE_DIR,
+        capture_output=True,
+        text=True,
+        timeout=CLIENT_TIMEOUT_S,
+    )
+
+
+def _model_names(address: str) -> list[str]:
+    with grpc.insecure_channel(address) as channel:
+        stub = trainer_service_pb2_grpc.TrainerServiceStub(channel)
+        response = stub.ListModels(trainer_service_pb2.ListModelsRequest(), timeout=10)
+    return sorted(model.name for model in response.models)
+
+
+def test_node_client_trains_one_step_and_samples_the_new_version(node: str, target: str) -> None:
+    result = _run_client(node, target)
+    assert result.returncode == 0, f"node client failed:\n{result.stderr}\n{result.stdout}"
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1, result.stdout
+    observed: dict[str, Any] = json.loads(lines[0])
+
+    assert observed["versions"] == {
+        "created": 0,
+        "sampled": 0,
+        "trained": 1,
+        "retried": 1,
+        "current": 1,
+        "pinned_sample": 1,
+    }
+    assert observed["base_model"] == "tinkerrpc/tiny-chat"
+    assert {0, 1} <= set(observed["sampleable_versions"])
+    assert observed["model"] in _model_names(target)
+
+    samples = observed["samples"]
+    assert len(samples) == SAMPLES_PER_PROMPT
+    for sample in samples + observed["pinned_samples"]:
+        assert 0 < sample["token_ids"] <= 8
+        assert sample["logprobs"] == sample["token_ids"]
+    assert [sample["policy_version"] for sample in samples] == [0] * SAMPLES_PER_PROMPT
+    assert [sample["policy_version"] for sample in observed["pinned_samples"]] == [1, 1]
+    assert observed["prompt_tokens"] > 0
+
+    assert len(set(observed["rewards"])) > 1, "the group must carry signal"
+    train = observed["train"]
+    assert train["replayed_on_retry"] is True
+    assert train["trajectories_used"] == SAMPLES_PER_PROMPT
+    assert train["trained_tokens"] == sum(sample["token_ids"] for sample in samples)
+    assert train["total_tokens"] > train["trained_tokens"]
+
+
+def test_node_client_reports_a_grpc_error_with_its_code_and_changes_nothing(node: str, target: str) -> None:
+    before = _model_names(target)
+    result = _run_client(node, target, "--base-model", "no-such-org/no-such-model")
+    assert result.returncode == 1
+    assert result.stdout == ""
+    message = result.stderr.strip()
+    assert message.startswith("tinkerrpc node client: CreateModel failed: "), message
+    assert "INVALID_ARGUMENT" in message or "NOT_FOUND" in message, message
+    assert "no-such-org/no-such-model" in message
+    assert _model_names(target) == before
+
+
+def test_node_client_reports_an_unreachable_server(node: str) -> None:
+    result = _run_client(node, f"127.0.0.1:{free_port()}", "--timeout-s", "5")
+    assert result.returncode == 1
+    assert "CreateModel failed: UNAVAILABLE (14)" in result.stderr
