@@ -65,7 +65,8 @@ class AsyncClient:
             if credentials is not None
             else grpc.aio.insecure_channel(target, options)
         )
-        self.stub = service_grpc.TrainerServiceAsyncStub(self.channel)
+        # The stub's overloads type it as TrainerServiceAsyncStub (a stubs-only name) for an aio channel.
+        self.stub = service_grpc.TrainerServiceStub(self.channel)
         self._healthy = not check_health
         self._health_lock = asyncio.Lock()
 

@@ -1,0 +1,355 @@
+"""Dataclasses <-> protobuf, trajectories built from samples and from sidecar chat completions, error decoding."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from openai.types.chat import ChatCompletion
+
+import tinkerrpc
+from tinkerrpc import _convert as convert
+from tinkerrpc import _requests as requests
+from tinkerrpc._errors import decode_details, error_from_status
+from tinkerrpc.v1 import trainer_service_pb2 as service_pb
+from tinkerrpc.v1 import types_pb2 as pb
+
+WHEN = datetime(2025, 5, 17, 12, 30, 15, 250000, tzinfo=timezone.utc)
+WEATHER_TOOL = tinkerrpc.Tool(
+    name="get_weather",
+    description="Current weather in a city",
+    parameters={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+)
+CALL = tinkerrpc.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris"}')
+
+
+def full_trajectory() -> tinkerrpc.Trajectory:
+    return tinkerrpc.Trajectory(
+        messages=[
+            tinkerrpc.Message.system("be brief"),
+            tinkerrpc.Message.user("weather in Paris?"),
+            tinkerrpc.Message.assistant("", [CALL]),
+            tinkerrpc.Message.tool('{"temp": 21}', tool_call_id="call_1", name="get_weather"),
+            tinkerrpc.Message.assistant("21 degrees"),
+        ],
+        turns=[
+            tinkerrpc.SampledTurn((1, 2, 3), (4, 5), (-0.5, -0.25), 3),
+            tinkerrpc.SampledTurn((1, 2, 3, 4, 5, 6), (7,), (-1.5,), 4),
+        ],
+        reward=0.75,
+        metrics={"turns": 2.0},
+        metadata={"task": "weather-17"},
+        tools=[WEATHER_TOOL],
+    )
+
+
+def test_trajectory_round_trips_through_protobuf_bytes() -> None:
+    traj = full_trajectory()
+    wire = convert.trajectory_to_proto(traj).SerializeToString()
+    back = convert.trajectory_from_proto(pb.Trajectory.FromString(wire))
+    assert back == traj
+    assert back.messages[2].tool_calls[0].parsed_arguments() == {"city": "Paris"}
+    group = tinkerrpc.TrajectoryGroup([traj, full_trajectory()])
+    assert convert.group_from_proto(convert.group_to_proto(group)) == group
+
+
+def test_every_other_dataclass_round_trips() -> None:
+    example = tinkerrpc.SupervisedExample(full_trajectory().messages, tools=(WEATHER_TOOL,), train_on="last")
+    assert convert.example_from_proto(convert.example_to_proto(example)) == example
+
+    checkpoint = tinkerrpc.CheckpointInfo(
+        model="run",
+        name="step_000004",
+        policy_version=4,
+        kind="sampler",
+        tinker_path="tinker://x",
+        create_time=WHEN,
+    )
+    assert convert.checkpoint_from_proto(convert.checkpoint_to_proto(checkpoint)) == checkpoint
+
+    info = tinkerrpc.ModelInfo(
+        name="run",
+        base_model="tinkerrpc/tiny-chat",
+        policy_version=7,
+        lora_rank=8,
+        train_mlp=False,
+        renderer="role_colon",
+        sampleable_versions=(5, 6, 7),
+        create_time=WHEN,
+        seed=3,
+        tinker_run_id="s:train:0",
+        vocab_size=471,
+        max_context_length=512,
+    )
+    assert convert.model_info_from_proto(convert.model_info_to_proto(info)) == info
+
+    result = tinkerrpc.TrainResult(
+        policy_version=5,
+        metrics=tinkerrpc.TrainMetrics(
+            loss=1.5,
+            mean_reward=0.5,
+            trained_tokens=10,
+            staleness_histogram={0: 3, 1: 1},
+            extra={"env/turns": 2.0},
+        ),
+        sampler_checkpoint=checkpoint,
+        state_checkpoint=None,
+        replayed=True,
+    )
+    assert convert.train_result_from_proto(convert.train_result_to_proto(result)) == result
+
+    sample = tinkerrpc.Sample(
+        tokens=(4, 5),
+        logprobs=(-0.5, -0.25),
+        text="hi",
+        message=tinkerrpc.Message.assistant("hi"),
+        stop_reason="length",
+        policy_version=2,
+        prompt_token_ids=(1, 2, 3),
+        top_logprobs=((tinkerrpc.TopLogprob(4, -0.5, "h"), tinkerrpc.TopLogprob(9, -1.0, "x")),) * 2,
+        token_texts=("h", "i"),
+        prompt_logprobs=(math.nan, -1.0, -2.0),
+    )
+    response = service_pb.SampleResponse(
+        sequences=[convert.sample_to_proto(sample)],
+        prompt_token_ids=sample.prompt_token_ids,
+        prompt_logprobs=sample.prompt_logprobs,
+        policy_version=2,
+    )
+    [back] = convert.samples_from_proto(service_pb.SampleResponse.FromString(response.SerializeToString()))
+    assert back.prompt_logprobs[1:] == sample.prompt_logprobs[1:] and math.isnan(back.prompt_logprobs[0])
+    assert back.tokens == sample.tokens and back.top_logprobs == sample.top_logprobs
+    assert (back.message, back.stop_reason, back.token_texts) == (
+        sample.message,
+        "length",
+        sample.token_texts,
+    )
+
+
+def test_unset_proto_fields_map_to_documented_defaults() -> None:
+    info = convert.model_info_from_proto(pb.ModelInfo(name="m", lora=pb.LoraConfig(rank=4)))
+    assert (info.train_mlp, info.train_attn, info.train_unembed, info.create_time) == (True, True, True, None)
+    assert convert.example_from_proto(pb.SupervisedExample()).train_on == "all"
+    with pytest.raises(ValueError, match="role"):
+        convert.message_from_proto(pb.Message(content="no role"))
+
+
+def test_messages_convert_to_and_from_openai_dicts() -> None:
+    message = tinkerrpc.Message.assistant("", [CALL])
+    as_dict = message.to_openai()
+    assert as_dict["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert tinkerrpc.Message.from_openai(as_dict) == message
+    assert tinkerrpc.Tool.from_openai(WEATHER_TOOL.to_openai()) == WEATHER_TOOL
+    with pytest.raises(ValueError, match="role"):
+        tinkerrpc.Message("robot", "hi")  # type: ignore[arg-type]
+
+
+def make_sample(version: int, tokens: tuple[int, ...] = (40, 41), text: str = "maybe") -> tinkerrpc.Sample:
+    return tinkerrpc.Sample(
+        tokens=tokens,
+        logprobs=tuple(-0.1 * (i + 1) for i in range(len(tokens))),
+        text=text,
+        message=tinkerrpc.Message.assistant(text),
+        stop_reason="stop",
+        policy_version=version,
+        prompt_token_ids=(1, 2, 3),
+    )
+
+
+def test_trajectory_from_samples_across_turns() -> None:
+    prompt = [{"role": "user", "content": "yes or no?"}]
+    traj = tinkerrpc.Trajectory.from_sample(prompt, make_sample(3), reward=1.0)
+    assert [m.role for m in traj.messages] == ["user", "assistant"]
+    assert traj.messages[1].content == "maybe"
+    assert traj.turns == [tinkerrpc.SampledTurn((1, 2, 3), (40, 41), (-0.1, -0.2), 3)]
+
+    traj.add_messages(tinkerrpc.Message.user("are you sure?")).add_sample(make_sample(5, (42,), "yes"))
+    assert [m.role for m in traj.messages] == ["user", "assistant", "user", "assistant"]
+    assert len(traj.turns) == 2
+    assert (traj.min_policy_version, traj.max_policy_version) == (3, 5)
+    assert tinkerrpc.Trajectory().min_policy_version is None
+
+
+def sidecar_completion(
+    content: str | None, token_ids: list[int], version: int, tool_calls: list[dict[str, Any]] | None = None
+) -> ChatCompletion:
+    """A ChatCompletion exactly as the openai client parses the sidecar's JSON (extensions kept as extras)."""
+    return ChatCompletion.model_validate(
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "created": 1,
+            "model": "run",
+            "prompt_token_ids": [1, 2, 3, 4],
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "tool_calls" if tool_calls else "stop",
+                    "message": {"role": "assistant", "content": content, "tool_calls": tool_calls},
+                    "token_ids": token_ids,
+                    "policy_version": version,
+                    "logprobs": {
+                        "content": [
+                            {"token": str(t), "logprob": -0.5 * (i + 1), "bytes": None, "top_logprobs": []}
+                            for i, t in enumerate(token_ids)
+                        ]
+                    },
+                }
+            ],
+        }
+    )
+
+
+def test_multi_turn_tool_conversation_from_openai_is_one_trajectory() -> None:
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    first = sidecar_completion(None, [10, 11, 12], 2, [call])
+    traj = tinkerrpc.Trajectory.from_openai(messages, first, reward=0.0, tools=[WEATHER_TOOL.to_openai()])
+    traj.add_messages({"role": "tool", "content": '{"temp": 21}', "tool_call_id": "call_1"})
+    traj.add_openai(sidecar_completion("21 degrees", [13, 14], 3).model_dump())  # the dict form works too
+    traj.reward = 1.0
+
+    assert [m.role for m in traj.messages] == ["user", "assistant", "tool", "assistant"]
+    assert traj.messages[1].tool_calls == (CALL,)
+    assert traj.messages[3].content == "21 degrees"
+    assert traj.turns[0] == tinkerrpc.SampledTurn((1, 2, 3, 4), (10, 11, 12), (-0.5, -1.0, -1.5), 2)
+    assert traj.turns[1].completion_token_ids == (13, 14) and traj.turns[1].policy_version == 3
+    assert traj.tools == [WEATHER_TOOL]
+    requests.train_request("run", [[traj]], **TRAIN_DEFAULTS)  # trainable as built
+
+
+def test_openai_completion_without_rl_extensions_is_refused() -> None:
+    plain = sidecar_completion("hi", [5], 1).model_dump()
+    del plain["choices"][0]["token_ids"]
+    with pytest.raises(ValueError, match="token_ids"):
+        tinkerrpc.Trajectory.from_openai([], plain)
+    no_logprobs = sidecar_completion("hi", [5], 1).model_dump()
+    no_logprobs["choices"][0]["logprobs"] = None
+    with pytest.raises(ValueError, match="logprobs=True"):
+        tinkerrpc.Trajectory.from_openai([], no_logprobs)
+    with pytest.raises(ValueError, match="choice_index 1"):
+        tinkerrpc.Trajectory.from_openai([], sidecar_completion("hi", [5], 1), choice_index=1)
+
+
+TRAIN_DEFAULTS: dict[str, Any] = dict(
+    loss="importance_sampling",
+    learning_rate=1e-4,
+    max_staleness=None,
+    strict_staleness=False,
+    normalize_std=False,
+    clip_low_threshold=None,
+    clip_high_threshold=None,
+    beta=None,
+    adam_beta1=None,
+    adam_beta2=None,
+    adam_eps=None,
+    weight_decay=0.0,
+    grad_clip_norm=0.0,
+    expected_policy_version=None,
+    idempotency_key=None,
+)
+
+
+def test_train_request_carries_a_fresh_idempotency_key_and_all_options() -> None:
+    group = [tinkerrpc.Trajectory.from_sample([], make_sample(1), reward=1.0)]
+    options = {**TRAIN_DEFAULTS, "loss": "ppo", "clip_low_threshold": 0.7, "max_staleness": 2}
+    first = requests.train_request("run", [group], **options)
+    second = requests.train_request("run", [group], **options)
+    assert first.idempotency_key and first.idempotency_key != second.idempotency_key
+    assert first.loss.function == pb.LOSS_FUNCTION_PPO and first.loss.clip_low_threshold == 0.7
+    assert not first.loss.HasField("clip_high_threshold")
+    assert first.max_staleness == 2 and first.adam.learning_rate == 1e-4
+    assert (
+        requests.train_request("run", [group], **{**options, "idempotency_key": "k1"}).idempotency_key == "k1"
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"learning_rate": 0.0}, "learning_rate"),
+        ({"loss": "hinge"}, "loss must be one of"),
+        ({"loss": "cross_entropy"}, "train_supervised"),
+        ({"strict_staleness": True}, "needs max_staleness"),
+        ({"max_staleness": -1}, "max_staleness"),
+    ],
+)
+def test_bad_train_options_are_refused(change: dict[str, Any], message: str) -> None:
+    group = [tinkerrpc.Trajectory.from_sample([], make_sample(1), reward=1.0)]
+    with pytest.raises(ValueError, match=message):
+        requests.train_request("run", [group], **{**TRAIN_DEFAULTS, **change})
+
+
+def test_sample_request_picks_the_prompt_kind() -> None:
+    options: dict[str, Any] = dict(
+        n=2,
+        max_tokens=8,
+        temperature=0.5,
+        top_p=None,
+        top_k=0,
+        stop=["\n"],
+        stop_token_ids=[],
+        seed=7,
+        policy_version=3,
+        tools=None,
+        top_logprobs=0,
+        include_prompt_logprobs=False,
+        return_token_texts=False,
+        ignore_default_stops=False,
+    )
+    chat = requests.sample_request(
+        "run", [tinkerrpc.Message.user("hi")], **{**options, "tools": [WEATHER_TOOL]}
+    )
+    assert chat.WhichOneof("prompt") == "chat" and chat.chat.tools[0].name == "get_weather"
+    assert chat.params.seed == 7 and chat.policy_version == 3 and not chat.params.HasField("top_p")
+    assert requests.sample_request("run", [5, 6], **options).tokens.token_ids == [5, 6]
+    assert requests.sample_request("run", "once upon", **options).text == "once upon"
+    with pytest.raises(ValueError, match="empty"):
+        requests.sample_request("run", [], **options)
+    with pytest.raises(ValueError, match="max_tokens"):
+        requests.sample_request("run", "x", **{**options, "max_tokens": 0})
+
+
+def test_error_details_decode_from_a_real_status() -> None:
+    status = status_pb2.Status(code=grpc.StatusCode.FAILED_PRECONDITION.value[0], message="too stale")
+    status.details.add().Pack(
+        error_details_pb2.ErrorInfo(
+            reason="STALE_POLICY_VERSION", metadata={"current_version": "9", "sampled_version": "4"}
+        )
+    )
+    status.details.add().Pack(error_details_pb2.DebugInfo(detail="trace"))
+    status.details.add().Pack(pb.Tool(name="not a google.rpc type"))
+    details = decode_details(status.SerializeToString())
+    error = error_from_status(grpc.StatusCode.FAILED_PRECONDITION, "too stale", details)
+    assert isinstance(error, tinkerrpc.StalePolicyError)
+    assert isinstance(error, tinkerrpc.FailedPreconditionError)
+    assert (error.current_version, error.sampled_version) == (9, 4)
+    assert isinstance(error.details[1], error_details_pb2.DebugInfo)
+    assert isinstance(error.details[2], any_pb2.Any) and error.details[2].TypeName() == "tinkerrpc.v1.Tool"
+    assert decode_details(b"\xff\xff not a status") == []
+
+    bad = status_pb2.Status()
+    bad.details.add().Pack(
+        error_details_pb2.BadRequest(
+            field_violations=[
+                error_details_pb2.BadRequest.FieldViolation(field="groups[0]", description="empty")
+            ]
+        )
+    )
+    invalid = error_from_status(
+        grpc.StatusCode.INVALID_ARGUMENT, "bad", decode_details(bad.SerializeToString())
+    )
+    assert isinstance(invalid, tinkerrpc.InvalidArgumentError)
+    assert invalid.field_violations == [("groups[0]", "empty")]
+    plain = error_from_status(grpc.StatusCode.FAILED_PRECONDITION, "other", [])
+    assert type(plain) is tinkerrpc.FailedPreconditionError
+    assert type(error_from_status(grpc.StatusCode.INTERNAL, "boom", [])) is tinkerrpc.RPCError
