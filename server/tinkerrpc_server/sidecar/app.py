@@ -1,0 +1,209 @@
+"""The OpenAI-compatible HTTP sidecar: FastAPI in front of the tinkerrpc gRPC server.
+
+It reaches the server only through the SDK's `tinkerrpc.AsyncClient`; every gRPC failure is
+translated to HTTP in `errors.from_rpc_error`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tinkerrpc import AsyncClient, RetryPolicy, RPCError, Sample
+from tinkerrpc_server.sidecar import translate
+from tinkerrpc_server.sidecar.errors import OpenAIError, from_rpc_error, param_from_loc
+from tinkerrpc_server.sidecar.metrics import SidecarMetrics
+from tinkerrpc_server.sidecar.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+
+log = logging.getLogger("tinkerrpc.sidecar")
+
+# An HTTP caller is waiting: give up on an unreachable server after a short backoff and answer 503
+# (with x-should-retry) instead of holding the request for the SDK's default minute.
+SIDECAR_RETRY = RetryPolicy(max_attempts=3, initial_backoff=0.1, max_backoff=0.5, total_timeout=2.0)
+HEALTH_TIMEOUT_SECONDS = 2.0
+
+
+def _validation_error(error: RequestValidationError) -> OpenAIError:
+    first = error.errors()[0] if error.errors() else {}
+    loc = tuple(first.get("loc", ()))
+    param = param_from_loc(loc)
+    if first.get("type") == "extra_forbidden":
+        return OpenAIError(400, f"Unrecognized request argument supplied: {param}", param=param)
+    if first.get("type") == "json_invalid":
+        return OpenAIError(400, "The request body is not valid JSON", param=None)
+    detail = str(first.get("msg", "invalid request"))
+    return OpenAIError(400, f"Invalid value for {param}: {detail}" if param else detail, param=param)
+
+
+def _sse(chunks: Iterator[BaseModel]) -> Iterator[str]:
+    for chunk in chunks:
+        yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def create_app(grpc_target: str, api_key: str | None, grpc_token: str | None = None) -> FastAPI:
+    """The sidecar app; it connects to the gRPC server at `grpc_target` when it starts serving."""
+    if api_key is not None and not api_key:
+        raise ValueError("api_key must be None (no auth) or a non-empty string")
+    metrics = SidecarMetrics()
+    clients: list[AsyncClient] = []
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # grpc.aio channels bind to the running loop, so the client is made here, not at import.
+        # No health check at start: the sidecar comes up (and answers 503) while the server is down.
+        client = AsyncClient(grpc_target, grpc_token, check_health=False, retry=SIDECAR_RETRY)
+        clients.append(client)
+        try:
+            yield
+        finally:
+            clients.clear()
+            await client.close()
+
+    app = FastAPI(
+        title="tinkerrpc OpenAI-compatible sidecar", lifespan=lifespan, docs_url=None, redoc_url=None
+    )
+    expected_auth = f"Bearer {api_key}".encode() if api_key is not None else None
+
+    def client() -> AsyncClient:
+        if not clients:
+            raise OpenAIError(
+                503, "the sidecar is not started", error_type="service_unavailable", should_retry=True
+            )
+        return clients[0]
+
+    @app.middleware("http")
+    async def authenticate_and_measure(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        started = time.perf_counter()
+        if expected_auth is not None and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "").encode()
+            # Constant-time comparison; the key itself is never logged.
+            if not hmac.compare_digest(given, expected_auth):
+                response: Response = OpenAIError(
+                    401,
+                    "Incorrect or missing API key: send `Authorization: Bearer <key>`",
+                    code="invalid_api_key",
+                    error_type="authentication_error",
+                ).to_response()
+            else:
+                response = await call_next(request)
+        else:
+            response = await call_next(request)
+        route = request.scope.get("route")
+        route_path = getattr(route, "path", "unmatched")
+        metrics.requests.inc(route_path, str(response.status_code))
+        metrics.latency.observe(time.perf_counter() - started, route_path)
+        if response.status_code >= 400:
+            metrics.errors.inc(str(response.status_code))
+        return response
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, error: OpenAIError) -> JSONResponse:
+        return error.to_response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+        return _validation_error(error).to_response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if error.status_code == 404 else None
+        return OpenAIError(error.status_code, str(error.detail), code=code).to_response()
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(_: Request, error: Exception) -> JSONResponse:
+        log.exception("unexpected sidecar error")
+        return OpenAIError(
+            500, f"internal error: {type(error).__name__}", error_type="server_error"
+        ).to_response()
+
+    async def sample(
+        ref: translate.ModelRef, prompt: translate.Prompt, args: translate.SampleArgs
+    ) -> list[Sample]:
+        try:
+            return await client().model(ref.name).sample(prompt, **args.sdk_kwargs())
+        except RPCError as error:
+            raise from_rpc_error(error, ref.requested) from error
+        except ValueError as error:
+            # The SDK refuses some requests before any network call.
+            raise OpenAIError(400, str(error)) from error
+
+    async def list_cards() -> ModelList:
+        try:
+            return translate.model_cards(await client().list_models())
+        except RPCError as error:
+            raise from_rpc_error(error, "") from error
+
+    def count_tokens(route: str, samples: list[Sample]) -> None:
+        usage = translate.usage_of(samples)
+        metrics.generated_tokens.inc(route, amount=usage.completion_tokens)
+        metrics.prompt_tokens.inc(route, amount=usage.prompt_tokens)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            await client().wait_until_serving(HEALTH_TIMEOUT_SECONDS)
+        except (RPCError, OpenAIError) as error:
+            return JSONResponse({"status": "unavailable", "detail": str(error)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(), media_type=SidecarMetrics.CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        return await list_cards()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> ModelCard:
+        return translate.find_card(await list_cards(), model_id)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: ChatCompletionRequest) -> Response:
+        ref = translate.parse_model_id(request.model)
+        args = translate.chat_sample_args(request, ref)
+        samples = await sample(ref, translate.chat_messages(request), args)
+        count_tokens("/v1/chat/completions", samples)
+        created = int(time.time())
+        if request.stream:
+            chunks = translate.chat_stream_chunks(request, ref, args, samples, created)
+            return StreamingResponse(_sse(chunks), media_type="text/event-stream")
+        body = translate.build_chat_completion(request, ref, args, samples, created)
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: CompletionRequest) -> Response:
+        ref = translate.parse_model_id(request.model)
+        args = translate.completion_sample_args(request, ref)
+        samples = await sample(ref, translate.completion_prompt(request), args)
+        count_tokens("/v1/completions", samples)
+        created = int(time.time())
+        if request.stream:
+            chunks = translate.completion_stream_chunks(request, ref, args, samples, created)
+            return StreamingResponse(_sse(chunks), media_type="text/event-stream")
+        body = translate.build_completion(request, ref, args, samples, created)
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    return app
+
+
+def run_sidecar(
+    grpc_target: str, host: str, port: int, api_key: str | None, grpc_token: str | None = None
+) -> None:
+    """Serve the sidecar until SIGTERM/SIGINT (uvicorn shuts down gracefully and returns)."""
+    app = create_app(grpc_target, api_key, grpc_token)
+    log.info("sidecar for %s on http://%s:%d (auth %s)", grpc_target, host, port, "on" if api_key else "off")
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

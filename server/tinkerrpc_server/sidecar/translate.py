@@ -1,0 +1,616 @@
+"""OpenAI requests → Sample arguments, and SDK samples → OpenAI responses and stream chunks.
+
+Pure functions: no I/O, so every mapping is testable without a server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tinkerrpc import ModelInfo, Sample
+from tinkerrpc_server.sidecar.errors import bad_request, model_not_found
+from tinkerrpc_server.sidecar.protocol import (
+    MAX_STOP_SEQUENCES,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatMessageParam,
+    ChoiceLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    FinishReason,
+    FunctionCall,
+    LegacyLogprobs,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+    TokenLogprobEntry,
+    ToolCall,
+    ToolCallDelta,
+    TopLogprobEntry,
+    Usage,
+)
+
+# Chat requests that set neither max_tokens nor max_completion_tokens get this budget.
+DEFAULT_CHAT_MAX_TOKENS = 512
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A requested model id: `name` (latest version) or `name@N` (pinned policy version N)."""
+
+    requested: str
+    name: str
+    version: int | None
+
+    def served_id(self, produced_version: int) -> str:
+        return f"{self.name}@{produced_version}"
+
+
+def parse_model_id(model: str) -> ModelRef:
+    name, at, version_text = model.partition("@")
+    if not _MODEL_NAME.fullmatch(name):
+        raise model_not_found(model, "model ids are `name` or `name@<policy version>`")
+    if not at:
+        return ModelRef(model, name, None)
+    if not version_text.isdigit():
+        raise model_not_found(model, f"`{version_text}` is not a policy version (a non-negative integer)")
+    return ModelRef(model, name, int(version_text))
+
+
+@dataclass(frozen=True)
+class SampleArgs:
+    """Keyword arguments of the SDK's `model.sample(...)`, decided from an OpenAI request."""
+
+    n: int
+    max_tokens: int
+    temperature: float
+    top_p: float | None
+    top_k: int
+    stop: list[str]
+    stop_token_ids: list[int]
+    seed: int | None
+    policy_version: int | None
+    tools: list[dict[str, Any]] | None
+    top_logprobs: int
+    # Always on: stream deltas and OpenAI logprob tokens are built from the tokens' texts.
+    return_token_texts: bool
+    ignore_default_stops: bool
+
+    def sdk_kwargs(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# What the SDK accepts as a prompt: raw text, token ids, or OpenAI-style message dicts.
+Prompt = str | list[int] | list[dict[str, Any]]
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise bad_request(
+            f"at most {MAX_STOP_SEQUENCES} stop sequences are supported, got {len(stops)}", "stop"
+        )
+    if any(not s for s in stops):
+        raise bad_request("stop sequences must be non-empty strings", "stop")
+    return stops
+
+
+def _check_unsupported_sampling(request: SamplingFields) -> None:
+    """400 naming the first parameter the sampler cannot honour."""
+    if request.presence_penalty not in (None, 0):
+        raise bad_request("presence_penalty is not supported (only 0)", "presence_penalty")
+    if request.frequency_penalty not in (None, 0):
+        raise bad_request("frequency_penalty is not supported (only 0)", "frequency_penalty")
+    if request.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if any(t < 0 for t in request.stop_token_ids or ()):
+        raise bad_request("stop_token_ids must be non-negative token ids", "stop_token_ids")
+
+
+def _common_args(
+    request: SamplingFields,
+    ref: ModelRef,
+    max_tokens: int,
+    top_logprobs: int,
+    tools: list[dict[str, Any]] | None,
+) -> SampleArgs:
+    return SampleArgs(
+        n=request.n,
+        max_tokens=max_tokens,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=request.top_p,
+        top_k=max(request.top_k or 0, 0),
+        stop=_stop_list(request.stop),
+        stop_token_ids=list(request.stop_token_ids or ()),
+        seed=request.seed,
+        policy_version=ref.version,
+        tools=tools,
+        top_logprobs=top_logprobs,
+        return_token_texts=True,
+        ignore_default_stops=request.ignore_eos,
+    )
+
+
+def _check_unsupported_chat(request: ChatCompletionRequest) -> None:
+    refused: list[tuple[str, bool]] = [
+        ("audio", request.audio is not None),
+        ("modalities", any(m != "text" for m in request.modalities or ())),
+        ("prediction", request.prediction is not None),
+        ("reasoning_effort", request.reasoning_effort is not None),
+        ("verbosity", request.verbosity is not None),
+        ("web_search_options", request.web_search_options is not None),
+        ("functions", request.functions is not None),
+        ("function_call", request.function_call is not None),
+    ]
+    for param, is_set in refused:
+        if is_set:
+            raise bad_request(f"{param} is not supported by the tinkerrpc sidecar", param)
+    if request.response_format is not None and request.response_format.get("type") != "text":
+        raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
+    if request.tool_choice not in (None, "auto", "none"):
+        raise bad_request("tool_choice must be 'auto' or 'none'", "tool_choice")
+    if request.top_logprobs and not request.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    if (
+        request.max_tokens is not None
+        and request.max_completion_tokens is not None
+        and request.max_tokens != request.max_completion_tokens
+    ):
+        raise bad_request("max_tokens and max_completion_tokens disagree; set one", "max_completion_tokens")
+
+
+def _message_text(message: ChatMessageParam, index: int) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    texts: list[str] = []
+    for j, part in enumerate(message.content):
+        if part.type != "text" or part.text is None:
+            raise bad_request(
+                f"content part type {part.type!r} is not supported; only text parts are",
+                f"messages[{index}].content[{j}]",
+            )
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The conversation as OpenAI-style dicts the SDK converts, after checking each role's rules."""
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(request.messages):
+        where = f"messages[{i}]"
+        if message.tool_calls and message.role != "assistant":
+            raise bad_request("only assistant messages carry tool_calls", f"{where}.tool_calls")
+        if message.role == "tool" and not message.tool_call_id:
+            raise bad_request("a tool message needs tool_call_id", f"{where}.tool_call_id")
+        if message.role != "tool" and message.tool_call_id:
+            raise bad_request("only tool messages carry tool_call_id", f"{where}.tool_call_id")
+        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+            raise bad_request("content is required (except for an assistant message with tool_calls)", where)
+        converted: dict[str, Any] = {
+            # OpenAI's `developer` role is the newer name of `system`.
+            "role": "system" if message.role == "developer" else message.role,
+            "content": _message_text(message, i),
+        }
+        if message.name:
+            converted["name"] = message.name
+        if message.tool_call_id:
+            converted["tool_call_id"] = message.tool_call_id
+        if message.tool_calls:
+            converted["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        out.append(converted)
+    return out
+
+
+def chat_sample_args(request: ChatCompletionRequest, ref: ModelRef) -> SampleArgs:
+    _check_unsupported_sampling(request)
+    _check_unsupported_chat(request)
+    max_tokens = request.max_completion_tokens or request.max_tokens or DEFAULT_CHAT_MAX_TOKENS
+    # With tool_choice "none" the tools are not offered to the model at all.
+    tools = (
+        [t.model_dump(exclude_none=True) for t in request.tools or ()]
+        if request.tool_choice != "none"
+        else []
+    )
+    top_logprobs = (request.top_logprobs or 0) if request.logprobs else 0
+    return _common_args(request, ref, max_tokens, top_logprobs, tools or None)
+
+
+def completion_prompt(request: CompletionRequest) -> str | list[int]:
+    """The single prompt of a legacy completion: text or token ids."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        return prompt
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        tokens = [int(p) for p in prompt]  # type: ignore[arg-type]
+        if any(t < 0 for t in tokens):
+            raise bad_request("prompt token ids must be non-negative", "prompt")
+        return tokens
+    if len(prompt) > 1:
+        raise bad_request("batches of prompts are not supported: send one prompt per request", "prompt")
+    return completion_prompt(request.model_copy(update={"prompt": prompt[0]}))
+
+
+def completion_sample_args(request: CompletionRequest, ref: ModelRef) -> SampleArgs:
+    _check_unsupported_sampling(request)
+    if request.echo:
+        raise bad_request("echo is not supported", "echo")
+    if request.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if request.best_of is not None and request.best_of != request.n:
+        raise bad_request("best_of is not supported (only best_of == n)", "best_of")
+    max_tokens = request.max_tokens if request.max_tokens is not None else 16
+    return _common_args(request, ref, max_tokens, request.logprobs or 0, None)
+
+
+# ---------------------------------------------------------------- responses
+
+
+def truncate_at_stop(text: str, stops: Sequence[str]) -> str:
+    """OpenAI leaves stop sequences out of the returned text; the token ids keep them."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
+    return text[:cut]
+
+
+def split_by_tokens(content: str, token_texts: Sequence[str], token_count: int) -> list[str]:
+    """One piece of `content` per sampled token, in order; the pieces always join to `content`.
+
+    The content is located inside the concatenated token texts so each token carries the part of
+    the content it produced; tokens outside it (a think block, tool-call markup, the end-of-turn
+    token) carry "". When the content cannot be located, it all goes on the first token.
+    """
+    if token_count == 0:
+        return [content] if content else []
+    pieces = [""] * token_count
+    raw = "".join(token_texts) if len(token_texts) == token_count else ""
+    start = raw.find(content) if content else -1
+    if start < 0:
+        pieces[0] = content
+        return pieces
+    end = start + len(content)
+    offset = 0
+    for i, text in enumerate(token_texts):
+        low, high = max(offset, start), min(offset + len(text), end)
+        if low < high:
+            pieces[i] = raw[low:high]
+        offset += len(text)
+    return pieces
+
+
+def _token_label(token_id: int, text: str, as_token_ids: bool) -> str:
+    return f"token_id:{token_id}" if as_token_ids else text
+
+
+def _token_bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def _token_text(sample: Sample, position: int) -> str:
+    return sample.token_texts[position] if position < len(sample.token_texts) else ""
+
+
+def chat_logprob_entry(sample: Sample, position: int, as_token_ids: bool) -> TokenLogprobEntry:
+    token_id = sample.tokens[position]
+    text = _token_text(sample, position)
+    alternatives = sample.top_logprobs[position] if position < len(sample.top_logprobs) else ()
+    return TokenLogprobEntry(
+        token=_token_label(token_id, text, as_token_ids),
+        logprob=sample.logprobs[position],
+        bytes=_token_bytes(text),
+        top_logprobs=[
+            TopLogprobEntry(
+                token=_token_label(alt.token_id, alt.text, as_token_ids),
+                logprob=alt.logprob,
+                bytes=_token_bytes(alt.text),
+            )
+            for alt in alternatives
+        ],
+    )
+
+
+@dataclass(frozen=True)
+class ParsedChoice:
+    """What one sample becomes in a chat response, shared by the plain and streamed forms."""
+
+    content: str | None
+    tool_calls: list[ToolCall]
+    finish_reason: FinishReason
+
+
+def parse_chat_choice(sample: Sample, stops: Sequence[str]) -> ParsedChoice:
+    message = sample.message
+    content = message.content if message is not None else sample.text
+    if sample.stop_reason == "stop":
+        content = truncate_at_stop(content, stops)
+    tool_calls = [
+        ToolCall(
+            id=call.id or f"call_{uuid.uuid4().hex[:24]}",
+            function=FunctionCall(name=call.name, arguments=call.arguments),
+        )
+        for call in (message.tool_calls if message is not None else ())
+    ]
+    finish: FinishReason = (
+        "length" if sample.stop_reason == "length" else "tool_calls" if tool_calls else "stop"
+    )
+    return ParsedChoice(content if content or not tool_calls else None, tool_calls, finish)
+
+
+def usage_of(samples: Sequence[Sample]) -> Usage:
+    prompt_tokens = len(samples[0].prompt_token_ids) if samples else 0
+    completion_tokens = sum(len(s.tokens) for s in samples)
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+def produced_version(samples: Sequence[Sample], ref: ModelRef) -> int:
+    """The policy version that produced the samples (all of one Sample call share it)."""
+    if samples:
+        return samples[0].policy_version
+    return ref.version or 0
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def build_chat_completion(
+    request: ChatCompletionRequest, ref: ModelRef, args: SampleArgs, samples: Sequence[Sample], created: int
+) -> ChatCompletion:
+    version = produced_version(samples, ref)
+    choices: list[ChatChoice] = []
+    for index, sample in enumerate(samples):
+        parsed = parse_chat_choice(sample, args.stop)
+        logprobs = (
+            ChoiceLogprobs(
+                content=[
+                    chat_logprob_entry(sample, p, request.return_tokens_as_token_ids)
+                    for p in range(len(sample.tokens))
+                ]
+            )
+            if request.logprobs
+            else None
+        )
+        choices.append(
+            ChatChoice(
+                index=index,
+                message=AssistantMessage(content=parsed.content, tool_calls=parsed.tool_calls or None),
+                finish_reason=parsed.finish_reason,
+                logprobs=logprobs,
+                token_ids=list(sample.tokens),
+                policy_version=sample.policy_version,
+            )
+        )
+    return ChatCompletion(
+        id=new_id("chatcmpl"),
+        created=created,
+        model=ref.served_id(version),
+        choices=choices,
+        usage=usage_of(samples),
+        prompt_token_ids=list(samples[0].prompt_token_ids) if samples else [],
+        policy_version=version,
+    )
+
+
+def chat_stream_chunks(
+    request: ChatCompletionRequest, ref: ModelRef, args: SampleArgs, samples: Sequence[Sample], created: int
+) -> Iterator[ChatCompletionChunk]:
+    """The chunks OpenAI would stream for these samples, interleaved by choice index.
+
+    The Sample RPC is unary, so the stream replays a finished result: the first token arrives
+    only after the whole sample, and the chunks exist for client compatibility, not latency.
+    """
+    version = produced_version(samples, ref)
+    chunk_id = new_id("chatcmpl")
+    model = ref.served_id(version)
+
+    def chunk(choices: list[ChatChunkChoice], **extra: Any) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=chunk_id, created=created, model=model, choices=choices, policy_version=version, **extra
+        )
+
+    parsed = [parse_chat_choice(s, args.stop) for s in samples]
+    pieces = [
+        split_by_tokens(p.content or "", s.token_texts, len(s.tokens))
+        for p, s in zip(parsed, samples, strict=True)
+    ]
+    prompt_ids = list(samples[0].prompt_token_ids) if samples else []
+    for index in range(len(samples)):
+        first = ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))
+        yield chunk([first], prompt_token_ids=prompt_ids if index == 0 else None)
+    for position in range(max((len(p) for p in pieces), default=0)):
+        for index, sample in enumerate(samples):
+            if position >= len(pieces[index]):
+                continue
+            has_token = position < len(sample.tokens)
+            logprobs = (
+                ChoiceLogprobs(
+                    content=[chat_logprob_entry(sample, position, request.return_tokens_as_token_ids)]
+                )
+                if request.logprobs and has_token
+                else None
+            )
+            yield chunk(
+                [
+                    ChatChunkChoice(
+                        index=index,
+                        delta=ChatDelta(content=pieces[index][position]),
+                        logprobs=logprobs,
+                        token_ids=[sample.tokens[position]] if has_token else None,
+                    )
+                ]
+            )
+    for index, choice in enumerate(parsed):
+        if choice.tool_calls:
+            deltas = [
+                ToolCallDelta(index=k, id=call.id, function=call.function)
+                for k, call in enumerate(choice.tool_calls)
+            ]
+            yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=deltas))])
+    for index, choice in enumerate(parsed):
+        yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=choice.finish_reason)])
+    if request.stream_options is not None and request.stream_options.include_usage:
+        yield chunk([], usage=usage_of(samples))
+
+
+def _legacy_logprobs(sample: Sample, positions: range, text_start: int, as_token_ids: bool) -> LegacyLogprobs:
+    tokens: list[str] = []
+    offsets: list[int] = []
+    top: list[dict[str, float]] = []
+    offset = text_start
+    for p in positions:
+        text = _token_text(sample, p)
+        tokens.append(_token_label(sample.tokens[p], text, as_token_ids))
+        offsets.append(offset)
+        offset += len(text)
+        alternatives = sample.top_logprobs[p] if p < len(sample.top_logprobs) else ()
+        top.append({_token_label(a.token_id, a.text, as_token_ids): a.logprob for a in alternatives})
+    return LegacyLogprobs(
+        tokens=tokens,
+        token_logprobs=[sample.logprobs[p] for p in positions],
+        top_logprobs=top if sample.top_logprobs else None,
+        text_offset=offsets,
+    )
+
+
+def completion_text(sample: Sample, stops: Sequence[str]) -> str:
+    return truncate_at_stop(sample.text, stops) if sample.stop_reason == "stop" else sample.text
+
+
+def _finish(sample: Sample) -> Literal["stop", "length"]:
+    return "length" if sample.stop_reason == "length" else "stop"
+
+
+def build_completion(
+    request: CompletionRequest, ref: ModelRef, args: SampleArgs, samples: Sequence[Sample], created: int
+) -> Completion:
+    version = produced_version(samples, ref)
+    choices = [
+        CompletionChoice(
+            index=index,
+            text=completion_text(sample, args.stop),
+            finish_reason=_finish(sample),
+            logprobs=_legacy_logprobs(
+                sample, range(len(sample.tokens)), 0, request.return_tokens_as_token_ids
+            )
+            if request.logprobs is not None
+            else None,
+            token_ids=list(sample.tokens),
+            policy_version=sample.policy_version,
+        )
+        for index, sample in enumerate(samples)
+    ]
+    return Completion(
+        id=new_id("cmpl"),
+        created=created,
+        model=ref.served_id(version),
+        choices=choices,
+        usage=usage_of(samples),
+        prompt_token_ids=list(samples[0].prompt_token_ids) if samples else [],
+        policy_version=version,
+    )
+
+
+def completion_stream_chunks(
+    request: CompletionRequest, ref: ModelRef, args: SampleArgs, samples: Sequence[Sample], created: int
+) -> Iterator[Completion]:
+    """Legacy completion chunks, one per sampled token, interleaved by index (replayed, see chat)."""
+    version = produced_version(samples, ref)
+    chunk_id = new_id("cmpl")
+    model = ref.served_id(version)
+
+    def chunk(choices: list[CompletionChoice], **extra: Any) -> Completion:
+        return Completion(
+            id=chunk_id,
+            created=created,
+            model=model,
+            choices=choices,
+            usage=None,
+            policy_version=version,
+            **extra,
+        )
+
+    texts = [completion_text(s, args.stop) for s in samples]
+    pieces = [split_by_tokens(t, s.token_texts, len(s.tokens)) for t, s in zip(texts, samples, strict=True)]
+    offsets = [0] * len(samples)
+    for position in range(max((len(p) for p in pieces), default=0)):
+        for index, sample in enumerate(samples):
+            if position >= len(pieces[index]):
+                continue
+            has_token = position < len(sample.tokens)
+            logprobs = (
+                _legacy_logprobs(
+                    sample, range(position, position + 1), offsets[index], request.return_tokens_as_token_ids
+                )
+                if request.logprobs is not None and has_token
+                else None
+            )
+            offsets[index] += len(_token_text(sample, position))
+            choice = CompletionChoice(
+                index=index,
+                text=pieces[index][position],
+                finish_reason=None,
+                logprobs=logprobs,
+                token_ids=[sample.tokens[position]] if has_token else None,
+            )
+            yield chunk([choice], prompt_token_ids=list(sample.prompt_token_ids) if position == 0 else None)
+    for index, sample in enumerate(samples):
+        yield chunk([CompletionChoice(index=index, text="", finish_reason=_finish(sample), logprobs=None)])
+    if request.stream_options is not None and request.stream_options.include_usage:
+        yield chunk([], usage=usage_of(samples))
+
+
+def model_cards(models: Sequence[ModelInfo]) -> ModelList:
+    """Each model as `name` (its latest version) and `name@N` for every sampleable version."""
+    cards: list[ModelCard] = []
+    for info in models:
+        created = int(info.create_time.timestamp()) if info.create_time is not None else 0
+        max_len = info.max_context_length or None
+        cards.append(
+            ModelCard(
+                id=info.name,
+                created=created,
+                parent=info.base_model,
+                root=info.base_model,
+                max_model_len=max_len,
+                policy_version=info.policy_version,
+            )
+        )
+        cards.extend(
+            ModelCard(
+                id=f"{info.name}@{version}",
+                created=created,
+                parent=info.name,
+                root=info.base_model,
+                max_model_len=max_len,
+                policy_version=version,
+            )
+            for version in info.sampleable_versions
+        )
+    return ModelList(data=cards)
+
+
+def find_card(cards: ModelList, model_id: str) -> ModelCard:
+    for card in cards.data:
+        if card.id == model_id:
+            return card
+    raise model_not_found(model_id, "no such model or sampleable version")
