@@ -256,9 +256,20 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[bytes,
     directory = tmp_path_factory.mktemp("tls")
     key, cert = Path(directory, "key.pem"), Path(directory, "cert.pem")
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-        + ["-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost"]
-        + ["-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+        [
+            *(
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
+                "-nodes",
+            ),
+            *("-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost"),
+            *("-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
+        ],
         check=True,
         capture_output=True,
     )
