@@ -124,6 +124,8 @@ async def _gather(
         if bar is not None:
             bar.draw(len(finished) + len(failures), len(failures), rewards)
 
+    if bar is not None:
+        bar.draw(0, 0, rewards)
     tasks = [asyncio.ensure_future(run(i, item)) for i, item in enumerate(items)]
     all_done: asyncio.Future[list[None]] = asyncio.gather(*tasks)
     stop_early: asyncio.Future[bool] = asyncio.ensure_future(too_many.wait())

@@ -131,7 +131,12 @@ MessageLike = Message | Mapping[str, Any]
 
 def as_messages(messages: Iterable[MessageLike]) -> list[Message]:
     """Messages given as dataclasses or OpenAI-style dicts, as dataclasses."""
-    return [m if isinstance(m, Message) else Message.from_openai(m) for m in messages]
+    converted = []
+    for m in messages:
+        if not isinstance(m, (Message, Mapping)):
+            raise TypeError(f"expected a Message or an OpenAI-style message dict, got {type(m).__name__}")
+        converted.append(m if isinstance(m, Message) else Message.from_openai(m))
+    return converted
 
 
 @dataclass(frozen=True)

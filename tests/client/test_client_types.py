@@ -315,6 +315,8 @@ def test_sample_request_picks_the_prompt_kind() -> None:
     assert requests.sample_request("run", "once upon", **options).text == "once upon"
     with pytest.raises(ValueError, match="empty"):
         requests.sample_request("run", [], **options)
+    with pytest.raises(TypeError, match="got int"):
+        requests.sample_request("run", [tinkerrpc.Message.user("hi"), 5], **options)
     with pytest.raises(ValueError, match="max_tokens"):
         requests.sample_request("run", "x", **{**options, "max_tokens": 0})
 
