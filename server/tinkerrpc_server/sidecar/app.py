@@ -6,11 +6,15 @@ translated to HTTP in `errors.from_rpc_error`.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
+from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
@@ -200,10 +204,47 @@ def create_app(grpc_target: str, api_key: str | None, grpc_token: str | None = N
     return app
 
 
+def _uvicorn_config(app: FastAPI, host: str, port: int) -> uvicorn.Config:
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on")
+
+
+def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
 def run_sidecar(
     grpc_target: str, host: str, port: int, api_key: str | None, grpc_token: str | None = None
 ) -> None:
-    """Serve the sidecar until SIGTERM/SIGINT (uvicorn shuts down gracefully and returns)."""
+    """Serve the sidecar until SIGTERM/SIGINT, then return after a graceful shutdown."""
     app = create_app(grpc_target, api_key, grpc_token)
     log.info("sidecar for %s on http://%s:%d (auth %s)", grpc_target, host, port, "on" if api_key else "off")
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    # uvicorn re-raises the signal it handled once it has shut down; with this handler that ends
+    # the process with status 0 (a requested stop) instead of death by SIGTERM.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
+    uvicorn.Server(_uvicorn_config(app, host, port)).run()
+
+
+class _HostedServer(uvicorn.Server):
+    """A uvicorn server inside a process whose event loop already owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def serve_sidecar(
+    grpc_target: str,
+    host: str,
+    port: int,
+    api_key: str | None,
+    stop: asyncio.Event,
+    grpc_token: str | None = None,
+) -> None:
+    """Serve the sidecar on the running loop until `stop` is set (for `tinkerrpc serve --sidecar-port`)."""
+    server = _HostedServer(_uvicorn_config(create_app(grpc_target, api_key, grpc_token), host, port))
+    serving = asyncio.create_task(server.serve())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    server.should_exit = True
+    stopping.cancel()
+    await serving
