@@ -16,17 +16,43 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--data-dir", type=Path, default=Path("tinkerrpc-data"))
     p.add_argument("--max-message-mb", type=int, default=256, help="max gRPC send/receive message size")
+    p.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="local base models for the embedded engine (default: $TINKERRPC_MODEL_DIR or ~/.cache/tinkerrpc/models)",
+    )
+    p.add_argument(
+        "--tinker-url",
+        default=None,
+        help="Tinker service URL when TINKER_API_KEY is set (default: $TINKER_BASE_URL or the SDK's)",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        help="save full training state every K steps (default: 1 on the embedded engine, 10 on Tinker); "
+        "after a crash training resumes from the last one",
+    )
     p.set_defaults(func=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
     from tinkerrpc_server.server import ServerConfig, serve
+
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        print("tinkerrpc serve: --checkpoint-every must be >= 1", file=sys.stderr)
+        return 2
 
     config = ServerConfig(
         host=args.host,
         port=args.port,
         data_dir=args.data_dir,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
+        model_dir=args.model_dir or DEFAULT_MODEL_DIR,
+        tinker_url=args.tinker_url,
+        checkpoint_every=args.checkpoint_every,
     )
     return asyncio.run(serve(config))
 

@@ -13,11 +13,20 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tinkerrpc.v1 import trainer_service_pb2, trainer_service_pb2_grpc
+from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
+from tinkerrpc_server.service.backend import BackendStartError, start_backend
+from tinkerrpc_server.service.rendering import TextCache
+from tinkerrpc_server.service.servicer import TrainerService
+from tinkerrpc_server.service.store import Store
 
 log = logging.getLogger("tinkerrpc.server")
 
 SERVICE_NAME = trainer_service_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+# Full-state checkpoint cadence when --checkpoint-every is not given: every step on the embedded
+# engine (cheap, and every version is then a recovery point), every 10 steps on Tinker itself.
+DEFAULT_CHECKPOINT_EVERY_EMBEDDED = 1
+DEFAULT_CHECKPOINT_EVERY_TINKER = 10
 
 
 @dataclass
@@ -26,37 +35,43 @@ class ServerConfig:
     port: int = 50051
     data_dir: Path = field(default_factory=lambda: Path("tinkerrpc-data"))
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    model_dir: Path = DEFAULT_MODEL_DIR
+    # Tinker's URL when TINKER_API_KEY is set (else TINKER_BASE_URL or the SDK default).
+    tinker_url: str | None = None
+    # Save full training state every K steps; None = the backend's default (see above).
+    checkpoint_every: int | None = None
     # Seconds in-flight calls get to finish after SIGTERM/SIGINT before they are cancelled.
     shutdown_grace_seconds: float = 30.0
-
-
-def _unimplemented(method_name: str):  # type: ignore[no-untyped-def]
-    async def handler(self, request, context):  # type: ignore[no-untyped-def]
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"TrainerService.{method_name} is not implemented")
-
-    return handler
-
-
-# Every RPC answers UNIMPLEMENTED naming itself until the service layer provides it.
-UnimplementedTrainerService = type(
-    "UnimplementedTrainerService",
-    (trainer_service_pb2_grpc.TrainerServiceServicer,),
-    {
-        method.name: _unimplemented(method.name)
-        for method in trainer_service_pb2.DESCRIPTOR.services_by_name["TrainerService"].methods
-    },
-)
 
 
 async def serve(config: ServerConfig) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code."""
     config.data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        backend = await start_backend(config.data_dir, config.model_dir, config.tinker_url)
+    except BackendStartError as err:
+        log.error("cannot start: %s", err)
+        return 1
+    store = Store(config.data_dir / "tinkerrpc.sqlite3")
+    try:
+        checkpoint_every = config.checkpoint_every or (
+            DEFAULT_CHECKPOINT_EVERY_EMBEDDED if backend.embedded else DEFAULT_CHECKPOINT_EVERY_TINKER
+        )
+        texts = TextCache(config.model_dir, allow_remote_tokenizers=not backend.embedded)
+        return await _serve(config, TrainerService(store, backend, texts, checkpoint_every))
+    finally:
+        backend.close()
+        store.close()
+
+
+async def _serve(config: ServerConfig, service: TrainerService) -> int:
+    await service.recover()
     options = [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
     ]
     server = grpc.aio.server(options=options)
-    trainer_service_pb2_grpc.add_TrainerServiceServicer_to_server(UnimplementedTrainerService(), server)
+    trainer_service_pb2_grpc.add_TrainerServiceServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -1,0 +1,116 @@
+"""Service errors: a canonical gRPC status code plus google.rpc details, raised anywhere in the service
+and turned into the call's status in one place (see `abort_with`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import grpc
+import tinker
+from google.protobuf import any_pb2
+from google.protobuf.message import Message as ProtoMessage
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+ERROR_DOMAIN = "tinkerrpc"
+
+# ErrorInfo reasons (part of the public contract, see trainer_service.proto).
+STALE_POLICY_VERSION = "STALE_POLICY_VERSION"
+VERSION_MISMATCH = "VERSION_MISMATCH"
+IDEMPOTENCY_KEY_REUSED = "IDEMPOTENCY_KEY_REUSED"
+NOTHING_TO_TRAIN = "NOTHING_TO_TRAIN"
+CURRENT_SAMPLER_CHECKPOINT = "CURRENT_SAMPLER_CHECKPOINT"
+RECOVERY_CHECKPOINT = "RECOVERY_CHECKPOINT"
+
+
+class ServiceError(Exception):
+    """A failed RPC: status code, message and google.rpc detail messages."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, details: Sequence[ProtoMessage] = ()) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.details = list(details)
+
+    def to_status(self) -> grpc.Status:
+        packed = []
+        for detail in self.details:
+            wrapper = any_pb2.Any()
+            wrapper.Pack(detail)
+            packed.append(wrapper)
+        proto = status_pb2.Status(code=_CODE_NUMBERS[self.code], message=self.message, details=packed)
+        return rpc_status.to_status(proto)
+
+
+_CODE_NUMBERS: dict[grpc.StatusCode, int] = {code: code.value[0] for code in grpc.StatusCode}
+assert _CODE_NUMBERS[grpc.StatusCode.INVALID_ARGUMENT] == code_pb2.INVALID_ARGUMENT
+
+
+class Violations:
+    """Collects BadRequest field violations; `raise_if_any` turns them into one INVALID_ARGUMENT."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, str]] = []
+
+    def add(self, field: str, description: str) -> None:
+        self.items.append((field, description))
+
+    def raise_if_any(self) -> None:
+        if self.items:
+            raise invalid_argument(self.items)
+
+
+def invalid_argument(violations: Sequence[tuple[str, str]]) -> ServiceError:
+    bad_request = error_details_pb2.BadRequest(
+        field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=field, description=description)
+            for field, description in violations
+        ]
+    )
+    summary = "; ".join(f"{field}: {description}" for field, description in violations[:5])
+    more = f" (and {len(violations) - 5} more)" if len(violations) > 5 else ""
+    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {summary}{more}", [bad_request])
+
+
+def not_found(resource_type: str, resource_name: str, message: str) -> ServiceError:
+    info = error_details_pb2.ResourceInfo(resource_type=resource_type, resource_name=resource_name)
+    return ServiceError(grpc.StatusCode.NOT_FOUND, message, [info])
+
+
+def already_exists(resource_type: str, resource_name: str, message: str) -> ServiceError:
+    info = error_details_pb2.ResourceInfo(resource_type=resource_type, resource_name=resource_name)
+    return ServiceError(grpc.StatusCode.ALREADY_EXISTS, message, [info])
+
+
+def failed_precondition(
+    reason: str, message: str, metadata: Mapping[str, object] | None = None
+) -> ServiceError:
+    info = error_details_pb2.ErrorInfo(
+        reason=reason, domain=ERROR_DOMAIN, metadata={k: str(v) for k, v in (metadata or {}).items()}
+    )
+    return ServiceError(grpc.StatusCode.FAILED_PRECONDITION, message, [info])
+
+
+def from_tinker(error: Exception) -> ServiceError | None:
+    """Map a tinker SDK error to a status: the caller's fault → INVALID_ARGUMENT, unreachable → UNAVAILABLE."""
+    if isinstance(error, tinker.APIConnectionError):
+        return ServiceError(grpc.StatusCode.UNAVAILABLE, f"Tinker backend unreachable: {error}")
+    if isinstance(error, tinker.RequestFailedError):
+        if error.category == tinker.types.RequestErrorCategory.User:
+            return ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"rejected by the Tinker backend: {error.message}"
+            )
+        return ServiceError(grpc.StatusCode.INTERNAL, f"Tinker backend failed: {error.message}")
+    if isinstance(error, tinker.APIStatusError):
+        if error.status_code in (401, 403):
+            return ServiceError(grpc.StatusCode.PERMISSION_DENIED, f"Tinker backend refused access: {error}")
+        if error.status_code == 404:
+            return ServiceError(grpc.StatusCode.NOT_FOUND, f"Tinker backend: {error}")
+        if error.status_code == 429:
+            return ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"Tinker backend is rate limiting: {error}"
+            )
+        if 400 <= error.status_code < 500:
+            return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"rejected by the Tinker backend: {error}")
+        return ServiceError(grpc.StatusCode.UNAVAILABLE, f"Tinker backend error: {error}")
+    return None

@@ -1,0 +1,264 @@
+"""Server state in SQLite (WAL): models, checkpoints (state and sampler), idempotency records and
+per-step metrics.
+
+A model's committed policy version and everything a Train step records change in ONE transaction
+with synchronous=FULL, so a process killed at any moment restarts with a consistent state.
+Calls are synchronous and short; they run on the event loop thread, which also means no await can
+split a transaction (a cancelled RPC never leaves half of one behind).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS models (
+    name TEXT PRIMARY KEY,
+    base_model TEXT NOT NULL,
+    lora_rank INTEGER NOT NULL,
+    train_mlp INTEGER NOT NULL,
+    train_attn INTEGER NOT NULL,
+    train_unembed INTEGER NOT NULL,
+    renderer TEXT NOT NULL,
+    seed INTEGER NOT NULL,
+    vocab_size INTEGER NOT NULL,
+    max_context_length INTEGER NOT NULL,
+    create_time REAL NOT NULL,
+    tinker_run_id TEXT NOT NULL,
+    policy_version INTEGER NOT NULL,
+    -- The full-state checkpoint training resumes from (restart, cancelled step): its version is
+    -- the recovery point; versions after it are rolled back on restart.
+    recovery_version INTEGER NOT NULL,
+    recovery_path TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    model TEXT NOT NULL REFERENCES models(name) ON DELETE CASCADE,
+    kind INTEGER NOT NULL,
+    name TEXT NOT NULL,
+    policy_version INTEGER NOT NULL,
+    tinker_path TEXT NOT NULL,
+    create_time REAL NOT NULL,
+    automatic INTEGER NOT NULL,
+    PRIMARY KEY (model, kind, name)
+);
+CREATE TABLE IF NOT EXISTS idempotency (
+    model TEXT NOT NULL REFERENCES models(name) ON DELETE CASCADE,
+    key TEXT NOT NULL,
+    request_hash TEXT NOT NULL,
+    policy_version INTEGER NOT NULL,
+    response BLOB NOT NULL,
+    PRIMARY KEY (model, key)
+);
+CREATE TABLE IF NOT EXISTS step_metrics (
+    model TEXT NOT NULL REFERENCES models(name) ON DELETE CASCADE,
+    policy_version INTEGER NOT NULL,
+    metrics BLOB NOT NULL,
+    create_time REAL NOT NULL,
+    PRIMARY KEY (model, policy_version)
+);
+"""
+
+# Values of the `kind` column, equal to tinkerrpc.v1.CheckpointKind numbers.
+KIND_STATE = 1
+KIND_SAMPLER = 2
+
+
+@dataclass(frozen=True)
+class ModelRow:
+    name: str
+    base_model: str
+    lora_rank: int
+    train_mlp: bool
+    train_attn: bool
+    train_unembed: bool
+    renderer: str
+    seed: int
+    vocab_size: int
+    max_context_length: int
+    create_time: float
+    tinker_run_id: str
+    policy_version: int
+    recovery_version: int
+    recovery_path: str
+
+
+@dataclass(frozen=True)
+class CheckpointRow:
+    model: str
+    kind: int
+    name: str
+    policy_version: int
+    tinker_path: str
+    create_time: float
+    automatic: bool
+
+
+@dataclass(frozen=True)
+class IdempotencyRow:
+    request_hash: str
+    policy_version: int
+    response: bytes
+
+
+class Store:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    # models
+
+    def insert_model(self, row: ModelRow, tx: sqlite3.Connection) -> None:
+        tx.execute(
+            "INSERT INTO models VALUES (:name, :base_model, :lora_rank, :train_mlp, :train_attn, :train_unembed,"
+            " :renderer, :seed, :vocab_size, :max_context_length, :create_time, :tinker_run_id, :policy_version,"
+            " :recovery_version, :recovery_path)",
+            row.__dict__,
+        )
+
+    def get_model(self, name: str) -> ModelRow | None:
+        row = self._db.execute("SELECT * FROM models WHERE name = ?", (name,)).fetchone()
+        return _model_row(row) if row else None
+
+    def list_models(self) -> list[ModelRow]:
+        return [_model_row(r) for r in self._db.execute("SELECT * FROM models ORDER BY name")]
+
+    def delete_model(self, name: str) -> None:
+        with self.transaction() as tx:
+            tx.execute("DELETE FROM models WHERE name = ?", (name,))
+
+    def set_run_id(self, name: str, tinker_run_id: str, tx: sqlite3.Connection | None = None) -> None:
+        (tx or self._db).execute("UPDATE models SET tinker_run_id = ? WHERE name = ?", (tinker_run_id, name))
+
+    def set_version(
+        self, tx: sqlite3.Connection, name: str, version: int, recovery: tuple[int, str] | None
+    ) -> None:
+        tx.execute("UPDATE models SET policy_version = ? WHERE name = ?", (version, name))
+        if recovery is not None:
+            tx.execute(
+                "UPDATE models SET recovery_version = ?, recovery_path = ? WHERE name = ?", (*recovery, name)
+            )
+
+    # checkpoints
+
+    def put_checkpoint(self, tx: sqlite3.Connection, row: CheckpointRow) -> None:
+        """Insert, replacing an automatic checkpoint of the same name left by an abandoned timeline."""
+        tx.execute("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?)", _checkpoint_values(row))
+
+    def get_checkpoint(self, model: str, kind: int, name: str) -> CheckpointRow | None:
+        row = self._db.execute(
+            "SELECT * FROM checkpoints WHERE model = ? AND kind = ? AND name = ?", (model, kind, name)
+        ).fetchone()
+        return _checkpoint_row(row) if row else None
+
+    def list_checkpoints(self, model: str) -> list[CheckpointRow]:
+        rows = self._db.execute(
+            "SELECT * FROM checkpoints WHERE model = ? ORDER BY create_time, policy_version, kind", (model,)
+        )
+        return [_checkpoint_row(r) for r in rows]
+
+    def sampler_path(self, model: str, version: int) -> str | None:
+        row = self._db.execute(
+            "SELECT tinker_path FROM checkpoints WHERE model = ? AND kind = ? AND policy_version = ?",
+            (model, KIND_SAMPLER, version),
+        ).fetchone()
+        return str(row[0]) if row else None
+
+    def sampleable_versions(self, model: str) -> list[int]:
+        rows = self._db.execute(
+            "SELECT policy_version FROM checkpoints WHERE model = ? AND kind = ? ORDER BY policy_version",
+            (model, KIND_SAMPLER),
+        )
+        return [int(r[0]) for r in rows]
+
+    def delete_checkpoint(self, model: str, kind: int, name: str) -> None:
+        with self.transaction() as tx:
+            tx.execute(
+                "DELETE FROM checkpoints WHERE model = ? AND kind = ? AND name = ?", (model, kind, name)
+            )
+
+    def roll_back(self, tx: sqlite3.Connection, model: str, version: int) -> list[str]:
+        """Forget what versions after `version` recorded; returns their sampler paths to delete."""
+        paths = [
+            str(r[0])
+            for r in tx.execute(
+                "SELECT tinker_path FROM checkpoints WHERE model = ? AND kind = ? AND policy_version > ?",
+                (model, KIND_SAMPLER, version),
+            )
+        ]
+        tx.execute(
+            "DELETE FROM checkpoints WHERE model = ? AND kind = ? AND policy_version > ?",
+            (model, KIND_SAMPLER, version),
+        )
+        tx.execute("DELETE FROM idempotency WHERE model = ? AND policy_version > ?", (model, version))
+        tx.execute("DELETE FROM step_metrics WHERE model = ? AND policy_version > ?", (model, version))
+        tx.execute("UPDATE models SET policy_version = ? WHERE name = ?", (version, model))
+        return paths
+
+    # idempotency and metrics
+
+    def get_idempotency(self, model: str, key: str) -> IdempotencyRow | None:
+        row = self._db.execute(
+            "SELECT request_hash, policy_version, response FROM idempotency WHERE model = ? AND key = ?",
+            (model, key),
+        ).fetchone()
+        return IdempotencyRow(row[0], int(row[1]), bytes(row[2])) if row else None
+
+    def put_idempotency(
+        self, tx: sqlite3.Connection, model: str, key: str, request_hash: str, version: int, response: bytes
+    ) -> None:
+        tx.execute(
+            "INSERT INTO idempotency VALUES (?, ?, ?, ?, ?)", (model, key, request_hash, version, response)
+        )
+
+    def put_metrics(self, tx: sqlite3.Connection, model: str, version: int, metrics: bytes) -> None:
+        tx.execute(
+            "INSERT OR REPLACE INTO step_metrics VALUES (?, ?, ?, ?)", (model, version, metrics, time.time())
+        )
+
+
+def _model_row(row: sqlite3.Row) -> ModelRow:
+    values = dict(row)
+    for flag in ("train_mlp", "train_attn", "train_unembed"):
+        values[flag] = bool(values[flag])
+    return ModelRow(**values)
+
+
+def _checkpoint_row(row: sqlite3.Row) -> CheckpointRow:
+    values = dict(row)
+    values["automatic"] = bool(values["automatic"])
+    return CheckpointRow(**values)
+
+
+def _checkpoint_values(row: CheckpointRow) -> tuple[object, ...]:
+    return (
+        row.model,
+        row.kind,
+        row.name,
+        row.policy_version,
+        row.tinker_path,
+        row.create_time,
+        int(row.automatic),
+    )
