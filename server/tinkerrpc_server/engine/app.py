@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -453,9 +454,17 @@ def create_app(data_dir: Path, model_dir: Path) -> FastAPI:
                 "weight_decay": 0.0,
                 "grad_clip_norm": 0.0,
             }
-            params.update({k: float(v) for k, v in adam.items() if k in params})
-            if not all(math.isfinite(v) for v in params.values()) or params["learning_rate"] < 0:
-                raise EngineUserError(f"invalid adam_params {adam}")
+            for key, value in adam.items():
+                if key not in params:
+                    continue
+                # JSON has no NaN/inf: the SDK sends them as null.
+                if not isinstance(value, int | float) or not math.isfinite(value):
+                    raise EngineUserError(f"invalid adam_params: {key}={value!r} is not a finite number")
+                params[key] = float(value)
+            if params["learning_rate"] < 0:
+                raise EngineUserError(
+                    f"invalid adam_params: learning_rate {params['learning_rate']} is negative"
+                )
             metrics = engine.live_runtime(model_id).optim_step(model_id, **params)
             return JsonResult({"metrics": metrics})
 
@@ -695,9 +704,20 @@ def create_app(data_dir: Path, model_dir: Path) -> FastAPI:
     return app
 
 
+class _EngineServer(uvicorn.Server):
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises a captured SIGTERM/SIGINT after its graceful shutdown, which would make the
+        # process die by the signal; the engine exits 0 after a requested shutdown instead.
+        self._captured_signals.clear()
+
+
 def run_engine(host: str, port: int, data_dir: Path, model_dir: Path) -> None:
-    """Serve the engine until SIGTERM/SIGINT (then return normally)."""
+    """Serve the engine until SIGTERM/SIGINT, then return normally."""
     app = create_app(data_dir, model_dir)
     log.info("engine on http://%s:%d (data %s, models %s)", host, port, data_dir, model_dir)
     # No access log: clients long-poll retrieve_future; the worker logs one line per operation.
-    uvicorn.run(app, host=host, port=port, access_log=False, log_level="warning", timeout_graceful_shutdown=3)
+    config = uvicorn.Config(
+        app, host=host, port=port, access_log=False, log_level="warning", timeout_graceful_shutdown=3
+    )
+    _EngineServer(config).run()

@@ -43,7 +43,10 @@ class _TrainingOp:
 @dataclass
 class _ModelQueue:
     next_seq: int = 0
-    pending: list[_TrainingOp] = field(default_factory=list)
+    pending: list[_TrainingOp] = field(default_factory=list)  # heap by seq_id
+    # Requests without a seq_id are outside the client's numbering: they run in arrival order
+    # and never take a seq_id a client may still send.
+    unsequenced: list[_TrainingOp] = field(default_factory=list)
 
 
 @dataclass
@@ -101,14 +104,17 @@ class ComputeWorker:
                 queue = self._models[model_id] = _ModelQueue()
                 self._model_rotation.append(model_id)
             if seq_id is None:
-                seq_id = max([queue.next_seq, *(op.seq_id + 1 for op in queue.pending)])
+                queue.unsequenced.append(
+                    _TrainingOp(-1, next(self._arrivals), time.monotonic(), name, work, future)
+                )
             elif seq_id < queue.next_seq or any(op.seq_id == seq_id for op in queue.pending):
                 future.set_result(
                     FailedResult(f"seq_id {seq_id} was already used for model {model_id}", "user")
                 )
                 return
-            op = _TrainingOp(seq_id, next(self._arrivals), time.monotonic(), name, work, future)
-            heapq.heappush(queue.pending, op)
+            else:
+                op = _TrainingOp(seq_id, next(self._arrivals), time.monotonic(), name, work, future)
+                heapq.heappush(queue.pending, op)
             self._cond.notify()
 
     def submit_sample(
@@ -127,13 +133,6 @@ class ComputeWorker:
             group.requests.append(_SampleRequest(payload, future))
             self._cond.notify()
 
-    def forget_model(self, model_id: str) -> None:
-        with self._cond:
-            queue = self._models.get(model_id)
-            if queue is not None and not queue.pending:
-                del self._models[model_id]
-                self._model_rotation.remove(model_id)
-
     def stop(self) -> None:
         with self._cond:
             self._stopping = True
@@ -147,6 +146,9 @@ class ComputeWorker:
         wait: float | None = None
         for index, model_id in enumerate(self._model_rotation):
             queue = self._models[model_id]
+            if queue.unsequenced:
+                self._model_rotation = self._model_rotation[index + 1 :] + self._model_rotation[: index + 1]
+                return queue.unsequenced.pop(0), None
             if not queue.pending:
                 continue
             head = queue.pending[0]
@@ -204,7 +206,8 @@ class ComputeWorker:
         status = (
             "ok" if not isinstance(outcome, FailedResult) else f"{outcome.category} error: {outcome.message}"
         )
-        log.info("%s seq=%d %.1f ms %s", op.name, op.seq_id, elapsed_ms, status)
+        seq = f"seq={op.seq_id}" if op.seq_id >= 0 else "unsequenced"
+        log.info("%s %s %.1f ms %s", op.name, seq, elapsed_ms, status)
         op.future.set_result(outcome)
 
     def _run_sample_group(self, group: _SampleGroup) -> None:

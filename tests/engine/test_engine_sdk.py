@@ -1,0 +1,349 @@
+"""The unmodified tinker SDK against a real engine process: training, state, sampling, scheduling, errors."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+import torch
+from engine_proc import TINY, EngineProc
+from peft import PeftModel
+from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
+from tinker.proto.request_conv import forward_backward_request_to_proto
+from transformers import AutoModelForCausalLM
+
+ADAM = types.AdamParams(learning_rate=1e-2)
+
+
+def datum(tokens: list[int], weights: list[float] | None = None) -> types.Datum:
+    """Next-token datum: input tokens[:-1] predict tokens[1:]."""
+    n = len(tokens) - 1
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": np.asarray(tokens[1:], dtype=np.int64),
+            "weights": np.asarray(weights if weights is not None else [1.0] * n, dtype=np.float32),
+        },
+    )
+
+
+BATCH = [datum([11, 42, 17, 99, 23, 5]), datum([7, 8, 9, 10], [0.0, 1.0, 1.0])]
+PROBE = [datum([31, 32, 33, 34, 35, 36, 37])]
+
+
+def probe_logprobs(client: tinker.TrainingClient) -> np.ndarray:
+    """The model's logprobs on a fixed datum: a fingerprint of its weights (forward changes nothing)."""
+    out = client.forward(PROBE, "cross_entropy").result()
+    return np.concatenate([o["logprobs"].to_numpy() for o in out.loss_fn_outputs])
+
+
+def train_step(client: tinker.TrainingClient) -> float:
+    fwd = client.forward_backward(BATCH, "cross_entropy")
+    step = client.optim_step(ADAM)
+    loss = fwd.result().metrics["loss:sum"]
+    step.result()
+    return loss
+
+
+def new_model(service: tinker.ServiceClient, seed: int = 3) -> tinker.TrainingClient:
+    return service.create_lora_training_client(TINY, rank=4, seed=seed).result()
+
+
+def test_train_save_sample_and_resume_with_optimizer(service: tinker.ServiceClient) -> None:
+    client = new_model(service)
+    before = probe_logprobs(client)
+    first_loss = train_step(client)
+    assert not np.allclose(probe_logprobs(client), before), "an optimizer step must change the weights"
+    state_path = client.save_state("after-1").result().path
+    assert state_path == f"tinker://{client.model_id}/weights/after-1"
+    sampler_path = client.save_weights_for_sampler("after-1").result().path
+    assert sampler_path == f"tinker://{client.model_id}/sampler_weights/after-1"
+
+    second_loss = train_step(client)
+    assert second_loss < first_loss
+    uninterrupted = probe_logprobs(client)
+
+    resumed = service.create_training_client_from_state_with_optimizer(state_path).result()
+    assert resumed.model_id != client.model_id
+    assert train_step(resumed) == pytest.approx(second_loss, abs=1e-5)
+    np.testing.assert_allclose(probe_logprobs(resumed), uninterrupted, atol=1e-6)
+
+    # Weights only (fresh Adam state): same starting point, a different step.
+    fresh = service.create_training_client_from_state(state_path).result()
+    train_step(fresh)
+    assert not np.allclose(probe_logprobs(fresh), uninterrupted, atol=1e-6)
+
+    # Sampling from the sampler checkpoint scores the prompt with the saved weights.
+    sampler = service.create_sampling_client(model_path=sampler_path).result()
+    prompt = [*PROBE[0].model_input.to_ints(), 37]
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+    assert scored[0] is None and len(scored) == len(prompt)
+    at_save = resumed_at_state(service, state_path)
+    np.testing.assert_allclose(np.asarray(scored[1:], dtype=np.float32), at_save, atol=1e-4)
+
+    live = client.save_weights_and_get_sampling_client().result()
+    response = live.sample(
+        types.ModelInput.from_ints([5, 6, 7]), 3, types.SamplingParams(max_tokens=4)
+    ).result()
+    assert len(response.sequences) == 3
+    assert all(len(s.tokens) == len(s.logprobs or []) <= 4 for s in response.sequences)
+
+
+def resumed_at_state(service: tinker.ServiceClient, state_path: str) -> np.ndarray:
+    return probe_logprobs(service.create_training_client_from_state(state_path).result())
+
+
+def torch_reference_logprobs(
+    model_dir: Path, adapter_dir: Path, data: list[types.Datum]
+) -> list[torch.Tensor]:
+    base = AutoModelForCausalLM.from_pretrained(model_dir / TINY, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    result = []
+    with torch.no_grad():
+        for d in data:
+            tokens = torch.tensor([d.model_input.to_ints()])
+            logits = model(input_ids=tokens).logits[0].float()
+            targets = torch.as_tensor(d.loss_fn_inputs["target_tokens"].to_numpy())
+            result.append(torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0])
+    return result
+
+
+def test_losses_match_plain_torch(service: tinker.ServiceClient, engine: EngineProc) -> None:
+    client = new_model(service, seed=11)
+    train_step(client)  # move away from the zero-initialised LoRA so the adapter matters
+    path = client.save_weights_for_sampler("reference").result().path
+    adapter_dir = engine.data_dir / "runs" / client.model_id / "sampler_weights" / "reference"
+    assert (adapter_dir / "adapter_model.safetensors").is_file(), path
+    reference = torch_reference_logprobs(engine.model_dir, adapter_dir, BATCH)
+
+    ce = client.forward(BATCH, "cross_entropy").result()
+    for out, ref in zip(ce.loss_fn_outputs, reference, strict=True):
+        np.testing.assert_allclose(out["logprobs"].to_numpy(), ref.numpy(), atol=1e-4)
+    weights = [torch.as_tensor(d.loss_fn_inputs["weights"].to_numpy()) for d in BATCH]
+    expected_ce = -sum(float((lp * w).sum()) for lp, w in zip(reference, weights, strict=True))
+    assert ce.metrics["loss:sum"] == pytest.approx(expected_ce, rel=1e-4)
+
+    rng = np.random.default_rng(0)
+    ppo_data, expected_ppo = [], 0.0
+    for d, lp in zip(BATCH, reference, strict=True):
+        n = len(lp)
+        # Sampler logprobs off by up to ±0.5 so that both clip sides are hit.
+        sampled = lp.numpy() + rng.uniform(-0.5, 0.5, n).astype(np.float32)
+        advantages = rng.normal(size=n).astype(np.float32)
+        ppo_data.append(
+            types.Datum(
+                model_input=d.model_input,
+                loss_fn_inputs={
+                    "target_tokens": d.loss_fn_inputs["target_tokens"],
+                    "logprobs": sampled,
+                    "advantages": advantages,
+                },
+            )
+        )
+        ratio = torch.exp(lp - torch.as_tensor(sampled))
+        adv = torch.as_tensor(advantages)
+        expected_ppo += -float(torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv).sum())
+    ppo = client.forward(ppo_data, "ppo").result()
+    assert ppo.metrics["loss:sum"] == pytest.approx(expected_ppo, rel=1e-4, abs=1e-5)
+    for out, ref in zip(ppo.loss_fn_outputs, reference, strict=True):
+        np.testing.assert_allclose(out["logprobs"].to_numpy(), ref.numpy(), atol=1e-4)
+
+
+def test_sampling_seed_and_stops(service: tinker.ServiceClient) -> None:
+    sampler = service.create_sampling_client(base_model=TINY).result()
+    prompt = types.ModelInput.from_ints([3, 14, 15, 92])
+
+    def sample(**params: object) -> list[list[int]]:
+        response = sampler.sample(prompt, 2, types.SamplingParams(**params)).result()  # type: ignore[arg-type]
+        return [list(s.tokens) for s in response.sequences]
+
+    same = sample(max_tokens=12, seed=7, stop=[])
+    assert same == sample(max_tokens=12, seed=7, stop=[])
+    assert all(len(s) == 12 for s in same), "stop=[] disables EOS: every sample runs to max_tokens"
+    assert same != sample(max_tokens=12, seed=8, stop=[])
+
+    stop_token = same[0][4]
+    stopped = sampler.sample(
+        prompt, 1, types.SamplingParams(max_tokens=12, seed=7, stop=[stop_token])
+    ).result()
+    seq = stopped.sequences[0]
+    assert seq.stop_reason == "stop"
+    assert list(seq.tokens) == same[0][: same[0].index(stop_token) + 1]
+
+    long = (
+        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=12, seed=7, stop=[])).result().sequences[0]
+    )
+    assert long.stop_reason == "length"
+
+
+def test_concurrent_samples_are_batched(service: tinker.ServiceClient, engine: EngineProc) -> None:
+    sampler = service.create_sampling_client(base_model=TINY).result()
+    before = engine.stats()
+    futures = [
+        sampler.sample(
+            types.ModelInput.from_ints([20 + i, 21, 22]), 2, types.SamplingParams(max_tokens=16, seed=i)
+        )
+        for i in range(8)
+    ]
+    results = [f.result() for f in futures]
+    after = engine.stats()
+    assert all(len(r.sequences) == 2 for r in results)
+    requests = after["sample_requests"] - before["sample_requests"]
+    batches = after["sample_batches"] - before["sample_batches"]
+    assert requests == 8
+    assert batches < requests, f"8 concurrent requests ran in {batches} batches"
+    assert after["largest_sample_batch"] >= 2
+
+
+def _post_proto(engine: EngineProc, request: types.ForwardBackwardRequest) -> str:
+    body = forward_backward_request_to_proto(request).SerializeToString()
+    response = httpx.post(
+        f"{engine.base_url}/api/v1/forward_backward",
+        content=body,
+        headers={"Content-Type": "application/x-protobuf", "X-API-Key": "tml-local"},
+    )
+    response.raise_for_status()
+    return str(response.json()["request_id"])
+
+
+def _retrieve(engine: EngineProc, request_id: str) -> httpx.Response:
+    response = httpx.post(
+        f"{engine.base_url}/api/v1/retrieve_future", json={"request_id": request_id}, timeout=60
+    )
+    response.raise_for_status()
+    return response
+
+
+def test_operations_run_in_seq_order_even_when_they_arrive_out_of_order(
+    service: tinker.ServiceClient, engine: EngineProc
+) -> None:
+    client = new_model(service, seed=5)
+    initial = probe_logprobs(client)  # seq 1
+    # seq 3 (optim_step) arrives before seq 2 (forward): the engine must still run the forward first.
+    optim = httpx.post(
+        f"{engine.base_url}/api/v1/optim_step",
+        json={"model_id": client.model_id, "seq_id": 3, "adam_params": {"learning_rate": 0.05}},
+    ).json()["request_id"]
+    fwd_request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=PROBE + BATCH, loss_fn="cross_entropy"),
+        model_id=client.model_id,
+        seq_id=2,
+    )
+    fwd = _post_proto(engine, fwd_request)
+    assert "metrics" in _retrieve(engine, optim).json()
+    output = pb.ForwardBackwardOutput.FromString(_retrieve(engine, fwd).content)
+    offsets = np.frombuffer(output.loss_fn_outputs[0].fields["logprobs"].offsets, dtype=np.int64)
+    values = np.frombuffer(output.loss_fn_outputs[0].fields["logprobs"].data, dtype=np.float32)
+    # The forward saw the weights from before the step; the step ran after it.
+    np.testing.assert_allclose(values[: offsets[1] // 4], initial, atol=1e-6)
+    assert not np.allclose(probe_logprobs_raw(engine, client.model_id, seq_id=4), initial)
+
+
+def probe_logprobs_raw(engine: EngineProc, model_id: str, seq_id: int) -> np.ndarray:
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=PROBE, loss_fn="cross_entropy"),
+        model_id=model_id,
+        seq_id=seq_id,
+    )
+    proto = forward_backward_request_to_proto(request)
+    proto.forward_only = True
+    response = httpx.post(
+        f"{engine.base_url}/api/v1/forward_backward",
+        content=proto.SerializeToString(),
+        headers={"Content-Type": "application/x-protobuf"},
+    )
+    output = pb.ForwardBackwardOutput.FromString(_retrieve(engine, response.json()["request_id"]).content)
+    return np.frombuffer(output.loss_fn_outputs[0].fields["logprobs"].data, dtype=np.float32)
+
+
+def test_bad_inputs_fail_clearly_and_change_nothing(
+    service: tinker.ServiceClient, engine: EngineProc
+) -> None:
+    client = new_model(service, seed=21)
+    untouched = new_model(service, seed=21)
+    train_step(client)
+    train_step(untouched)
+    state = client.save_state("good").result().path
+    sampler_path = client.save_weights_for_sampler("good").result().path
+
+    def expect_error(call: object, *fragments: str) -> None:
+        with pytest.raises((tinker.RequestFailedError, tinker.APIStatusError)) as info:
+            call.result()  # type: ignore[attr-defined]
+        for fragment in fragments:
+            assert fragment in str(info.value), str(info.value)
+
+    target = BATCH[0].loss_fn_inputs
+    out_of_vocab = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 10**6, 3, 4, 5]), loss_fn_inputs=target
+    )
+    expect_error(client.forward_backward([BATCH[1], out_of_vocab], "cross_entropy"), "vocab")
+    short_weights = datum([11, 42, 17, 99, 23, 5], [1.0, 1.0])
+    expect_error(client.forward_backward([BATCH[1], short_weights], "cross_entropy"), "weights")
+    expect_error(client.forward_backward(BATCH, "no_such_loss"), "no_such_loss")
+    expect_error(client.forward_backward(BATCH, "ppo"), "advantages")
+    expect_error(client.optim_step(types.AdamParams(learning_rate=float("nan"))), "adam_params")
+    expect_error(client.save_state("../escape"), "invalid")
+    expect_error(client.save_state("good"), "already exists")
+    expect_error(service.create_training_client_from_state(f"{state}-missing"), "no checkpoint")
+    expect_error(service.create_training_client_from_state_with_optimizer(sampler_path), "optimizer")
+    expect_error(service.create_sampling_client(model_path=f"{sampler_path}-missing"), "no checkpoint")
+    sampler = service.create_sampling_client(model_path=sampler_path).result()
+    expect_error(
+        sampler.sample(types.ModelInput.from_ints([5, 10**6]), 1, types.SamplingParams(max_tokens=2))
+    )
+
+    # Empty data never leaves the SDK (it raises locally), so send it raw.
+    empty = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[], loss_fn="cross_entropy"),
+        model_id=client.model_id,
+    )
+    failure = _retrieve(engine, _post_proto(engine, empty)).json()
+    assert failure["category"] == "user" and "empty" in failure["error"]
+    unknown = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=BATCH, loss_fn="cross_entropy"),
+        model_id="nobody:train:0",
+    )
+    failure = _retrieve(engine, _post_proto(engine, unknown)).json()
+    assert failure["category"] == "user" and "unknown model" in failure["error"]
+
+    # Nothing above touched the weights, the Adam state or the accumulated gradients.
+    assert train_step(client) == pytest.approx(train_step(untouched), abs=1e-5)
+    np.testing.assert_allclose(probe_logprobs(client), probe_logprobs(untouched), atol=1e-6)
+
+
+def test_rest_client_lists_runs_and_deletes_checkpoints(
+    service: tinker.ServiceClient, engine: EngineProc
+) -> None:
+    client = new_model(service, seed=2)
+    state = client.save_state("kept").result().path
+    doomed = client.save_weights_for_sampler("doomed").result().path
+    rest = tinker.RestClient(base_url=engine.base_url, api_key="tml-local")
+
+    runs = {r.training_run_id: r for r in rest.list_training_runs(limit=100).result().training_runs}
+    assert runs[client.model_id].base_model == TINY and runs[client.model_id].lora_rank == 4
+    run = rest.get_training_run(client.model_id).result()
+    assert run.last_checkpoint is not None and run.last_checkpoint.tinker_path == state
+
+    listed = {c.tinker_path: c for c in rest.list_checkpoints(client.model_id).result().checkpoints}
+    assert set(listed) == {state, doomed}
+    assert listed[doomed].checkpoint_type == "sampler" and (listed[doomed].size_bytes or 0) > 0
+
+    rest.delete_checkpoint_from_tinker_path(doomed).result()
+    assert [c.tinker_path for c in rest.list_checkpoints(client.model_id).result().checkpoints] == [state]
+    assert not (engine.data_dir / "runs" / client.model_id / "sampler_weights" / "doomed").exists()
+    with pytest.raises(tinker.NotFoundError):
+        rest.delete_checkpoint_from_tinker_path(doomed).result()
+
+
+def test_two_models_on_one_base_do_not_interfere(service: tinker.ServiceClient) -> None:
+    a, b, b_alone = (new_model(service, seed=s) for s in (1, 2, 2))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda c: [train_step(c) for _ in range(2)], [a, b]))
+    train_step(b_alone)
+    train_step(b_alone)
+    np.testing.assert_allclose(probe_logprobs(b), probe_logprobs(b_alone), atol=1e-6)
