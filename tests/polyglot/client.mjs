@@ -82,12 +82,15 @@ function expect(condition, message) {
   if (!condition) throw new ClientFailure(`contract mismatch: ${message}`);
 }
 
-/** Wraps a callback-style unary stub in a promise with a per-call deadline. */
-function unaryCaller(stub, timeoutSeconds) {
+/** Wraps a callback-style unary stub in a promise with a per-call deadline; appends each call's
+ * method and wall time (ms) to `timings`. */
+function unaryCaller(stub, timeoutSeconds, timings) {
   return (method, request) =>
     new Promise((resolve, reject) => {
+      const started = performance.now();
       const deadline = new Date(Date.now() + timeoutSeconds * 1000);
       stub[method](request, { deadline }, (error, response) => {
+        timings.push([method, Math.round(performance.now() - started)]);
         if (error) reject(new RpcFailure(method, error));
         else resolve(response);
       });
@@ -135,7 +138,8 @@ function summariseSequences(response) {
 async function run({ target, baseModel, timeoutSeconds }) {
   const TrainerService = loadTrainerService();
   const stub = new TrainerService(target, grpc.credentials.createInsecure());
-  const call = unaryCaller(stub, timeoutSeconds);
+  const timings = [];
+  const call = unaryCaller(stub, timeoutSeconds, timings);
   try {
     const name = `node-${randomUUID().slice(0, 8)}`;
     const created = await call("CreateModel", { name, base_model: baseModel, seed: 0 });
@@ -229,6 +233,7 @@ async function run({ target, baseModel, timeoutSeconds }) {
         sampler_checkpoint: trained.sampler_checkpoint?.name ?? null,
       },
       pinned_samples: summariseSequences(pinned),
+      rpc_ms: timings,
     };
   } finally {
     stub.close();

@@ -55,10 +55,15 @@ def _serving(channel: grpc.Channel) -> bool:
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A `tinkerrpc serve` with its embedded engine; the tiny chat model is generated into a fresh model dir."""
     tmp = tmp_path_factory.mktemp("polyglot")
     port = free_port()
     proc = Proc(
-        tinkerrpc_cmd("serve", "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(tmp / "data")),
+        tinkerrpc_cmd(
+            "serve",
+            *("--host", "127.0.0.1", "--port", str(port)),
+            *("--data-dir", str(tmp / "data"), "--model-dir", str(tmp / "models")),
+        ),
         tmp / "serve.log",
     )
     address = f"127.0.0.1:{port}"
@@ -102,6 +107,14 @@ def test_node_client_trains_one_step_and_samples_the_new_version(node: str, targ
         "current": 1,
         "pinned_sample": 1,
     }
+    assert [method for method, _ in observed["rpc_ms"]] == [
+        "CreateModel",
+        "Sample",
+        "Train",
+        "Train",
+        "GetModel",
+        "Sample",
+    ]
     assert observed["base_model"] == "tinkerrpc/tiny-chat"
     assert {0, 1} <= set(observed["sampleable_versions"])
     assert observed["model"] in _model_names(target)
