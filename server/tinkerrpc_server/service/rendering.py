@@ -88,7 +88,12 @@ class ModelText:
 def default_renderer_name(base_model: str) -> str:
     if base_model.startswith("tinkerrpc/"):
         return "qwen3"
-    return str(model_info.get_recommended_renderer_name(base_model))
+    try:
+        return str(model_info.get_recommended_renderer_name(base_model))
+    except Exception as err:
+        raise UnknownRendererError(
+            f"no recommended renderer for {base_model!r} ({err}); name one explicitly"
+        ) from err
 
 
 def _context_length(local_dir: Path | None, tokenizer: Tokenizer) -> int:
@@ -111,8 +116,9 @@ class TextCache:
         self._allow_remote = allow_remote_tokenizers
         self._cache: dict[tuple[str, str], ModelText] = {}
 
-    def get(self, base_model: str, renderer_name: str) -> ModelText:
-        """Raises model_store.UnknownBaseModelError or UnknownRendererError for bad names."""
+    def get(self, base_model: str, renderer_name: str = "") -> ModelText:
+        """The model's text tools; an empty renderer name means the recommended one for the base model.
+        Raises model_store.UnknownBaseModelError or UnknownRendererError for bad names."""
         key = (base_model, renderer_name)
         cached = self._cache.get(key)
         if cached is not None:
@@ -125,6 +131,7 @@ class TextCache:
                 raise
             local_dir = None
         tokenizer = get_tokenizer(str(local_dir) if local_dir is not None else base_model)
+        renderer_name = renderer_name or default_renderer_name(base_model)
         try:
             renderer = renderers.get_renderer(renderer_name, tokenizer)
         except (ValueError, KeyError, NotImplementedError) as err:

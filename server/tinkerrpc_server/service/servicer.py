@@ -46,7 +46,6 @@ from tinkerrpc_server.service.rendering import (
     UnknownRendererError,
     check_messages,
     check_tools,
-    default_renderer_name,
     to_cookbook_messages,
     to_proto_message,
 )
@@ -276,21 +275,20 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
             raise errors.already_exists(
                 MODEL_RESOURCE, request.name, f"model {request.name!r} already exists"
             )
-        renderer = request.renderer or default_renderer_name(request.base_model)
         runtime = ModelRuntime()
         self._runtimes[request.name] = runtime
         try:
             async with runtime.lock:
-                return await self._create_model(request, renderer, runtime)
+                return await self._create_model(request, runtime)
         except BaseException:
             self._runtimes.pop(request.name, None)
             raise
 
     async def _create_model(
-        self, request: pb.CreateModelRequest, renderer: str, runtime: ModelRuntime
+        self, request: pb.CreateModelRequest, runtime: ModelRuntime
     ) -> pb.CreateModelResponse:
         try:
-            text = await asyncio.to_thread(self._texts.get, request.base_model, renderer)
+            text = await asyncio.to_thread(self._texts.get, request.base_model, request.renderer)
         except model_store.UnknownBaseModelError as err:
             raise errors.invalid_argument([("base_model", str(err))]) from err
         except UnknownRendererError as err:
@@ -316,7 +314,7 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
             name=request.name,
             base_model=request.base_model,
             lora_rank=rank,
-            renderer=renderer,
+            renderer=text.renderer_name,
             seed=seed,
             vocab_size=text.vocab_size,
             max_context_length=text.max_context_length,

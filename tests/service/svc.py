@@ -1,0 +1,175 @@
+"""Helpers for the service tests: a real `tinkerrpc serve` (with its embedded engine child), stubs,
+decoded error details, and the probes the tests compare (prompt logprobs at a policy version)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import grpc
+from google.protobuf.message import Message as ProtoMessage
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
+
+from procs import Proc, free_port, tinkerrpc_cmd
+from tinkerrpc.v1 import trainer_service_pb2 as pb
+from tinkerrpc.v1 import trainer_service_pb2_grpc, types_pb2
+
+TINY = "tinkerrpc/tiny-chat"
+START_TIMEOUT = 240.0
+CALL_TIMEOUT = 120.0
+
+
+class Server:
+    """A `tinkerrpc serve` process on 127.0.0.1 and a channel to it."""
+
+    def __init__(
+        self, data_dir: Path, model_dir: Path, log_path: Path, env: dict[str, str] | None = None, *extra: str
+    ) -> None:
+        self.port = free_port()
+        self.proc = Proc(
+            tinkerrpc_cmd(
+                "serve",
+                "--port",
+                str(self.port),
+                "--data-dir",
+                str(data_dir),
+                "--model-dir",
+                str(model_dir),
+                *extra,
+            ),
+            log_path,
+            env=env,
+        )
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = trainer_service_pb2_grpc.TrainerServiceStub(self.channel)
+        health = health_pb2_grpc.HealthStub(self.channel)
+        self.proc.wait_ready(
+            lambda: (
+                health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                == health_pb2.HealthCheckResponse.SERVING
+            ),
+            timeout=START_TIMEOUT,
+        )
+
+    def engine_pid(self) -> int:
+        match = re.search(r"embedded engine starting \(pid (\d+)\)", self.proc.log())
+        assert match, "the server log names its engine child"
+        return int(match.group(1))
+
+    def close(self) -> int:
+        self.channel.close()
+        return self.proc.stop()
+
+
+def create_model(
+    stub: trainer_service_pb2_grpc.TrainerServiceStub, name: str, rank: int = 8
+) -> types_pb2.ModelInfo:
+    response = stub.CreateModel(
+        pb.CreateModelRequest(name=name, base_model=TINY, lora=types_pb2.LoraConfig(rank=rank), seed=7),
+        timeout=CALL_TIMEOUT,
+    )
+    return response.model
+
+
+def user(text: str) -> types_pb2.Message:
+    return types_pb2.Message(role=types_pb2.ROLE_USER, content=text)
+
+
+def assistant(text: str) -> types_pb2.Message:
+    return types_pb2.Message(role=types_pb2.ROLE_ASSISTANT, content=text)
+
+
+def sample_chat(
+    stub: trainer_service_pb2_grpc.TrainerServiceStub,
+    model: str,
+    text: str,
+    n: int = 4,
+    max_tokens: int = 4,
+    seed: int | None = 1,
+    version: int | None = None,
+) -> pb.SampleResponse:
+    params = types_pb2.SamplingParams(n=n, max_tokens=max_tokens)
+    if seed is not None:
+        params.seed = seed
+    request = pb.SampleRequest(model=model, chat=pb.ChatPrompt(messages=[user(text)]), params=params)
+    if version is not None:
+        request.policy_version = version
+    return stub.Sample(request, timeout=CALL_TIMEOUT)
+
+
+def prompt_logprobs(
+    stub: trainer_service_pb2_grpc.TrainerServiceStub,
+    model: str,
+    tokens: list[int],
+    version: int | None = None,
+) -> list[float]:
+    """The policy's log-probabilities of `tokens` (position 0 excluded): a fingerprint of its weights."""
+    request = pb.SampleRequest(
+        model=model,
+        tokens=pb.TokenPrompt(token_ids=tokens),
+        params=types_pb2.SamplingParams(max_tokens=1, seed=0, include_prompt_logprobs=True),
+    )
+    if version is not None:
+        request.policy_version = version
+    return list(stub.Sample(request, timeout=CALL_TIMEOUT).prompt_logprobs)[1:]
+
+
+def rl_request(
+    model: str,
+    sample: pb.SampleResponse,
+    rewards: list[float],
+    learning_rate: float = 1e-2,
+    idempotency_key: str = "",
+) -> pb.TrainRequest:
+    """One group: the sampled sequences as single-turn trajectories with the given rewards."""
+    request = pb.TrainRequest(
+        model=model, adam=types_pb2.AdamParams(learning_rate=learning_rate), idempotency_key=idempotency_key
+    )
+    group = request.groups.add()
+    for sequence, reward in zip(sample.sequences, rewards, strict=True):
+        trajectory = group.trajectories.add(reward=reward)
+        trajectory.turns.add(
+            prompt_token_ids=sample.prompt_token_ids,
+            completion_token_ids=sequence.token_ids,
+            completion_logprobs=sequence.logprobs,
+            policy_version=sequence.policy_version,
+        )
+    return request
+
+
+def error_details(err: grpc.RpcError) -> list[ProtoMessage]:
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    assert status is not None, f"{err.code()} carries no google.rpc status details"
+    details: list[ProtoMessage] = []
+    for packed in status.details:
+        for detail_type in (
+            error_details_pb2.BadRequest,
+            error_details_pb2.ErrorInfo,
+            error_details_pb2.ResourceInfo,
+        ):
+            if packed.Is(detail_type.DESCRIPTOR):
+                detail = detail_type()
+                packed.Unpack(detail)
+                details.append(detail)
+    return details
+
+
+def violated_fields(err: grpc.RpcError) -> list[str]:
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    bad = [d for d in error_details(err) if isinstance(d, error_details_pb2.BadRequest)]
+    assert bad, "INVALID_ARGUMENT carries a BadRequest"
+    return [v.field for v in bad[0].field_violations]
+
+
+def error_info(err: grpc.RpcError) -> error_details_pb2.ErrorInfo:
+    infos = [d for d in error_details(err) if isinstance(d, error_details_pb2.ErrorInfo)]
+    assert infos, f"{err.code()} carries an ErrorInfo"
+    return infos[0]
+
+
+def resource_info(err: grpc.RpcError) -> error_details_pb2.ResourceInfo:
+    infos = [d for d in error_details(err) if isinstance(d, error_details_pb2.ResourceInfo)]
+    assert infos, f"{err.code()} carries a ResourceInfo"
+    return infos[0]
