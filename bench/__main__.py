@@ -1,0 +1,129 @@
+"""`python -m bench [--short] [--out bench/results.json]`: run every comparison, write results.json and
+results.png beside it, print the markdown table. Exits 1 when a comparison could not run."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from bench import machine, report, sampling, serialization, training
+from bench.engine_process import EngineProcess
+from bench.workload import FULL, SHORT, BenchModel, Settings, prepare_model
+from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
+
+
+@dataclass
+class Context:
+    settings: Settings
+    model_dir: Path
+    work_dir: Path
+    threads: int
+    stack: contextlib.ExitStack
+    _model: BenchModel | None = None
+    _engine: EngineProcess | None = None
+    _peak: tuple[float, int] | None = field(default=None)
+
+    @property
+    def model(self) -> BenchModel:
+        if self._model is None:
+            self._model = prepare_model(self.settings, self.model_dir)
+        return self._model
+
+    @property
+    def engine(self) -> EngineProcess:
+        """One engine process for the compute-bound figures, started on first use."""
+        if self._engine is None:
+            self._engine = self.stack.enter_context(
+                EngineProcess(
+                    self.work_dir / "engine", self.model_dir, self.work_dir / "engine.log", self.threads
+                )
+            )
+        return self._engine
+
+    @property
+    def peak_matmul(self) -> tuple[float, int]:
+        if self._peak is None:
+            self._peak = machine.peak_matmul_flops(self.settings.matmul_sizes, self.settings.matmul_repeats)
+        return self._peak
+
+
+def _training(ctx: Context) -> list[report.Figure]:
+    flops, size = ctx.peak_matmul
+    detail = f"{size}×{size}, {ctx.threads} threads: {flops / 1e9:.1f} GFLOP/s"
+    return training.measure(ctx.settings, ctx.engine, ctx.model, flops, detail)
+
+
+def _sampling(ctx: Context) -> list[report.Figure]:
+    return sampling.measure(ctx.settings, ctx.engine, ctx.model)
+
+
+def _serialization(ctx: Context) -> list[report.Figure]:
+    return serialization.measure(ctx.settings)
+
+
+COMPARISONS: dict[str, Callable[[Context], list[report.Figure]]] = {
+    "training": _training,
+    "sampling": _sampling,
+    "serialization": _serialization,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--short", action="store_true", help="small sizes: checks the harness, not the goals")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results.json")
+    parser.add_argument(
+        "--model-dir", type=Path, default=DEFAULT_MODEL_DIR, help="where bench models are cached"
+    )
+    parser.add_argument("--only", nargs="+", choices=sorted(COMPARISONS), help="run only these comparisons")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    settings = SHORT if args.short else FULL
+    threads = torch.get_num_threads()
+    started = time.perf_counter()
+    results = report.Results(machine=machine.describe_machine(threads), mode=settings.mode)
+    with tempfile.TemporaryDirectory(prefix="tinkerrpc-bench-") as tmp, contextlib.ExitStack() as stack:
+        ctx = Context(settings, args.model_dir, Path(tmp), threads, stack)
+        for name, run in COMPARISONS.items():
+            if args.only and name not in args.only:
+                continue
+            print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+            step_started = time.perf_counter()
+            try:
+                figures = run(ctx)
+            except Exception as exc:
+                traceback.print_exc()
+                results.errors[name] = f"{type(exc).__name__}: {exc}"
+                continue
+            results.figures.extend(figures)
+            for f in figures:
+                print(
+                    f"[bench]   {f.name}: {f.ratio:.2f}× ({f.ours:.4g} vs {f.baseline:.4g} {f.unit}) "
+                    f"in {time.perf_counter() - step_started:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        if ctx._peak is not None:
+            results.machine["matmul_peak_gflops"] = round(ctx._peak[0] / 1e9, 2)
+    results.wall_seconds = time.perf_counter() - started
+    results.machine["load_average_at_end"] = os.getloadavg()
+    results.write(args.out)
+    if results.figures:
+        report.plot_ratios(results, args.out.with_suffix(".png"))
+    print(report.markdown_table(results))
+    print(f"\n{settings.mode} run in {results.wall_seconds:.0f} s; results in {args.out}")
+    return 1 if results.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

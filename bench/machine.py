@@ -1,0 +1,62 @@
+"""What the figures were measured on, and the machine's own matmul FLOP/s (the MFU denominator)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from typing import Any
+
+import torch
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def describe_machine(threads: int) -> dict[str, Any]:
+    import peft
+    import tinker
+    import transformers
+
+    return {
+        "cpu_model": cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)),
+        "torch_threads": threads,
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "tinker": tinker.__version__,
+        "platform": platform.platform(),
+        "load_average_at_start": os.getloadavg(),
+    }
+
+
+def matmul_flops(size: int, repeats: int) -> float:
+    """Best sustained FLOP/s of fp32 square matmuls (median of `repeats` timed runs after a warm-up)."""
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    torch.mm(a, b)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - started)
+    return 2 * size**3 / statistics.median(times)
+
+
+def peak_matmul_flops(sizes: tuple[int, ...], repeats: int) -> tuple[float, int]:
+    """The best of matmul_flops over the sizes: (FLOP/s, size that reached it)."""
+    best = max((matmul_flops(size, repeats), size) for size in sizes)
+    return best[0], best[1]
