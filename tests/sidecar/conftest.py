@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
+import openai
 import pytest
-from sidecar_support import Sidecar, start_sidecar
+from sidecar_support import API_KEY, Sidecar, start_sidecar
 
-from procs import free_port
+import tinkerrpc
+from procs import Proc, free_port, tinkerrpc_cmd
 
 
 @pytest.fixture(scope="module")
@@ -16,3 +20,38 @@ def orphan_sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar
     sidecar = start_sidecar(f"127.0.0.1:{free_port()}", tmp_path_factory.mktemp("orphan") / "sidecar.log")
     yield sidecar
     assert sidecar.proc.stop() == 0, sidecar.proc.log()[-2000:]
+
+
+@dataclass
+class Stack:
+    """`tinkerrpc serve` (embedded engine) with a sidecar in front, and an SDK client on the server."""
+
+    grpc_target: str
+    sidecar: Sidecar
+    client: tinkerrpc.Client
+
+    def openai(self, **options: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.sidecar.openai_base_url, api_key=API_KEY, max_retries=0, **options)
+
+    def async_openai(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.sidecar.openai_base_url, api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    work = tmp_path_factory.mktemp("stack")
+    port = free_port()
+    server = Proc(
+        tinkerrpc_cmd("serve", "--port", str(port), "--data-dir", str(work / "data")), work / "serve.log"
+    )
+    target = f"127.0.0.1:{port}"
+    try:
+        client = tinkerrpc.Client(target, connect_timeout=180)
+        sidecar = start_sidecar(target, work / "sidecar.log")
+    except BaseException:
+        server.stop()
+        raise
+    yield Stack(target, sidecar, client)
+    client.close()
+    assert sidecar.proc.stop() == 0, sidecar.proc.log()[-2000:]
+    server.stop()
