@@ -1,0 +1,90 @@
+"""Base model resolution and the built-in tiny chat recipe."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from tinker_cookbook.renderers import get_renderer
+from tinker_cookbook.tokenizer_utils import get_tokenizer
+
+from tinkerrpc_server.model_store import (
+    TINY_CHAT,
+    UnknownBaseModelError,
+    build_tiny_model,
+    resolve_base_model,
+)
+
+
+def test_tiny_chat_is_built_deterministically(tiny_model_path: Path, tmp_path: Path) -> None:
+    rebuilt = resolve_base_model(TINY_CHAT, tmp_path / "models")
+    assert rebuilt == tmp_path / "models" / TINY_CHAT
+    names = sorted(p.name for p in tiny_model_path.iterdir())
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(names)
+    assert names == sorted(p.name for p in rebuilt.iterdir())
+    for name in names:
+        assert (tiny_model_path / name).read_bytes() == (rebuilt / name).read_bytes(), name
+
+
+def test_concurrent_builders_end_with_one_complete_model(tmp_path: Path) -> None:
+    target = tmp_path / "race" / "tiny"
+    errors: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            build_tiny_model(
+                target,
+                hidden_size=32,
+                num_layers=1,
+                num_heads=2,
+                num_kv_heads=1,
+                head_dim=16,
+                intermediate_size=64,
+            )
+        except BaseException as error:  # reported below; a thread cannot fail the test itself
+            errors.append(error)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors
+    assert (target / "config.json").is_file() and (target / "model.safetensors").is_file()
+    assert sorted(p.name for p in target.parent.iterdir()) == ["tiny"]  # no staging leftovers
+
+
+def test_resolution_order_and_unknown_names(tiny_model_path: Path, tmp_path: Path) -> None:
+    assert resolve_base_model(str(tiny_model_path), tmp_path / "empty") == tiny_model_path
+    model_dir = tiny_model_path.parent.parent
+    assert resolve_base_model(TINY_CHAT, model_dir) == tiny_model_path
+    with pytest.raises(UnknownBaseModelError) as caught:
+        resolve_base_model("Qwen/Qwen3-0.6B", tmp_path / "empty")
+    assert isinstance(caught.value, ValueError)
+    assert "Qwen/Qwen3-0.6B" in str(caught.value) and str(tmp_path / "empty") in str(caught.value)
+    assert not (tmp_path / "empty").exists()  # a failed lookup creates nothing
+
+
+def test_tokenizer_works_with_the_cookbook_qwen3_renderer(tiny_model_path: Path) -> None:
+    tokenizer = get_tokenizer(str(tiny_model_path))
+    for word in ("yes", "no", "maybe"):
+        assert len(tokenizer.encode(word, add_special_tokens=False)) == 1
+    for marker in ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>"):
+        assert len(tokenizer.encode(marker, add_special_tokens=False)) == 1, marker
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+
+    renderer = get_renderer("qwen3", tokenizer)
+    question = [{"role": "user", "content": "Respond with yes, no or maybe."}]
+    prompt = tokenizer.decode(renderer.build_generation_prompt(question).to_ints())
+    assert prompt == "<|im_start|>user\nRespond with yes, no or maybe.<|im_end|>\n<|im_start|>assistant\n"
+    model_input, weights = renderer.build_supervised_example(
+        [*question, {"role": "assistant", "content": "maybe"}]
+    )
+    trained = [t for t, w in zip(model_input.to_ints(), weights.tolist(), strict=True) if w > 0]
+    assert tokenizer.decode(trained).endswith("maybe<|im_end|>")
+    text = "The weather is fine, isn't it? 42 + ünïcode"
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+
+    chat = tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+    assert chat == prompt
