@@ -266,7 +266,12 @@ def test_tool_messages_and_tools_reach_the_renderer(stack: Stack, chat_model: st
     ]
     api = stack.openai()
     with_tools = api.chat.completions.create(
-        model=chat_model, messages=messages, tools=[WEATHER_TOOL], tool_choice="auto", max_tokens=3
+        model=chat_model,
+        messages=messages,
+        tools=[WEATHER_TOOL],
+        tool_choice="auto",
+        max_tokens=3,
+        logprobs=True,
     )
     prompt_ids = extra(with_tools, "prompt_token_ids")
     # The sidecar's prompt is exactly what the SDK's own Sample renders for the same conversation.

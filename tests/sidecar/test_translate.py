@@ -326,7 +326,9 @@ def test_stream_chunks_interleave_choices_and_reassemble_the_completion() -> Non
 
 
 def test_completion_uses_the_legacy_logprobs_shape() -> None:
-    request = CompletionRequest(model="run@3", prompt="p", logprobs=1, stream=True)
+    request = CompletionRequest(
+        model="run@3", prompt="p", logprobs=1, stream=True, stream_options={"include_usage": True}
+    )
     ref = translate.parse_model_id(request.model)
     args = translate.completion_sample_args(request, ref)
     sample = make_sample(["ab", "c", "de"])
@@ -344,6 +346,7 @@ def test_completion_uses_the_legacy_logprobs_shape() -> None:
         [2],
         [3],
     ]
+    assert chunks[-1].choices == [] and chunks[-1].usage == translate.usage_of([sample])
 
 
 def test_grpc_failures_map_to_http_in_one_place() -> None:

@@ -250,7 +250,7 @@ class Completion(BaseModel):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Usage | None
+    usage: Usage | None = None
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None
     policy_version: int

@@ -544,7 +544,6 @@ def completion_stream_chunks(
             created=created,
             model=model,
             choices=choices,
-            usage=None,
             policy_version=version,
             **extra,
         )
