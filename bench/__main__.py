@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from bench import machine, report, sampling, serialization, training
+from bench import machine, memory, overhead, report, sampling, serialization, training
 from bench.engine_process import EngineProcess
 from bench.workload import FULL, SHORT, BenchModel, Settings, prepare_model
 from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
@@ -67,14 +67,24 @@ def _sampling(ctx: Context) -> list[report.Figure]:
     return sampling.measure(ctx.settings, ctx.engine, ctx.model)
 
 
+def _overhead(ctx: Context) -> list[report.Figure]:
+    return overhead.measure(ctx.settings, ctx.work_dir, ctx.model_dir)
+
+
 def _serialization(ctx: Context) -> list[report.Figure]:
     return serialization.measure(ctx.settings)
+
+
+def _memory(ctx: Context) -> list[report.Figure]:
+    return memory.measure(ctx.settings, ctx.work_dir, ctx.model_dir)
 
 
 COMPARISONS: dict[str, Callable[[Context], list[report.Figure]]] = {
     "training": _training,
     "sampling": _sampling,
+    "overhead": _overhead,
     "serialization": _serialization,
+    "memory": _memory,
 }
 
 
@@ -90,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     settings = SHORT if args.short else FULL
     threads = torch.get_num_threads()
+    # Every child (engine, server, sidecar) computes with the thread count of the in-process baselines.
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     started = time.perf_counter()
     results = report.Results(machine=machine.describe_machine(threads), mode=settings.mode)
     with tempfile.TemporaryDirectory(prefix="tinkerrpc-bench-") as tmp, contextlib.ExitStack() as stack:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -17,14 +16,9 @@ from tinkerrpc_server.stack import free_port
 LOCAL_API_KEY = "tml-bench"
 
 
-def child_env(threads: int) -> dict[str, str]:
-    """Environment for bench children: the same torch thread count as the in-process baselines."""
-    return {**os.environ, "TINKER_TELEMETRY": "0", "OMP_NUM_THREADS": str(threads)}
-
-
 class EngineProcess:
     def __init__(
-        self, data_dir: Path, model_dir: Path, log_path: Path, threads: int, startup_timeout: float = 120.0
+        self, data_dir: Path, model_dir: Path, log_path: Path, startup_timeout: float = 120.0
     ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -35,7 +29,6 @@ class EngineProcess:
             "--host", "127.0.0.1", "--port", str(self.port),
             "--data-dir", str(data_dir), "--model-dir", str(model_dir),
         ]  # fmt: skip
-        self._env = child_env(threads)
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -49,7 +42,7 @@ class EngineProcess:
     def __enter__(self) -> EngineProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(self._cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env)
+            self._proc = subprocess.Popen(self._cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
             self._wait_healthy()
         except BaseException:

@@ -43,7 +43,7 @@ class Settings:
     # Serialization: completion tokens in the Train request.
     serialization_tokens: int
     serialization_repeats: int
-    # Memory: the demo's SFT / RL step caps.
+    # Memory: the demo's SFT / RL step caps (short: SFT only; a random model gives RL nothing to train).
     demo_sft_max_steps: int
     demo_rl_max_steps: int
     # Machine matmul FLOP/s measurement.
@@ -96,7 +96,7 @@ SHORT = Settings(
     serialization_tokens=20_000,
     serialization_repeats=1,
     demo_sft_max_steps=2,
-    demo_rl_max_steps=1,
+    demo_rl_max_steps=0,
     matmul_sizes=(256,),
     matmul_repeats=3,
 )

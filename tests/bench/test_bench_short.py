@@ -1,0 +1,71 @@
+"""`python -m bench --short` end to end: every comparison runs against real processes and results.json,
+the markdown table and the chart come out well formed. No ratio is asserted: short sizes prove the
+harness, not the goals."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.report import Figure, Results, markdown_table
+
+REPO = Path(__file__).resolve().parents[2]
+FIGURE_KEYS = {"name", "ours", "baseline", "unit", "ratio", "goal", "direction", "met", "detail"}
+EXPECTED_FIGURES = {
+    "engine training throughput",
+    "training MFU (6·P·tokens/s ÷ matmul peak)",
+    "engine sampling throughput",
+    "stack overhead: Train RPC vs tinker SDK",
+    "sidecar overhead: chat completion vs Sample RPC",
+    "Train request encode+decode",
+    "memory: peak RSS of server + engine in the demo",
+}
+
+
+def test_short_run_writes_well_formed_results(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench",
+        "--short",
+        "--out",
+        str(out),
+        "--model-dir",
+        str(tmp_path / "models"),
+    ]
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+
+    results = json.loads(out.read_text())
+    assert results["mode"] == "short"
+    assert results["errors"] == {}
+    machine = results["machine"]
+    assert machine["cpu_model"] and machine["torch"] and machine["torch_threads"] >= 1
+    assert machine["matmul_peak_gflops"] > 0
+    figures = results["figures"]
+    assert {f["name"] for f in figures} == EXPECTED_FIGURES
+    for f in figures:
+        assert set(f) == FIGURE_KEYS, f
+        assert math.isfinite(f["ours"]) and f["ours"] > 0, f
+        assert math.isfinite(f["baseline"]) and f["baseline"] > 0, f
+        assert math.isclose(f["ratio"], f["ours"] / f["baseline"], rel_tol=1e-9), f
+        assert f["direction"] in (">=", "<=") and f["goal"] > 0, f
+        assert f["met"] == (f["ratio"] >= f["goal"] if f["direction"] == ">=" else f["ratio"] <= f["goal"]), f
+
+    assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+    table_rows = [line for line in run.stdout.splitlines() if line.startswith("| ")]
+    assert len(table_rows) == 1 + len(EXPECTED_FIGURES)  # header + one row per figure
+
+
+def test_goal_direction_decides_met() -> None:
+    faster = Figure("throughput", ours=30.0, baseline=10.0, unit="tokens/s", goal=4.0, direction=">=")
+    leaner = Figure("overhead", ours=11.0, baseline=10.0, unit="ms", goal=1.15, direction="<=")
+    assert (faster.ratio, faster.met) == (3.0, False)
+    assert math.isclose(leaner.ratio, 1.1) and leaner.met
+    table = markdown_table(Results(machine={}, mode="short", figures=[faster, leaner]))
+    assert "| throughput | 30 | 10 | tokens/s | 3.00× | >= 4× | **no** |" in table
+    assert "| overhead | 11 | 10 | ms | 1.10× | <= 1.15× | yes |" in table
