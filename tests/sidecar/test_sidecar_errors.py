@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import httpx
 import openai
 import pytest
 from sidecar_support import API_KEY, Sidecar
+
+from procs import free_port
+from tinkerrpc_server.sidecar.app import serve_sidecar
 
 
 def client(sidecar: Sidecar, *, key: str = API_KEY, max_retries: int = 0) -> openai.OpenAI:
@@ -100,3 +104,25 @@ def test_metrics_count_requests_errors_and_latency(orphan_sidecar: Sidecar) -> N
         f"{orphan_sidecar.base_url}/v1/nowhere", headers={"authorization": f"Bearer {API_KEY}"}
     )
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "not_found"
+
+
+async def test_serve_sidecar_runs_on_a_host_loop_until_stopped() -> None:
+    """The form `tinkerrpc serve --sidecar-port` uses: no signal handling of its own, stops on an event."""
+    port = free_port()
+    stop = asyncio.Event()
+    serving = asyncio.create_task(serve_sidecar(f"127.0.0.1:{free_port()}", "127.0.0.1", port, None, stop))
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as http:
+        for _ in range(100):
+            try:
+                response = await http.get("/v1/models")
+                break
+            except httpx.TransportError:
+                await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the hosted sidecar never answered")
+    # No API key configured: the request is let through and fails only because no server is there.
+    assert response.status_code == 503
+    stop.set()
+    await asyncio.wait_for(serving, timeout=30)
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2)
