@@ -38,8 +38,11 @@ OPTIMIZER_META_FILE = "optimizer.json"
 
 # Padded tokens per micro-batch; bounds activation memory while keeping batches large.
 MICRO_BATCH_TOKENS = 8192
-# A datum joins the current micro-batch only if padding it costs under this share of its length.
+# A datum joins the current micro-batch if padding it wastes at most this share of the batch
+# width, or at most the fixed cost of one more forward/backward (in token equivalents, measured
+# on CPU: short sequences are cheaper padded together than run as separate micro-batches).
 MAX_PADDING_FRACTION = 0.25
+MICRO_BATCH_OVERHEAD_TOKENS = 64
 SAMPLER_CACHE_SIZE = 8
 
 
@@ -594,7 +597,8 @@ def bucket_by_length(lengths: list[int]) -> list[list[int]]:
             current = batches[-1]
             width = lengths[current[0]]
             fits_budget = (len(current) + 1) * width <= MICRO_BATCH_TOKENS
-            little_padding = width - lengths[index] <= MAX_PADDING_FRACTION * width
+            padding = width - lengths[index]
+            little_padding = padding <= max(MAX_PADDING_FRACTION * width, MICRO_BATCH_OVERHEAD_TOKENS)
             if fits_budget and little_padding:
                 current.append(index)
                 continue
