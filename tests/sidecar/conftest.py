@@ -53,5 +53,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         raise
     yield Stack(target, sidecar, client)
     client.close()
-    assert sidecar.proc.stop() == 0, sidecar.proc.log()[-2000:]
+    sidecar_status = sidecar.proc.stop()
     server.stop()
+    assert sidecar_status == 0, sidecar.proc.log()[-2000:]
