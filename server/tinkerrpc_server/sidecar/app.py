@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from tinkerrpc import AsyncClient, RetryPolicy, RPCError, Sample
 from tinkerrpc_server.sidecar import translate
@@ -47,6 +48,14 @@ def _validation_error(error: RequestValidationError) -> OpenAIError:
         return OpenAIError(400, "The request body is not valid JSON", param=None)
     detail = str(first.get("msg", "invalid request"))
     return OpenAIError(400, f"Invalid value for {param}: {detail}" if param else detail, param=param)
+
+
+def _route_label(app: FastAPI, request: Request) -> str:
+    """The matched route's template (bounded label values); requests refused before routing are matched here."""
+    route = request.scope.get("route") or next(
+        (r for r in app.router.routes if r.matches(request.scope)[0] == Match.FULL), None
+    )
+    return str(getattr(route, "path", "unmatched"))
 
 
 def _sse(chunks: Iterator[BaseModel]) -> Iterator[str]:
@@ -105,8 +114,7 @@ def create_app(grpc_target: str, api_key: str | None, grpc_token: str | None = N
                 response = await call_next(request)
         else:
             response = await call_next(request)
-        route = request.scope.get("route")
-        route_path = getattr(route, "path", "unmatched")
+        route_path = _route_label(app, request)
         metrics.requests.inc(route_path, str(response.status_code))
         metrics.latency.observe(time.perf_counter() - started, route_path)
         if response.status_code >= 400:
