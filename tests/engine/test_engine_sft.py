@@ -28,6 +28,8 @@ def answer_text(message: renderers.Message) -> str:
 
 
 def test_sft_teaches_the_answer_format(service: tinker.ServiceClient, engine: EngineProc) -> None:
+    # Creating the model makes the engine build the tiny model directory the tokenizer is read from.
+    client = service.create_lora_training_client(TINY, rank=8, seed=0).result()
     tokenizer = get_tokenizer(str(engine.model_dir / TINY))
     renderer = renderers.get_renderer("qwen3", tokenizer)
     rng = random.Random(0)
@@ -58,7 +60,6 @@ def test_sft_teaches_the_answer_format(service: tinker.ServiceClient, engine: En
         answers = [renderer.parse_response(list(s.tokens)) for r in responses for s in r.sequences]
         return sum(answer_text(message) in ANSWER_WORDS for message, _ in answers) / len(answers)
 
-    client = service.create_lora_training_client(TINY, rank=8, seed=0).result()
     assert valid_fraction(client) < 0.5, "the random model must not already know the format"
     started = time.monotonic()
     adam = types.AdamParams(learning_rate=5e-3)
