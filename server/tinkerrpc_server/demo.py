@@ -52,8 +52,11 @@ class DemoConfig:
     out_dir: Path
     target_reward: float = 0.9
     sft_batch: int = 32
-    sft_learning_rate: float = 3e-3
-    sft_max_steps: int = 150
+    # The qwen3 renderer frames each answer with an empty think block: ~8 tokens must become
+    # near-certain, which takes ~100 steps at 1e-2 on the random base (3e-3 needs ~140).
+    sft_learning_rate: float = 1e-2
+    sft_max_steps: int = 200
+    sft_eval_every: int = 10
     sft_valid_target: float = 0.95
     rl_prompts_per_step: int = 8
     rl_samples_per_prompt: int = 8
@@ -135,7 +138,7 @@ async def _sft(model: tinkerrpc.AsyncModel, config: DemoConfig, records: list[St
             for p in rng.choices(prompts, k=config.sft_batch)
         ]
         result = await model.train_supervised(batch, learning_rate=config.sft_learning_rate)
-        if step % 5 and step != config.sft_max_steps:
+        if step % config.sft_eval_every and step != config.sft_max_steps:
             continue
         valid = await _valid_rate(model, eval_prompts, config, seed=10_000 + step)
         record = StepRecord(
