@@ -8,6 +8,10 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tinkerrpc_server.service.engine_process import EmbeddedEngine
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -39,22 +43,34 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 def _serve(args: argparse.Namespace) -> int:
     from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
-    from tinkerrpc_server.server import ServerConfig, serve
+    from tinkerrpc_server.service.engine_process import EmbeddedEngine
 
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         print("tinkerrpc serve: --checkpoint-every must be >= 1", file=sys.stderr)
         return 2
+    model_dir = args.model_dir or DEFAULT_MODEL_DIR
+    # Without a Tinker key the embedded engine serves; it boots while the service modules import.
+    engine = None if os.environ.get("TINKER_API_KEY") else EmbeddedEngine(args.data_dir / "engine", model_dir)
+    try:
+        return _run_server(args, model_dir, engine)
+    finally:
+        if engine is not None:
+            engine.stop()
+
+
+def _run_server(args: argparse.Namespace, model_dir: Path, engine: EmbeddedEngine | None) -> int:
+    from tinkerrpc_server.server import ServerConfig, serve
 
     config = ServerConfig(
         host=args.host,
         port=args.port,
         data_dir=args.data_dir,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
-        model_dir=args.model_dir or DEFAULT_MODEL_DIR,
+        model_dir=model_dir,
         tinker_url=args.tinker_url,
         checkpoint_every=args.checkpoint_every,
     )
-    return asyncio.run(serve(config))
+    return asyncio.run(serve(config, engine))
 
 
 def _add_engine(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -14,7 +14,8 @@ from grpc_reflection.v1alpha import reflection
 
 from tinkerrpc.v1 import trainer_service_pb2, trainer_service_pb2_grpc
 from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
-from tinkerrpc_server.service.backend import BackendStartError, start_backend
+from tinkerrpc_server.service.backend import connect_backend
+from tinkerrpc_server.service.engine_process import BackendStartError, EmbeddedEngine
 from tinkerrpc_server.service.rendering import TextCache
 from tinkerrpc_server.service.servicer import TrainerService
 from tinkerrpc_server.service.store import Store
@@ -44,20 +45,27 @@ class ServerConfig:
     shutdown_grace_seconds: float = 30.0
 
 
-async def serve(config: ServerConfig) -> int:
-    """Run until SIGTERM/SIGINT; returns the process exit code."""
+async def serve(config: ServerConfig, engine: EmbeddedEngine | None) -> int:
+    """Run until SIGTERM/SIGINT; returns the process exit code. `engine` is the embedded engine child,
+    already starting (None: use Tinker itself, TINKER_API_KEY is set)."""
     config.data_dir.mkdir(parents=True, exist_ok=True)
+    store = Store(config.data_dir / "tinkerrpc.sqlite3")
+    texts = TextCache(config.model_dir, allow_remote_tokenizers=engine is None)
+    # Tokenizers load while the engine boots.
+    preload = asyncio.create_task(
+        asyncio.to_thread(texts.preload, [(m.base_model, m.renderer) for m in store.list_models()])
+    )
     try:
-        backend = await start_backend(config.data_dir, config.model_dir, config.tinker_url)
+        backend = await connect_backend(engine, config.tinker_url)
+        await preload
     except BackendStartError as err:
         log.error("cannot start: %s", err)
+        store.close()
         return 1
-    store = Store(config.data_dir / "tinkerrpc.sqlite3")
     try:
         checkpoint_every = config.checkpoint_every or (
             DEFAULT_CHECKPOINT_EVERY_EMBEDDED if backend.embedded else DEFAULT_CHECKPOINT_EVERY_TINKER
         )
-        texts = TextCache(config.model_dir, allow_remote_tokenizers=not backend.embedded)
         return await _serve(config, TrainerService(store, backend, texts, checkpoint_every))
     finally:
         backend.close()

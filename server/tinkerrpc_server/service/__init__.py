@@ -1,0 +1,21 @@
+"""The TrainerService layer: validation, policy versions, trajectory → Datum, advantages, idempotency and
+checkpoint bookkeeping in SQLite, over the tinker SDK (Tinker itself or the embedded engine child).
+
+Behaviours a client can rely on, beyond the proto comments:
+- Train is N → N+1 or an error that changes nothing. When staleness drops and zero-variance groups leave
+  nothing to train, it fails FAILED_PRECONDITION (ErrorInfo NOTHING_TO_TRAIN, counts in its metadata)
+  instead of stepping the optimizer on no data.
+- Groups train with a policy-gradient loss (importance sampling by default); supervised examples with
+  cross-entropy only. Advantages are reward − group mean, optionally over (population std + 1e-6), after
+  stale trajectories were dropped; a trajectory's staleness is measured from its oldest sampled turn.
+- Stop strings and stop token ids together: Tinker takes one kind per request, so the token ids are sent
+  as their decoded texts.
+- Recovery point: with --checkpoint-every 1 (the embedded default) every committed version is one. With
+  K > 1 a restart (or a Train after a failed/cancelled one) rolls the model back to its last full-state
+  checkpoint: the later versions' samplers, metrics and idempotency records are dropped, so version,
+  weights and optimizer state always agree.
+- The state checkpoint a model would recover from cannot be deleted (FAILED_PRECONDITION
+  RECOVERY_CHECKPOINT), nor can the current version's sampler (CURRENT_SAMPLER_CHECKPOINT).
+- SaveCheckpoint without a name at a version that already has its automatic `step_NNNNNN` returns that
+  checkpoint (it holds exactly this state); an explicit duplicate name is ALREADY_EXISTS.
+"""

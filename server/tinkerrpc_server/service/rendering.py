@@ -116,6 +116,14 @@ class TextCache:
         self._allow_remote = allow_remote_tokenizers
         self._cache: dict[tuple[str, str], ModelText] = {}
 
+    def preload(self, models: list[tuple[str, str]]) -> None:
+        """Load these (base model, renderer) pairs now, or at least the tokenizer machinery, so the first
+        request does not pay for importing transformers."""
+        for base_model, renderer_name in models:
+            self.get(base_model, renderer_name)
+        if not models:
+            import transformers  # noqa: F401 - the import itself is the warm-up
+
     def get(self, base_model: str, renderer_name: str = "") -> ModelText:
         """The model's text tools; an empty renderer name means the recommended one for the base model.
         Raises model_store.UnknownBaseModelError or UnknownRendererError for bad names."""
