@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 DEFAULT_MODEL_DIR = Path(os.environ.get("TINKERRPC_MODEL_DIR", "~/.cache/tinkerrpc/models")).expanduser()
 
@@ -223,7 +224,7 @@ def _english_sentence(rng: random.Random) -> str:
     return sentence[0].upper() + sentence[1:]
 
 
-def _build_tokenizer(seed: int):  # type: ignore[no-untyped-def]
+def _build_tokenizer(seed: int) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -249,9 +250,9 @@ def _build_tokenizer(seed: int):  # type: ignore[no-untyped-def]
     return tokenizer
 
 
-def _build_model(  # type: ignore[no-untyped-def]
+def _build_model(
     directory: Path,
-    tokenizer,
+    tokenizer: Any,
     *,
     hidden_size: int,
     num_layers: int,
@@ -279,7 +280,6 @@ def _build_model(  # type: ignore[no-untyped-def]
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         bos_token_id=None,
-        torch_dtype="float32",
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -11,6 +11,7 @@ import math
 import os
 import shutil
 import tempfile
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -180,7 +181,10 @@ class BaseModelRuntime:
 
     def _remove_peft_adapter(self, peft_name: str) -> None:
         assert self._peft is not None
-        self._peft.delete_adapter(peft_name)
+        with warnings.catch_warnings():
+            # peft warns when the deleted adapter was the active one; every call sets its own.
+            warnings.simplefilter("ignore", UserWarning)
+            self._peft.delete_adapter(peft_name)
 
     def _register(self, peft_name: str, spec: LoraSpec) -> _Adapter:
         assert self._peft is not None
