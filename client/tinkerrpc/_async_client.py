@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 from google.protobuf.message import Message as ProtoMessage
@@ -36,7 +36,8 @@ Resp = TypeVar("Resp", bound=ProtoMessage)
 
 
 class AsyncClient:
-    """An asyncio connection to a tinkerrpc server; the options are those of `Client`.
+    """An asyncio connection to a tinkerrpc server; the options are those of `Client`, with
+    `interceptors` of type grpc.aio.UnaryUnaryClientInterceptor.
 
     The health check runs on `await client.connect()`, on `async with`, or else before the first call.
     """
@@ -52,6 +53,7 @@ class AsyncClient:
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         check_health: bool = True,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        interceptors: Sequence[grpc.aio.UnaryUnaryClientInterceptor[Any, Any]] = (),
     ) -> None:
         self.target = target
         self.timeout = timeout
@@ -60,10 +62,12 @@ class AsyncClient:
         self._metadata = auth_metadata(token)
         credentials = channel_credentials(tls)
         options = channel_options(max_message_bytes)
+        # grpc-stubs leaves aio's interceptor type as a placeholder that must be cast.
+        aio_interceptors = cast("list[grpc.aio.ClientInterceptor]", list(interceptors))
         self.channel: grpc.aio.Channel = (
-            grpc.aio.secure_channel(target, credentials, options)
+            grpc.aio.secure_channel(target, credentials, options, interceptors=aio_interceptors)
             if credentials is not None
-            else grpc.aio.insecure_channel(target, options)
+            else grpc.aio.insecure_channel(target, options, interceptors=aio_interceptors)
         )
         # The stub's overloads type it as TrainerServiceAsyncStub (a stubs-only name) for an aio channel.
         self.stub = service_grpc.TrainerServiceStub(self.channel)
