@@ -95,6 +95,31 @@ def _engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_sidecar(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("sidecar", help="run the OpenAI-compatible inference server over a tinkerrpc server")
+    p.add_argument("--grpc-target", default="127.0.0.1:50051", help="the tinkerrpc gRPC server")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (default: no auth)")
+    p.add_argument("--grpc-token", default=None, help="bearer token for the gRPC server")
+    p.set_defaults(func=_sidecar)
+
+
+def _sidecar(args: argparse.Namespace) -> int:
+    from tinkerrpc_server.sidecar.app import run_sidecar
+
+    run_sidecar(args.grpc_target, args.host, args.port, args.api_key or None, args.grpc_token)
+    return 0
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from tinkerrpc_server import demo
+
+    p = sub.add_parser("demo", help="SFT then RL on the yes/no/maybe task through the whole local stack")
+    demo.add_arguments(p)
+    p.set_defaults(func=demo.main)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     # Spinning OpenMP workers collapse when the cores are shared (engine, server, rollout workers
@@ -106,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_engine(sub)
+    _add_sidecar(sub)
+    _add_demo(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
