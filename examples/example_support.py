@@ -1,0 +1,102 @@
+"""What the examples share: the server arguments (`--target` or `--local`, `--short`), a local
+`tinkerrpc serve` when asked for one, a local OpenAI sidecar, and the toy task they train on."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+TINY_CHAT = "tinkerrpc/tiny-chat"
+# The toy task: answer each prompt with exactly its word.
+TASKS = {f"respond with {word}": word for word in ("yes", "no", "maybe")}
+SIDECAR_START_TIMEOUT = 60.0
+
+
+def reward(prompt: str, answer: str) -> float:
+    """Similarity of the answer to the expected word, in [0, 1]: dense enough for a random model to improve on."""
+    return difflib.SequenceMatcher(None, answer.strip().lower(), TASKS[prompt]).ratio()
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--target", help="HOST:PORT of a running `tinkerrpc serve`")
+    where.add_argument(
+        "--local", action="store_true", help="start a local `tinkerrpc serve` (embedded engine)"
+    )
+    p.add_argument("--short", action="store_true", help="a few steps only (CI)")
+    p.add_argument("--base-model", default=TINY_CHAT)
+    p.add_argument("--model", default=None, help="name of the model to create (default: a fresh unique name)")
+    return p
+
+
+def model_name(args: argparse.Namespace, prefix: str) -> str:
+    return str(args.model) if args.model else f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+@contextmanager
+def server_target(args: argparse.Namespace) -> Iterator[str]:
+    """`args.target`, or with `--local` the target of a `tinkerrpc serve` started for the example."""
+    if not args.local:
+        yield str(args.target)
+        return
+    # Imported only here: the server package (torch, tinker) is not needed to talk to a remote server.
+    from tinkerrpc_server.stack import LocalStack
+
+    with tempfile.TemporaryDirectory(prefix="tinkerrpc-example-") as work:
+        print(f"starting a local tinkerrpc serve (log: {work}/serve.log) ...", flush=True)
+        with LocalStack(Path(work) / "data", Path(work) / "serve.log") as stack:
+            yield stack.target
+
+
+@contextmanager
+def local_sidecar(grpc_target: str, log_path: Path, api_key: str | None = None) -> Iterator[str]:
+    """Run the OpenAI-compatible sidecar for `grpc_target` on a free port; yields its `/v1` base URL."""
+    from tinkerrpc_server.stack import free_port
+
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    # The key travels in the environment, never in argv, so it stays out of process listings.
+    code = (
+        "import os; from tinkerrpc_server.sidecar.app import run_sidecar; "
+        f"run_sidecar({grpc_target!r}, '127.0.0.1', {port}, os.environ.get('SIDECAR_API_KEY') or None)"
+    )
+    env = {**os.environ, "SIDECAR_API_KEY": api_key or ""}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        _wait_healthy(proc, f"{base_url}/health", log_path)
+        yield f"{base_url}/v1"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], health_url: str, log_path: Path) -> None:
+    deadline = time.monotonic() + SIDECAR_START_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the sidecar exited with {proc.returncode}; see {log_path}")
+        try:
+            with urllib.request.urlopen(health_url, timeout=5) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"the sidecar was not healthy after {SIDECAR_START_TIMEOUT} s; see {log_path}")
