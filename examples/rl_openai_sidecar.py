@@ -20,6 +20,7 @@ from pathlib import Path
 
 import openai
 from example_support import TASKS, local_sidecar, model_name, parser, reward, server_target
+from openai.types.chat import ChatCompletionMessageParam
 
 import tinkerrpc
 
@@ -27,7 +28,7 @@ import tinkerrpc
 async def rollout(
     llm: openai.AsyncOpenAI, model: str, prompt: str, group_size: int
 ) -> tinkerrpc.TrajectoryGroup:
-    messages = [{"role": "user", "content": prompt}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": prompt}]
     completion = await llm.chat.completions.create(
         model=model, messages=messages, n=group_size, max_tokens=12, temperature=1.0, logprobs=True
     )
@@ -55,7 +56,9 @@ async def train(target: str, sidecar_url: str, args: argparse.Namespace) -> None
                 max_concurrency=4,
                 progress=not args.short,
             )
-            sampled_at = {t.max_policy_version for g in gathered.results for t in g.trajectories}
+            sampled_at = {
+                turn.policy_version for g in gathered.results for t in g.trajectories for turn in t.turns
+            }
             result = await model.train(gathered.results, learning_rate=args.learning_rate, max_staleness=1)
             print(
                 f"step {step}: sampled at v{sorted(sampled_at)}, mean_reward={gathered.rewards.mean:.3f} "

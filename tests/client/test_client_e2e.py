@@ -238,7 +238,8 @@ class AsyncDropFirstTrainResponse(grpc.aio.UnaryUnaryClientInterceptor):  # type
         request: Any,
     ) -> Any:
         call = await continuation(client_call_details, request)
-        if client_call_details.method.decode() != TRAIN_METHOD:
+        method: str | bytes = client_call_details.method  # bytes at runtime, str in grpc-stubs
+        if (method.decode() if isinstance(method, bytes) else method) != TRAIN_METHOD:
             return call
         self.train_attempts.append(request)
         if len(self.train_attempts) == 1:
@@ -248,6 +249,7 @@ class AsyncDropFirstTrainResponse(grpc.aio.UnaryUnaryClientInterceptor):  # type
                 grpc.aio.Metadata(),
                 grpc.aio.Metadata(),
                 "connection lost before the response arrived (injected)",
+                "",
             )
         return call
 
