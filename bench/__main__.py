@@ -44,9 +44,7 @@ class Context:
         """One engine process for the compute-bound figures, started on first use."""
         if self._engine is None:
             self._engine = self.stack.enter_context(
-                EngineProcess(
-                    self.work_dir / "engine", self.model_dir, self.work_dir / "engine.log", self.threads
-                )
+                EngineProcess(self.work_dir / "engine", self.model_dir, self.work_dir / "engine.log")
             )
         return self._engine
 
@@ -95,11 +93,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model-dir", type=Path, default=DEFAULT_MODEL_DIR, help="where bench models are cached"
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=torch.get_num_threads(),
+        help="torch threads of every side (in-process baselines and child processes alike); default: torch's",
+    )
     parser.add_argument("--only", nargs="+", choices=sorted(COMPARISONS), help="run only these comparisons")
     args = parser.parse_args(argv)
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     settings = SHORT if args.short else FULL
-    threads = torch.get_num_threads()
+    threads = args.threads
+    torch.set_num_threads(threads)
     # Every child (engine, server, sidecar) computes with the thread count of the in-process baselines.
     os.environ["OMP_NUM_THREADS"] = str(threads)
     started = time.perf_counter()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ LOCAL_API_KEY = "tml-bench"
 
 class EngineProcess:
     def __init__(
-        self, data_dir: Path, model_dir: Path, log_path: Path, startup_timeout: float = 120.0
+        self, data_dir: Path, model_dir: Path, log_path: Path, *, startup_timeout: float = 120.0
     ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -38,6 +39,11 @@ class EngineProcess:
 
     def service_client(self) -> tinker.ServiceClient:
         return tinker.ServiceClient(base_url=self.base_url, api_key=LOCAL_API_KEY)
+
+    def worker_stats(self) -> dict[str, int]:
+        """The engine's scheduling counters (sample requests, the batches they ran in, training ops)."""
+        with urllib.request.urlopen(f"{self.base_url}/api/v1/debug/stats", timeout=10) as response:
+            return dict(json.loads(response.read()))
 
     def __enter__(self) -> EngineProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -85,6 +85,7 @@ def measure(settings: Settings, engine: EngineProcess, model: BenchModel) -> lis
         baseline_model, prompts[:1], GenerationConfig(**{**config.to_dict(), "max_new_tokens": 2})
     )
     ours_rates, baseline_rates = [], []
+    stats_before = engine.worker_stats()
     for round_index in range(settings.sample_timed_rounds):
         generated, seconds = _engine_round(
             sampling_client, prompts, settings.sample_new_tokens, seed=100 * round_index
@@ -92,6 +93,8 @@ def measure(settings: Settings, engine: EngineProcess, model: BenchModel) -> lis
         ours_rates.append(generated / seconds)
         generated, seconds = _generate_round(baseline_model, prompts, config)
         baseline_rates.append(generated / seconds)
+    stats_after = engine.worker_stats()
+    batches = stats_after["sample_batches"] - stats_before["sample_batches"]
     return [
         Figure(
             name="engine sampling throughput",
@@ -104,7 +107,8 @@ def measure(settings: Settings, engine: EngineProcess, model: BenchModel) -> lis
                 f"{settings.sample_requests} requests × {settings.sample_new_tokens} new tokens, prompts "
                 f"{low}-{high} tokens, temperature 1, no top-k/top-p, LoRA r{settings.lora_rank} unmerged; "
                 f"ours: concurrent SDK sample() calls; baseline: sequential generate() with KV cache; "
-                f"median of {settings.sample_timed_rounds} rounds"
+                f"median of {settings.sample_timed_rounds} rounds; the engine ran the "
+                f"{settings.sample_timed_rounds * len(prompts)} timed requests in {batches} batches"
             ),
         )
     ]

@@ -53,7 +53,8 @@ def _proto_encode(groups: list[TrajectoryGroup]) -> bytes:
         beta=None, adam_beta1=None, adam_beta2=None, adam_eps=None, weight_decay=0.0, grad_clip_norm=0.0,
         expected_policy_version=None, idempotency_key="bench",
     )  # fmt: skip
-    return request.SerializeToString()
+    wire: bytes = request.SerializeToString()
+    return wire
 
 
 def _proto_decode(wire: bytes) -> list[tuple[list[int], list[int], list[float]]]:
