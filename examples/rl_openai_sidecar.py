@@ -26,11 +26,11 @@ import tinkerrpc
 
 
 async def rollout(
-    llm: openai.AsyncOpenAI, model: str, prompt: str, group_size: int
+    llm: openai.AsyncOpenAI, model: str, prompt: str, group_size: int, seed: int
 ) -> tinkerrpc.TrajectoryGroup:
     messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": prompt}]
     completion = await llm.chat.completions.create(
-        model=model, messages=messages, n=group_size, max_tokens=12, temperature=1.0, logprobs=True
+        model=model, messages=messages, n=group_size, max_tokens=12, temperature=1.0, logprobs=True, seed=seed
     )
     return tinkerrpc.TrajectoryGroup(
         [
@@ -52,7 +52,11 @@ async def train(target: str, sidecar_url: str, args: argparse.Namespace) -> None
         print(f"created {model.name} on {args.base_model}; sampling through {sidecar_url}")
         for step in range(1, steps + 1):
             gathered = await tinkerrpc.gather_groups(
-                [rollout(llm, model.name, prompt, args.group_size) for prompt in TASKS],
+                # Seeded per step and prompt so a run is reproducible.
+                [
+                    rollout(llm, model.name, prompt, args.group_size, 100 * step + i)
+                    for i, prompt in enumerate(TASKS)
+                ],
                 max_concurrency=4,
                 progress=not args.short,
             )

@@ -14,10 +14,12 @@ from example_support import TASKS, model_name, parser, reward, server_target
 import tinkerrpc
 
 
-async def rollout(model: tinkerrpc.AsyncModel, prompt: str, group_size: int) -> tinkerrpc.TrajectoryGroup:
+async def rollout(
+    model: tinkerrpc.AsyncModel, prompt: str, group_size: int, seed: int
+) -> tinkerrpc.TrajectoryGroup:
     """One prompt, `group_size` completions; every trajectory carries the sampler's tokens, logprobs and version."""
     messages = [tinkerrpc.Message.user(prompt)]
-    samples = await model.sample(messages, n=group_size, max_tokens=12, temperature=1.0)
+    samples = await model.sample(messages, n=group_size, max_tokens=12, temperature=1.0, seed=seed)
     return tinkerrpc.TrajectoryGroup(
         [
             tinkerrpc.Trajectory.from_sample(messages, s, reward=reward(prompt, s.to_message().content))
@@ -35,7 +37,12 @@ async def train(target: str, args: argparse.Namespace) -> None:
         print(f"created {model.name} on {args.base_model}")
         for step in range(1, steps + 1):
             gathered = await tinkerrpc.gather_groups(
-                [rollout(model, prompt, args.group_size) for prompt in TASKS], progress=False
+                # Seeded per step and prompt so a run is reproducible.
+                [
+                    rollout(model, prompt, args.group_size, seed=100 * step + i)
+                    for i, prompt in enumerate(TASKS)
+                ],
+                progress=False,
             )
             result = await model.train(
                 gathered.results, loss="importance_sampling", learning_rate=args.learning_rate

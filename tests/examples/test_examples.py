@@ -63,7 +63,10 @@ def test_sft(stack: Stack) -> None:
 def test_rl_through_model_sample(stack: Stack) -> None:
     lines = run_example("rl_sample.py", "--target", stack.target)
     assert step_versions(lines) == [1, 2]
-    assert all("used 24" in line for line in lines if line.startswith("step "))
+    used = [int(m.group(1)) for line in lines if (m := re.search(r"\(used (\d+),", line))]
+    assert len(used) == 2 and all(0 < u <= 24 for u in used), (
+        "3 prompts x 8 samples, zero-variance groups dropped"
+    )
     assert lines[-1] == "done: policy_version=2"
 
 
