@@ -42,7 +42,12 @@ class Server:
             log_path,
             env=env,
         )
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        # Short reconnect backoff: while the server boots, failed connects would otherwise back off for
+        # up to ~20 s and delay every test by that much after the server is ready.
+        self.channel = grpc.insecure_channel(
+            f"127.0.0.1:{self.port}",
+            options=[("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 250)],
+        )
         self.stub = trainer_service_pb2_grpc.TrainerServiceStub(self.channel)
         health = health_pb2_grpc.HealthStub(self.channel)
         self.proc.wait_ready(
