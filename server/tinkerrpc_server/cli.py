@@ -38,7 +38,24 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="save full training state every K steps (default: 1 on the embedded engine, 10 on Tinker); "
         "after a crash training resumes from the last one",
     )
+    p.add_argument("--auth-token", default=None, help="require `authorization: Bearer TOKEN` on every RPC")
+    p.add_argument("--auth-token-file", type=Path, default=None, help="read the auth token from this file")
+    p.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: serve TLS")
+    p.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
+    p.add_argument(
+        "--sidecar-port", type=int, default=None, help="also serve the OpenAI sidecar on this port"
+    )
+    p.add_argument("--sidecar-api-key", default=None, help="bearer key the sidecar requires (default: none)")
     p.set_defaults(func=_serve)
+
+
+def _auth_token(args: argparse.Namespace) -> str | None:
+    if args.auth_token_file is not None:
+        token = args.auth_token_file.read_text().strip()
+        if not token:
+            raise SystemExit(f"tinkerrpc serve: {args.auth_token_file} is empty")
+        return token
+    return str(args.auth_token) if args.auth_token else None
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -47,6 +64,15 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         print("tinkerrpc serve: --checkpoint-every must be >= 1", file=sys.stderr)
+        return 2
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("tinkerrpc serve: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    if args.tls_cert is not None and args.sidecar_port is not None:
+        print(
+            "tinkerrpc serve: --sidecar-port needs a plaintext loopback server; run `tinkerrpc sidecar`",
+            file=sys.stderr,
+        )
         return 2
     model_dir = args.model_dir or DEFAULT_MODEL_DIR
     # Without a Tinker key the embedded engine serves; it boots while the service modules import.
@@ -69,6 +95,11 @@ def _run_server(args: argparse.Namespace, model_dir: Path, engine: EmbeddedEngin
         model_dir=model_dir,
         tinker_url=args.tinker_url,
         checkpoint_every=args.checkpoint_every,
+        auth_token=_auth_token(args),
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        sidecar_port=args.sidecar_port,
+        sidecar_api_key=args.sidecar_api_key,
     )
     return asyncio.run(serve(config, engine))
 

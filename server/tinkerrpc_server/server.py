@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tinkerrpc.v1 import trainer_service_pb2, trainer_service_pb2_grpc
+from tinkerrpc_server.auth import BearerTokenInterceptor
 from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
 from tinkerrpc_server.service.backend import connect_backend
 from tinkerrpc_server.service.engine_process import BackendStartError, EmbeddedEngine
@@ -43,6 +44,14 @@ class ServerConfig:
     checkpoint_every: int | None = None
     # Seconds in-flight calls get to finish after SIGTERM/SIGINT before they are cancelled.
     shutdown_grace_seconds: float = 30.0
+    # Every RPC but health checking then needs `authorization: Bearer <auth_token>`.
+    auth_token: str | None = None
+    # PEM files; with both set the server speaks TLS only.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    # Serve the OpenAI-compatible sidecar in this process on this port (same host).
+    sidecar_port: int | None = None
+    sidecar_api_key: str | None = None
 
 
 async def serve(config: ServerConfig, engine: EmbeddedEngine | None) -> int:
@@ -78,7 +87,8 @@ async def _serve(config: ServerConfig, service: TrainerService) -> int:
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
     ]
-    server = grpc.aio.server(options=options)
+    interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     trainer_service_pb2_grpc.add_TrainerServiceServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -87,7 +97,13 @@ async def _serve(config: ServerConfig, service: TrainerService) -> int:
         server,
     )
     address = f"{config.host}:{config.port}"
-    server.add_insecure_port(address)
+    if config.tls_cert and config.tls_key:
+        credentials = grpc.ssl_server_credentials(
+            [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())]
+        )
+        server.add_secure_port(address, credentials)
+    else:
+        server.add_insecure_port(address)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -97,9 +113,26 @@ async def _serve(config: ServerConfig, service: TrainerService) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_requested.set)
+    sidecar = None
+    if config.sidecar_port is not None:
+        from tinkerrpc_server.sidecar.app import serve_sidecar
+
+        sidecar = asyncio.create_task(
+            serve_sidecar(
+                f"127.0.0.1:{config.port}",
+                config.host,
+                config.sidecar_port,
+                config.sidecar_api_key,
+                stop_requested,
+                grpc_token=config.auth_token,
+            )
+        )
     await stop_requested.wait()
 
     log.info("shutting down: refusing new calls, letting in-flight calls finish")
+    if sidecar is not None:
+        # HTTP requests in flight finish while the gRPC server still answers them.
+        await sidecar
     await health_servicer.enter_graceful_shutdown()
     await server.stop(config.shutdown_grace_seconds)
     log.info("stopped")
