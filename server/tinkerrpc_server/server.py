@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from dataclasses import dataclass, field
@@ -108,6 +109,9 @@ async def _serve(config: ServerConfig, service: TrainerService) -> int:
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("tinkerrpc serving on %s (data dir %s)", address, config.data_dir)
+    # The tinker SDK pulls in torch: freeze those long-lived objects so garbage collections, and the
+    # final one at exit (seconds otherwise), skip them.
+    gc.freeze()
 
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -69,7 +69,9 @@ class LocalStack:
     def _wait_serving(self) -> None:
         assert self._proc is not None
         deadline = time.monotonic() + self.startup_timeout
-        with grpc.insecure_channel(self.target) as channel:
+        # Short reconnect backoff: gRPC's default would wait up to ~20 s after the server comes up.
+        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 250)]
+        with grpc.insecure_channel(self.target, options=options) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if self._proc.poll() is not None:
