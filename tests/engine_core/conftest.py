@@ -11,4 +11,3 @@ from tinkerrpc_server.model_store import TINY_CHAT, resolve_base_model
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The built-in tiny chat model, generated once per test session into a temporary model dir."""
     return resolve_base_model(TINY_CHAT, tmp_path_factory.mktemp("models"))
-
