@@ -17,7 +17,8 @@ from tinkerrpc.v1 import trainer_service_pb2, trainer_service_pb2_grpc
 from tinkerrpc_server.auth import BearerTokenInterceptor
 from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
 from tinkerrpc_server.service.backend import connect_backend
-from tinkerrpc_server.service.engine_process import BackendStartError, EmbeddedEngine
+from tinkerrpc_server.service.engine_process import BackendStartError, EmbeddedEngine, probe_data_dir
+from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.rendering import TextCache
 from tinkerrpc_server.service.servicer import TrainerService
 from tinkerrpc_server.service.store import Store
@@ -53,12 +54,16 @@ class ServerConfig:
     # Serve the OpenAI-compatible sidecar in this process on this port (same host).
     sidecar_port: int | None = None
     sidecar_api_key: str | None = None
+    limits: Limits = field(default_factory=Limits)
 
 
 async def serve(config: ServerConfig, engine: EmbeddedEngine | None) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code. `engine` is the embedded engine child,
     already starting (None: use Tinker itself, TINKER_API_KEY is set)."""
-    config.data_dir.mkdir(parents=True, exist_ok=True)
+    problem = probe_data_dir(config.data_dir)
+    if problem is not None:
+        log.error("cannot start: %s", problem)
+        return 1
     store = Store(config.data_dir / "tinkerrpc.sqlite3")
     texts = TextCache(config.model_dir, allow_remote_tokenizers=engine is None)
     # Tokenizers load while the engine boots.
@@ -76,7 +81,7 @@ async def serve(config: ServerConfig, engine: EmbeddedEngine | None) -> int:
         checkpoint_every = config.checkpoint_every or (
             DEFAULT_CHECKPOINT_EVERY_EMBEDDED if backend.embedded else DEFAULT_CHECKPOINT_EVERY_TINKER
         )
-        return await _serve(config, TrainerService(store, backend, texts, checkpoint_every))
+        return await _serve(config, TrainerService(store, backend, texts, checkpoint_every, config.limits))
     finally:
         backend.close()
         store.close()
@@ -117,6 +122,19 @@ async def _serve(config: ServerConfig, service: TrainerService) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_requested.set)
+    exit_code = 0
+    supervisor = None
+    if service.supervises_engine:
+
+        def engine_lost(task: asyncio.Task[None]) -> None:
+            nonlocal exit_code
+            if not task.cancelled():
+                log.error("the embedded engine cannot be restarted; stopping")
+                exit_code = 1
+                stop_requested.set()
+
+        supervisor = asyncio.create_task(service.supervise_engine())
+        supervisor.add_done_callback(engine_lost)
     sidecar = None
     if config.sidecar_port is not None:
         from tinkerrpc_server.sidecar.app import serve_sidecar
@@ -139,5 +157,7 @@ async def _serve(config: ServerConfig, service: TrainerService) -> int:
         await sidecar
     await health_servicer.enter_graceful_shutdown()
     await server.stop(config.shutdown_grace_seconds)
+    if supervisor is not None:
+        supervisor.cancel()
     log.info("stopped")
-    return 0
+    return exit_code

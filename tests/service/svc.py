@@ -153,6 +153,7 @@ def error_details(err: grpc.RpcError) -> list[ProtoMessage]:
             error_details_pb2.BadRequest,
             error_details_pb2.ErrorInfo,
             error_details_pb2.ResourceInfo,
+            error_details_pb2.QuotaFailure,
         ):
             if packed.Is(detail_type.DESCRIPTOR):
                 detail = detail_type()

@@ -3,6 +3,7 @@ a child process on a free loopback port. Either way the service only ever uses t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from tinkerrpc_server.service.engine_process import EmbeddedEngine
 log = logging.getLogger("tinkerrpc.backend")
 
 LOCAL_API_KEY = "tml-local"
+ENGINE_STARTUP_TIMEOUT = 180.0
 
 
 @dataclass
@@ -27,6 +29,20 @@ class Backend:
     def embedded(self) -> bool:
         return self.engine is not None
 
+    async def restart_engine(self) -> None:
+        """After the engine child died: start a new one on a fresh port and point fresh SDK clients at it.
+        Its data dir persists, so every tinker:// path stays valid."""
+        assert self.engine is not None, "only the embedded engine is restarted"
+        dead_service = self.service
+        self.engine.respawn()
+        await self.engine.wait_healthy(ENGINE_STARTUP_TIMEOUT)
+        self.service = tinker.ServiceClient(base_url=self.engine.url, api_key=LOCAL_API_KEY)
+        self.rest = tinker.RestClient(base_url=self.engine.url, api_key=LOCAL_API_KEY)
+        self.url = self.engine.url
+        # Stops the dead session's heartbeat loop; its engine is gone, so the result is not awaited.
+        with contextlib.suppress(Exception):
+            dead_service.close("errored", "embedded engine died")
+
     def close(self) -> None:
         """Finish the Tinker session (its owner, the CLI, stops the engine child afterwards)."""
         try:
@@ -36,7 +52,7 @@ class Backend:
 
 
 async def connect_backend(
-    engine: EmbeddedEngine | None, tinker_url: str | None, startup_timeout: float = 180.0
+    engine: EmbeddedEngine | None, tinker_url: str | None, startup_timeout: float = ENGINE_STARTUP_TIMEOUT
 ) -> Backend:
     """Tinker itself when there is no engine (TINKER_API_KEY is set), else the embedded engine once healthy."""
     if engine is None:

@@ -4,9 +4,9 @@ before it imports the heavy service modules (tinker, torch), so both boot in par
 from __future__ import annotations
 
 import asyncio
-import ctypes
+import contextlib
 import logging
-import signal
+import os
 import socket
 import subprocess
 import sys
@@ -16,17 +16,12 @@ from pathlib import Path
 
 log = logging.getLogger("tinkerrpc.backend")
 
-_PR_SET_PDEATHSIG = 1
+# Bytes the data-dir probe writes: enough that a full file system fails the probe, not a later step.
+_PROBE_BYTES = 64 * 1024
 
 
 class BackendStartError(RuntimeError):
     """The backend could not be started or reached."""
-
-
-def _die_with_parent() -> None:
-    """Runs in the engine child before exec: the kernel SIGKILLs it when the server dies, even by SIGKILL."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _free_port() -> int:
@@ -47,31 +42,77 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def probe_data_dir(directory: Path) -> str | None:
+    """Why `directory` cannot hold state, or None when it can: creates it, then writes, fsyncs and
+    deletes a file there, so an unwritable or full disk is reported at start, not mid-step."""
+    probe = directory / f".write-probe-{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            written = os.write(fd, bytes(_PROBE_BYTES))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                probe.unlink()
+    except OSError as err:
+        return f"data dir {directory} is not writable: {err.strerror or err} ({type(err).__name__})"
+    if written < _PROBE_BYTES:
+        return f"data dir {directory} is full: wrote {written} of {_PROBE_BYTES} probe bytes"
+    return None
+
+
 class EmbeddedEngine:
-    """The `tinkerrpc engine` child process."""
+    """The `tinkerrpc engine` child process; `respawn` replaces a dead one on a new port."""
 
     def __init__(self, data_dir: Path, model_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.model_dir = model_dir
+        # A data dir the engine cannot write is reported by wait_healthy (the server probes its own
+        # first and stops with one line); the child is not started then.
+        self.start_error = probe_data_dir(data_dir)
+        self.process: subprocess.Popen[bytes] | None = None
+        self.port = 0
+        self.url = ""
+        if self.start_error is None:
+            self.respawn()
+
+    def respawn(self) -> None:
+        """Start the child (again) on a fresh port; a still running previous child is stopped first."""
+        self.stop()
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [
             sys.executable,
             "-m",
-            "tinkerrpc_server.cli",
+            "tinkerrpc_server.service.engine_child",
+            str(os.getpid()),
             "engine",
             "--host",
             "127.0.0.1",
             "--port",
             str(self.port),
             "--data-dir",
-            str(data_dir),
+            str(self.data_dir),
             "--model-dir",
-            str(model_dir),
+            str(self.model_dir),
         ]
-        # Started from the main thread on purpose: PDEATHSIG fires when the forking *thread* exits.
-        self.process = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
+        # Started from the main thread on purpose: the child's PDEATHSIG fires when the forking *thread* exits.
+        self.process = subprocess.Popen(cmd)
         log.info("embedded engine starting (pid %d) on %s", self.process.pid, self.url)
 
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def exit_code(self) -> int | None:
+        """The child's exit code once it has exited (negative: killed by that signal), else None."""
+        return self.process.poll() if self.process is not None else None
+
     async def wait_healthy(self, timeout: float) -> None:
+        if self.process is None:
+            raise BackendStartError(self.start_error or "embedded engine not started")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -86,7 +127,7 @@ class EmbeddedEngine:
         raise BackendStartError(f"embedded engine not healthy on {self.url} after {timeout:.0f}s")
 
     def stop(self, grace: float = 5.0) -> None:
-        if self.process.poll() is None:
+        if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
                 self.process.wait(grace)

@@ -82,6 +82,14 @@ def already_exists(resource_type: str, resource_name: str, message: str) -> Serv
     return ServiceError(grpc.StatusCode.ALREADY_EXISTS, message, [info])
 
 
+def resource_exhausted(subject: str, message: str) -> ServiceError:
+    """A request over one of the server's size limits (`subject` names the limit's flag)."""
+    quota = error_details_pb2.QuotaFailure(
+        violations=[error_details_pb2.QuotaFailure.Violation(subject=subject, description=message)]
+    )
+    return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, message, [quota])
+
+
 def failed_precondition(
     reason: str, message: str, metadata: Mapping[str, object] | None = None
 ) -> ServiceError:

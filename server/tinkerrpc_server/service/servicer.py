@@ -12,6 +12,11 @@ training client from it. Restart recovery does the same for every model. With --
 the recovery point can be up to K-1 versions behind: those versions are rolled back (samplers, metrics,
 idempotency records) so version, weights and optimizer state always agree.
 
+Engine supervision (embedded engine only): when the engine child exits, calls in flight fail UNAVAILABLE,
+new calls wait (within their deadline) while a new engine starts on a fresh port; every model then goes
+to its recovery point and reloads its training client from that state checkpoint (with optimizer) on next
+use; sampling clients are made anew from the same tinker:// paths, as the engine's data dir persists.
+
 Test-only fault injection: TINKERRPC_TEST_CRASH_AT=after_optim|after_sampler_save|before_commit|
 after_commit makes the process os._exit(137) at that point of a Train step (like a SIGKILL).
 """
@@ -39,7 +44,9 @@ from tinkerrpc_server import model_store
 from tinkerrpc_server.service import errors
 from tinkerrpc_server.service.backend import Backend
 from tinkerrpc_server.service.datums import Batch, rl_batch, sft_batch
+from tinkerrpc_server.service.engine_process import BackendStartError
 from tinkerrpc_server.service.errors import ServiceError, Violations
+from tinkerrpc_server.service.limits import Limits, flag_of
 from tinkerrpc_server.service.rendering import (
     ModelText,
     TextCache,
@@ -59,6 +66,11 @@ DEFAULT_LORA_RANK = 32
 MODEL_RESOURCE = "tinkerrpc.v1.Model"
 CHECKPOINT_RESOURCE = "tinkerrpc.v1.Checkpoint"
 VERSION_RESOURCE = "tinkerrpc.v1.PolicyVersion"
+ENGINE_POLL_SECONDS = 0.2
+# Restarts of a dead engine in a row before the server gives up and stops.
+ENGINE_RESTART_ATTEMPTS = 3
+# Longest a call waits for a restarting engine when it has no deadline of its own.
+ENGINE_RESTART_WAIT_SECONDS = 240.0
 
 Request = TypeVar("Request")
 Response = TypeVar("Response")
@@ -73,25 +85,52 @@ def state_name(version: int) -> str:
 
 
 def rpc(
-    method: Callable[[Any, Request, grpc.aio.ServicerContext], Awaitable[Response]],
-) -> Callable[[Any, Request, grpc.aio.ServicerContext], Awaitable[Response]]:
-    """Turns ServiceError and tinker SDK errors into the call's status with google.rpc details."""
+    method: Callable[[TrainerService, Request, grpc.aio.ServicerContext], Awaitable[Response]],
+) -> Callable[[TrainerService, Request, grpc.aio.ServicerContext], Awaitable[Response]]:
+    """Turns ServiceError and tinker SDK errors into the call's status with google.rpc details; a call
+    cut short by the engine child dying fails UNAVAILABLE (retryable), whatever error it was in."""
 
     @functools.wraps(method)
-    async def handler(self: Any, request: Request, context: grpc.aio.ServicerContext) -> Response:
+    async def handler(self: TrainerService, request: Request, context: grpc.aio.ServicerContext) -> Response:
+        task = asyncio.current_task()
+        assert task is not None
+        generation = self._engine_generation
         try:
+            await self._wait_engine_ready(context)
+            self._calls.add(task)
             return await method(self, request, context)
         except ServiceError as err:
             error = err
-        except tinker.TinkerError as err:
-            error = errors.from_tinker(err) or ServiceError(grpc.StatusCode.INTERNAL, f"Tinker error: {err}")
+        except asyncio.CancelledError:
+            if task not in self._interrupted:
+                raise  # the client cancelled, or its deadline passed: nobody waits for an answer
+            self._interrupted.discard(task)
+            task.uncancel()
+            error = _engine_lost()
         except Exception as err:
-            log.exception("%s failed", method.__name__)
-            error = ServiceError(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
+            if self._engine_generation != generation or self._engine_down():
+                error = _engine_lost()
+            elif isinstance(err, tinker.TinkerError):
+                error = errors.from_tinker(err) or ServiceError(
+                    grpc.StatusCode.INTERNAL, f"Tinker error: {err}"
+                )
+            else:
+                log.exception("%s failed", method.__name__)
+                error = ServiceError(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
+        finally:
+            self._calls.discard(task)
         await context.abort_with_status(error.to_status())
         raise AssertionError("abort_with_status returned")  # pragma: no cover - it always raises
 
     return handler
+
+
+def _engine_lost() -> ServiceError:
+    return ServiceError(
+        grpc.StatusCode.UNAVAILABLE,
+        "the embedded engine stopped during this call and is being restarted; nothing of this call was "
+        "committed: retry it",
+    )
 
 
 @dataclass
@@ -152,11 +191,21 @@ def _adam(adam: types_pb2.AdamParams) -> tinker.types.AdamParams:
 
 
 class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
-    def __init__(self, store: Store, backend: Backend, texts: TextCache, checkpoint_every: int) -> None:
+    def __init__(
+        self, store: Store, backend: Backend, texts: TextCache, checkpoint_every: int, limits: Limits
+    ) -> None:
         self._store = store
         self._backend = backend
         self._texts = texts
         self._checkpoint_every = checkpoint_every
+        self._limits = limits
+        # Engine supervision: calls in flight (cancelled when the engine dies), those cancelled that way,
+        # and a generation that counts engine restarts.
+        self._calls: set[asyncio.Task[Any]] = set()
+        self._interrupted: set[asyncio.Task[Any]] = set()
+        self._engine_generation = 0
+        self._engine_ready = asyncio.Event()
+        self._engine_ready.set()
         self._runtimes: dict[str, ModelRuntime] = {row.name: ModelRuntime() for row in store.list_models()}
         self._sampling_clients: dict[str, asyncio.Task[tinker.SamplingClient]] = {}
         self._crash_at = os.environ.get("TINKERRPC_TEST_CRASH_AT", "")
@@ -257,6 +306,74 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
         """At start-up: every model goes to its recovery point (a no-op when each step saved state)."""
         for name, runtime in self._runtimes.items():
             await self._roll_back_to_recovery_point(name, runtime)
+
+    # ---- engine supervision
+
+    def _engine_down(self) -> bool:
+        engine = self._backend.engine
+        return not self._engine_ready.is_set() or (engine is not None and engine.exit_code() is not None)
+
+    async def _wait_engine_ready(self, context: grpc.aio.ServicerContext) -> None:
+        if self._engine_ready.is_set():
+            return
+        remaining = context.time_remaining()
+        wait = (
+            ENGINE_RESTART_WAIT_SECONDS if remaining is None else min(remaining, ENGINE_RESTART_WAIT_SECONDS)
+        )
+        try:
+            await asyncio.wait_for(self._engine_ready.wait(), wait)
+        except TimeoutError:
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE, "the embedded engine is restarting; retry shortly"
+            ) from None
+
+    @property
+    def supervises_engine(self) -> bool:
+        return self._backend.engine is not None
+
+    async def supervise_engine(self) -> None:
+        """Runs for the server's lifetime (embedded engine only): restarts the engine child whenever it
+        exits. Returns only after ENGINE_RESTART_ATTEMPTS failed restarts in a row (the server then stops)."""
+        engine = self._backend.engine
+        assert engine is not None, "only the embedded engine is supervised"
+        while True:
+            await asyncio.sleep(ENGINE_POLL_SECONDS)
+            exit_code = engine.exit_code()
+            if exit_code is None:
+                continue
+            log.error("embedded engine (pid %s) exited with code %d; restarting it", engine.pid, exit_code)
+            for attempt in range(1, ENGINE_RESTART_ATTEMPTS + 1):
+                try:
+                    await self._restart_engine()
+                    break
+                except BackendStartError as err:
+                    log.error("engine restart %d/%d failed: %s", attempt, ENGINE_RESTART_ATTEMPTS, err)
+            else:
+                return
+
+    async def _restart_engine(self) -> None:
+        started = time.monotonic()
+        self._engine_ready.clear()
+        self._engine_generation += 1
+        for task in self._calls - self._interrupted:
+            self._interrupted.add(task)
+            task.cancel()
+        for pending in self._sampling_clients.values():
+            pending.cancel()
+        self._sampling_clients.clear()
+        await self._backend.restart_engine()
+        for name, runtime in list(self._runtimes.items()):
+            # The interrupted calls release the locks as they unwind.
+            async with runtime.lock:
+                if self._store.get_model(name) is not None:
+                    await self._roll_back_to_recovery_point(name, runtime)
+        self._engine_ready.set()
+        log.warning(
+            "embedded engine restarted (pid %s) in %.1fs; %d models reload from their recovery points",
+            self._backend.engine.pid if self._backend.engine else None,
+            time.monotonic() - started,
+            len(self._runtimes),
+        )
 
     # ---- models
 
@@ -368,6 +485,7 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
     @rpc
     async def Train(self, request: pb.TrainRequest, context: grpc.aio.ServicerContext) -> pb.TrainResponse:
         runtime = self._runtime(request.model)
+        self._check_train_size(request)
         request_hash = _request_hash(request) if request.idempotency_key else ""
         # Steps on one model queue here in arrival order; a retry of a running step waits for it and
         # then finds its record.
@@ -418,12 +536,36 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
                         "zero_variance_groups": batch.zero_variance_groups,
                     },
                 )
+            if batch.total_tokens > self._limits.max_train_tokens:
+                raise errors.resource_exhausted(
+                    flag_of("max_train_tokens"),
+                    f"the batch has {batch.total_tokens} tokens; this server takes at most "
+                    f"{self._limits.max_train_tokens} per Train (--max-train-tokens): split it",
+                )
             client = await self._training_client(request.model, runtime)
             runtime.dirty = True
-            response = await self._run_step(request, row, client, batch, started)
+            try:
+                response = await self._run_step(request, row, client, batch, started)
+            except asyncio.CancelledError:
+                log.warning(
+                    "model %s: Train cancelled mid-step (deadline, client or engine loss); nothing committed, "
+                    "the model rolls back to version %d before its next step",
+                    row.name,
+                    row.policy_version,
+                )
+                raise
             runtime.dirty = False
             self._crash_point("after_commit")
             return response
+
+    def _check_train_size(self, request: pb.TrainRequest) -> None:
+        count = sum(len(group.trajectories) for group in request.groups) + len(request.examples)
+        if count > self._limits.max_train_trajectories:
+            raise errors.resource_exhausted(
+                flag_of("max_train_trajectories"),
+                f"the batch has {count} trajectories/examples; this server takes at most "
+                f"{self._limits.max_train_trajectories} per Train (--max-train-trajectories): split it",
+            )
 
     async def _run_step(
         self,
@@ -715,10 +857,24 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
         self, params: types_pb2.SamplingParams, prompt_length: int, text: ModelText
     ) -> tinker.types.SamplingParams:
         v = Violations()
+        limits = self._limits
         if params.n < 0:
             v.add("params.n", "must be >= 1 (0 = default 1)")
+        elif params.n > limits.max_sample_n:
+            v.add(
+                "params.n",
+                f"{params.n} is over this server's limit of {limits.max_sample_n} (--max-sample-n)",
+            )
+        if prompt_length >= text.max_context_length:
+            v.add("prompt", f"{prompt_length} tokens fill the model's context of {text.max_context_length}")
         if params.max_tokens <= 0:
             v.add("params.max_tokens", "must be > 0 (it is required)")
+        elif params.max_tokens > limits.max_sample_tokens:
+            v.add(
+                "params.max_tokens",
+                f"{params.max_tokens} is over this server's limit of {limits.max_sample_tokens} "
+                "(--max-sample-tokens)",
+            )
         elif prompt_length + params.max_tokens > text.max_context_length:
             v.add(
                 "params.max_tokens",
