@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tinkerrpc_server.service.limits import add_limit_arguments, limits_from_args
+
 if TYPE_CHECKING:
     from tinkerrpc_server.service.engine_process import EmbeddedEngine
 
@@ -46,6 +48,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--sidecar-port", type=int, default=None, help="also serve the OpenAI sidecar on this port"
     )
     p.add_argument("--sidecar-api-key", default=None, help="bearer key the sidecar requires (default: none)")
+    add_limit_arguments(p)
     p.set_defaults(func=_serve)
 
 
@@ -100,6 +103,7 @@ def _run_server(args: argparse.Namespace, model_dir: Path, engine: EmbeddedEngin
         tls_key=args.tls_key,
         sidecar_port=args.sidecar_port,
         sidecar_api_key=args.sidecar_api_key,
+        limits=limits_from_args(args),
     )
     return asyncio.run(serve(config, engine))
 
