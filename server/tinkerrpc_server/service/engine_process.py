@@ -57,7 +57,7 @@ def probe_data_dir(directory: Path) -> str | None:
             with contextlib.suppress(OSError):
                 probe.unlink()
     except OSError as err:
-        return f"data dir {directory} is not writable: {err.strerror or err} ({type(err).__name__})"
+        return f"data dir {directory} is not writable: {err.strerror or err}"
     if written < _PROBE_BYTES:
         return f"data dir {directory} is full: wrote {written} of {_PROBE_BYTES} probe bytes"
     return None
