@@ -827,6 +827,8 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
         kind = request.WhichOneof("prompt")
         prompt: list[int] = []
         if kind == "chat":
+            if not request.chat.messages:
+                v.add("chat.messages", "give at least one message")
             for field_name, description in check_messages(list(request.chat.messages), "chat.messages"):
                 v.add(field_name, description)
             for field_name, description in check_tools(list(request.chat.tools), "chat.tools"):

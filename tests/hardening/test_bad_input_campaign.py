@@ -1,0 +1,354 @@
+"""Bad-input campaign: malformed requests to every RPC and to the hosted OpenAI sidecar, one table row each
+(request, expected status, a substring of the error naming the problem). After the whole table the
+model's state (policy version, sampleable versions, a weights checksum and its checkpoints) is exactly what
+it was before. One `tinkerrpc serve --sidecar-port` serves the module."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from google.protobuf.message import Message as ProtoMessage
+from service.svc import CALL_TIMEOUT, TINY, Server, assistant, create_model, prompt_logprobs, rl_request, user
+
+from procs import free_port
+from tinkerrpc.v1 import trainer_service_pb2 as pb
+from tinkerrpc.v1 import types_pb2
+
+MODEL = "campaign"
+KEY = "campaign-sidecar-key"
+MAX_SAMPLE_N = 16
+MAX_TRAIN_TRAJECTORIES = 8
+BIG_TOKEN = 10**6
+Code = grpc.StatusCode
+
+
+@dataclass(frozen=True)
+class Setup:
+    server: Server
+    sidecar: str
+    sample: pb.SampleResponse
+    first_train: pb.TrainRequest
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    tmp = tmp_path_factory.mktemp("campaign")
+    sidecar_port = free_port()
+    server = Server(
+        tmp / "data",
+        tmp / "models",
+        tmp / "serve.log",
+        None,
+        "--sidecar-port",
+        str(sidecar_port),
+        "--sidecar-api-key",
+        KEY,
+        "--max-message-mb",
+        "1",
+        "--max-sample-n",
+        str(MAX_SAMPLE_N),
+        "--max-train-trajectories",
+        str(MAX_TRAIN_TRAJECTORIES),
+    )
+    create_model(server.stub, MODEL)
+    sample = server.stub.Sample(
+        pb.SampleRequest(
+            model=MODEL,
+            chat=pb.ChatPrompt(messages=[user("respond with yes")]),
+            params=types_pb2.SamplingParams(n=2, max_tokens=4, seed=5),
+        ),
+        timeout=CALL_TIMEOUT,
+    )
+    first_train = rl_request(MODEL, sample, [1.0, 0.0], idempotency_key="first")
+    server.stub.Train(first_train, timeout=CALL_TIMEOUT)
+    server.stub.SaveCheckpoint(pb.SaveCheckpointRequest(model=MODEL, name="saved"), timeout=CALL_TIMEOUT)
+    yield Setup(server, f"http://127.0.0.1:{sidecar_port}", sample, first_train)
+    assert server.close() == 0, server.proc.log()[-3000:]
+
+
+# ---- the gRPC table
+
+
+@dataclass(frozen=True)
+class GrpcRow:
+    rpc: str
+    request: ProtoMessage
+    code: grpc.StatusCode
+    needle: str
+
+
+def _train(s: Setup, edit: Callable[[pb.TrainRequest], None] | None = None) -> pb.TrainRequest:
+    """A valid RL Train request on the campaign model (a fresh copy), changed by `edit`."""
+    request = rl_request(MODEL, s.sample, [1.0, 0.0])
+    if edit is not None:
+        edit(request)
+    return request
+
+
+def _turn(request: pb.TrainRequest) -> types_pb2.SampledTurn:
+    return request.groups[0].trajectories[0].turns[0]
+
+
+def _sft(
+    messages: list[types_pb2.Message], loss: int = types_pb2.LOSS_FUNCTION_UNSPECIFIED
+) -> pb.TrainRequest:
+    request = pb.TrainRequest(
+        model=MODEL, adam=types_pb2.AdamParams(learning_rate=1e-3), loss=types_pb2.LossConfig(function=loss)
+    )
+    request.examples.add(messages=messages)
+    return request
+
+
+def _sample(params: types_pb2.SamplingParams | None = None, **prompt: Any) -> pb.SampleRequest:
+    if not prompt:
+        prompt = {"text": "hello"}
+    return pb.SampleRequest(model=MODEL, params=params or types_pb2.SamplingParams(max_tokens=2), **prompt)
+
+
+def _params(**fields: Any) -> types_pb2.SamplingParams:
+    return types_pb2.SamplingParams(**{"max_tokens": 2, **fields})
+
+
+def grpc_rows(s: Setup) -> list[GrpcRow]:
+    def set_field(path: str, value: Any) -> Callable[[pb.TrainRequest], None]:
+        def edit(request: pb.TrainRequest) -> None:
+            *parents, last = path.split(".")
+            target: Any = request
+            for part in parents:
+                target = getattr(target, part)
+            setattr(target, last, value)
+
+        return edit
+
+    def drop_turns(request: pb.TrainRequest) -> None:
+        del request.groups[0].trajectories[0].turns[:]
+
+    def short_logprobs(request: pb.TrainRequest) -> None:
+        del _turn(request).completion_logprobs[-1:]
+
+    def foreign_token(request: pb.TrainRequest) -> None:
+        _turn(request).completion_token_ids[0] = BIG_TOKEN
+
+    def future_version(request: pb.TrainRequest) -> None:
+        _turn(request).policy_version = 99
+
+    def nan_reward(request: pb.TrainRequest) -> None:
+        request.groups[0].trajectories[0].reward = math.nan
+
+    def too_many(request: pb.TrainRequest) -> None:
+        group = request.groups[0]
+        while len(group.trajectories) <= MAX_TRAIN_TRAJECTORIES:
+            group.trajectories.add().CopyFrom(group.trajectories[0])
+
+    def equal_rewards(request: pb.TrainRequest) -> None:
+        for trajectory in request.groups[0].trajectories:
+            trajectory.reward = 0.5
+
+    def with_example(request: pb.TrainRequest) -> None:
+        request.examples.add(messages=[user("q"), assistant("a")])
+
+    def empty_group(request: pb.TrainRequest) -> None:
+        request.groups.add()
+
+    reused_key = _train(s, set_field("idempotency_key", "first"))
+    reused_key.adam.learning_rate = 0.5
+
+    return [
+        # CreateModel
+        GrpcRow("CreateModel", pb.CreateModelRequest(name="", base_model=TINY), Code.INVALID_ARGUMENT, "name"),
+        GrpcRow("CreateModel", pb.CreateModelRequest(name="bad name!", base_model=TINY), Code.INVALID_ARGUMENT, "name"),
+        GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh"), Code.INVALID_ARGUMENT, "base_model"),
+        GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model="no/such-model"), Code.INVALID_ARGUMENT, "base_model"),
+        GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model=TINY, lora=types_pb2.LoraConfig(rank=-1)), Code.INVALID_ARGUMENT, "lora.rank"),
+        GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model=TINY, renderer="no-such-renderer"), Code.INVALID_ARGUMENT, "renderer"),
+        GrpcRow("CreateModel", pb.CreateModelRequest(name=MODEL, base_model=TINY), Code.ALREADY_EXISTS, MODEL),
+        # GetModel, DeleteModel
+        GrpcRow("GetModel", pb.GetModelRequest(name="ghost"), Code.NOT_FOUND, "ghost"),
+        GrpcRow("GetModel", pb.GetModelRequest(name=""), Code.NOT_FOUND, "model '' not found"),
+        GrpcRow("DeleteModel", pb.DeleteModelRequest(name="ghost"), Code.NOT_FOUND, "ghost"),
+        # Train (RL)
+        GrpcRow("Train", _train(s, set_field("model", "ghost")), Code.NOT_FOUND, "ghost"),
+        GrpcRow("Train", pb.TrainRequest(model=MODEL, adam=types_pb2.AdamParams(learning_rate=1e-3)), Code.INVALID_ARGUMENT, "groups"),
+        GrpcRow("Train", _train(s, with_example), Code.INVALID_ARGUMENT, "not both"),
+        GrpcRow("Train", _train(s, set_field("adam.learning_rate", 0.0)), Code.INVALID_ARGUMENT, "adam.learning_rate"),
+        GrpcRow("Train", _train(s, set_field("adam.learning_rate", math.nan)), Code.INVALID_ARGUMENT, "adam.learning_rate"),
+        GrpcRow("Train", _train(s, set_field("adam.beta1", 1.5)), Code.INVALID_ARGUMENT, "adam.beta1"),
+        GrpcRow("Train", _train(s, set_field("adam.grad_clip_norm", -1.0)), Code.INVALID_ARGUMENT, "adam.grad_clip_norm"),
+        GrpcRow("Train", _train(s, drop_turns), Code.INVALID_ARGUMENT, "trajectories[0].turns"),
+        GrpcRow("Train", _train(s, short_logprobs), Code.INVALID_ARGUMENT, "completion_logprobs"),
+        GrpcRow("Train", _train(s, foreign_token), Code.INVALID_ARGUMENT, "completion_token_ids"),
+        GrpcRow("Train", _train(s, future_version), Code.INVALID_ARGUMENT, "policy_version"),
+        GrpcRow("Train", _train(s, nan_reward), Code.INVALID_ARGUMENT, "reward"),
+        GrpcRow("Train", _train(s, empty_group), Code.INVALID_ARGUMENT, "groups[1].trajectories"),
+        GrpcRow("Train", _train(s, set_field("loss.function", types_pb2.LOSS_FUNCTION_CROSS_ENTROPY)), Code.INVALID_ARGUMENT, "loss.function"),
+        GrpcRow("Train", _train(s, set_field("loss.function", 77)), Code.INVALID_ARGUMENT, "loss.function"),
+        GrpcRow("Train", _train(s, set_field("loss.clip_low_threshold", -1.0)), Code.INVALID_ARGUMENT, "loss.clip_low_threshold"),
+        GrpcRow("Train", _train(s, set_field("max_staleness", -1)), Code.INVALID_ARGUMENT, "max_staleness"),
+        GrpcRow("Train", _train(s, set_field("strict_staleness", True)), Code.INVALID_ARGUMENT, "strict_staleness"),
+        GrpcRow("Train", _train(s, set_field("expected_policy_version", 5)), Code.FAILED_PRECONDITION, "expected 5"),
+        GrpcRow("Train", reused_key, Code.FAILED_PRECONDITION, "idempotency key 'first'"),
+        GrpcRow("Train", _train(s, equal_rewards), Code.FAILED_PRECONDITION, "nothing left to train"),
+        GrpcRow("Train", _train(s, too_many), Code.RESOURCE_EXHAUSTED, "--max-train-trajectories"),
+        # Train (SFT)
+        GrpcRow("Train", _sft([user("question only")]), Code.INVALID_ARGUMENT, "examples[0].messages"),
+        GrpcRow("Train", _sft([user("q"), assistant("a")], types_pb2.LOSS_FUNCTION_PPO), Code.INVALID_ARGUMENT, "loss.function"),
+        GrpcRow("Train", _sft([types_pb2.Message(content="no role"), assistant("a")]), Code.INVALID_ARGUMENT, "examples[0].messages[0]"),
+        # Checkpoints
+        GrpcRow("SaveCheckpoint", pb.SaveCheckpointRequest(model="ghost"), Code.NOT_FOUND, "ghost"),
+        GrpcRow("SaveCheckpoint", pb.SaveCheckpointRequest(model=MODEL, name="bad name"), Code.INVALID_ARGUMENT, "name"),
+        GrpcRow("SaveCheckpoint", pb.SaveCheckpointRequest(model=MODEL, name="saved"), Code.ALREADY_EXISTS, "saved"),
+        GrpcRow("ListCheckpoints", pb.ListCheckpointsRequest(model="ghost"), Code.NOT_FOUND, "ghost"),
+        GrpcRow("RestoreCheckpoint", pb.RestoreCheckpointRequest(model=MODEL, checkpoint="nope"), Code.NOT_FOUND, "nope"),
+        GrpcRow("RestoreCheckpoint", pb.RestoreCheckpointRequest(model="ghost", checkpoint="saved"), Code.NOT_FOUND, "ghost"),
+        GrpcRow("DeleteCheckpoint", pb.DeleteCheckpointRequest(model=MODEL, checkpoint="nope"), Code.NOT_FOUND, "nope"),
+        GrpcRow("DeleteCheckpoint", pb.DeleteCheckpointRequest(model=MODEL, checkpoint="saved", kind=99), Code.INVALID_ARGUMENT, "kind"),  # type: ignore[arg-type]
+        GrpcRow("DeleteCheckpoint", pb.DeleteCheckpointRequest(model=MODEL, checkpoint="v000001", kind=types_pb2.CHECKPOINT_KIND_SAMPLER), Code.FAILED_PRECONDITION, "current version"),
+        GrpcRow("DeleteCheckpoint", pb.DeleteCheckpointRequest(model=MODEL, checkpoint="saved"), Code.FAILED_PRECONDITION, "recovers from"),
+        # Sample
+        GrpcRow("Sample", pb.SampleRequest(model="ghost", text="x", params=_params()), Code.NOT_FOUND, "ghost"),
+        GrpcRow("Sample", pb.SampleRequest(model=MODEL, params=_params()), Code.INVALID_ARGUMENT, "prompt"),
+        GrpcRow("Sample", _sample(text=""), Code.INVALID_ARGUMENT, "prompt"),
+        GrpcRow("Sample", _sample(tokens=pb.TokenPrompt(token_ids=[1, BIG_TOKEN])), Code.INVALID_ARGUMENT, "tokens.token_ids"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt()), Code.INVALID_ARGUMENT, "chat.messages: give at least one"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[types_pb2.Message(content="no role")])), Code.INVALID_ARGUMENT, "chat.messages[0]"),
+        GrpcRow("Sample", _sample(types_pb2.SamplingParams()), Code.INVALID_ARGUMENT, "params.max_tokens"),
+        GrpcRow("Sample", _sample(_params(n=-1)), Code.INVALID_ARGUMENT, "params.n"),
+        GrpcRow("Sample", _sample(_params(n=MAX_SAMPLE_N + 1)), Code.INVALID_ARGUMENT, "--max-sample-n"),
+        GrpcRow("Sample", _sample(_params(max_tokens=10**6)), Code.INVALID_ARGUMENT, "params.max_tokens"),
+        GrpcRow("Sample", _sample(_params(temperature=-1.0)), Code.INVALID_ARGUMENT, "params.temperature"),
+        GrpcRow("Sample", _sample(_params(top_p=1.5)), Code.INVALID_ARGUMENT, "params.top_p"),
+        GrpcRow("Sample", _sample(_params(top_k=-2)), Code.INVALID_ARGUMENT, "params.top_k"),
+        GrpcRow("Sample", _sample(_params(top_logprobs=-1)), Code.INVALID_ARGUMENT, "params.top_logprobs"),
+        GrpcRow("Sample", _sample(_params(stop=[""])), Code.INVALID_ARGUMENT, "params.stop"),
+        GrpcRow("Sample", _sample(_params(stop_token_ids=[BIG_TOKEN])), Code.INVALID_ARGUMENT, "params.stop_token_ids"),
+        GrpcRow("Sample", pb.SampleRequest(model=MODEL, text="x", params=_params(), policy_version=42), Code.NOT_FOUND, "no sampleable version 42"),
+        GrpcRow("Sample", _sample(text="x" * (2 * 1024 * 1024)), Code.RESOURCE_EXHAUSTED, "1048576"),
+    ]  # fmt: skip
+
+
+# ---- the HTTP table (the hosted sidecar)
+
+
+@dataclass(frozen=True)
+class HttpRow:
+    label: str
+    path: str
+    body: dict[str, Any] | bytes | None
+    status: int
+    needle: str
+    key: str | None = KEY
+    method: str = "POST"
+
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HI = [{"role": "user", "content": "hi"}]
+
+
+def http_rows() -> list[HttpRow]:
+    return [
+        HttpRow("no key", CHAT, {"model": MODEL, "messages": HI}, 401, "api key", key=None),
+        HttpRow("wrong key", CHAT, {"model": MODEL, "messages": HI}, 401, "api key", key="sk-wrong"),
+        HttpRow("wrong key, models", "/v1/models", None, 401, "api key", key="sk-wrong", method="GET"),
+        HttpRow("not JSON", CHAT, b"{nope", 400, "not valid JSON"),
+        HttpRow("no model", CHAT, {"messages": HI}, 400, "model"),
+        HttpRow("unknown model", CHAT, {"model": "ghost", "messages": HI}, 404, "ghost"),
+        HttpRow("malformed model id", CHAT, {"model": f"{MODEL}@latest", "messages": HI}, 404, "policy version"),
+        HttpRow("unknown version", CHAT, {"model": f"{MODEL}@42", "messages": HI}, 404, "42"),
+        HttpRow("no messages", CHAT, {"model": MODEL, "messages": []}, 400, "messages"),
+        HttpRow("bad role", CHAT, {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
+        HttpRow("n = 0", CHAT, {"model": MODEL, "messages": HI, "n": 0}, 400, "n"),
+        HttpRow("temperature 5", CHAT, {"model": MODEL, "messages": HI, "temperature": 5}, 400, "temperature"),
+        HttpRow("top_p 0", CHAT, {"model": MODEL, "messages": HI, "top_p": 0}, 400, "top_p"),
+        HttpRow("max_tokens 0", CHAT, {"model": MODEL, "messages": HI, "max_tokens": 0}, 400, "max_tokens"),
+        HttpRow("max_tokens huge", CHAT, {"model": MODEL, "messages": HI, "max_tokens": 10**6}, 400, "max_tokens"),
+        HttpRow("presence_penalty", CHAT, {"model": MODEL, "messages": HI, "presence_penalty": 1}, 400, "presence_penalty"),
+        HttpRow("unknown field", CHAT, {"model": MODEL, "messages": HI, "mystery_knob": 1}, 400, "mystery_knob"),
+        HttpRow("top_logprobs alone", CHAT, {"model": MODEL, "messages": HI, "top_logprobs": 2}, 400, "top_logprobs"),
+        HttpRow("tool_choice required", CHAT, {"model": MODEL, "messages": HI, "tool_choice": "required"}, 400, "tool_choice"),
+        HttpRow("stop empty", CHAT, {"model": MODEL, "messages": HI, "stop": [""]}, 400, "stop"),
+        HttpRow("completions: no prompt", COMPLETIONS, {"model": MODEL}, 400, "prompt"),
+        HttpRow("completions: echo", COMPLETIONS, {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
+        HttpRow("completions: logprobs 99", COMPLETIONS, {"model": MODEL, "prompt": "x", "logprobs": 99}, 400, "logprobs"),
+        HttpRow("completions: foreign token", COMPLETIONS, {"model": MODEL, "prompt": [1, BIG_TOKEN]}, 400, "vocabulary"),
+        HttpRow("completions: unknown model", COMPLETIONS, {"model": "ghost", "prompt": "x"}, 404, "ghost"),
+        HttpRow("unknown model card", "/v1/models/ghost", None, 404, "ghost", method="GET"),
+    ]  # fmt: skip
+
+
+# ---- state and the campaign
+
+
+def _state(s: Setup, probe: list[int]) -> dict[str, Any]:
+    stub = s.server.stub
+    info = stub.GetModel(pb.GetModelRequest(name=MODEL), timeout=CALL_TIMEOUT).model
+    checkpoints = stub.ListCheckpoints(
+        pb.ListCheckpointsRequest(model=MODEL), timeout=CALL_TIMEOUT
+    ).checkpoints
+    return {
+        "version": info.policy_version,
+        "sampleable": list(info.sampleable_versions),
+        "weights": prompt_logprobs(stub, MODEL, probe),
+        "checkpoints": sorted((c.kind, c.name, c.policy_version, c.tinker_path) for c in checkpoints),
+        "models": [m.name for m in stub.ListModels(pb.ListModelsRequest(), timeout=CALL_TIMEOUT).models],
+    }
+
+
+def _grpc_outcome(s: Setup, row: GrpcRow) -> tuple[grpc.StatusCode, str]:
+    try:
+        getattr(s.server.stub, row.rpc)(row.request, timeout=CALL_TIMEOUT)
+    except grpc.RpcError as err:
+        return err.code(), err.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def _http_outcome(s: Setup, row: HttpRow) -> tuple[int, str]:
+    headers = {"content-type": "application/json"}
+    if row.key is not None:
+        headers["authorization"] = f"Bearer {row.key}"
+    content = row.body if isinstance(row.body, bytes) else json.dumps(row.body).encode() if row.body else None
+    response = httpx.request(
+        row.method, s.sidecar + row.path, content=content, headers=headers, timeout=CALL_TIMEOUT
+    )
+    error = response.json().get("error") or {}
+    return response.status_code, f"{error.get('message', '')} [param {error.get('param')}]"
+
+
+def test_bad_input_campaign_gets_named_errors_and_changes_nothing(setup: Setup) -> None:
+    probe = list(setup.sample.prompt_token_ids)
+    before = _state(setup, probe)
+    assert before["version"] == 1 and before["checkpoints"]
+
+    failures: list[str] = []
+    grpc_table = grpc_rows(setup)
+    for row in grpc_table:
+        code, details = _grpc_outcome(setup, row)
+        if code != row.code or row.needle not in details:
+            failures.append(
+                f"{row.rpc} expected {row.code.name} with {row.needle!r}: got {code.name}: {details}"
+            )
+    http_table = http_rows()
+    for http_row in http_table:
+        status, message = _http_outcome(setup, http_row)
+        if status != http_row.status or http_row.needle.lower() not in message.lower():
+            failures.append(
+                f"{http_row.label} expected {http_row.status} with {http_row.needle!r}: got {status}: {message}"
+            )
+    print(
+        f"\nbad inputs tried: {len(grpc_table)} gRPC + {len(http_table)} HTTP = {len(grpc_table) + len(http_table)}"
+    )
+    assert not failures, "\n".join(failures)
+    assert len(grpc_table) + len(http_table) >= 40
+
+    assert _state(setup, probe) == before
+    # The idempotent replay of the first step is still the recorded one, not re-applied.
+    replay = setup.server.stub.Train(setup.first_train, timeout=CALL_TIMEOUT)
+    assert replay.replayed and replay.policy_version == 1
+    assert _state(setup, probe) == before
