@@ -52,17 +52,18 @@ class DemoConfig:
     out_dir: Path
     target_reward: float = 0.9
     sft_batch: int = 32
-    # The qwen3 renderer frames each answer with an empty think block: ~8 tokens must become
-    # near-certain, which takes ~100 steps at 1e-2 on the random base (3e-3 needs ~140).
     sft_learning_rate: float = 1e-2
     sft_max_steps: int = 200
     sft_eval_every: int = 10
     sft_valid_target: float = 0.95
     rl_prompts_per_step: int = 8
     rl_samples_per_prompt: int = 8
-    rl_learning_rate: float = 2e-3
+    rl_learning_rate: float = 4e-3
     rl_max_steps: int = 40
-    max_tokens: int = 12  # the qwen3 renderer puts an empty <think> block (6 tokens) before the answer
+    # The task needs no reasoning: with this renderer the empty think block is part of the prompt,
+    # so an answer is two tokens (word + <|im_end|>) instead of eight for SFT and RL to shape.
+    renderer: str = "qwen3_disable_thinking"
+    max_tokens: int = 4
     lora_rank: int = 8
     seed: int = 0
     data_dir: Path | None = None
@@ -241,6 +242,7 @@ async def run_demo_against(target: str, config: DemoConfig, started: float) -> D
             f"demo-{int(time.time())}-{random.Random().randrange(10**6)}",
             base_model=TINY_CHAT,
             lora_rank=config.lora_rank,
+            renderer=config.renderer,
             seed=config.seed,
         )
         print(
