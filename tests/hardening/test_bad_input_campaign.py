@@ -1,30 +1,28 @@
 """Bad-input campaign: malformed requests to every RPC and to the hosted OpenAI sidecar, one table row each
 (request, expected status, a substring of the error naming the problem). After the whole table the
 model's state (policy version, sampleable versions, a weights checksum and its checkpoints) is exactly what
-it was before. One `tinkerrpc serve --sidecar-port` serves the module."""
+it was before. One `tinkerrpc serve --sidecar-port` (conftest.hosted_server) serves the campaign."""
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import httpx
 import pytest
+from conftest import MAX_SAMPLE_N, MAX_TRAIN_TRAJECTORIES, SIDECAR_KEY, HostedServer
 from google.protobuf.message import Message as ProtoMessage
 from service.svc import CALL_TIMEOUT, TINY, Server, assistant, create_model, prompt_logprobs, rl_request, user
 
-from procs import free_port
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
 
 MODEL = "campaign"
-KEY = "campaign-sidecar-key"
-MAX_SAMPLE_N = 16
-MAX_TRAIN_TRAJECTORIES = 8
+KEY = SIDECAR_KEY
 BIG_TOKEN = 10**6
 Code = grpc.StatusCode
 
@@ -38,25 +36,8 @@ class Setup:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
-    tmp = tmp_path_factory.mktemp("campaign")
-    sidecar_port = free_port()
-    server = Server(
-        tmp / "data",
-        tmp / "models",
-        tmp / "serve.log",
-        None,
-        "--sidecar-port",
-        str(sidecar_port),
-        "--sidecar-api-key",
-        KEY,
-        "--max-message-mb",
-        "1",
-        "--max-sample-n",
-        str(MAX_SAMPLE_N),
-        "--max-train-trajectories",
-        str(MAX_TRAIN_TRAJECTORIES),
-    )
+def setup(hosted_server: HostedServer) -> Setup:
+    server = hosted_server.server
     create_model(server.stub, MODEL)
     sample = server.stub.Sample(
         pb.SampleRequest(
@@ -69,8 +50,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     first_train = rl_request(MODEL, sample, [1.0, 0.0], idempotency_key="first")
     server.stub.Train(first_train, timeout=CALL_TIMEOUT)
     server.stub.SaveCheckpoint(pb.SaveCheckpointRequest(model=MODEL, name="saved"), timeout=CALL_TIMEOUT)
-    yield Setup(server, f"http://127.0.0.1:{sidecar_port}", sample, first_train)
-    assert server.close() == 0, server.proc.log()[-3000:]
+    return Setup(server, hosted_server.sidecar_url, sample, first_train)
 
 
 # ---- the gRPC table

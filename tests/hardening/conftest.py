@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from service.svc import Server
+
+from procs import free_port
+
+# bench/ (bench.load) lives at the repository root, outside the installed packages.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+SIDECAR_KEY = "campaign-sidecar-key"
+MAX_SAMPLE_N = 16
+MAX_TRAIN_TRAJECTORIES = 8
+
+
+@dataclass(frozen=True)
+class HostedServer:
+    server: Server
+    sidecar_url: str
+
+
+@pytest.fixture(scope="session")
+def hosted_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostedServer]:
+    """One `tinkerrpc serve` hosting the sidecar (1 MiB messages, small Sample/Train limits), shared by the
+    bad-input campaign and the short load run; each uses its own model."""
+    tmp = tmp_path_factory.mktemp("hosted")
+    sidecar_port = free_port()
+    server = Server(
+        tmp / "data",
+        tmp / "models",
+        tmp / "serve.log",
+        None,
+        "--sidecar-port",
+        str(sidecar_port),
+        "--sidecar-api-key",
+        SIDECAR_KEY,
+        "--max-message-mb",
+        "1",
+        "--max-sample-n",
+        str(MAX_SAMPLE_N),
+        "--max-train-trajectories",
+        str(MAX_TRAIN_TRAJECTORIES),
+    )
+    yield HostedServer(server, f"http://127.0.0.1:{sidecar_port}")
+    assert server.close() == 0, server.proc.log()[-3000:]
