@@ -16,6 +16,14 @@ Behaviours a client can rely on, beyond the proto comments:
   weights and optimizer state always agree.
 - The state checkpoint a model would recover from cannot be deleted (FAILED_PRECONDITION
   RECOVERY_CHECKPOINT), nor can the current version's sampler (CURRENT_SAMPLER_CHECKPOINT).
+- Limits (service/limits.py, `tinkerrpc serve --max-...`): Sample's n and max_tokens over the server's limit,
+  or a prompt + max_tokens beyond the model's context, are INVALID_ARGUMENT naming the field; a Train batch
+  with too many trajectories/examples or tokens is RESOURCE_EXHAUSTED (QuotaFailure naming the flag) and
+  changes nothing; an over-size message is grpc's own RESOURCE_EXHAUSTED naming both sizes.
+- A Train cut short by its deadline or a client cancel commits nothing; the model rolls back to its recovery
+  point before its next step (weights and optimizer state as if the call never came).
+- The embedded engine child is supervised: if it dies, calls in flight fail UNAVAILABLE, new calls wait for
+  a new engine (within their deadline), and every model reloads from its recovery point.
 - SaveCheckpoint without a name at a version that already has its automatic `step_NNNNNN` returns that
   checkpoint (it holds exactly this state); an explicit duplicate name is ALREADY_EXISTS.
 """
