@@ -1,4 +1,9 @@
-"""SFT through the SDK: the random tiny chat model learns to answer with exactly one of yes / no / maybe."""
+"""SFT through the SDK: the random tiny chat model learns to answer with exactly one of yes / no / maybe.
+
+The `qwen3_disable_thinking` renderer puts the empty think block in the prompt, so an answer is two
+tokens (word + <|im_end|>); with plain `qwen3` the model must also learn the six-token think block,
+which takes ~3x the steps for the same lesson.
+"""
 
 from __future__ import annotations
 
@@ -14,10 +19,10 @@ from tinker_cookbook.tokenizer_utils import get_tokenizer
 
 from tinkerrpc_server.model_store import ANSWER_WORDS, answer_format_prompt
 
-BATCH_SIZE = 16
+BATCH_SIZE = 32
 EVAL_SAMPLES = 48
-MAX_STEPS = 120
-EVAL_EVERY = 10
+MAX_STEPS = 80
+EVAL_EVERY = 5
 
 
 def answer_text(message: renderers.Message) -> str:
@@ -31,7 +36,7 @@ def test_sft_teaches_the_answer_format(service: tinker.ServiceClient, engine: En
     # Creating the model makes the engine build the tiny model directory the tokenizer is read from.
     client = service.create_lora_training_client(TINY, rank=8, seed=0).result()
     tokenizer = get_tokenizer(str(engine.model_dir / TINY))
-    renderer = renderers.get_renderer("qwen3", tokenizer)
+    renderer = renderers.get_renderer("qwen3_disable_thinking", tokenizer)
     rng = random.Random(0)
 
     def example() -> types.Datum:
@@ -51,7 +56,7 @@ def test_sft_teaches_the_answer_format(service: tinker.ServiceClient, engine: En
 
     def valid_fraction(client: tinker.TrainingClient) -> float:
         sampler = client.save_weights_and_get_sampling_client().result()
-        params = types.SamplingParams(max_tokens=10, temperature=1.0, stop=renderer.get_stop_sequences())
+        params = types.SamplingParams(max_tokens=4, temperature=1.0, stop=renderer.get_stop_sequences())
         prompts = [
             renderer.build_generation_prompt([{"role": "user", "content": answer_format_prompt(rng)}])
             for _ in range(EVAL_SAMPLES // 8)
@@ -62,7 +67,7 @@ def test_sft_teaches_the_answer_format(service: tinker.ServiceClient, engine: En
 
     assert valid_fraction(client) < 0.5, "the random model must not already know the format"
     started = time.monotonic()
-    adam = types.AdamParams(learning_rate=5e-3)
+    adam = types.AdamParams(learning_rate=1e-2)
     history: list[tuple[int, float]] = []
     for step in range(1, MAX_STEPS + 1):
         client.forward_backward([example() for _ in range(BATCH_SIZE)], "cross_entropy")
