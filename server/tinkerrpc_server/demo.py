@@ -165,8 +165,8 @@ async def _rl(
 ) -> tuple[int, float]:
     rng = random.Random(config.seed + 1)
     prompts = yes_no_maybe_prompts()
-    mean_reward = 0.0
-    for step in range(1, config.rl_max_steps + 1):
+    trained = 0
+    for _ in range(config.rl_max_steps):
         rollouts = await _sample_groups(
             model,
             rng.sample(prompts, config.rl_prompts_per_step),
@@ -183,10 +183,18 @@ async def _rl(
         rewards = [t.reward for g in groups for t in g.trajectories]
         mean_reward = sum(rewards) / len(rewards)
         valid = sum(r > 0 for r in rewards) / len(rewards)
+        if all(len({t.reward for t in g.trajectories}) == 1 for g in groups):
+            # Every group scored evenly: no advantage anywhere, so the server would refuse the step
+            # (NOTHING_TO_TRAIN). Sample a fresh batch instead.
+            print(
+                f"rl batch: rewards equal within every group (mean {mean_reward:.3f}); resampling", flush=True
+            )
+            continue
         result = await model.train(groups, loss="importance_sampling", learning_rate=config.rl_learning_rate)
+        trained += 1
         record = StepRecord(
             phase="rl",
-            step=step,
+            step=trained,
             policy_version=result.policy_version,
             mean_reward=mean_reward,
             valid_rate=valid,
@@ -202,8 +210,8 @@ async def _rl(
             final = await _rl_eval(model, config, seed=rng.randrange(2**31))
             print(f"eval at v{result.policy_version}: mean reward {final:.3f}", flush=True)
             if final >= config.target_reward:
-                return step, final
-    return config.rl_max_steps, await _rl_eval(model, config, seed=rng.randrange(2**31))
+                return trained, final
+    return trained, await _rl_eval(model, config, seed=rng.randrange(2**31))
 
 
 async def _rl_eval(model: tinkerrpc.AsyncModel, config: DemoConfig, seed: int) -> float:
