@@ -14,8 +14,10 @@ from procs import free_port
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 SIDECAR_KEY = "campaign-sidecar-key"
-MAX_SAMPLE_N = 16
-MAX_TRAIN_TRAJECTORIES = 8
+MAX_SAMPLE_N = 8
+MAX_SAMPLE_TOKENS = 64
+MAX_TRAIN_TRAJECTORIES = 16
+MAX_TRAIN_TOKENS = 3000
 
 
 @dataclass(frozen=True)
@@ -26,8 +28,9 @@ class HostedServer:
 
 @pytest.fixture(scope="session")
 def hosted_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostedServer]:
-    """One `tinkerrpc serve` hosting the sidecar (1 MiB messages, small Sample/Train limits), shared by the
-    bad-input campaign and the short load run; each uses its own model."""
+    """One `tinkerrpc serve` hosting the sidecar (1 MiB messages, small Sample/Train limits) for every test
+    here but the lead's auth tests; each module uses its own models. test_limits_and_engine_faults SIGKILLs
+    its engine child once (the server restarts it), so modules after it also run on a restarted engine."""
     tmp = tmp_path_factory.mktemp("hosted")
     sidecar_port = free_port()
     server = Server(
@@ -43,8 +46,12 @@ def hosted_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostedSe
         "1",
         "--max-sample-n",
         str(MAX_SAMPLE_N),
+        "--max-sample-tokens",
+        str(MAX_SAMPLE_TOKENS),
         "--max-train-trajectories",
         str(MAX_TRAIN_TRAJECTORIES),
+        "--max-train-tokens",
+        str(MAX_TRAIN_TOKENS),
     )
     yield HostedServer(server, f"http://127.0.0.1:{sidecar_port}")
     assert server.close() == 0, server.proc.log()[-3000:]

@@ -209,6 +209,7 @@ def grpc_rows(s: Setup) -> list[GrpcRow]:
         GrpcRow("Sample", _sample(_params(stop=[""])), Code.INVALID_ARGUMENT, "params.stop"),
         GrpcRow("Sample", _sample(_params(stop_token_ids=[BIG_TOKEN])), Code.INVALID_ARGUMENT, "params.stop_token_ids"),
         GrpcRow("Sample", pb.SampleRequest(model=MODEL, text="x", params=_params(), policy_version=42), Code.NOT_FOUND, "no sampleable version 42"),
+        # Over --max-message-mb 1: grpc's own "Received message larger than max (N vs. 1048576)".
         GrpcRow("Sample", _sample(text="x" * (2 * 1024 * 1024)), Code.RESOURCE_EXHAUSTED, "1048576"),
     ]  # fmt: skip
 
