@@ -60,6 +60,10 @@ class _SampleGroup:
     run_batch: BatchWork
     description: str
     requests: list[_SampleRequest] = field(default_factory=list)
+    created: float = field(default_factory=time.monotonic)
+
+
+SAMPLE_GATHER_SECONDS = 0.005
 
 
 @dataclass
@@ -176,15 +180,25 @@ class ComputeWorker:
             group: _SampleGroup | None = None
             with self._cond:
                 while not self._stopping:
-                    if self._samples and self._prefer_sampling:
+                    now = time.monotonic()
+                    # Concurrent clients' requests arrive a few ms apart: a young group waits that long
+                    # so they run as one batch instead of one request and then all the others.
+                    gathering = (
+                        SAMPLE_GATHER_SECONDS - (now - next(iter(self._samples.values())).created)
+                        if self._samples
+                        else 0.0
+                    )
+                    if self._samples and self._prefer_sampling and gathering <= 0:
                         group = self._samples.popitem(last=False)[1]
                         break
-                    op, wait = self._next_training_op(time.monotonic())
+                    op, wait = self._next_training_op(now)
                     if op is not None:
                         break
-                    if self._samples:
+                    if self._samples and gathering <= 0:
                         group = self._samples.popitem(last=False)[1]
                         break
+                    if self._samples:
+                        wait = gathering if wait is None else min(wait, gathering)
                     self._cond.wait(timeout=wait)
                 else:
                     return
