@@ -63,8 +63,13 @@ def _auth_token(args: argparse.Namespace) -> str | None:
 
 def _serve(args: argparse.Namespace) -> int:
     from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
-    from tinkerrpc_server.service.engine_process import EmbeddedEngine
+    from tinkerrpc_server.service.engine_process import EmbeddedEngine, probe_data_dir
 
+    # Before the heavy imports: an unusable data dir is one line in a fraction of a second.
+    problem = probe_data_dir(args.data_dir)
+    if problem is not None:
+        print(f"tinkerrpc serve: cannot start: {problem}", file=sys.stderr)
+        return 1
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         print("tinkerrpc serve: --checkpoint-every must be >= 1", file=sys.stderr)
         return 2
