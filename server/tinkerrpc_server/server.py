@@ -129,7 +129,7 @@ async def _serve(config: ServerConfig, service: TrainerService) -> int:
         def engine_lost(task: asyncio.Task[None]) -> None:
             nonlocal exit_code
             if not task.cancelled():
-                log.error("the embedded engine cannot be restarted; stopping")
+                log.error("the embedded engine cannot be restarted; stopping", exc_info=task.exception())
                 exit_code = 1
                 stop_requested.set()
 
@@ -152,12 +152,13 @@ async def _serve(config: ServerConfig, service: TrainerService) -> int:
     await stop_requested.wait()
 
     log.info("shutting down: refusing new calls, letting in-flight calls finish")
+    if supervisor is not None:
+        # The engine may stop first (Ctrl-C reaches the whole process group): not a crash to restart.
+        supervisor.cancel()
     if sidecar is not None:
         # HTTP requests in flight finish while the gRPC server still answers them.
         await sidecar
     await health_servicer.enter_graceful_shutdown()
     await server.stop(config.shutdown_grace_seconds)
-    if supervisor is not None:
-        supervisor.cancel()
     log.info("stopped")
     return exit_code
