@@ -103,8 +103,9 @@ def tinker_datums(groups: list[tinkerrpc.TrajectoryGroup]) -> list[types.Datum]:
 
 
 class DirectTrainer:
-    """The step a user of the tinker SDK runs by hand: forward_backward, optim_step and sampler weights for
-    the next rollouts, all submitted before waiting."""
+    """The step a user of the tinker SDK runs by hand with the same guarantees as a Train RPC on serve's
+    defaults: forward_backward, optim_step, sampler weights for the next rollouts and the full state to
+    resume from after a crash (--checkpoint-every 1), all submitted before waiting."""
 
     def __init__(self, client: tinker.TrainingClient) -> None:
         self.client = client
@@ -115,9 +116,11 @@ class DirectTrainer:
         forward_backward = self.client.forward_backward(tinker_datums(groups), "importance_sampling")
         optim = self.client.optim_step(types.AdamParams(learning_rate=LEARNING_RATE))
         sampler = self.client.save_weights_for_sampler(f"direct-{self.version:06d}")
+        state = self.client.save_state(f"direct-state-{self.version:06d}")
         loss = float(forward_backward.result().metrics["loss:sum"])
         optim.result()
         sampler.result()
+        state.result()
         return loss
 
 
@@ -164,8 +167,9 @@ def stack_figure(settings: Settings, stack: LocalStack, client: tinkerrpc.Client
             f"tiny-chat, LoRA r{LORA_RANK}, one group of {len(datums)} trajectories "
             f"({sum(d.model_input.length for d in datums)} tokens), importance sampling; median of "
             f"{settings.overhead_steps} interleaved steps after {warmup} warm-up; first-step losses "
-            f"{first_losses[0]:.4f} vs {first_losses[1]:.4f}. The Train RPC also writes a state checkpoint "
-            f"(serve's default --checkpoint-every 1 on the embedded engine) and its SQLite records"
+            f"{first_losses[0]:.4f} vs {first_losses[1]:.4f}. Both sides save sampler weights and the full "
+            f"state every step (serve's default --checkpoint-every 1 on the embedded engine); the RPC adds "
+            f"validation, datum building and its SQLite commit"
         ),
     )
 
