@@ -15,7 +15,7 @@ import numpy as np
 from bench.report import Figure
 from bench.workload import Settings
 from tinkerrpc import SampledTurn, Trajectory, TrajectoryGroup
-from tinkerrpc._requests import train_request
+from tinkerrpc._calls import train
 from tinkerrpc.v1 import trainer_service_pb2
 
 TURN_TOKENS = 1024
@@ -47,13 +47,7 @@ def trajectory_groups(completion_tokens: int, vocab_size: int = 151_936) -> list
 
 
 def _proto_encode(groups: list[TrajectoryGroup]) -> bytes:
-    request = train_request(
-        "bench", groups, loss="importance_sampling", learning_rate=1e-4, max_staleness=None,
-        strict_staleness=False, normalize_std=False, clip_low_threshold=None, clip_high_threshold=None,
-        beta=None, adam_beta1=None, adam_beta2=None, adam_eps=None, weight_decay=0.0, grad_clip_norm=0.0,
-        expected_policy_version=None, idempotency_key="bench",
-    )  # fmt: skip
-    wire: bytes = request.SerializeToString()
+    wire: bytes = train("bench", groups, idempotency_key="bench").request.SerializeToString()
     return wire
 
 

@@ -137,15 +137,6 @@ def message_from_proto(msg: pb.Message) -> Message:
     )
 
 
-def turn_to_proto(turn: SampledTurn) -> pb.SampledTurn:
-    return pb.SampledTurn(
-        prompt_token_ids=turn.prompt_token_ids,
-        completion_token_ids=turn.completion_token_ids,
-        completion_logprobs=turn.logprobs,
-        policy_version=turn.policy_version,
-    )
-
-
 def turn_from_proto(msg: pb.SampledTurn) -> SampledTurn:
     return SampledTurn(
         prompt_token_ids=tuple(msg.prompt_token_ids),
@@ -155,15 +146,26 @@ def turn_from_proto(msg: pb.SampledTurn) -> SampledTurn:
     )
 
 
-def trajectory_to_proto(traj: Trajectory) -> pb.Trajectory:
-    return pb.Trajectory(
-        messages=[message_to_proto(m) for m in traj.messages],
-        turns=[turn_to_proto(t) for t in traj.turns],
-        reward=traj.reward,
-        metrics=traj.metrics,
-        metadata=traj.metadata,
-        tools=[tool_to_proto(t) for t in traj.tools],
-    )
+# The trajectory writers fill `out` when given one (e.g. `request.groups.add()`): building the token
+# arrays in place, not building a message and copying it in, makes encoding a Train request ~3x faster
+# (200k tokens: 0.077 s -> 0.024 s, identical bytes).
+
+
+def trajectory_to_proto(traj: Trajectory, out: pb.Trajectory | None = None) -> pb.Trajectory:
+    msg = pb.Trajectory() if out is None else out
+    msg.messages.extend(message_to_proto(m) for m in traj.messages)
+    for turn in traj.turns:
+        msg.turns.add(
+            prompt_token_ids=turn.prompt_token_ids,
+            completion_token_ids=turn.completion_token_ids,
+            completion_logprobs=turn.logprobs,
+            policy_version=turn.policy_version,
+        )
+    msg.reward = traj.reward
+    msg.metrics.update(traj.metrics)
+    msg.metadata.update(traj.metadata)
+    msg.tools.extend(tool_to_proto(t) for t in traj.tools)
+    return msg
 
 
 def trajectory_from_proto(msg: pb.Trajectory) -> Trajectory:
@@ -177,8 +179,11 @@ def trajectory_from_proto(msg: pb.Trajectory) -> Trajectory:
     )
 
 
-def group_to_proto(group: TrajectoryGroup) -> pb.TrajectoryGroup:
-    return pb.TrajectoryGroup(trajectories=[trajectory_to_proto(t) for t in group.trajectories])
+def group_to_proto(group: TrajectoryGroup, out: pb.TrajectoryGroup | None = None) -> pb.TrajectoryGroup:
+    msg = pb.TrajectoryGroup() if out is None else out
+    for traj in group.trajectories:
+        trajectory_to_proto(traj, msg.trajectories.add())
+    return msg
 
 
 def group_from_proto(msg: pb.TrajectoryGroup) -> TrajectoryGroup:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from datetime import datetime, timezone
 from typing import Any
@@ -13,8 +14,8 @@ from google.rpc import error_details_pb2, status_pb2
 from openai.types.chat import ChatCompletion
 
 import tinkerrpc
+from tinkerrpc import _calls as calls
 from tinkerrpc import _convert as convert
-from tinkerrpc import _requests as requests
 from tinkerrpc._errors import decode_details, error_from_status
 from tinkerrpc.v1 import trainer_service_pb2 as service_pb
 from tinkerrpc.v1 import types_pb2 as pb
@@ -224,7 +225,7 @@ def test_multi_turn_tool_conversation_from_openai_is_one_trajectory() -> None:
     assert traj.turns[0] == tinkerrpc.SampledTurn((1, 2, 3, 4), (10, 11, 12), (-0.5, -1.0, -1.5), 2)
     assert traj.turns[1].completion_token_ids == (13, 14) and traj.turns[1].policy_version == 3
     assert traj.tools == [WEATHER_TOOL]
-    requests.train_request("run", [[traj]], **TRAIN_DEFAULTS)  # trainable as built
+    calls.train("run", [[traj]])  # trainable as built
 
 
 def test_openai_completion_without_rl_extensions_is_refused() -> None:
@@ -240,37 +241,16 @@ def test_openai_completion_without_rl_extensions_is_refused() -> None:
         tinkerrpc.Trajectory.from_openai([], sidecar_completion("hi", [5], 1), choice_index=1)
 
 
-TRAIN_DEFAULTS: dict[str, Any] = dict(
-    loss="importance_sampling",
-    learning_rate=1e-4,
-    max_staleness=None,
-    strict_staleness=False,
-    normalize_std=False,
-    clip_low_threshold=None,
-    clip_high_threshold=None,
-    beta=None,
-    adam_beta1=None,
-    adam_beta2=None,
-    adam_eps=None,
-    weight_decay=0.0,
-    grad_clip_norm=0.0,
-    expected_policy_version=None,
-    idempotency_key=None,
-)
-
-
 def test_train_request_carries_a_fresh_idempotency_key_and_all_options() -> None:
     group = [tinkerrpc.Trajectory.from_sample([], make_sample(1), reward=1.0)]
-    options = {**TRAIN_DEFAULTS, "loss": "ppo", "clip_low_threshold": 0.7, "max_staleness": 2}
-    first = requests.train_request("run", [group], **options)
-    second = requests.train_request("run", [group], **options)
+    options: dict[str, Any] = {"loss": "ppo", "clip_low_threshold": 0.7, "max_staleness": 2}
+    first = calls.train("run", [group], **options).request
+    second = calls.train("run", [group], **options).request
     assert first.idempotency_key and first.idempotency_key != second.idempotency_key
     assert first.loss.function == pb.LOSS_FUNCTION_PPO and first.loss.clip_low_threshold == 0.7
     assert not first.loss.HasField("clip_high_threshold")
     assert first.max_staleness == 2 and first.adam.learning_rate == 1e-4
-    assert (
-        requests.train_request("run", [group], **{**options, "idempotency_key": "k1"}).idempotency_key == "k1"
-    )
+    assert calls.train("run", [group], **options, idempotency_key="k1").request.idempotency_key == "k1"
 
 
 @pytest.mark.parametrize(
@@ -286,39 +266,46 @@ def test_train_request_carries_a_fresh_idempotency_key_and_all_options() -> None
 def test_bad_train_options_are_refused(change: dict[str, Any], message: str) -> None:
     group = [tinkerrpc.Trajectory.from_sample([], make_sample(1), reward=1.0)]
     with pytest.raises(ValueError, match=message):
-        requests.train_request("run", [group], **{**TRAIN_DEFAULTS, **change})
+        calls.train("run", [group], **change)
 
 
 def test_sample_request_picks_the_prompt_kind() -> None:
-    options: dict[str, Any] = dict(
-        n=2,
-        max_tokens=8,
-        temperature=0.5,
-        top_p=None,
-        top_k=0,
-        stop=["\n"],
-        stop_token_ids=[],
-        seed=7,
-        policy_version=3,
-        tools=None,
-        top_logprobs=0,
-        include_prompt_logprobs=False,
-        return_token_texts=False,
-        ignore_default_stops=False,
-    )
-    chat = requests.sample_request(
-        "run", [tinkerrpc.Message.user("hi")], **{**options, "tools": [WEATHER_TOOL]}
-    )
+    options: dict[str, Any] = dict(n=2, max_tokens=8, temperature=0.5, stop=["\n"], seed=7, policy_version=3)
+    chat = calls.sample("run", [tinkerrpc.Message.user("hi")], **options, tools=[WEATHER_TOOL]).request
     assert chat.WhichOneof("prompt") == "chat" and chat.chat.tools[0].name == "get_weather"
     assert chat.params.seed == 7 and chat.policy_version == 3 and not chat.params.HasField("top_p")
-    assert requests.sample_request("run", [5, 6], **options).tokens.token_ids == [5, 6]
-    assert requests.sample_request("run", "once upon", **options).text == "once upon"
+    assert calls.sample("run", [5, 6], **options).request.tokens.token_ids == [5, 6]
+    assert calls.sample("run", "once upon", **options).request.text == "once upon"
     with pytest.raises(ValueError, match="empty"):
-        requests.sample_request("run", [], **options)
+        calls.sample("run", [], **options)
     with pytest.raises(TypeError, match="got int"):
-        requests.sample_request("run", [tinkerrpc.Message.user("hi"), 5], **options)
+        calls.sample("run", [tinkerrpc.Message.user("hi"), 5], **options)
     with pytest.raises(ValueError, match="max_tokens"):
-        requests.sample_request("run", "x", **{**options, "max_tokens": 0})
+        calls.sample("run", "x", **{**options, "max_tokens": 0})
+
+
+@pytest.mark.parametrize(
+    "method",
+    ["sample", "train", "train_supervised", "save_checkpoint", "checkpoints", "restore", "delete_checkpoint"],
+)
+def test_sync_and_async_handles_document_the_same_signature(method: str) -> None:
+    blocking, awaitable = getattr(tinkerrpc.Model, method), getattr(tinkerrpc.AsyncModel, method)
+    signature = inspect.signature(blocking)
+    assert signature == inspect.signature(awaitable)
+    assert next(iter(signature.parameters)) == "self" and "timeout" in signature.parameters
+    assert not signature.return_annotation.startswith("Call")
+    assert blocking.__doc__ and blocking.__doc__ == awaitable.__doc__
+    assert blocking.__qualname__ == f"Model.{method}" and awaitable.__qualname__ == f"AsyncModel.{method}"
+    assert inspect.iscoroutinefunction(awaitable) and not inspect.iscoroutinefunction(blocking)
+
+
+def test_handle_signatures_keep_their_defaults_and_return_types() -> None:
+    sample = inspect.signature(tinkerrpc.Model.sample)
+    assert sample.parameters["max_tokens"].default == 256 and sample.return_annotation == "list[Sample]"
+    train = inspect.signature(tinkerrpc.AsyncModel.train)
+    assert (
+        train.parameters["loss"].default == "importance_sampling" and train.return_annotation == "TrainResult"
+    )
 
 
 def test_error_details_decode_from_a_real_status() -> None:

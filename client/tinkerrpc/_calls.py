@@ -1,0 +1,373 @@
+"""Every RPC of the SDK as a prepared call, written once for the sync and the async client.
+
+A function here takes the public method's exact arguments (it is the method's signature and docstring),
+validates them, so bad input raises before any network call, and returns a `Call`: the request plus how
+to send it and read the answer. `Client` and `AsyncClient` only send calls, so they mirror by construction.
+"""
+
+from __future__ import annotations
+
+import inspect
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
+
+from google.protobuf.message import Message as ProtoMessage
+
+from tinkerrpc import _convert as convert
+from tinkerrpc._types import (
+    CheckpointInfo,
+    CheckpointKind,
+    MessageLike,
+    ModelInfo,
+    Sample,
+    SupervisedExample,
+    Tool,
+    TrainOn,
+    TrainResult,
+    Trajectory,
+    TrajectoryGroup,
+    as_messages,
+    check_trainable,
+)
+from tinkerrpc.v1 import trainer_service_pb2 as service_pb
+from tinkerrpc.v1 import types_pb2 as pb
+
+T = TypeVar("T")
+ClientT = TypeVar("ClientT")
+
+LossName = Literal["importance_sampling", "ppo", "cispo", "dro", "cross_entropy"]
+Prompt = str | Sequence[int] | Sequence[MessageLike]
+ToolLike = Tool | Mapping[str, Any]
+GroupLike = TrajectoryGroup | Sequence[Trajectory]
+ConversationLike = SupervisedExample | Sequence[MessageLike]
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One RPC, validated and built, not yet sent."""
+
+    rpc: str  # the TrainerService method's name, looked up on the sync or the async stub
+    request: ProtoMessage
+    read: Callable[[Any], T]  # the response message -> what the SDK method returns
+    # May a retry resend it after a deadline (see RetryPolicy)? Train is, thanks to its idempotency key.
+    safe_to_repeat: bool
+    timeout: float | None  # None: the client's default deadline
+
+
+class ModelHandle(Generic[ClientT]):
+    """What the sync and async model handles share: a client and a model name. Cheap; no I/O here."""
+
+    def __init__(self, client: ClientT, name: str) -> None:
+        self.client = client
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+def handle_method(method: Callable[..., Any], prepare: Callable[..., Call[Any]], owner: str) -> None:
+    """Give `owner.<name>`, which sends what `prepare` builds for its model, `prepare`'s name, docstring
+    and signature (the model name becomes `self`, `Call[T]` becomes `T`), so help() shows the real API."""
+    signature = inspect.signature(prepare)
+    model_name, *options = signature.parameters.values()
+    # With postponed annotations the return annotation is the source text, e.g. "Call[list[Sample]]".
+    returns = str(signature.return_annotation)
+    if not (returns.startswith("Call[") and returns.endswith("]")):
+        raise TypeError(f"{prepare.__name__} must be annotated as returning Call[...], not {returns!r}")
+    method.__name__ = prepare.__name__
+    method.__qualname__ = f"{owner}.{prepare.__name__}"
+    method.__doc__ = prepare.__doc__
+    method.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[model_name.replace(name="self", annotation=inspect.Parameter.empty), *options],
+        return_annotation=returns.removeprefix("Call[").removesuffix("]"),
+    )
+
+
+def create_model(
+    name: str,
+    base_model: str,
+    *,
+    lora_rank: int = 32,
+    renderer: str | None = None,
+    seed: int | None = None,
+    train_mlp: bool = True,
+    train_attn: bool = True,
+    train_unembed: bool = True,
+    timeout: float | None = None,
+) -> Call[None]:
+    """Create a model (a fresh LoRA run at policy version 0) and return its handle."""
+    if not name:
+        raise ValueError("model name must not be empty")
+    if not base_model:
+        raise ValueError("base_model must not be empty")
+    if lora_rank < 1:
+        raise ValueError(f"lora_rank must be >= 1, got {lora_rank}")
+    request = service_pb.CreateModelRequest(
+        name=name,
+        base_model=base_model,
+        lora=pb.LoraConfig(
+            rank=lora_rank, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed
+        ),
+        renderer=renderer or "",
+        seed=seed,
+    )
+    # Not safe to repeat on a deadline: a second attempt could hit ALREADY_EXISTS for our own model.
+    return Call("CreateModel", request, _nothing, safe_to_repeat=False, timeout=timeout)
+
+
+def get_model(name: str, *, timeout: float | None = None) -> Call[ModelInfo]:
+    """The model's current state: policy version, sampleable versions, LoRA settings."""
+    request = service_pb.GetModelRequest(name=name)
+    return Call("GetModel", request, _model_info, safe_to_repeat=True, timeout=timeout)
+
+
+def list_models(*, timeout: float | None = None) -> Call[list[ModelInfo]]:
+    """Every model on the server."""
+    return Call(
+        "ListModels",
+        service_pb.ListModelsRequest(),
+        lambda response: [convert.model_info_from_proto(m) for m in response.models],
+        safe_to_repeat=True,
+        timeout=timeout,
+    )
+
+
+def delete_model(name: str, *, timeout: float | None = None) -> Call[None]:
+    """Delete a model with its checkpoints."""
+    request = service_pb.DeleteModelRequest(name=name)
+    return Call("DeleteModel", request, _nothing, safe_to_repeat=False, timeout=timeout)
+
+
+def sample(
+    model: str,
+    prompt: Prompt,
+    *,
+    n: int = 1,
+    max_tokens: int = 256,
+    temperature: float = 1.0,
+    top_p: float | None = None,
+    top_k: int = 0,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    seed: int | None = None,
+    policy_version: int | None = None,
+    tools: Sequence[ToolLike] | None = None,
+    top_logprobs: int = 0,
+    include_prompt_logprobs: bool = False,
+    return_token_texts: bool = False,
+    ignore_default_stops: bool = False,
+    timeout: float | None = None,
+) -> Call[list[Sample]]:
+    """Sample `n` completions of a chat prompt (messages), token ids or raw text."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if isinstance(stop, str):
+        raise TypeError("stop must be a list of strings, not a single string")
+    params = pb.SamplingParams(
+        n=n,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        stop=stop,
+        stop_token_ids=stop_token_ids,
+        seed=seed,
+        include_prompt_logprobs=include_prompt_logprobs,
+        top_logprobs=top_logprobs,
+        return_token_texts=return_token_texts,
+        ignore_default_stops=ignore_default_stops,
+    )
+    request = service_pb.SampleRequest(model=model, policy_version=policy_version, params=params)
+    if isinstance(prompt, str):
+        if tools:
+            raise ValueError("tools need a chat prompt (a list of messages), not text")
+        request.text = prompt
+    elif not prompt:
+        raise ValueError("the prompt is empty: give messages, token ids or text")
+    elif all(isinstance(t, int) for t in prompt):
+        if tools:
+            raise ValueError("tools need a chat prompt (a list of messages), not token ids")
+        request.tokens.token_ids.extend(prompt)  # type: ignore[arg-type]
+    else:
+        messages = as_messages(prompt)  # type: ignore[arg-type]
+        request.chat.messages.extend(convert.message_to_proto(m) for m in messages)
+        request.chat.tools.extend(
+            convert.tool_to_proto(t if isinstance(t, Tool) else Tool.from_openai(t)) for t in tools or ()
+        )
+    return Call("Sample", request, convert.samples_from_proto, safe_to_repeat=True, timeout=timeout)
+
+
+def train(
+    model: str,
+    groups: Sequence[GroupLike],
+    *,
+    loss: LossName = "importance_sampling",
+    learning_rate: float = 1e-4,
+    max_staleness: int | None = None,
+    strict_staleness: bool = False,
+    normalize_std: bool = False,
+    clip_low_threshold: float | None = None,
+    clip_high_threshold: float | None = None,
+    beta: float | None = None,
+    adam_beta1: float | None = None,
+    adam_beta2: float | None = None,
+    adam_eps: float | None = None,
+    weight_decay: float = 0.0,
+    grad_clip_norm: float = 0.0,
+    expected_policy_version: int | None = None,
+    idempotency_key: str | None = None,
+    timeout: float | None = None,
+) -> Call[TrainResult]:
+    """One RL optimizer step from trajectory groups; exactly once even when retried."""
+    if loss not in convert.LOSS_TO_PB:
+        raise ValueError(f"loss must be one of {tuple(convert.LOSS_TO_PB)}, got {loss!r}")
+    if loss == "cross_entropy":
+        raise ValueError("cross_entropy trains on supervised examples: use train_supervised()")
+    trajectory_groups = [g if isinstance(g, TrajectoryGroup) else TrajectoryGroup(list(g)) for g in groups]
+    check_trainable(trajectory_groups)
+    if max_staleness is not None and max_staleness < 0:
+        raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+    if strict_staleness and max_staleness is None:
+        raise ValueError("strict_staleness needs max_staleness")
+    request = service_pb.TrainRequest(
+        model=model,
+        loss=pb.LossConfig(
+            function=convert.LOSS_TO_PB[loss],
+            clip_low_threshold=clip_low_threshold,
+            clip_high_threshold=clip_high_threshold,
+            beta=beta,
+        ),
+        adam=_adam(learning_rate, adam_beta1, adam_beta2, adam_eps, weight_decay, grad_clip_norm),
+        advantages=pb.AdvantageOptions(normalize_std=normalize_std),
+        max_staleness=max_staleness,
+        strict_staleness=strict_staleness,
+        # Fixed here, once per logical call, so that retries reuse it.
+        idempotency_key=idempotency_key or str(uuid.uuid4()),
+        expected_policy_version=expected_policy_version,
+    )
+    for group in trajectory_groups:
+        convert.group_to_proto(group, request.groups.add())
+    return Call("Train", request, convert.train_result_from_proto, safe_to_repeat=True, timeout=timeout)
+
+
+def train_supervised(
+    model: str,
+    conversations: Sequence[ConversationLike],
+    *,
+    learning_rate: float = 1e-4,
+    train_on: TrainOn = "all",
+    adam_beta1: float | None = None,
+    adam_beta2: float | None = None,
+    adam_eps: float | None = None,
+    weight_decay: float = 0.0,
+    grad_clip_norm: float = 0.0,
+    expected_policy_version: int | None = None,
+    idempotency_key: str | None = None,
+    timeout: float | None = None,
+) -> Call[TrainResult]:
+    """One supervised (cross-entropy) optimizer step on conversations; exactly once even when retried.
+
+    Plain conversations (lists of messages) take `train_on`; a SupervisedExample brings its own."""
+    if not conversations:
+        raise ValueError("train_supervised() needs at least one conversation")
+    examples = [
+        c if isinstance(c, SupervisedExample) else SupervisedExample(tuple(as_messages(c)), train_on=train_on)
+        for c in conversations
+    ]
+    for i, example in enumerate(examples):
+        if not any(m.role == "assistant" for m in example.messages):
+            raise ValueError(f"conversations[{i}] has no assistant message to learn from")
+    request = service_pb.TrainRequest(
+        model=model,
+        examples=[convert.example_to_proto(e) for e in examples],
+        loss=pb.LossConfig(function=pb.LOSS_FUNCTION_CROSS_ENTROPY),
+        adam=_adam(learning_rate, adam_beta1, adam_beta2, adam_eps, weight_decay, grad_clip_norm),
+        idempotency_key=idempotency_key or str(uuid.uuid4()),
+        expected_policy_version=expected_policy_version,
+    )
+    return Call("Train", request, convert.train_result_from_proto, safe_to_repeat=True, timeout=timeout)
+
+
+def save_checkpoint(
+    model: str, name: str | None = None, *, timeout: float | None = None
+) -> Call[CheckpointInfo]:
+    """Save the full training state; the server names it `step_<version>` when `name` is None."""
+    request = service_pb.SaveCheckpointRequest(model=model, name=name or "")
+    return Call("SaveCheckpoint", request, _checkpoint_info, safe_to_repeat=False, timeout=timeout)
+
+
+def checkpoints(model: str, *, timeout: float | None = None) -> Call[list[CheckpointInfo]]:
+    """Every checkpoint of the model (state and sampler), oldest first."""
+    return Call(
+        "ListCheckpoints",
+        service_pb.ListCheckpointsRequest(model=model),
+        lambda response: [convert.checkpoint_from_proto(c) for c in response.checkpoints],
+        safe_to_repeat=True,
+        timeout=timeout,
+    )
+
+
+def restore(model: str, checkpoint: str | CheckpointInfo, *, timeout: float | None = None) -> Call[ModelInfo]:
+    """Move the model to a saved state checkpoint; returns the model at the checkpoint's version."""
+    request = service_pb.RestoreCheckpointRequest(model=model, checkpoint=_checkpoint_name(checkpoint))
+    # Restoring twice to the same checkpoint ends in the same state, so a deadline retry is safe.
+    return Call("RestoreCheckpoint", request, _model_info, safe_to_repeat=True, timeout=timeout)
+
+
+def delete_checkpoint(
+    model: str,
+    checkpoint: str | CheckpointInfo,
+    kind: CheckpointKind | None = None,
+    *,
+    timeout: float | None = None,
+) -> Call[None]:
+    """Delete a checkpoint; a bare name means a state checkpoint unless `kind="sampler"`."""
+    if kind is None:
+        kind = checkpoint.kind if isinstance(checkpoint, CheckpointInfo) else "state"
+    request = service_pb.DeleteCheckpointRequest(
+        model=model, checkpoint=_checkpoint_name(checkpoint), kind=convert.kind_to_proto(kind)
+    )
+    return Call("DeleteCheckpoint", request, _nothing, safe_to_repeat=False, timeout=timeout)
+
+
+def _adam(
+    learning_rate: float,
+    beta1: float | None,
+    beta2: float | None,
+    eps: float | None,
+    weight_decay: float,
+    grad_clip_norm: float,
+) -> pb.AdamParams:
+    if not learning_rate > 0:
+        raise ValueError(f"learning_rate must be > 0, got {learning_rate}")
+    return pb.AdamParams(
+        learning_rate=learning_rate,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        grad_clip_norm=grad_clip_norm,
+    )
+
+
+def _checkpoint_name(checkpoint: str | CheckpointInfo) -> str:
+    name = checkpoint.name if isinstance(checkpoint, CheckpointInfo) else checkpoint
+    if not name:
+        raise ValueError("checkpoint name must not be empty")
+    return name
+
+
+def _nothing(response: ProtoMessage) -> None:
+    return None
+
+
+def _model_info(response: service_pb.GetModelResponse | service_pb.RestoreCheckpointResponse) -> ModelInfo:
+    return convert.model_info_from_proto(response.model)
+
+
+def _checkpoint_info(response: service_pb.SaveCheckpointResponse) -> CheckpointInfo:
+    return convert.checkpoint_from_proto(response.checkpoint)
