@@ -12,11 +12,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_importing_tinkerrpc_pulls_no_heavy_dependencies() -> None:
     code = (
         "import sys, tinkerrpc, tinkerrpc.v1.trainer_service_pb2_grpc\n"
-        "heavy = sorted(m for m in ('torch', 'tinker', 'fastapi', 'transformers', 'numpy') if m in sys.modules)\n"
-        "print(','.join(heavy))\n"
+        "heavy = ('torch', 'tinker', 'tinker_cookbook', 'fastapi', 'transformers', 'numpy', 'tqdm', 'openai')\n"
+        "print(','.join(sorted(m for m in heavy if m in sys.modules)))\n"
+        "print(len(tinkerrpc.__all__), all(hasattr(tinkerrpc, n) for n in tinkerrpc.__all__))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == ""
+    loaded, exported = out.stdout.splitlines()
+    assert loaded == ""
+    assert exported.endswith(" True")
 
 
 def test_generated_code_matches_protos(tmp_path: Path) -> None:
