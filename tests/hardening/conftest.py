@@ -2,28 +2,23 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hardening_support import (
+    MAX_SAMPLE_N,
+    MAX_SAMPLE_TOKENS,
+    MAX_TRAIN_TOKENS,
+    MAX_TRAIN_TRAJECTORIES,
+    SIDECAR_KEY,
+    HostedServer,
+)
 from service.svc import Server
 
 from procs import free_port
 
 # bench/ (bench.load) lives at the repository root, outside the installed packages.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-SIDECAR_KEY = "campaign-sidecar-key"
-MAX_SAMPLE_N = 8
-MAX_SAMPLE_TOKENS = 64
-MAX_TRAIN_TRAJECTORIES = 16
-MAX_TRAIN_TOKENS = 3000
-
-
-@dataclass(frozen=True)
-class HostedServer:
-    server: Server
-    sidecar_url: str
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,8 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from conftest import MAX_SAMPLE_N, MAX_TRAIN_TRAJECTORIES, SIDECAR_KEY, HostedServer
 from google.protobuf.message import Message as ProtoMessage
+from hardening_support import MAX_SAMPLE_N, MAX_TRAIN_TRAJECTORIES, SIDECAR_KEY, HostedServer
 from service.svc import CALL_TIMEOUT, TINY, Server, assistant, create_model, prompt_logprobs, rl_request, user
 
 from tinkerrpc.v1 import trainer_service_pb2 as pb

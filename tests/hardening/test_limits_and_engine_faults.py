@@ -12,8 +12,14 @@ import time
 
 import grpc
 import pytest
-from conftest import MAX_SAMPLE_N, MAX_SAMPLE_TOKENS, MAX_TRAIN_TOKENS, MAX_TRAIN_TRAJECTORIES, HostedServer
 from google.rpc import error_details_pb2
+from hardening_support import (
+    MAX_SAMPLE_N,
+    MAX_SAMPLE_TOKENS,
+    MAX_TRAIN_TOKENS,
+    MAX_TRAIN_TRAJECTORIES,
+    HostedServer,
+)
 from service.svc import (
     CALL_TIMEOUT,
     Server,

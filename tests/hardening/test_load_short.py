@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 
-from conftest import HostedServer
+from hardening_support import HostedServer
 
 from bench.load import run_load
 

@@ -104,7 +104,6 @@ def rpc(
         except asyncio.CancelledError:
             if task not in self._interrupted:
                 raise  # the client cancelled, or its deadline passed: nobody waits for an answer
-            self._interrupted.discard(task)
             task.uncancel()
             error = _engine_lost()
         except Exception as err:
@@ -119,6 +118,7 @@ def rpc(
                 error = ServiceError(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
         finally:
             self._calls.discard(task)
+            self._interrupted.discard(task)
         await context.abort_with_status(error.to_status())
         raise AssertionError("abort_with_status returned")  # pragma: no cover - it always raises
 
@@ -128,8 +128,8 @@ def rpc(
 def _engine_lost() -> ServiceError:
     return ServiceError(
         grpc.StatusCode.UNAVAILABLE,
-        "the embedded engine stopped during this call and is being restarted; nothing of this call was "
-        "committed: retry it",
+        "the embedded engine stopped during this call and is being restarted: retry it (a Train retried "
+        "with its idempotency key is applied at most once)",
     )
 
 
