@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from bench import machine, memory, overhead, report, sampling, serialization, training
-from bench.engine_process import EngineProcess
 from bench.workload import FULL, SHORT, BenchModel, Settings, prepare_model
 from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
+from tinkerrpc_server.stack import LocalEngine
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Context:
     threads: int
     stack: contextlib.ExitStack
     _model: BenchModel | None = None
-    _engine: EngineProcess | None = None
+    _engine: LocalEngine | None = None
     _peak: tuple[float, int] | None = field(default=None)
 
     @property
@@ -40,11 +40,11 @@ class Context:
         return self._model
 
     @property
-    def engine(self) -> EngineProcess:
+    def engine(self) -> LocalEngine:
         """One engine process for the compute-bound figures, started on first use."""
         if self._engine is None:
             self._engine = self.stack.enter_context(
-                EngineProcess(self.work_dir / "engine", self.model_dir, self.work_dir / "engine.log")
+                LocalEngine(self.work_dir / "engine", self.model_dir, self.work_dir / "engine.log")
             )
         return self._engine
 

@@ -7,12 +7,8 @@
 from __future__ import annotations
 
 import statistics
-import subprocess
-import sys
 import time
-import urllib.request
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -22,11 +18,10 @@ import tinker
 from tinker import types
 
 import tinkerrpc
-from bench.engine_process import LOCAL_API_KEY
 from bench.report import Figure
 from bench.workload import Settings, token_sequences
 from tinkerrpc_server.model_store import TINY_CHAT
-from tinkerrpc_server.stack import LocalStack, free_port
+from tinkerrpc_server.stack import LOCAL_API_KEY, LocalSidecar, LocalStack
 
 STACK_GOAL = 1.15
 SIDECAR_GOAL = 1.2
@@ -174,36 +169,6 @@ def stack_figure(settings: Settings, stack: LocalStack, client: tinkerrpc.Client
     )
 
 
-@contextmanager
-def sidecar_process(target: str, log_path: Path) -> Iterator[str]:
-    """The OpenAI sidecar in front of `target`; yields its /v1 base URL."""
-    port = free_port()
-    code = f"from tinkerrpc_server.sidecar.app import run_sidecar; run_sidecar({target!r}, '127.0.0.1', {port}, None)"
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"sidecar exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"sidecar not healthy after 60 s; log {log_path}") from None
-                time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 def sidecar_figure(settings: Settings, client: tinkerrpc.Client, sidecar_url: str) -> Figure:
     model = client.create_model("bench-sidecar", base_model=TINY_CHAT, lora_rank=LORA_RANK, seed=0)
     openai_client = openai.OpenAI(base_url=sidecar_url, api_key="unused", max_retries=0)
@@ -252,6 +217,6 @@ def measure(settings: Settings, work_dir: Path, model_dir: Path) -> list[Figure]
         tinkerrpc.Client(stack.target) as client,
     ):
         figures = [stack_figure(settings, stack, client)]
-        with sidecar_process(stack.target, work_dir / "sidecar.log") as sidecar_url:
-            figures.append(sidecar_figure(settings, client, sidecar_url))
+        with LocalSidecar(stack.target, work_dir / "sidecar.log") as sidecar:
+            figures.append(sidecar_figure(settings, client, sidecar.openai_base_url))
     return figures

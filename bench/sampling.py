@@ -13,10 +13,10 @@ from peft import PeftModel
 from tinker import types
 from transformers import GenerationConfig
 
-from bench.engine_process import EngineProcess
 from bench.report import Figure
 from bench.training import load_lora_model
 from bench.workload import BenchModel, Settings, token_sequences
+from tinkerrpc_server.stack import LocalEngine
 
 SAMPLING_GOAL = 4.0
 
@@ -57,7 +57,7 @@ def _generate_round(
     return generated, time.perf_counter() - started
 
 
-def measure(settings: Settings, engine: EngineProcess, model: BenchModel) -> list[Figure]:
+def measure(settings: Settings, engine: LocalEngine, model: BenchModel) -> list[Figure]:
     baseline_model = load_lora_model(model, settings.lora_rank)
     vocab_size = int(baseline_model.get_output_embeddings().weight.shape[0])
     low, high = settings.sample_prompt_tokens
@@ -85,7 +85,7 @@ def measure(settings: Settings, engine: EngineProcess, model: BenchModel) -> lis
         baseline_model, prompts[:1], GenerationConfig(**{**config.to_dict(), "max_new_tokens": 2})
     )
     ours_rates, baseline_rates = [], []
-    stats_before = engine.worker_stats()
+    stats_before = engine.stats()
     for round_index in range(settings.sample_timed_rounds):
         generated, seconds = _engine_round(
             sampling_client, prompts, settings.sample_new_tokens, seed=100 * round_index
@@ -93,7 +93,7 @@ def measure(settings: Settings, engine: EngineProcess, model: BenchModel) -> lis
         ours_rates.append(generated / seconds)
         generated, seconds = _generate_round(baseline_model, prompts, config)
         baseline_rates.append(generated / seconds)
-    stats_after = engine.worker_stats()
+    stats_after = engine.stats()
     batches = stats_after["sample_batches"] - stats_before["sample_batches"]
     return [
         Figure(

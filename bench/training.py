@@ -14,9 +14,9 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from tinker import types
 from transformers import AutoModelForCausalLM
 
-from bench.engine_process import EngineProcess
 from bench.report import Figure
 from bench.workload import BenchModel, Settings, token_sequences
+from tinkerrpc_server.stack import LocalEngine
 
 # Tinker's LoRA targets with train_mlp, train_attn and train_unembed on (its defaults).
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
@@ -101,7 +101,7 @@ def _timed(step: Callable[[list[np.ndarray]], None], sequences: list[np.ndarray]
 
 def measure(
     settings: Settings,
-    engine: EngineProcess,
+    engine: LocalEngine,
     model: BenchModel,
     measure_peak_matmul: Callable[[], tuple[float, int]],
 ) -> list[Figure]:

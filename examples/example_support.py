@@ -5,13 +5,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import os
-import subprocess
-import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +14,6 @@ from pathlib import Path
 TINY_CHAT = "tinkerrpc/tiny-chat"
 # The toy task: answer each prompt with exactly its word.
 TASKS = {f"respond with {word}": word for word in ("yes", "no", "maybe")}
-SIDECAR_START_TIMEOUT = 60.0
 
 
 def reward(prompt: str, answer: str) -> float:
@@ -63,40 +56,7 @@ def server_target(args: argparse.Namespace) -> Iterator[str]:
 @contextmanager
 def local_sidecar(grpc_target: str, log_path: Path, api_key: str | None = None) -> Iterator[str]:
     """Run the OpenAI-compatible sidecar for `grpc_target` on a free port; yields its `/v1` base URL."""
-    from tinkerrpc_server.stack import free_port
+    from tinkerrpc_server.stack import LocalSidecar
 
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    # The key travels in the environment, never in argv, so it stays out of process listings.
-    code = (
-        "import os; from tinkerrpc_server.sidecar.app import run_sidecar; "
-        f"run_sidecar({grpc_target!r}, '127.0.0.1', {port}, os.environ.get('SIDECAR_API_KEY') or None)"
-    )
-    env = {**os.environ, "SIDECAR_API_KEY": api_key or ""}
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        _wait_healthy(proc, f"{base_url}/health", log_path)
-        yield f"{base_url}/v1"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
-def _wait_healthy(proc: subprocess.Popen[bytes], health_url: str, log_path: Path) -> None:
-    deadline = time.monotonic() + SIDECAR_START_TIMEOUT
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the sidecar exited with {proc.returncode}; see {log_path}")
-        try:
-            with urllib.request.urlopen(health_url, timeout=5) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError):
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"the sidecar was not healthy after {SIDECAR_START_TIMEOUT} s; see {log_path}")
+    with LocalSidecar(grpc_target, log_path, api_key) as sidecar:
+        yield sidecar.openai_base_url

@@ -1,19 +1,31 @@
-"""Run a whole local stack (`tinkerrpc serve` and its engine) as a child process, for the demo,
-examples and benchmarks."""
+"""Local `tinkerrpc` processes on 127.0.0.1 (serve, engine, sidecar) for the demo, the examples, the
+benchmarks and the tests: each starts when its context is entered, is ready once entered, and stops on exit."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+if TYPE_CHECKING:
+    import tinker
+
+# The engine takes any key of the tinker SDK's shape; the SDK insists on one.
+LOCAL_API_KEY = "tml-local"
+
+ProcessT = TypeVar("ProcessT", bound="LocalProcess")
 
 
 def free_port() -> int:
@@ -22,8 +34,87 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class LocalStack:
-    """`tinkerrpc serve` on a free 127.0.0.1 port; `target` is ready once the context is entered."""
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return bool(response.status == 200)
+    except OSError:  # refused while it boots, or an HTTP error status
+        return False
+
+
+class LocalProcess:
+    """`tinkerrpc <args>` as a child process, its output appended to `log_path`.
+
+    `start()` (or entering the context) waits until `is_ready()`, and raises with the log's tail when the
+    process exits first or `startup_timeout` passes. `stop()` (or leaving) sends SIGTERM, then SIGKILL
+    if the process outlives `stop_timeout`.
+    """
+
+    def __init__(self, args: Sequence[str], log_path: Path, startup_timeout: float) -> None:
+        self.cmd = [sys.executable, "-m", "tinkerrpc_server.cli", *args]
+        self.log_path = log_path
+        self.startup_timeout = startup_timeout
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def is_ready(self) -> bool:
+        raise NotImplementedError
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def start(self: ProcessT) -> ProcessT:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TINKER_TELEMETRY": "0"}
+            )
+        try:
+            self._wait_ready(self._proc)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, proc: subprocess.Popen[bytes]) -> None:
+        what = f"tinkerrpc {self.cmd[3]}"
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"`{what}` exited with {proc.returncode}; see {self.log_path}:\n{self.log()[-3000:]}"
+                )
+            if self.is_ready():
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"`{what}` not ready after {self.startup_timeout} s; see {self.log_path}")
+
+    def stop(self, stop_timeout: float = 60.0) -> int | None:
+        """Stop the process; its exit code (None if it never started)."""
+        if self._proc is None:
+            return None
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(stop_timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(10)
+        return self._proc.returncode
+
+    def __enter__(self: ProcessT) -> ProcessT:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class LocalStack(LocalProcess):
+    """`tinkerrpc serve` (with its embedded engine) on a free port; ready when gRPC health says SERVING."""
 
     def __init__(
         self,
@@ -33,72 +124,63 @@ class LocalStack:
         startup_timeout: float = 120.0,
     ) -> None:
         self.data_dir = data_dir
-        self.log_path = log_path
-        self.extra_args = extra_args
-        self.startup_timeout = startup_timeout
         self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
-        self._proc: subprocess.Popen[bytes] | None = None
+        args = ["serve", "--host", "127.0.0.1", "--port", str(self.port), "--data-dir", str(data_dir)]
+        super().__init__([*args, *extra_args], log_path, startup_timeout)
 
-    def __enter__(self) -> LocalStack:
-        cmd = [
-            sys.executable,
-            "-m",
-            "tinkerrpc_server.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--data-dir",
-            str(self.data_dir),
-            *self.extra_args,
-        ]
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TINKER_TELEMETRY": "0"}
-            )
-        try:
-            self._wait_serving()
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
+    def is_ready(self) -> bool:
+        with grpc.insecure_channel(self.target) as channel:
+            try:
+                response = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=1
+                )
+            except grpc.RpcError:
+                return False
+        return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
 
-    def _wait_serving(self) -> None:
-        assert self._proc is not None
-        deadline = time.monotonic() + self.startup_timeout
-        # Short reconnect backoff: gRPC's default would wait up to ~20 s after the server comes up.
-        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 250)]
-        with grpc.insecure_channel(self.target, options=options) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                if self._proc.poll() is not None:
-                    raise RuntimeError(
-                        f"tinkerrpc serve exited with {self._proc.returncode}; see {self.log_path}:\n"
-                        + self.log_path.read_text(errors="replace")[-3000:]
-                    )
-                try:
-                    status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                    if status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.2)
-        raise TimeoutError(f"tinkerrpc serve not SERVING after {self.startup_timeout} s; see {self.log_path}")
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
+class LocalEngine(LocalProcess):
+    """`tinkerrpc engine` (Tinker's HTTP API) on a free port; ready when its health endpoint answers."""
+
+    def __init__(
+        self, data_dir: Path, model_dir: Path, log_path: Path, startup_timeout: float = 120.0
     ) -> None:
-        if self._proc is None or self._proc.poll() is not None:
-            return
-        self._proc.send_signal(signal.SIGTERM)
-        try:
-            self._proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait(10)
+        self.data_dir = data_dir
+        self.model_dir = model_dir
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        args = ["engine", "--host", "127.0.0.1", "--port", str(self.port)]
+        super().__init__(
+            [*args, "--data-dir", str(data_dir), "--model-dir", str(model_dir)], log_path, startup_timeout
+        )
+
+    def is_ready(self) -> bool:
+        return _http_ok(f"{self.base_url}/api/v1/healthz")
+
+    def service_client(self) -> tinker.ServiceClient:
+        import tinker  # imported here: the other processes' users need no tinker SDK
+
+        return tinker.ServiceClient(base_url=self.base_url, api_key=LOCAL_API_KEY)
+
+    def stats(self) -> dict[str, int]:
+        """The engine's scheduling counters (sample requests, the batches they ran in, training ops)."""
+        with urllib.request.urlopen(f"{self.base_url}/api/v1/debug/stats", timeout=10) as response:
+            return dict(json.loads(response.read()))
+
+
+class LocalSidecar(LocalProcess):
+    """`tinkerrpc sidecar` (OpenAI-compatible HTTP) for `grpc_target` on a free port; ready when it serves
+    HTTP, whether or not the gRPC server is up (its /health says which)."""
+
+    def __init__(
+        self, grpc_target: str, log_path: Path, api_key: str | None = None, startup_timeout: float = 60.0
+    ) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.openai_base_url = f"{self.base_url}/v1"
+        args = ["sidecar", "--grpc-target", grpc_target, "--host", "127.0.0.1", "--port", str(self.port)]
+        super().__init__([*args, *(["--api-key", api_key] if api_key else [])], log_path, startup_timeout)
+
+    def is_ready(self) -> bool:
+        return _http_ok(f"{self.base_url}/metrics")

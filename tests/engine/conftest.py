@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 import tinker
-from engine_proc import EngineProc, start_engine
+from engine_proc import start_engine
+
+from tinkerrpc_server.stack import LocalEngine
 
 
 @pytest.fixture(scope="session")
@@ -17,14 +19,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[EngineProc]:
+def engine(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[LocalEngine]:
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     work = tmp_path_factory.mktemp("engine")
     running = start_engine(work / "data", model_dir, work / "engine.log")
     yield running
-    assert running.proc.stop() == 0, running.proc.log()[-3000:]
+    assert running.stop() == 0, running.log()[-3000:]
 
 
 @pytest.fixture(scope="module")
-def service(engine: EngineProc) -> tinker.ServiceClient:
+def service(engine: LocalEngine) -> tinker.ServiceClient:
     return engine.service_client()

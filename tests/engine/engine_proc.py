@@ -2,38 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-import tinker
+from tinkerrpc_server.model_store import TINY_CHAT
+from tinkerrpc_server.stack import LocalEngine
 
-from procs import Proc, free_port, tinkerrpc_cmd
-
-TINY = "tinkerrpc/tiny-chat"
+TINY = TINY_CHAT
 
 
-@dataclass
-class EngineProc:
-    proc: Proc
-    base_url: str
-    data_dir: Path
-    model_dir: Path
-
-    def service_client(self) -> tinker.ServiceClient:
-        return tinker.ServiceClient(base_url=self.base_url, api_key="tml-local")
-
-    def stats(self) -> dict[str, int]:
-        return dict(httpx.get(f"{self.base_url}/api/v1/debug/stats", timeout=10).json())
-
-
-def start_engine(data_dir: Path, model_dir: Path, log_path: Path) -> EngineProc:
-    port = free_port()
-    cmd = tinkerrpc_cmd(
-        "engine", "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data_dir),
-        "--model-dir", str(model_dir),
-    )  # fmt: skip
-    proc = Proc(cmd, log_path)
-    base_url = f"http://127.0.0.1:{port}"
-    proc.wait_ready(lambda: httpx.get(f"{base_url}/api/v1/healthz", timeout=2).status_code == 200)
-    return EngineProc(proc, base_url, data_dir, model_dir)
+def start_engine(data_dir: Path, model_dir: Path, log_path: Path) -> LocalEngine:
+    return LocalEngine(data_dir, model_dir, log_path, startup_timeout=90.0).start()

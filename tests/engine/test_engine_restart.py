@@ -38,7 +38,7 @@ def test_state_survives_an_engine_restart(tmp_path: Path, model_dir: Path) -> No
             service.create_sampling_client(model_path=sampler_path).result().compute_logprobs(PROMPT).result()
         )
     finally:
-        assert first.proc.stop() == 0, first.proc.log()[-3000:]
+        assert first.stop() == 0, first.log()[-3000:]
 
     second = start_engine(tmp_path / "data", model_dir, tmp_path / "second.log")
     try:
@@ -62,4 +62,4 @@ def test_state_survives_an_engine_restart(tmp_path: Path, model_dir: Path) -> No
         )
         np.testing.assert_allclose(np.asarray(again[1:]), np.asarray(scored[1:]), atol=1e-6)
     finally:
-        assert second.proc.stop() == 0, second.proc.log()[-3000:]
+        assert second.stop() == 0, second.log()[-3000:]

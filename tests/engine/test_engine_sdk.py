@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 import tinker
 import torch
-from engine_proc import TINY, EngineProc
+from engine_proc import TINY
 from peft import PeftModel
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from transformers import AutoModelForCausalLM
+
+from tinkerrpc_server.stack import LocalEngine
 
 ADAM = types.AdamParams(learning_rate=1e-2)
 
@@ -113,7 +115,7 @@ def torch_reference_logprobs(
     return result
 
 
-def test_losses_match_plain_torch(service: tinker.ServiceClient, engine: EngineProc) -> None:
+def test_losses_match_plain_torch(service: tinker.ServiceClient, engine: LocalEngine) -> None:
     client = new_model(service, seed=11)
     train_step(client)  # move away from the zero-initialised LoRA so the adapter matters
     path = client.save_weights_for_sampler("reference").result().path
@@ -181,7 +183,7 @@ def test_sampling_seed_and_stops(service: tinker.ServiceClient) -> None:
     assert long.stop_reason == "length"
 
 
-def test_concurrent_samples_are_batched(service: tinker.ServiceClient, engine: EngineProc) -> None:
+def test_concurrent_samples_are_batched(service: tinker.ServiceClient, engine: LocalEngine) -> None:
     sampler = service.create_sampling_client(base_model=TINY).result()
     before = engine.stats()
     futures = [
@@ -200,7 +202,7 @@ def test_concurrent_samples_are_batched(service: tinker.ServiceClient, engine: E
     assert after["largest_sample_batch"] >= 2
 
 
-def _post_proto(engine: EngineProc, request: types.ForwardBackwardRequest) -> str:
+def _post_proto(engine: LocalEngine, request: types.ForwardBackwardRequest) -> str:
     body = forward_backward_request_to_proto(request).SerializeToString()
     response = httpx.post(
         f"{engine.base_url}/api/v1/forward_backward",
@@ -211,7 +213,7 @@ def _post_proto(engine: EngineProc, request: types.ForwardBackwardRequest) -> st
     return str(response.json()["request_id"])
 
 
-def _retrieve(engine: EngineProc, request_id: str) -> httpx.Response:
+def _retrieve(engine: LocalEngine, request_id: str) -> httpx.Response:
     response = httpx.post(
         f"{engine.base_url}/api/v1/retrieve_future", json={"request_id": request_id}, timeout=60
     )
@@ -220,7 +222,7 @@ def _retrieve(engine: EngineProc, request_id: str) -> httpx.Response:
 
 
 def test_operations_run_in_seq_order_even_when_they_arrive_out_of_order(
-    service: tinker.ServiceClient, engine: EngineProc
+    service: tinker.ServiceClient, engine: LocalEngine
 ) -> None:
     client = new_model(service, seed=5)
     initial = probe_logprobs(client)  # seq 1
@@ -244,7 +246,7 @@ def test_operations_run_in_seq_order_even_when_they_arrive_out_of_order(
     assert not np.allclose(probe_logprobs_raw(engine, client.model_id, seq_id=4), initial)
 
 
-def probe_logprobs_raw(engine: EngineProc, model_id: str, seq_id: int) -> np.ndarray:
+def probe_logprobs_raw(engine: LocalEngine, model_id: str, seq_id: int) -> np.ndarray:
     request = types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(data=PROBE, loss_fn="cross_entropy"),
         model_id=model_id,
@@ -262,7 +264,7 @@ def probe_logprobs_raw(engine: EngineProc, model_id: str, seq_id: int) -> np.nda
 
 
 def test_bad_inputs_fail_clearly_and_change_nothing(
-    service: tinker.ServiceClient, engine: EngineProc
+    service: tinker.ServiceClient, engine: LocalEngine
 ) -> None:
     client = new_model(service, seed=21)
     untouched = new_model(service, seed=21)
@@ -317,7 +319,7 @@ def test_bad_inputs_fail_clearly_and_change_nothing(
 
 
 def test_rest_client_lists_runs_and_deletes_checkpoints(
-    service: tinker.ServiceClient, engine: EngineProc
+    service: tinker.ServiceClient, engine: LocalEngine
 ) -> None:
     client = new_model(service, seed=2)
     state = client.save_state("kept").result().path

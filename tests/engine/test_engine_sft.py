@@ -12,12 +12,13 @@ import time
 
 import numpy as np
 import tinker
-from engine_proc import TINY, EngineProc
+from engine_proc import TINY
 from tinker import types
 from tinker_cookbook import renderers
 from tinker_cookbook.tokenizer_utils import get_tokenizer
 
 from tinkerrpc_server.model_store import ANSWER_WORDS, answer_format_prompt
+from tinkerrpc_server.stack import LocalEngine
 
 BATCH_SIZE = 32
 EVAL_SAMPLES = 48
@@ -32,7 +33,7 @@ def answer_text(message: renderers.Message) -> str:
     return "".join(part.get("text", "") for part in content if part.get("type") == "text").strip()
 
 
-def test_sft_teaches_the_answer_format(service: tinker.ServiceClient, engine: EngineProc) -> None:
+def test_sft_teaches_the_answer_format(service: tinker.ServiceClient, engine: LocalEngine) -> None:
     # Creating the model makes the engine build the tiny model directory the tokenizer is read from.
     client = service.create_lora_training_client(TINY, rank=8, seed=0).result()
     tokenizer = get_tokenizer(str(engine.model_dir / TINY))

@@ -19,7 +19,7 @@ def orphan_sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar
     """A sidecar whose gRPC server is not running."""
     sidecar = start_sidecar(f"127.0.0.1:{free_port()}", tmp_path_factory.mktemp("orphan") / "sidecar.log")
     yield sidecar
-    assert sidecar.proc.stop() == 0, sidecar.proc.log()[-2000:]
+    assert sidecar.stop() == 0, sidecar.log()[-2000:]
 
 
 @dataclass
@@ -53,6 +53,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         raise
     yield Stack(target, sidecar, client)
     client.close()
-    sidecar_status = sidecar.proc.stop()
+    sidecar_status = sidecar.stop()
     server.stop()
-    assert sidecar_status == 0, sidecar.proc.log()[-2000:]
+    assert sidecar_status == 0, sidecar.log()[-2000:]

@@ -34,7 +34,7 @@ def test_missing_or_wrong_key_is_401_in_openai_shape(orphan_sidecar: Sidecar) ->
     assert bare.status_code == 401
     assert set(bare.json()["error"]) == {"message", "type", "param", "code"}
     # The key is never echoed or logged.
-    assert API_KEY not in bare.text and API_KEY not in orphan_sidecar.proc.log()
+    assert API_KEY not in bare.text and API_KEY not in orphan_sidecar.log()
     assert requests_counted(orphan_sidecar, "/v1/chat/completions", 401) >= 1
 
 
