@@ -114,17 +114,7 @@ def prepare_model(settings: Settings, model_dir: Path) -> BenchModel:
     """Build (once; cached under model_dir) the model of the compute-bound figures."""
     if settings.model_shape is None:
         return BenchModel(TINY_CHAT, resolve_base_model(TINY_CHAT, model_dir))
-    shape = settings.model_shape
-    path = build_tiny_model(
-        model_dir / BENCH_MODEL_NAME,
-        hidden_size=shape.hidden_size,
-        num_layers=shape.num_layers,
-        num_heads=shape.num_heads,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        intermediate_size=shape.intermediate_size,
-        max_position_embeddings=shape.max_position_embeddings,
-    )
+    path = build_tiny_model(model_dir / BENCH_MODEL_NAME, settings.model_shape)
     # A path: the engine loads any local Hugging Face directory by path.
     return BenchModel(str(path.resolve()), path)
 

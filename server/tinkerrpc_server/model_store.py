@@ -97,32 +97,13 @@ def resolve_base_model(name: str, model_dir: Path) -> Path:
     shape = TINY_MODEL_SHAPES.get(name)
     if shape is None:
         raise UnknownBaseModelError(name, model_dir)
-    build_tiny_model(
-        under_model_dir,
-        hidden_size=shape.hidden_size,
-        num_layers=shape.num_layers,
-        num_heads=shape.num_heads,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        intermediate_size=shape.intermediate_size,
-        max_position_embeddings=shape.max_position_embeddings,
-    )
-    return under_model_dir
+    return build_tiny_model(under_model_dir, shape)
 
 
 def build_tiny_model(
-    path: Path,
-    *,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 16,
-    intermediate_size: int = 192,
-    max_position_embeddings: int = 2048,
-    seed: int = RECIPE_SEED,
+    path: Path, shape: TinyModelShape = TINY_MODEL_SHAPES[TINY_CHAT], *, seed: int = RECIPE_SEED
 ) -> Path:
-    """Write the tiny-chat recipe (tokenizer + random Qwen3 model) to `path` unless it is there.
+    """Write the tiny-chat recipe (tokenizer + random Qwen3 model of `shape`) to `path` unless it is there.
 
     Built in a temporary sibling directory and renamed into place, so a reader never sees a
     half-written model and two racing builders both end with the same complete directory.
@@ -134,18 +115,7 @@ def build_tiny_model(
     try:
         tokenizer = _build_tokenizer(seed)
         tokenizer.save_pretrained(staging)
-        _build_model(
-            staging,
-            tokenizer,
-            hidden_size=hidden_size,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            intermediate_size=intermediate_size,
-            max_position_embeddings=max_position_embeddings,
-            seed=seed,
-        )
+        _build_model(staging, tokenizer, shape, seed)
         for file in staging.iterdir():
             _fsync_file(file)
         try:
@@ -250,31 +220,19 @@ def _build_tokenizer(seed: int) -> Any:
     return tokenizer
 
 
-def _build_model(
-    directory: Path,
-    tokenizer: Any,
-    *,
-    hidden_size: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    intermediate_size: int,
-    max_position_embeddings: int,
-    seed: int,
-) -> None:
+def _build_model(directory: Path, tokenizer: Any, shape: TinyModelShape, seed: int) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
         vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
+        hidden_size=shape.hidden_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        intermediate_size=shape.intermediate_size,
+        max_position_embeddings=shape.max_position_embeddings,
         # Untied, so a LoRA on lm_head never has to reason about a shared embedding matrix.
         tie_word_embeddings=False,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),

@@ -11,6 +11,7 @@ from tinker_cookbook.tokenizer_utils import get_tokenizer
 
 from tinkerrpc_server.model_store import (
     TINY_CHAT,
+    TinyModelShape,
     UnknownBaseModelError,
     build_tiny_model,
     resolve_base_model,
@@ -33,15 +34,7 @@ def test_concurrent_builders_end_with_one_complete_model(tmp_path: Path) -> None
 
     def build() -> None:
         try:
-            build_tiny_model(
-                target,
-                hidden_size=32,
-                num_layers=1,
-                num_heads=2,
-                num_kv_heads=1,
-                head_dim=16,
-                intermediate_size=64,
-            )
+            build_tiny_model(target, TinyModelShape(32, 1, 2, 1, 16, 64))
         except BaseException as error:  # reported below; a thread cannot fail the test itself
             errors.append(error)
 
