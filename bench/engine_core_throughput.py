@@ -16,9 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import GenerationConfig
 
-from bench.sampling import _generate_round
+from bench.sampling import baseline_generation_config, generate_round
 from bench.training import PaddedLoopTrainer, load_lora_model
 from bench.workload import FULL, SHORT, prepare_model, token_sequences
 from tinkerrpc_server.engine.runtime import BaseModelRuntime, DatumArrays, LoraSpec, SampleJob
@@ -84,18 +83,8 @@ def main() -> None:
         ]
         sample_tokens = len(prompts) * new_tokens
         sample_ours = _rate(sample_tokens, lambda: runtime.sample(weights_dir, jobs), repeats)
-    # Explicit: generate() would otherwise apply top_k=50 and stop at EOS.
-    config = GenerationConfig(
-        max_new_tokens=new_tokens,
-        do_sample=True,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        use_cache=True,
-        eos_token_id=None,
-        pad_token_id=pad_id,
-    )
-    sample_base = _rate(sample_tokens, lambda: _generate_round(baseline, prompts, config), repeats)
+    config = baseline_generation_config(new_tokens, pad_id)
+    sample_base = _rate(sample_tokens, lambda: generate_round(baseline, prompts, config), repeats)
 
     params = sum(p.numel() for p in baseline.get_base_model().parameters())
     print(

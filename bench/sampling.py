@@ -43,7 +43,22 @@ def _engine_round(
     return generated, time.perf_counter() - started
 
 
-def _generate_round(
+def baseline_generation_config(new_tokens: int, pad_token_id: int) -> GenerationConfig:
+    """Plain ancestral sampling of exactly `new_tokens`: explicit, as generate() would otherwise apply
+    top_k=50 and stop at EOS."""
+    return GenerationConfig(
+        max_new_tokens=new_tokens,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        use_cache=True,
+        eos_token_id=None,
+        pad_token_id=pad_token_id,
+    )
+
+
+def generate_round(
     model: PeftModel, prompts: list[np.ndarray], config: GenerationConfig
 ) -> tuple[int, float]:
     """One `generate()` per prompt, one after another: how a plain script samples a group."""
@@ -62,16 +77,8 @@ def measure(settings: Settings, engine: LocalEngine, model: BenchModel) -> list[
     vocab_size = int(baseline_model.get_output_embeddings().weight.shape[0])
     low, high = settings.sample_prompt_tokens
     prompts = token_sequences(settings.sample_requests, low, high, vocab_size, seed=2)
-    # Explicit: generate() would otherwise apply top_k=50 and stop at EOS.
-    config = GenerationConfig(
-        max_new_tokens=settings.sample_new_tokens,
-        do_sample=True,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        use_cache=True,
-        eos_token_id=None,
-        pad_token_id=int(baseline_model.config.pad_token_id or 0),
+    config = baseline_generation_config(
+        settings.sample_new_tokens, int(baseline_model.config.pad_token_id or 0)
     )
 
     training_client = (
@@ -81,9 +88,7 @@ def measure(settings: Settings, engine: LocalEngine, model: BenchModel) -> list[
     )
     sampling_client = training_client.save_weights_and_get_sampling_client("bench-sampler").result()
     _engine_round(sampling_client, prompts[:2], 2, seed=0)
-    _generate_round(
-        baseline_model, prompts[:1], GenerationConfig(**{**config.to_dict(), "max_new_tokens": 2})
-    )
+    generate_round(baseline_model, prompts[:1], GenerationConfig(**{**config.to_dict(), "max_new_tokens": 2}))
     ours_rates, baseline_rates = [], []
     stats_before = engine.stats()
     for round_index in range(settings.sample_timed_rounds):
@@ -91,7 +96,7 @@ def measure(settings: Settings, engine: LocalEngine, model: BenchModel) -> list[
             sampling_client, prompts, settings.sample_new_tokens, seed=100 * round_index
         )
         ours_rates.append(generated / seconds)
-        generated, seconds = _generate_round(baseline_model, prompts, config)
+        generated, seconds = generate_round(baseline_model, prompts, config)
         baseline_rates.append(generated / seconds)
     stats_after = engine.stats()
     batches = stats_after["sample_batches"] - stats_before["sample_batches"]
