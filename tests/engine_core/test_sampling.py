@@ -21,11 +21,6 @@ PROMPT = [1, 291, 201, 420, 311, 408, 14, 338, 310, 409, 16, 2, 201, 1, 293, 201
 
 
 @pytest.fixture(scope="module")
-def runtime(tiny_model_path: Path) -> BaseModelRuntime:
-    return BaseModelRuntime(tiny_model_path, device="cpu")
-
-
-@pytest.fixture(scope="module")
 def sampler_dir(runtime: BaseModelRuntime, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Sampler weights of an adapter with non-trivial weights, so samples differ from the base."""
     runtime.create_adapter("policy", LoraSpec(rank=8, seed=3))

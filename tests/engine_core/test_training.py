@@ -32,11 +32,6 @@ _ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def runtime(tiny_model_path: Path) -> BaseModelRuntime:
-    return BaseModelRuntime(tiny_model_path, device="cpu")
-
-
-@pytest.fixture(scope="module")
 def plain_model(tiny_model_path: Path) -> torch.nn.Module:
     return load_plain_model(tiny_model_path)
 
