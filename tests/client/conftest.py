@@ -3,12 +3,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from fake_trainer import FakeServer
+from fake_trainer import FAST_RETRY, FakeServer
 
 import tinkerrpc
-
-# Backoffs short enough that retry tests stay fast; the decisions under test are the same.
-FAST_RETRY = tinkerrpc.RetryPolicy(max_attempts=4, initial_backoff=0.01, max_backoff=0.05)
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ from google.protobuf.message import Message as ProtoMessage
 from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+import tinkerrpc
 from tinkerrpc.v1 import trainer_service_pb2 as service_pb
 from tinkerrpc.v1 import trainer_service_pb2_grpc as service_grpc
 from tinkerrpc.v1 import types_pb2 as pb
@@ -345,3 +346,7 @@ class FakeServer:
             asyncio.run_coroutine_threadsafe(self._server.stop(None), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+
+
+# Backoffs short enough that retry tests stay fast; the decisions under test are the same.
+FAST_RETRY = tinkerrpc.RetryPolicy(max_attempts=4, initial_backoff=0.01, max_backoff=0.05)

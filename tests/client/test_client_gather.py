@@ -6,8 +6,7 @@ import asyncio
 import math
 
 import pytest
-from conftest import FAST_RETRY
-from fake_trainer import FakeServer
+from fake_trainer import FAST_RETRY, FakeServer
 
 import tinkerrpc
 

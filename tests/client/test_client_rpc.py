@@ -10,8 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import FAST_RETRY
-from fake_trainer import UNAVAILABLE_AFTER, UNAVAILABLE_BEFORE, Delay, FakeServer
+from fake_trainer import FAST_RETRY, UNAVAILABLE_AFTER, UNAVAILABLE_BEFORE, Delay, FakeServer
 
 import tinkerrpc
 from procs import free_port

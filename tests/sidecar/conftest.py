@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
 
-import openai
 import pytest
-from sidecar_support import API_KEY, Sidecar, start_sidecar
+from sidecar_support import Sidecar, Stack, start_sidecar
 
 import tinkerrpc
 from procs import Proc, free_port, tinkerrpc_cmd
@@ -20,21 +17,6 @@ def orphan_sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar
     sidecar = start_sidecar(f"127.0.0.1:{free_port()}", tmp_path_factory.mktemp("orphan") / "sidecar.log")
     yield sidecar
     assert sidecar.stop() == 0, sidecar.log()[-2000:]
-
-
-@dataclass
-class Stack:
-    """`tinkerrpc serve` (embedded engine) with a sidecar in front, and an SDK client on the server."""
-
-    grpc_target: str
-    sidecar: Sidecar
-    client: tinkerrpc.Client
-
-    def openai(self, **options: Any) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.sidecar.openai_base_url, api_key=API_KEY, max_retries=0, **options)
-
-    def async_openai(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.sidecar.openai_base_url, api_key=API_KEY, max_retries=0)
 
 
 @pytest.fixture(scope="session")

@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import Stack
 from openai.types.chat import ChatCompletion
+from sidecar_support import Stack
 
 import tinkerrpc
 
