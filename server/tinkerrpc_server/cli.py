@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tinkerrpc_server.service.limits import add_limit_arguments, limits_from_args
+from tinkerrpc_server.stack import AUTH_TOKEN_ENV, SIDECAR_API_KEY_ENV
 
 if TYPE_CHECKING:
     from tinkerrpc_server.service.engine_process import EmbeddedEngine
@@ -40,14 +41,22 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="save full training state every K steps (default: 1 on the embedded engine, 10 on Tinker); "
         "after a crash training resumes from the last one",
     )
-    p.add_argument("--auth-token", default=None, help="require `authorization: Bearer TOKEN` on every RPC")
+    p.add_argument(
+        "--auth-token",
+        default=os.environ.get(AUTH_TOKEN_ENV),
+        help=f"require `authorization: Bearer TOKEN` on every RPC (default: ${AUTH_TOKEN_ENV}, else none)",
+    )
     p.add_argument("--auth-token-file", type=Path, default=None, help="read the auth token from this file")
     p.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: serve TLS")
     p.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
     p.add_argument(
         "--sidecar-port", type=int, default=None, help="also serve the OpenAI sidecar on this port"
     )
-    p.add_argument("--sidecar-api-key", default=None, help="bearer key the sidecar requires (default: none)")
+    p.add_argument(
+        "--sidecar-api-key",
+        default=os.environ.get(SIDECAR_API_KEY_ENV),
+        help=f"bearer key the sidecar requires (default: ${SIDECAR_API_KEY_ENV}, else none)",
+    )
     add_limit_arguments(p)
     p.set_defaults(func=_serve)
 
@@ -140,8 +149,16 @@ def _add_sidecar(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p.add_argument("--grpc-target", default="127.0.0.1:50051", help="the tinkerrpc gRPC server")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (default: no auth)")
-    p.add_argument("--grpc-token", default=None, help="bearer token for the gRPC server")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(SIDECAR_API_KEY_ENV),
+        help=f"require `Authorization: Bearer KEY` (default: ${SIDECAR_API_KEY_ENV}, else no auth)",
+    )
+    p.add_argument(
+        "--grpc-token",
+        default=os.environ.get(AUTH_TOKEN_ENV),
+        help=f"bearer token for the gRPC server (default: ${AUTH_TOKEN_ENV})",
+    )
     p.set_defaults(func=_sidecar)
 
 

@@ -42,6 +42,10 @@ def _http_ok(url: str) -> bool:
         return False
 
 
+SIDECAR_API_KEY_ENV = "TINKERRPC_SIDECAR_API_KEY"
+AUTH_TOKEN_ENV = "TINKERRPC_AUTH_TOKEN"
+
+
 class LocalProcess:
     """`tinkerrpc <args>` as a child process, its output appended to `log_path`.
 
@@ -50,7 +54,10 @@ class LocalProcess:
     if the process outlives `stop_timeout`.
     """
 
-    def __init__(self, args: Sequence[str], log_path: Path, startup_timeout: float) -> None:
+    def __init__(
+        self, args: Sequence[str], log_path: Path, startup_timeout: float, env: dict[str, str] | None = None
+    ) -> None:
+        self.env = {**os.environ, "TINKER_TELEMETRY": "0", **(env or {})}
         self.cmd = [sys.executable, "-m", "tinkerrpc_server.cli", *args]
         self.log_path = log_path
         self.startup_timeout = startup_timeout
@@ -65,9 +72,7 @@ class LocalProcess:
     def start(self: ProcessT) -> ProcessT:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(
-                self.cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TINKER_TELEMETRY": "0"}
-            )
+            self._proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         try:
             self._wait_ready(self._proc)
         except BaseException:
@@ -180,7 +185,9 @@ class LocalSidecar(LocalProcess):
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.openai_base_url = f"{self.base_url}/v1"
         args = ["sidecar", "--grpc-target", grpc_target, "--host", "127.0.0.1", "--port", str(self.port)]
-        super().__init__([*args, *(["--api-key", api_key] if api_key else [])], log_path, startup_timeout)
+        # The key travels in the environment: command lines are visible to every user of the machine.
+        env = {SIDECAR_API_KEY_ENV: api_key} if api_key else {}
+        super().__init__(args, log_path, startup_timeout, env)
 
     def is_ready(self) -> bool:
         return _http_ok(f"{self.base_url}/metrics")
