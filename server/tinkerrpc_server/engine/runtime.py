@@ -505,7 +505,8 @@ class BaseModelRuntime:
         if not requests:
             raise EngineUserError("no sampling jobs given")
         peft_name = None if weights_dir is None else self._sampler_adapter(Path(weights_dir))
-        with self._active(peft_name) as model, torch.no_grad():
+        # inference_mode, not no_grad: decoding never feeds autograd, so skip version counters too.
+        with self._active(peft_name) as model, torch.inference_mode():
             results = sampler.generate(model, requests, self.tokenizer, self.device)
         return [
             SampleOutput(
