@@ -95,7 +95,8 @@ def test_hosted_sidecar_checks_its_key_and_reaches_the_server(authed_server: tup
     base = f"http://127.0.0.1:{sidecar_port}"
     refused = httpx.get(f"{base}/v1/models", timeout=30)
     assert refused.status_code == 401
-    assert refused.json()["error"]["code"] is not None or refused.json()["error"]["message"]
+    error = refused.json()["error"]  # OpenAI's error shape, with a message saying what is wrong
+    assert error["message"] and error["type"]
     models = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {SIDECAR_KEY}"}, timeout=30)
     assert models.status_code == 200, models.text
     assert "authed" in {m["id"] for m in models.json()["data"]}
