@@ -276,7 +276,8 @@ def test_chat_completion_carries_rl_fields_and_openai_logprobs() -> None:
 
 
 def test_tool_calls_become_openai_tool_calls_with_finish_reason_tool_calls() -> None:
-    call = ToolCall(id="", name="get_weather", arguments='{"city": "Paris"}')
+    # The server names every sampled call (tests/sidecar/test_sidecar_tool_calls.py); the id passes through.
+    call = ToolCall(id="call_7", name="get_weather", arguments='{"city": "Paris"}')
     sample = make_sample(["<tool_call>", "...", "</tool_call>"], content="", tool_calls=(call,))
     request = chat_request()
     ref = translate.parse_model_id("run")
@@ -287,7 +288,7 @@ def test_tool_calls_become_openai_tool_calls_with_finish_reason_tool_calls() -> 
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] is None
     (tool_call,) = choice["message"]["tool_calls"]
-    assert tool_call["id"].startswith("call_") and tool_call["type"] == "function"
+    assert tool_call["id"] == "call_7" and tool_call["type"] == "function"
     assert tool_call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
 
 

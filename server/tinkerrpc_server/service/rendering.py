@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -182,8 +183,12 @@ def to_proto_message(message: renderers.Message) -> types_pb2.Message:
         role=_ROLES_BY_NAME.get(message["role"], types_pb2.ROLE_ASSISTANT), content=text
     )
     for call in message.get("tool_calls", []):
+        # Chat templates like Qwen3's carry no call ids, yet the tool message answering a call must
+        # name one: a sampled call without an id gets a fresh one, as OpenAI's API gives.
         proto.tool_calls.add(
-            id=call.id or "", name=call.function.name, arguments_json=call.function.arguments
+            id=call.id or f"call_{uuid.uuid4().hex[:24]}",
+            name=call.function.name,
+            arguments_json=call.function.arguments,
         )
     return proto
 

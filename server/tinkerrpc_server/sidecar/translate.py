@@ -341,7 +341,7 @@ def parse_chat_choice(sample: Sample, stops: Sequence[str]) -> ParsedChoice:
         content = truncate_at_stop(content, stops)
     tool_calls = [
         ToolCall(
-            id=call.id or f"call_{uuid.uuid4().hex[:24]}",
+            id=call.id,
             function=FunctionCall(name=call.name, arguments=call.arguments),
         )
         for call in (message.tool_calls if message is not None else ())

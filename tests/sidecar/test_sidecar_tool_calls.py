@@ -1,0 +1,183 @@
+"""A tool call the model itself produces, through the official `openai` client.
+
+The random tiny model never emits a well-formed tool call, so the module first teaches one through the
+public API (supervised steps on a single conversation: call get_weather for Paris, then answer from the
+tool's result) until greedy decoding reproduces both turns. Greedy decoding of that policy version is
+then deterministic, so the sidecar's answers at temperature 0 are known.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import openai
+import pytest
+from openai.types.chat import ChatCompletion
+from sidecar_support import Stack
+
+import tinkerrpc
+
+WEATHER_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+QUESTION = {"role": "user", "content": "What is the weather in Paris?"}
+ARGUMENTS = {"city": "Paris"}
+TOOL_RESULT = "sunny"
+ANSWER = "It is sunny."
+# Measured on a quiet 2-core machine: greedy decoding gets both turns right after 50-70 steps (~50 s).
+MAX_STEPS = 200
+CHECK_EVERY = 5
+
+
+def lesson() -> tinkerrpc.SupervisedExample:
+    call = tinkerrpc.ToolCall(id="call_0", name="get_weather", arguments=json.dumps(ARGUMENTS))
+    conversation = (
+        tinkerrpc.Message.from_openai(QUESTION),
+        tinkerrpc.Message.assistant(tool_calls=[call]),
+        tinkerrpc.Message.tool(TOOL_RESULT, tool_call_id="call_0", name="get_weather"),
+        tinkerrpc.Message.assistant(ANSWER),
+    )
+    return tinkerrpc.SupervisedExample(conversation, tools=(tinkerrpc.Tool.from_openai(WEATHER_TOOL),))
+
+
+def greedy_reply(model: tinkerrpc.Model, messages: tuple[tinkerrpc.Message, ...]) -> tinkerrpc.Message:
+    (sample,) = model.sample(messages, tools=[WEATHER_TOOL], max_tokens=40, temperature=0.0)
+    return sample.to_message()
+
+
+def knows_the_lesson(model: tinkerrpc.Model) -> bool:
+    conversation = lesson().messages
+    first = greedy_reply(model, conversation[:1])
+    calls = [(call.name, call.parsed_arguments()) for call in first.tool_calls]
+    return calls == [("get_weather", ARGUMENTS)] and greedy_reply(model, conversation[:3]).content == ANSWER
+
+
+@pytest.fixture(scope="module")
+def tool_agent(stack: Stack) -> str:
+    """`tool-agent@N`: the first version of a model that calls the weather tool and then answers."""
+    model = stack.client.create_model(
+        "tool-agent", "tinkerrpc/tiny-chat", lora_rank=8, renderer="qwen3_disable_thinking", seed=0
+    )
+    example = lesson()
+    for step in range(1, MAX_STEPS + 1):
+        version = model.train_supervised([example] * 8, learning_rate=5e-3).policy_version
+        if step % CHECK_EVERY == 0 and knows_the_lesson(model):
+            print(f"tool-call lesson learned after {step} steps")
+            return f"tool-agent@{version}"
+    pytest.fail(f"greedy decoding did not reproduce the tool-call conversation after {MAX_STEPS} steps")
+
+
+def extra(response: Any, name: str) -> Any:
+    return response.model_extra[name]
+
+
+def ask(api: openai.OpenAI, model: str, messages: list[dict[str, Any]], **options: Any) -> ChatCompletion:
+    return api.chat.completions.create(
+        model=model, messages=messages, tools=[WEATHER_TOOL], temperature=0, max_tokens=40, **options
+    )
+
+
+def test_the_model_calls_the_tool_and_answers_from_its_result(stack: Stack, tool_agent: str) -> None:
+    api = stack.openai()
+    first = ask(api, tool_agent, [QUESTION], logprobs=True)
+    (choice,) = first.choices
+    assert choice.finish_reason == "tool_calls" and first.model == tool_agent
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls or []
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == ARGUMENTS
+    # The call is what the model sampled: its tokens spell the Qwen3 tool-call markup, then end the turn.
+    tokens = "".join(entry.token for entry in choice.logprobs.content or [])
+    assert tokens.startswith("<tool_call>") and tokens.endswith("</tool_call><|im_end|>")
+    assert len(extra(choice, "token_ids")) == len(choice.logprobs.content or [])
+
+    # The agent runs the tool and hands the result back under the call's id.
+    history = [
+        QUESTION,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": TOOL_RESULT},
+    ]
+    second = ask(api, tool_agent, history)
+    (answer,) = second.choices
+    assert answer.finish_reason == "stop" and answer.message.tool_calls is None
+    assert answer.message.content == ANSWER
+    # Greedy decoding of the first prompt calls the tool, so answering shows the result reached the model.
+    assert len(extra(second, "prompt_token_ids")) > len(extra(first, "prompt_token_ids"))
+
+
+def test_streamed_tool_call_reassembles_to_the_plain_one(stack: Stack, tool_agent: str) -> None:
+    api = stack.openai()
+    plain = ask(api, tool_agent, [QUESTION])
+    with api.chat.completions.stream(
+        model=tool_agent,
+        messages=[QUESTION],  # type: ignore[list-item]
+        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        temperature=0,
+        max_tokens=40,
+        stream_options={"include_usage": True},
+    ) as stream:
+        deltas = [event.chunk for event in stream if event.type == "chunk"]
+        streamed = stream.get_final_completion()
+    (choice,) = streamed.choices
+    (plain_choice,) = plain.choices
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls or []
+    (plain_call,) = plain_choice.message.tool_calls or []
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", ARGUMENTS)
+    assert call.function.arguments == plain_call.function.arguments
+    assert not choice.message.content
+    # The call arrives in one delta of its own, indexed, before the finish reason.
+    tool_deltas = [c for c in deltas if c.choices and c.choices[0].delta.tool_calls]
+    assert len(tool_deltas) == 1
+    (delta_call,) = tool_deltas[0].choices[0].delta.tool_calls or []
+    assert delta_call.index == 0 and delta_call.id == call.id and delta_call.type == "function"
+    assert streamed.usage is not None and plain.usage is not None
+    assert streamed.usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_tool_call_rollouts_train_token_exact(stack: Stack, tool_agent: str) -> None:
+    """A rollout with a tool round trip becomes a trajectory that trains, and the next call says so."""
+    api = stack.openai()
+    name, version = tool_agent.split("@")
+    first = ask(api, tool_agent, [QUESTION], logprobs=True)
+    call = first.choices[0].message
+    tool_message = {"role": "tool", "tool_call_id": (call.tool_calls or [])[0].id, "content": TOOL_RESULT}
+    second = ask(api, tool_agent, [QUESTION, call.model_dump(exclude_none=True), tool_message], logprobs=True)
+    used_tool = (
+        tinkerrpc.Trajectory.from_openai([QUESTION], first, reward=1.0, tools=[WEATHER_TOOL])
+        .add_messages(tool_message)
+        .add_openai(second)
+    )
+    assert [m.role for m in used_tool.messages] == ["user", "assistant", "tool", "assistant"]
+    assert [t.policy_version for t in used_tool.turns] == [int(version)] * 2
+    # Each sampled turn keeps exactly the tokens the sidecar reported.
+    assert list(used_tool.turns[1].completion_token_ids) == extra(second.choices[0], "token_ids")
+    assert list(used_tool.turns[1].prompt_token_ids) == extra(second, "prompt_token_ids")
+    guessed = ask(api, tool_agent, [QUESTION], logprobs=True, tool_choice="none")
+    no_tool = tinkerrpc.Trajectory.from_openai([QUESTION], guessed, reward=0.0)
+
+    result = stack.client.model(name).train(
+        [tinkerrpc.TrajectoryGroup([used_tool, no_tool])], learning_rate=1e-4
+    )
+    assert result.metrics.trajectories_used == 2 and result.policy_version > int(version)
+    after = ask(api, name, [QUESTION])
+    assert after.model == f"{name}@{result.policy_version}"
+    assert extra(after, "policy_version") == result.policy_version
+
+
+def test_sdk_samples_name_each_tool_call(stack: Stack, tool_agent: str) -> None:
+    """Qwen3's template carries no call ids; the server names each sampled call so a tool message can
+    answer it, in the SDK as in the sidecar."""
+    name, version = tool_agent.split("@")
+    samples = stack.client.model(name).sample(
+        [QUESTION], tools=[WEATHER_TOOL], n=2, max_tokens=40, temperature=0.0, policy_version=int(version)
+    )
+    calls = [call for sample in samples for call in sample.to_message().tool_calls]
+    assert [(call.name, call.parsed_arguments()) for call in calls] == [("get_weather", ARGUMENTS)] * 2
+    assert all(call.id.startswith("call_") for call in calls) and calls[0].id != calls[1].id
