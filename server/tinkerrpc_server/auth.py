@@ -20,7 +20,7 @@ def _token_matches(metadata: tuple[tuple[str, str | bytes], ...] | None, expecte
     return False
 
 
-def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _refusal(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
     """A handler of the same kind as `handler` that answers UNAUTHENTICATED."""
 
     async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
@@ -48,7 +48,8 @@ def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     )
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+# Generic only in grpc-stubs: at run time grpc.aio.ServerInterceptor cannot be subscripted.
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     """Refuses every call without `authorization: Bearer <token>`, except gRPC health checks."""
 
     def __init__(self, token: str) -> None:
@@ -56,12 +57,12 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any]:
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(HEALTH_METHOD_PREFIX):
             return handler
-        if _token_matches(handler_call_details.invocation_metadata, self._expected):  # type: ignore[arg-type]
+        if _token_matches(handler_call_details.invocation_metadata, self._expected):
             return handler
         return _refusal(handler)

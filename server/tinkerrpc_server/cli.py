@@ -63,7 +63,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 def _auth_token(args: argparse.Namespace) -> str | None:
     if args.auth_token_file is not None:
-        token = args.auth_token_file.read_text().strip()
+        token: str = args.auth_token_file.read_text().strip()
         if not token:
             raise SystemExit(f"tinkerrpc serve: {args.auth_token_file} is empty")
         return token

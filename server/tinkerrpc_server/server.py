@@ -96,7 +96,8 @@ async def _serve(config: ServerConfig, service: TrainerService) -> int:
     interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
     trainer_service_pb2_grpc.add_TrainerServiceServicer_to_server(service, server)
-    health_servicer = health.aio.HealthServicer()
+    # grpc-stubs' grpc_health stubs lack grpcio-health-checking's `aio` (grpc_health.v1._async).
+    health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),

@@ -475,7 +475,9 @@ class BaseModelRuntime:
         try:
             weights = load_file(str(directory / ADAPTER_WEIGHTS_FILE), device=str(self.device))
             result = set_peft_model_state_dict(self._peft, weights, adapter_name=peft_name)
-            missing = [k for k in result.missing_keys if f".{peft_name}." in k]
+            # peft annotates its return as `namedtuple` (a function, not a type); it is torch's
+            # load_state_dict result, which has missing_keys.
+            missing = [k for k in result.missing_keys if f".{peft_name}." in k]  # type: ignore[attr-defined]
             if missing:
                 raise EngineUserError(f"adapter at {directory} lacks weights for {missing[:3]}")
         except EngineUserError:

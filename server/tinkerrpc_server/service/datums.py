@@ -4,7 +4,7 @@ and supervised datums from the renderer's weights. Pure CPU work that runs befor
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import tinker
@@ -86,7 +86,7 @@ def rl_batch(request: trainer_service_pb2.TrainRequest, current_version: int, te
     batch = Batch()
     rewards = [t.reward for g in request.groups for t in g.trajectories]
     batch.mean_reward = sum(rewards) / len(rewards)
-    metric_sums: Counter[str] = Counter()
+    metric_sums: defaultdict[str, float] = defaultdict(float)
     metric_counts: Counter[str] = Counter()
     for group in request.groups:
         for trajectory in group.trajectories:

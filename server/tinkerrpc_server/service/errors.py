@@ -9,7 +9,7 @@ import grpc
 import tinker
 from google.protobuf import any_pb2
 from google.protobuf.message import Message as ProtoMessage
-from google.rpc import code_pb2, error_details_pb2, status_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2  # type: ignore[import-untyped]
 from grpc_status import rpc_status
 
 ERROR_DOMAIN = "tinkerrpc"

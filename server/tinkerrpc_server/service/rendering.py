@@ -149,7 +149,7 @@ class TextCache:
             tokenizer=tokenizer,
             renderer=renderer,
             renderer_name=renderer_name,
-            vocab_size=len(tokenizer),  # type: ignore[arg-type]
+            vocab_size=len(tokenizer),
             max_context_length=_context_length(local_dir, tokenizer),
         )
         self._cache[key] = text

@@ -32,7 +32,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 import grpc
 import tinker
@@ -85,13 +85,17 @@ def state_name(version: int) -> str:
 
 
 def rpc(
-    method: Callable[[TrainerService, Request, grpc.aio.ServicerContext], Awaitable[Response]],
-) -> Callable[[TrainerService, Request, grpc.aio.ServicerContext], Awaitable[Response]]:
+    method: Callable[
+        [TrainerService, Request, grpc.aio.ServicerContext[Request, Response]], Awaitable[Response]
+    ],
+) -> Callable[[TrainerService, Request, grpc.aio.ServicerContext[Request, Response]], Awaitable[Response]]:
     """Turns ServiceError and tinker SDK errors into the call's status with google.rpc details; a call
     cut short by the engine child dying fails UNAVAILABLE (retryable), whatever error it was in."""
 
     @functools.wraps(method)
-    async def handler(self: TrainerService, request: Request, context: grpc.aio.ServicerContext) -> Response:
+    async def handler(
+        self: TrainerService, request: Request, context: grpc.aio.ServicerContext[Request, Response]
+    ) -> Response:
         task = asyncio.current_task()
         assert task is not None
         generation = self._engine_generation
@@ -119,10 +123,17 @@ def rpc(
         finally:
             self._calls.discard(task)
             self._interrupted.discard(task)
-        await context.abort_with_status(error.to_status())
+        # grpc-stubs' aio.ServicerContext lacks abort_with_status (grpc.aio has it since 1.38).
+        await context.abort_with_status(error.to_status())  # type: ignore[attr-defined]
         raise AssertionError("abort_with_status returned")  # pragma: no cover - it always raises
 
     return handler
+
+
+class _LoraFlags(TypedDict):
+    train_mlp: bool
+    train_attn: bool
+    train_unembed: bool
 
 
 def _engine_lost() -> ServiceError:
@@ -266,7 +277,11 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
 
             async def create() -> tinker.SamplingClient:
-                return await self._backend.service.create_sampling_client(model_path=path)
+                # The SDK's future declares `__await__` as returning Any.
+                client: tinker.SamplingClient = await self._backend.service.create_sampling_client(
+                    model_path=path
+                )
+                return client
 
             task = asyncio.ensure_future(create())
             self._sampling_clients[path] = task
@@ -313,7 +328,7 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
         engine = self._backend.engine
         return not self._engine_ready.is_set() or (engine is not None and engine.exit_code() is not None)
 
-    async def _wait_engine_ready(self, context: grpc.aio.ServicerContext) -> None:
+    async def _wait_engine_ready(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         if self._engine_ready.is_set():
             return
         remaining = context.time_remaining()
@@ -379,7 +394,9 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
 
     @rpc
     async def CreateModel(
-        self, request: pb.CreateModelRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.CreateModelRequest,
+        context: grpc.aio.ServicerContext[pb.CreateModelRequest, pb.CreateModelResponse],
     ) -> pb.CreateModelResponse:
         v = Violations()
         check_name(v, "name", request.name)
@@ -413,7 +430,7 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
         lora = request.lora
         rank = lora.rank or DEFAULT_LORA_RANK
         seed = request.seed if request.HasField("seed") else 0
-        flags = {
+        flags: _LoraFlags = {
             "train_mlp": lora.train_mlp if lora.HasField("train_mlp") else True,
             "train_attn": lora.train_attn if lora.HasField("train_attn") else True,
             "train_unembed": lora.train_unembed if lora.HasField("train_unembed") else True,
@@ -456,19 +473,25 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
 
     @rpc
     async def GetModel(
-        self, request: pb.GetModelRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.GetModelRequest,
+        context: grpc.aio.ServicerContext[pb.GetModelRequest, pb.GetModelResponse],
     ) -> pb.GetModelResponse:
         return pb.GetModelResponse(model=self._model_info(self._model(request.name)))
 
     @rpc
     async def ListModels(
-        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.ListModelsRequest,
+        context: grpc.aio.ServicerContext[pb.ListModelsRequest, pb.ListModelsResponse],
     ) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[self._model_info(row) for row in self._store.list_models()])
 
     @rpc
     async def DeleteModel(
-        self, request: pb.DeleteModelRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.DeleteModelRequest,
+        context: grpc.aio.ServicerContext[pb.DeleteModelRequest, pb.DeleteModelResponse],
     ) -> pb.DeleteModelResponse:
         runtime = self._runtime(request.name)
         async with runtime.lock:
@@ -483,7 +506,9 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
     # ---- train
 
     @rpc
-    async def Train(self, request: pb.TrainRequest, context: grpc.aio.ServicerContext) -> pb.TrainResponse:
+    async def Train(
+        self, request: pb.TrainRequest, context: grpc.aio.ServicerContext[pb.TrainRequest, pb.TrainResponse]
+    ) -> pb.TrainResponse:
         runtime = self._runtime(request.model)
         self._check_train_size(request)
         request_hash = _request_hash(request) if request.idempotency_key else ""
@@ -658,7 +683,9 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
 
     @rpc
     async def SaveCheckpoint(
-        self, request: pb.SaveCheckpointRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.SaveCheckpointRequest,
+        context: grpc.aio.ServicerContext[pb.SaveCheckpointRequest, pb.SaveCheckpointResponse],
     ) -> pb.SaveCheckpointResponse:
         runtime = self._runtime(request.model)
         if request.name:
@@ -692,7 +719,9 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
 
     @rpc
     async def ListCheckpoints(
-        self, request: pb.ListCheckpointsRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.ListCheckpointsRequest,
+        context: grpc.aio.ServicerContext[pb.ListCheckpointsRequest, pb.ListCheckpointsResponse],
     ) -> pb.ListCheckpointsResponse:
         self._model(request.model)
         return pb.ListCheckpointsResponse(
@@ -701,7 +730,9 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
 
     @rpc
     async def RestoreCheckpoint(
-        self, request: pb.RestoreCheckpointRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.RestoreCheckpointRequest,
+        context: grpc.aio.ServicerContext[pb.RestoreCheckpointRequest, pb.RestoreCheckpointResponse],
     ) -> pb.RestoreCheckpointResponse:
         runtime = self._runtime(request.model)
         async with runtime.lock:
@@ -746,10 +777,12 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
 
     @rpc
     async def DeleteCheckpoint(
-        self, request: pb.DeleteCheckpointRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.DeleteCheckpointRequest,
+        context: grpc.aio.ServicerContext[pb.DeleteCheckpointRequest, pb.DeleteCheckpointResponse],
     ) -> pb.DeleteCheckpointResponse:
         runtime = self._runtime(request.model)
-        kind = request.kind or KIND_STATE
+        kind = request.kind or types_pb2.CHECKPOINT_KIND_STATE  # == KIND_STATE, typed as the proto enum
         if kind not in (KIND_STATE, KIND_SAMPLER):
             raise errors.invalid_argument([("kind", f"unknown checkpoint kind {request.kind}")])
         async with runtime.lock:
@@ -783,7 +816,11 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
     # ---- sample
 
     @rpc
-    async def Sample(self, request: pb.SampleRequest, context: grpc.aio.ServicerContext) -> pb.SampleResponse:
+    async def Sample(
+        self,
+        request: pb.SampleRequest,
+        context: grpc.aio.ServicerContext[pb.SampleRequest, pb.SampleResponse],
+    ) -> pb.SampleResponse:
         row = self._model(request.model)
         version = request.policy_version if request.HasField("policy_version") else row.policy_version
         path = self._store.sampler_path(row.name, version)

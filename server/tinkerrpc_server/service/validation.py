@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import re
 
+from tinker.types import LossFnType
+
 from tinkerrpc.v1 import trainer_service_pb2, types_pb2
 from tinkerrpc_server.service.errors import Violations
 from tinkerrpc_server.service.rendering import check_messages, check_tools
@@ -13,7 +15,7 @@ from tinkerrpc_server.service.rendering import check_messages, check_tools
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 NAME_RULE = "1-64 characters of [A-Za-z0-9._-], starting with a letter or digit"
 
-RL_LOSSES = {
+RL_LOSSES: dict[types_pb2.LossFunction.ValueType, LossFnType] = {
     types_pb2.LOSS_FUNCTION_IMPORTANCE_SAMPLING: "importance_sampling",
     types_pb2.LOSS_FUNCTION_PPO: "ppo",
     types_pb2.LOSS_FUNCTION_CISPO: "cispo",
@@ -26,7 +28,7 @@ def check_name(violations: Violations, field: str, name: str) -> None:
         violations.add(field, f"{name!r}: must be {NAME_RULE}")
 
 
-def loss_name(request: trainer_service_pb2.TrainRequest) -> str:
+def loss_name(request: trainer_service_pb2.TrainRequest) -> LossFnType:
     """The Tinker loss for a validated request (unset: cross-entropy for examples, IS for groups)."""
     function = request.loss.function
     if function == types_pb2.LOSS_FUNCTION_UNSPECIFIED:
