@@ -1,9 +1,4 @@
 import os
-import sys
-from pathlib import Path
-
-# tests/procs.py is shared by every test package.
-sys.path.insert(0, str(Path(__file__).parent))
 
 # Tests run torch in-process beside server and engine processes on few cores: spinning OpenMP
 # workers would make every step many times slower (see tinkerrpc_server.cli). Set before torch loads.

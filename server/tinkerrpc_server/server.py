@@ -112,8 +112,16 @@ async def _serve(config: ServerConfig, service: TrainerService) -> int:
     else:
         server.add_insecure_port(address)
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def report_serving(serving: bool) -> None:
+        # The server and its one service are up or down together: the engine serves them both.
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, status)
+
+    await report_serving(True)
     log.info("tinkerrpc serving on %s (data dir %s)", address, config.data_dir)
     # The tinker SDK pulls in torch: freeze those long-lived objects so garbage collections, and the
     # final one at exit (seconds otherwise), skip them.
@@ -134,7 +142,7 @@ async def _serve(config: ServerConfig, service: TrainerService) -> int:
                 exit_code = 1
                 stop_requested.set()
 
-        supervisor = asyncio.create_task(service.supervise_engine())
+        supervisor = asyncio.create_task(service.supervise_engine(report_serving))
         supervisor.add_done_callback(engine_lost)
     sidecar = None
     if config.sidecar_port is not None:

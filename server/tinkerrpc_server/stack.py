@@ -42,6 +42,11 @@ def _http_ok(url: str) -> bool:
         return False
 
 
+def tinkerrpc_command(*args: str) -> list[str]:
+    """The `tinkerrpc` command line run with this interpreter (the console script may not be on PATH)."""
+    return [sys.executable, "-m", "tinkerrpc_server.cli", *args]
+
+
 SIDECAR_API_KEY_ENV = "TINKERRPC_SIDECAR_API_KEY"
 AUTH_TOKEN_ENV = "TINKERRPC_AUTH_TOKEN"
 
@@ -58,7 +63,7 @@ class LocalProcess:
         self, args: Sequence[str], log_path: Path, startup_timeout: float, env: dict[str, str] | None = None
     ) -> None:
         self.env = {**os.environ, "TINKER_TELEMETRY": "0", **(env or {})}
-        self.cmd = [sys.executable, "-m", "tinkerrpc_server.cli", *args]
+        self.cmd = tinkerrpc_command(*args)
         self.log_path = log_path
         self.startup_timeout = startup_timeout
         self._proc: subprocess.Popen[bytes] | None = None
@@ -106,6 +111,19 @@ class LocalProcess:
                 self._proc.wait(10)
         return self._proc.returncode
 
+    def wait(self, timeout: float) -> int:
+        """Wait for the process to exit by itself; its exit code."""
+        if self._proc is None:
+            raise RuntimeError("the process has not started")
+        return self._proc.wait(timeout)
+
+    def kill(self) -> int:
+        """SIGKILL the process (a crash, for fault tests) and reap it; its exit code."""
+        if self._proc is None:
+            raise RuntimeError("the process has not started")
+        self._proc.kill()
+        return self._proc.wait(30)
+
     def __enter__(self: ProcessT) -> ProcessT:
         return self.start()
 
@@ -119,7 +137,10 @@ class LocalProcess:
 
 
 class LocalStack(LocalProcess):
-    """`tinkerrpc serve` (with its embedded engine) on a free port; ready when gRPC health says SERVING."""
+    """`tinkerrpc serve` (with its embedded engine) on a free port; ready when gRPC health says SERVING.
+
+    With `--tls-cert`/`--tls-key` among `extra_args`, `tls_root_certificates` lets the health probe
+    trust the server's certificate."""
 
     def __init__(
         self,
@@ -127,15 +148,24 @@ class LocalStack(LocalProcess):
         log_path: Path,
         extra_args: tuple[str, ...] = (),
         startup_timeout: float = 120.0,
+        env: dict[str, str] | None = None,
+        tls_root_certificates: bytes | None = None,
     ) -> None:
         self.data_dir = data_dir
         self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
+        self.tls_root_certificates = tls_root_certificates
         args = ["serve", "--host", "127.0.0.1", "--port", str(self.port), "--data-dir", str(data_dir)]
-        super().__init__([*args, *extra_args], log_path, startup_timeout)
+        super().__init__([*args, *extra_args], log_path, startup_timeout, env)
+
+    def _health_channel(self) -> grpc.Channel:
+        if self.tls_root_certificates is None:
+            return grpc.insecure_channel(self.target)
+        credentials = grpc.ssl_channel_credentials(root_certificates=self.tls_root_certificates)
+        return grpc.secure_channel(self.target, credentials)
 
     def is_ready(self) -> bool:
-        with grpc.insecure_channel(self.target) as channel:
+        with self._health_channel() as channel:
             try:
                 response = health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(), timeout=1

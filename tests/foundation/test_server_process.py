@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,8 +10,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from procs import Proc, free_port, tinkerrpc_cmd
 from tinkerrpc.v1 import trainer_service_pb2
+from tinkerrpc_server.stack import LocalStack
 
 SERVICE = "tinkerrpc.v1.TrainerService"
 
@@ -23,30 +22,21 @@ def _health(channel: grpc.Channel, service: str = "") -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, str]]:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    """Ready once gRPC health says SERVING (LocalStack's readiness probe)."""
     tmp = tmp_path_factory.mktemp("serve")
-    port = free_port()
-    proc = Proc(
-        tinkerrpc_cmd("serve", "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(tmp / "data")),
-        tmp / "serve.log",
-    )
-    target = f"127.0.0.1:{port}"
-    with grpc.insecure_channel(target) as channel:
-        proc.wait_ready(lambda: _health(channel) == health_pb2.HealthCheckResponse.SERVING)
-    yield proc, target
-    proc.stop()
+    with LocalStack(tmp / "data", tmp / "serve.log") as stack:
+        yield stack
 
 
-def test_health_is_serving_for_server_and_service(server: tuple[Proc, str]) -> None:
-    _, target = server
-    with grpc.insecure_channel(target) as channel:
+def test_health_is_serving_for_server_and_service(server: LocalStack) -> None:
+    with grpc.insecure_channel(server.target) as channel:
         assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
         assert _health(channel, SERVICE) == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_reflection_lists_trainer_service_and_its_methods(server: tuple[Proc, str]) -> None:
-    _, target = server
-    with grpc.insecure_channel(target) as channel:
+def test_reflection_lists_trainer_service_and_its_methods(server: LocalStack) -> None:
+    with grpc.insecure_channel(server.target) as channel:
         db = ProtoReflectionDescriptorDatabase(channel)
         assert SERVICE in db.get_services()
         from google.protobuf.descriptor_pool import DescriptorPool
@@ -58,9 +48,8 @@ def test_reflection_lists_trainer_service_and_its_methods(server: tuple[Proc, st
         assert {"Train", "Sample", "CreateModel", "RestoreCheckpoint"} <= expected
 
 
-def test_unknown_method_answers_unimplemented(server: tuple[Proc, str]) -> None:
-    _, target = server
-    with grpc.insecure_channel(target) as channel:
+def test_unknown_method_answers_unimplemented(server: LocalStack) -> None:
+    with grpc.insecure_channel(server.target) as channel:
         call = channel.unary_unary(f"/{SERVICE}/NoSuchMethod")
         with pytest.raises(grpc.RpcError) as err:
             call(b"", timeout=5)
@@ -68,16 +57,9 @@ def test_unknown_method_answers_unimplemented(server: tuple[Proc, str]) -> None:
 
 
 def test_sigterm_exits_cleanly_and_refuses_new_calls(tmp_path: Path) -> None:
-    port = free_port()
-    proc = Proc(
-        tinkerrpc_cmd("serve", "--port", str(port), "--data-dir", str(tmp_path / "data")),
-        tmp_path / "serve.log",
-    )
-    target = f"127.0.0.1:{port}"
-    with grpc.insecure_channel(target) as channel:
-        proc.wait_ready(lambda: _health(channel) == health_pb2.HealthCheckResponse.SERVING)
-    assert proc.stop(signal.SIGTERM) == 0
-    assert "stopped" in proc.log()
-    with grpc.insecure_channel(target) as channel, pytest.raises(grpc.RpcError) as err:
+    stack = LocalStack(tmp_path / "data", tmp_path / "serve.log").start()
+    assert stack.stop() == 0  # stop() sends SIGTERM
+    assert "stopped" in stack.log()
+    with grpc.insecure_channel(stack.target) as channel, pytest.raises(grpc.RpcError) as err:
         _health(channel)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import free_port, tinkerrpc_cmd
+from tinkerrpc_server.stack import free_port, tinkerrpc_command
 
 START_TIMEOUT = 120.0
 
@@ -102,7 +102,7 @@ def test_unusable_data_dir_fails_at_start_with_one_line(cases: list[Case], tmp_p
         (
             case,
             subprocess.Popen(
-                tinkerrpc_cmd(
+                tinkerrpc_command(
                     "serve", "--port", str(free_port()), "--data-dir", str(case.data_dir),
                     "--model-dir", str(model_dir),
                 ),

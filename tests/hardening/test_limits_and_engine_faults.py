@@ -13,6 +13,7 @@ import time
 import grpc
 import pytest
 from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hardening_support import (
     MAX_SAMPLE_N,
     MAX_SAMPLE_TOKENS,
@@ -35,6 +36,7 @@ from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
 
 MODEL = "limited"
+SERVICE = "tinkerrpc.v1.TrainerService"
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +169,21 @@ def _engine_pids(server: Server) -> list[int]:
     return [int(pid) for pid in re.findall(r"embedded engine starting \(pid (\d+)\)", server.proc.log())]
 
 
+def _health_statuses(health: health_pb2_grpc.HealthStub, deadline: float) -> dict[str, list[int]]:
+    """The distinct statuses health checking reports for the server ("") and the service, polled until
+    both are SERVING or `deadline`."""
+    seen: dict[str, list[int]] = {"": [], SERVICE: []}
+    while time.monotonic() < deadline:
+        for name, statuses in seen.items():
+            status = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
+            if not statuses or statuses[-1] != status:
+                statuses.append(status)
+        if all(statuses[-1] == health_pb2.HealthCheckResponse.SERVING for statuses in seen.values()):
+            break
+        time.sleep(0.1)
+    return seen
+
+
 def test_engine_sigkill_fails_inflight_calls_unavailable_and_recovers(server: Server) -> None:
     probe = _probe_tokens(server)
     version = _version(server)
@@ -194,12 +211,19 @@ def test_engine_sigkill_fails_inflight_calls_unavailable_and_recovers(server: Se
     for thread in threads:
         thread.start()
     time.sleep(1.0)
+    health = health_pb2_grpc.HealthStub(server.channel)
+    assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
     killed_at = time.monotonic()
     os.kill(engine_pid, signal.SIGKILL)
     for thread in threads:
         thread.join(CALL_TIMEOUT)
     failed_after = time.monotonic() - killed_at
     assert outcomes == {"train": grpc.StatusCode.UNAVAILABLE, "sample": grpc.StatusCode.UNAVAILABLE}
+
+    # Health checking tells load balancers and probes about the restart window, server and service alike.
+    for name, seen in _health_statuses(health, killed_at + CALL_TIMEOUT).items():
+        assert seen[0] == health_pb2.HealthCheckResponse.NOT_SERVING, (name, seen)
+        assert seen[-1] == health_pb2.HealthCheckResponse.SERVING, (name, seen)
 
     # Later calls wait for the new engine and succeed: same version, same weights, old samplers valid.
     assert _version(server) == version

@@ -67,8 +67,7 @@ def test_sigkill_during_train_loses_nothing_acknowledged(tmp_path: Path) -> None
         engine_pid = int(re.findall(r"embedded engine starting \(pid (\d+)\)", server.proc.log())[-1])
         call = server.stub.Train.future(request, timeout=CALL_TIMEOUT)
         time.sleep(step_seconds * share)
-        server.proc.popen.send_signal(signal.SIGKILL)
-        server.proc.popen.wait(30)
+        server.proc.kill()
         answered: int | None = None
         try:
             answered = call.result().policy_version

@@ -13,10 +13,9 @@ from typing import Any
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from procs import Proc, free_port, tinkerrpc_cmd
 from tinkerrpc.v1 import trainer_service_pb2, trainer_service_pb2_grpc
+from tinkerrpc_server.stack import LocalStack, free_port
 
 NODE_DIR = Path(__file__).parent
 NPM_CI_TIMEOUT_S = 300
@@ -48,31 +47,12 @@ def node() -> str:
     return node_path
 
 
-def _serving(channel: grpc.Channel) -> bool:
-    response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
-    return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
-
-
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A `tinkerrpc serve` with its embedded engine; the tiny chat model is generated into a fresh model dir."""
     tmp = tmp_path_factory.mktemp("polyglot")
-    port = free_port()
-    proc = Proc(
-        tinkerrpc_cmd(
-            "serve",
-            *("--host", "127.0.0.1", "--port", str(port)),
-            *("--data-dir", str(tmp / "data"), "--model-dir", str(tmp / "models")),
-        ),
-        tmp / "serve.log",
-    )
-    address = f"127.0.0.1:{port}"
-    try:
-        with grpc.insecure_channel(address) as channel:
-            proc.wait_ready(lambda: _serving(channel))
-        yield address
-    finally:
-        proc.stop()
+    with LocalStack(tmp / "data", tmp / "serve.log", ("--model-dir", str(tmp / "models"))) as stack:
+        yield stack.target
 
 
 def _run_client(node: str, *args: str) -> subprocess.CompletedProcess[str]:

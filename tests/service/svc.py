@@ -9,12 +9,11 @@ from pathlib import Path
 import grpc
 from google.protobuf.message import Message as ProtoMessage
 from google.rpc import error_details_pb2
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
-from procs import Proc, free_port, tinkerrpc_cmd
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import trainer_service_pb2_grpc, types_pb2
+from tinkerrpc_server.stack import LocalStack
 
 TINY = "tinkerrpc/tiny-chat"
 START_TIMEOUT = 240.0
@@ -27,43 +26,19 @@ class Server:
     def __init__(
         self, data_dir: Path, model_dir: Path, log_path: Path, env: dict[str, str] | None = None, *extra: str
     ) -> None:
-        self.port = free_port()
-        self.proc = Proc(
-            tinkerrpc_cmd(
-                "serve",
-                "--port",
-                str(self.port),
-                "--data-dir",
-                str(data_dir),
-                "--model-dir",
-                str(model_dir),
-                *extra,
-            ),
-            log_path,
-            env=env,
-        )
-        # Short reconnect backoff: while the server boots, failed connects would otherwise back off for
-        # up to ~20 s and delay every test by that much after the server is ready.
-        self.channel = grpc.insecure_channel(
-            f"127.0.0.1:{self.port}",
-            options=[("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 250)],
-        )
+        self.proc = LocalStack(
+            data_dir, log_path, ("--model-dir", str(model_dir), *extra), START_TIMEOUT, env
+        ).start()
+        self.port = self.proc.port
+        self.channel = grpc.insecure_channel(self.proc.target)
         self.stub = trainer_service_pb2_grpc.TrainerServiceStub(self.channel)
-        health = health_pb2_grpc.HealthStub(self.channel)
-        self.proc.wait_ready(
-            lambda: (
-                health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
-                == health_pb2.HealthCheckResponse.SERVING
-            ),
-            timeout=START_TIMEOUT,
-        )
 
     def engine_pid(self) -> int:
         match = re.search(r"embedded engine starting \(pid (\d+)\)", self.proc.log())
         assert match, "the server log names its engine child"
         return int(match.group(1))
 
-    def close(self) -> int:
+    def close(self) -> int | None:
         self.channel.close()
         return self.proc.stop()
 

@@ -67,7 +67,7 @@ def test_crash_at_every_step_phase_restarts_consistent(tmp_path: Path, service_m
         with pytest.raises(grpc.RpcError) as err:
             server.stub.Train(_train_request(server, f"k-{point}"), timeout=CALL_TIMEOUT)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, point
-        assert server.proc.popen.wait(30) == 137
+        assert server.proc.wait(30) == 137
         server.close()
         assert _wait_gone(engine), f"the engine child outlived its server ({point})"
 
@@ -76,7 +76,7 @@ def test_crash_at_every_step_phase_restarts_consistent(tmp_path: Path, service_m
     retried = _train_request(server, "k2")
     with pytest.raises(grpc.RpcError):
         server.stub.Train(retried, timeout=CALL_TIMEOUT)
-    server.proc.popen.wait(30)
+    server.proc.wait(30)
     server.close()
 
     server = _start(tmp_path, service_model_dir, "last")
@@ -107,8 +107,7 @@ def test_checkpoint_every_k_rolls_back_to_the_last_state_checkpoint(
     assert [r.policy_version for r in responses] == [1, 2, 3]
     assert [r.HasField("state_checkpoint") for r in responses] == [False, True, False]
     at_two = prompt_logprobs(server.stub, MODEL, probe, version=2)
-    server.proc.popen.kill()
-    server.proc.popen.wait(30)
+    server.proc.kill()
     server.close()
 
     server = Server(

@@ -8,7 +8,7 @@ import pytest
 from sidecar_support import Sidecar, Stack, start_sidecar
 
 import tinkerrpc
-from procs import Proc, free_port, tinkerrpc_cmd
+from tinkerrpc_server.stack import LocalStack, free_port
 
 
 @pytest.fixture(scope="module")
@@ -22,19 +22,9 @@ def orphan_sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     work = tmp_path_factory.mktemp("stack")
-    port = free_port()
-    server = Proc(
-        tinkerrpc_cmd("serve", "--port", str(port), "--data-dir", str(work / "data")), work / "serve.log"
-    )
-    target = f"127.0.0.1:{port}"
-    try:
-        client = tinkerrpc.Client(target, connect_timeout=180)
-        sidecar = start_sidecar(target, work / "sidecar.log")
-    except BaseException:
-        server.stop()
-        raise
-    yield Stack(target, sidecar, client)
-    client.close()
-    sidecar_status = sidecar.stop()
-    server.stop()
-    assert sidecar_status == 0, sidecar.log()[-2000:]
+    with LocalStack(work / "data", work / "serve.log", startup_timeout=180) as server:
+        sidecar = start_sidecar(server.target, work / "sidecar.log")
+        client = tinkerrpc.Client(server.target)
+        yield Stack(server.target, sidecar, client)
+        client.close()
+        assert sidecar.stop() == 0, sidecar.log()[-2000:]

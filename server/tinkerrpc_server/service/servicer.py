@@ -346,9 +346,10 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
     def supervises_engine(self) -> bool:
         return self._backend.engine is not None
 
-    async def supervise_engine(self) -> None:
+    async def supervise_engine(self, report_serving: Callable[[bool], Awaitable[None]]) -> None:
         """Runs for the server's lifetime (embedded engine only): restarts the engine child whenever it
-        exits. Returns only after ENGINE_RESTART_ATTEMPTS failed restarts in a row (the server then stops)."""
+        exits, reporting not serving for the restart window. Returns only after ENGINE_RESTART_ATTEMPTS
+        failed restarts in a row (the server then stops)."""
         engine = self._backend.engine
         assert engine is not None, "only the embedded engine is supervised"
         while True:
@@ -357,9 +358,11 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
             if exit_code is None:
                 continue
             log.error("embedded engine (pid %s) exited with code %d; restarting it", engine.pid, exit_code)
+            await report_serving(False)
             for attempt in range(1, ENGINE_RESTART_ATTEMPTS + 1):
                 try:
                     await self._restart_engine()
+                    await report_serving(True)
                     break
                 except BackendStartError as err:
                     log.error("engine restart %d/%d failed: %s", attempt, ENGINE_RESTART_ATTEMPTS, err)
