@@ -123,7 +123,7 @@ def test_loss_value_and_gradients_match_plain_torch(
             reference_loss(loss_fn, lp, d, config or {}) for lp, d in zip(ref_lps, data, strict=True)
         )
     ref_loss.backward()
-    assert result.metrics["loss:sum"] == pytest.approx(float(ref_loss), rel=1e-4, abs=1e-4)
+    assert result.metrics["loss:sum"] == pytest.approx(ref_loss.item(), rel=1e-4, abs=1e-4)
     for got, want in zip(result.logprobs, ref_lps, strict=True):
         np.testing.assert_allclose(got, want.detach().numpy(), atol=1e-5)
     assert_tensors_close(grads(runtime, model_id), {k: v.grad for k, v in leaves.items()})
