@@ -1,11 +1,14 @@
 """`tinkerrpc demo`: SFT then RL on the yes / no / maybe task, through the whole stack.
 
-The demo starts `tinkerrpc serve` (which starts the embedded engine), then drives it only through
-the Python client, like a user's training script would:
+The demo starts `tinkerrpc serve --sidecar-port` (which starts the embedded engine and hosts the
+sidecar), then drives it like a user's training script would:
 1. SFT: teach the random tiny model to answer "respond with …" prompts with exactly one of
    yes / no / maybe (answers drawn uniformly, so the policy starts RL near reward 0.75);
-2. RL: sample groups at the current policy version, reward maybe = 1.0, no = 0.75, yes = 0.5,
-   anything else 0, and train with importance sampling until the mean reward reaches the target.
+2. RL: an agent written against the `openai` client samples groups through the OpenAI-compatible
+   sidecar the server hosts (each choice stamped with its policy version, token ids and logprobs);
+   reward maybe = 1.0, no = 0.75, yes = 0.5, anything else 0; Trajectory.from_openai turns the
+   choices into trajectories that train with importance sampling until the mean reward reaches the
+   target. The SFT phase measures its progress through the same agent.
 It prints a line per step, writes a reward-curve PNG and a JSON summary, and exits non-zero when
 the final mean reward is below the target.
 """
@@ -16,15 +19,21 @@ import argparse
 import asyncio
 import itertools
 import json
+import logging
 import random
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import tinkerrpc
 from tinkerrpc_server.model_store import TINY_CHAT
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI
+    from openai.types.chat import ChatCompletion
 
 ANSWERS = ("yes", "no", "maybe")
 REWARDS = {"maybe": 1.0, "no": 0.75, "yes": 0.5}
@@ -70,6 +79,16 @@ class DemoConfig:
 
 
 @dataclass
+class Agent:
+    """How the demo's rollouts are made: the `openai` client on the sidecar, as any agent would."""
+
+    api: AsyncOpenAI
+    model: str
+    chat_completions: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
 class StepRecord:
     phase: str
     step: int
@@ -91,32 +110,46 @@ class DemoSummary:
     rl_steps: int
     wall_seconds: float
     final_policy_version: int
+    # What the agent asked of the sidecar: chat completions (n choices each) and tokens generated.
+    chat_completions: int
+    completion_tokens: int
     steps: list[StepRecord] = field(default_factory=list)
 
 
-async def _sample_groups(
-    model: tinkerrpc.AsyncModel, prompts: list[str], n: int, max_tokens: int, seed: int
-) -> list[tuple[list[tinkerrpc.Message], list[tinkerrpc.Sample]]]:
-    """One Sample call per prompt, all in flight at once so the engine batches them."""
-    conversations = [[tinkerrpc.Message.user(p)] for p in prompts]
-    results = await asyncio.gather(
+Conversation = list[dict[str, str]]
+
+
+async def _rollouts(
+    agent: Agent, prompts: list[str], n: int, max_tokens: int, seed: int
+) -> list[tuple[Conversation, ChatCompletion]]:
+    """One chat completion (n choices) per prompt, all in flight at once so the engine batches them."""
+    conversations: list[Conversation] = [[{"role": "user", "content": p}] for p in prompts]
+    completions = await asyncio.gather(
         *(
-            model.sample(messages, n=n, max_tokens=max_tokens, temperature=1.0, seed=seed + i)
+            agent.api.chat.completions.create(
+                model=agent.model,
+                messages=messages,  # type: ignore[arg-type]
+                n=n,
+                max_tokens=max_tokens,
+                temperature=1.0,
+                seed=seed + i,
+                logprobs=True,
+            )
             for i, messages in enumerate(conversations)
         )
     )
-    return list(zip(conversations, results, strict=True))
+    agent.chat_completions += len(completions)
+    agent.completion_tokens += sum(c.usage.completion_tokens for c in completions if c.usage is not None)
+    return list(zip(conversations, completions, strict=True))
 
 
-def _answer(sample: tinkerrpc.Sample) -> str:
-    return sample.message.content if sample.message is not None else sample.text
+def _answers(completion: ChatCompletion) -> list[str]:
+    return [(choice.message.content or "").strip().lower() for choice in completion.choices]
 
 
-async def _valid_rate(
-    model: tinkerrpc.AsyncModel, prompts: list[str], config: DemoConfig, seed: int
-) -> float:
-    rollouts = await _sample_groups(model, prompts, config.rl_samples_per_prompt, config.max_tokens, seed)
-    answers = [_answer(s).strip().lower() for _, samples in rollouts for s in samples]
+async def _valid_rate(agent: Agent, prompts: list[str], config: DemoConfig, seed: int) -> float:
+    rollouts = await _rollouts(agent, prompts, config.rl_samples_per_prompt, config.max_tokens, seed)
+    answers = [a for _, completion in rollouts for a in _answers(completion)]
     return sum(a in ANSWERS for a in answers) / len(answers)
 
 
@@ -129,7 +162,9 @@ def _print_step(record: StepRecord) -> None:
     )
 
 
-async def _sft(model: tinkerrpc.AsyncModel, config: DemoConfig, records: list[StepRecord]) -> int:
+async def _sft(
+    model: tinkerrpc.AsyncModel, agent: Agent, config: DemoConfig, records: list[StepRecord]
+) -> int:
     rng = random.Random(config.seed)
     prompts = yes_no_maybe_prompts()
     eval_prompts = rng.sample(prompts, config.rl_prompts_per_step)
@@ -141,7 +176,7 @@ async def _sft(model: tinkerrpc.AsyncModel, config: DemoConfig, records: list[St
         result = await model.train_supervised(batch, learning_rate=config.sft_learning_rate)
         if step % config.sft_eval_every and step != config.sft_max_steps:
             continue
-        valid = await _valid_rate(model, eval_prompts, config, seed=10_000 + step)
+        valid = await _valid_rate(agent, eval_prompts, config, seed=10_000 + step)
         record = StepRecord(
             phase="sft",
             step=step,
@@ -161,24 +196,28 @@ async def _sft(model: tinkerrpc.AsyncModel, config: DemoConfig, records: list[St
 
 
 async def _rl(
-    model: tinkerrpc.AsyncModel, config: DemoConfig, records: list[StepRecord]
+    model: tinkerrpc.AsyncModel, agent: Agent, config: DemoConfig, records: list[StepRecord]
 ) -> tuple[int, float]:
     rng = random.Random(config.seed + 1)
     prompts = yes_no_maybe_prompts()
     trained = 0
     for _ in range(config.rl_max_steps):
-        rollouts = await _sample_groups(
-            model,
+        rollouts = await _rollouts(
+            agent,
             rng.sample(prompts, config.rl_prompts_per_step),
             config.rl_samples_per_prompt,
             config.max_tokens,
             seed=rng.randrange(2**31),
         )
+        # Each choice carries its token ids, logprobs and policy version: it trains token-exact.
         groups = [
             tinkerrpc.TrajectoryGroup(
-                [tinkerrpc.Trajectory.from_sample(messages, s, reward=reward_of(_answer(s))) for s in samples]
+                [
+                    tinkerrpc.Trajectory.from_openai(messages, completion, reward_of(answer), choice_index=i)
+                    for i, answer in enumerate(_answers(completion))
+                ]
             )
-            for messages, samples in rollouts
+            for messages, completion in rollouts
         ]
         rewards = [t.reward for g in groups for t in g.trajectories]
         mean_reward = sum(rewards) / len(rewards)
@@ -207,17 +246,17 @@ async def _rl(
         _print_step(record)
         if mean_reward >= config.target_reward:
             # Confirm on a fresh batch from the new version before declaring success.
-            final = await _rl_eval(model, config, seed=rng.randrange(2**31))
+            final = await _rl_eval(agent, config, seed=rng.randrange(2**31))
             print(f"eval at v{result.policy_version}: mean reward {final:.3f}", flush=True)
             if final >= config.target_reward:
                 return trained, final
-    return trained, await _rl_eval(model, config, seed=rng.randrange(2**31))
+    return trained, await _rl_eval(agent, config, seed=rng.randrange(2**31))
 
 
-async def _rl_eval(model: tinkerrpc.AsyncModel, config: DemoConfig, seed: int) -> float:
+async def _rl_eval(agent: Agent, config: DemoConfig, seed: int) -> float:
     prompts = random.Random(seed).sample(yes_no_maybe_prompts(), config.rl_prompts_per_step)
-    rollouts = await _sample_groups(model, prompts, config.rl_samples_per_prompt, config.max_tokens, seed)
-    rewards = [reward_of(_answer(s)) for _, samples in rollouts for s in samples]
+    rollouts = await _rollouts(agent, prompts, config.rl_samples_per_prompt, config.max_tokens, seed)
+    rewards = [reward_of(a) for _, completion in rollouts for a in _answers(completion)]
     return sum(rewards) / len(rewards)
 
 
@@ -242,10 +281,13 @@ def _plot(records: list[StepRecord], summary: DemoSummary, path: Path) -> None:
     plt.close(fig)
 
 
-async def run_demo_against(target: str, config: DemoConfig, started: float) -> DemoSummary:
-    """Run both phases against a running server at `target`."""
+async def run_demo_against(target: str, sidecar_url: str, config: DemoConfig, started: float) -> DemoSummary:
+    """Run both phases against a running server at `target` and its sidecar at `sidecar_url`."""
+    import openai  # here: the CLI builds its parser from this module, and only the demo needs openai
+
     records: list[StepRecord] = []
-    async with tinkerrpc.AsyncClient(target) as client:
+    api = openai.AsyncOpenAI(base_url=f"{sidecar_url}/v1", api_key="unused", max_retries=0)
+    async with api, tinkerrpc.AsyncClient(target) as client:
         model = await client.create_model(
             f"demo-{int(time.time())}-{random.Random().randrange(10**6)}",
             base_model=TINY_CHAT,
@@ -257,8 +299,9 @@ async def run_demo_against(target: str, config: DemoConfig, started: float) -> D
             f"created {model.name} on {TINY_CHAT} ({time.monotonic() - started:.1f} s after start)",
             flush=True,
         )
-        sft_steps = await _sft(model, config, records)
-        rl_steps, final_reward = await _rl(model, config, records)
+        agent = Agent(api, model.name)
+        sft_steps = await _sft(model, agent, config, records)
+        rl_steps, final_reward = await _rl(model, agent, config, records)
         version = (await model.info()).policy_version
     return DemoSummary(
         passed=final_reward >= config.target_reward,
@@ -268,6 +311,8 @@ async def run_demo_against(target: str, config: DemoConfig, started: float) -> D
         rl_steps=rl_steps,
         wall_seconds=time.monotonic() - started,
         final_policy_version=version,
+        chat_completions=agent.chat_completions,
+        completion_tokens=agent.completion_tokens,
         steps=records,
     )
 
@@ -280,16 +325,18 @@ def run_demo(config: DemoConfig) -> DemoSummary:
     config.out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="tinkerrpc-demo-") as tmp:
         data_dir = config.data_dir or Path(tmp) / "data"
-        with LocalStack(data_dir, log_path=config.out_dir / "server.log") as stack:
-            summary = asyncio.run(run_demo_against(stack.target, config, started))
+        with LocalStack(data_dir, log_path=config.out_dir / "server.log", with_sidecar=True) as stack:
+            assert stack.sidecar_url is not None
+            summary = asyncio.run(run_demo_against(stack.target, stack.sidecar_url, config, started))
     summary.wall_seconds = time.monotonic() - started
     (config.out_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=2))
     _plot(summary.steps, summary, config.out_dir / "reward_curve.png")
     verdict = "PASSED" if summary.passed else "FAILED"
     print(
         f"{verdict}: final mean reward {summary.final_mean_reward:.3f} (target {summary.target_reward}) after "
-        f"{summary.sft_steps} SFT + {summary.rl_steps} RL steps in {summary.wall_seconds:.1f} s; "
-        f"outputs in {config.out_dir}",
+        f"{summary.sft_steps} SFT + {summary.rl_steps} RL steps in {summary.wall_seconds:.1f} s "
+        f"({summary.chat_completions} chat completions through the sidecar, {summary.completion_tokens} "
+        f"tokens); outputs in {config.out_dir}",
         flush=True,
     )
     return summary
@@ -306,6 +353,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    # The openai client's HTTP library logs every request at INFO (as `httpx`, or `httpx2` in the
+    # versions that vendor it): the per-step lines are the demo's progress report.
+    for name in ("httpx", "httpx2"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     config = DemoConfig(
         out_dir=args.out,
         target_reward=args.target_reward,

@@ -137,7 +137,8 @@ class LocalProcess:
 
 
 class LocalStack(LocalProcess):
-    """`tinkerrpc serve` (with its embedded engine) on a free port; ready when gRPC health says SERVING.
+    """`tinkerrpc serve` (with its embedded engine) on a free port; ready when gRPC health says SERVING
+    and, with `with_sidecar`, the sidecar it hosts answers /health at `sidecar_url`.
 
     With `--tls-cert`/`--tls-key` among `extra_args`, `tls_root_certificates` lets the health probe
     trust the server's certificate."""
@@ -150,12 +151,18 @@ class LocalStack(LocalProcess):
         startup_timeout: float = 120.0,
         env: dict[str, str] | None = None,
         tls_root_certificates: bytes | None = None,
+        with_sidecar: bool = False,
     ) -> None:
         self.data_dir = data_dir
         self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
         self.tls_root_certificates = tls_root_certificates
         args = ["serve", "--host", "127.0.0.1", "--port", str(self.port), "--data-dir", str(data_dir)]
+        self.sidecar_url: str | None = None
+        if with_sidecar:
+            sidecar_port = free_port()
+            self.sidecar_url = f"http://127.0.0.1:{sidecar_port}"
+            args += ["--sidecar-port", str(sidecar_port)]
         super().__init__([*args, *extra_args], log_path, startup_timeout, env)
 
     def _health_channel(self) -> grpc.Channel:
@@ -172,7 +179,10 @@ class LocalStack(LocalProcess):
                 )
             except grpc.RpcError:
                 return False
-        return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
+        if response.status != health_pb2.HealthCheckResponse.SERVING:
+            return False
+        # The hosted sidecar starts once the server serves; its /health needs no key.
+        return self.sidecar_url is None or _http_ok(f"{self.sidecar_url}/health")
 
 
 class LocalEngine(LocalProcess):

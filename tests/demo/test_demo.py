@@ -30,6 +30,10 @@ def test_demo_reaches_target_reward(tmp_path: Path) -> None:
     assert summary["passed"] is True
     assert summary["final_mean_reward"] >= 0.9
     assert summary["final_policy_version"] == summary["sft_steps"] + summary["rl_steps"]
+    # Every rollout went through the sidecar with the openai client: at least one chat completion of
+    # 8 prompts per RL step and per SFT evaluation, each choice at least one token.
+    assert summary["chat_completions"] >= 8 * summary["rl_steps"]
+    assert summary["completion_tokens"] >= 8 * summary["chat_completions"]
     rl_steps = [s for s in summary["steps"] if s["phase"] == "rl"]
     assert rl_steps, "the RL phase recorded no steps"
     # The policy got better during RL: the first RL batch scores below the final evaluation.
