@@ -3,11 +3,18 @@
 Routes live under /api/v1. Operations (create_model, forward_backward, optim_step, save/load weights,
 asample) answer `{request_id, model_id?}` at once and run on the single compute worker; clients
 long-poll `retrieve_future` for the outcome. Everything else answers directly.
+
+External weights (save_weights_external) are plain PEFT adapter directories; get_external_weights_urls
+hands out one signed URL per file, served by this engine under /api/v1/external_weights_files/. The
+signature is an HMAC with a secret drawn at engine start, so URLs die with the engine process.
 """
 
 from __future__ import annotations
 
 import gc
+import hashlib
+import hmac
+import json
 import logging
 import math
 import secrets
@@ -16,13 +23,15 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
+from datetime import datetime, timezone
 from pathlib import Path
 from types import FrameType
 from typing import Any
+from urllib.parse import quote
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from tinkerrpc_server.engine import protocol
@@ -40,8 +49,11 @@ from tinkerrpc_server.engine.storage import (
     RunRecord,
     Storage,
     UnknownPathError,
+    check_relative_path,
     directory_size,
+    file_inside,
     now_iso,
+    regular_files,
     validate_checkpoint_name,
 )
 from tinkerrpc_server.engine.worker import ComputeWorker
@@ -52,10 +64,34 @@ log = logging.getLogger("tinkerrpc.engine")
 # retrieve_future holds a request this long before answering try_again (the SDK's own timeout is 45 s).
 LONG_POLL_SECONDS = 25.0
 _USER_ERRORS = (EngineUserError, UnknownBaseModelError, UnknownPathError, protocol.BadRequest)
+# How long the signed URLs of get_external_weights_urls stay valid.
+EXTERNAL_URL_TTL_SECONDS = 3600
 
 
 class NotFound(LookupError):
     """An id in a direct (non-future) request that the engine does not know: HTTP 404."""
+
+
+class Forbidden(PermissionError):
+    """A signed URL whose signature is wrong or expired: HTTP 403."""
+
+
+def sign_file(secret: bytes, model_id: str, name: str, file: str, expires: int) -> str:
+    """HMAC-SHA256 (hex) of one external-weights file and the unix time its URL expires."""
+    message = json.dumps([model_id, name, file, expires]).encode()
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def check_file_signature(
+    secret: bytes, model_id: str, name: str, file: str, expires: str, signature: str, now: float
+) -> None:
+    """Forbidden unless `signature` signs exactly this file and `expires`, and `expires` is still ahead."""
+    if not (expires.isascii() and expires.isdigit()) or not hmac.compare_digest(
+        sign_file(secret, model_id, name, file, int(expires)).encode(), signature.encode()
+    ):
+        raise Forbidden("invalid signature")
+    if int(expires) < now:
+        raise Forbidden("this URL has expired; ask get_external_weights_urls for new ones")
 
 
 @dataclass
@@ -85,6 +121,7 @@ class Engine:
         self._runtimes: dict[Path, BaseModelRuntime] = {}
         self._live_models: dict[str, str] = {}  # model_id -> base model, adapters present in a runtime
         self.samplers: dict[str, Sampler] = {}
+        self.url_secret = secrets.token_bytes(32)  # signs external-weights file URLs
 
     # ---- helpers ----
 
@@ -255,6 +292,10 @@ def create_app(data_dir: Path, model_dir: Path) -> FastAPI:
     @app.exception_handler(NotFound)
     async def not_found(_: Request, exc: NotFound) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=404)
+
+    @app.exception_handler(Forbidden)
+    async def forbidden(_: Request, exc: Forbidden) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=403)
 
     @app.exception_handler(UnknownPathError)
     async def unknown_path(_: Request, exc: UnknownPathError) -> JSONResponse:
@@ -525,6 +566,31 @@ def create_app(data_dir: Path, model_dir: Path) -> FastAPI:
             engine.submit_training(model_id, seq_id, "save_weights_for_sampler", work), model_id
         )
 
+    @app.post("/api/v1/save_weights_external")
+    async def save_weights_external(request: Request) -> dict[str, Any]:
+        body = await json_body(request)
+        model_id = str(required(body, "model_id"))
+        if not engine.is_live(model_id):
+            return unknown_model_future(model_id)
+        seq_id = body.get("seq_id")
+        name = str(required(body, "path"))
+        recipients = body.get("age_encryption_recipients")
+        # ttl_seconds is accepted and ignored: local exports stay until delete_checkpoint removes them.
+
+        def work() -> Outcome:
+            # Checked here, in seq order, so a rejected request still takes its turn in the model's queue.
+            if recipients:
+                raise EngineUserError(
+                    "age_encryption_recipients: encrypting exported weights is not supported by the local "
+                    "engine (its exports never leave this machine); export without recipients"
+                )
+            record = engine.save_checkpoint(model_id, "external", name, False, {})
+            return JsonResult(
+                {"path": record.tinker_path, "size_bytes": record.size_bytes, "type": "save_weights_external"}
+            )
+
+        return _future_json(engine.submit_training(model_id, seq_id, "save_weights_external", work), model_id)
+
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
         body = await json_body(request)
@@ -553,7 +619,7 @@ def create_app(data_dir: Path, model_dir: Path) -> FastAPI:
                 )
             if with_optimizer and record.kind != "training":
                 raise EngineUserError(
-                    f"{path} holds sampler weights only; optimizer state needs a save_state path"
+                    f"{path} holds adapter weights only; optimizer state needs a save_state path"
                 )
             spec = engine.runtime(base_model).load_state(
                 model_id, directory, include_optimizer=with_optimizer
@@ -691,6 +757,34 @@ def create_app(data_dir: Path, model_dir: Path) -> FastAPI:
         record = await run_in_threadpool(engine.storage.delete_checkpoint, model_id, checkpoint_id)
         log.info("deleted checkpoint %s", record.tinker_path)
         return {}
+
+    # The SDK sends checkpoint_id ("external_weights/<name>") with its slash unencoded.
+    @app.get("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+    async def external_weights_urls(model_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
+        tinker_path = f"tinker://{model_id}/{checkpoint_id}"
+        record, directory = engine.storage.resolve(tinker_path)
+        if record.kind != "external":
+            raise UnknownPathError(f"{tinker_path} is not an external_weights checkpoint")
+        files = await run_in_threadpool(regular_files, directory)
+        expires = int(time.time()) + EXTERNAL_URL_TTL_SECONDS
+        base = f"{str(request.base_url).rstrip('/')}/api/v1/external_weights_files"
+        prefix = f"{base}/{quote(model_id, safe=':')}/{quote(record.name, safe='')}"
+        urls = {
+            file: f"{prefix}/{quote(file)}?expires={expires}&signature="
+            + sign_file(engine.url_secret, model_id, record.name, file, expires)
+            for file in files
+        }
+        return {"urls": urls, "expires": datetime.fromtimestamp(expires, timezone.utc).isoformat()}
+
+    @app.get("/api/v1/external_weights_files/{model_id}/{name}/{file:path}")
+    async def external_weights_file(
+        model_id: str, name: str, file: str, expires: str = "", signature: str = ""
+    ) -> FileResponse:
+        check_relative_path(file)  # 404 for '..', absolute paths and the like, before anything else
+        check_file_signature(engine.url_secret, model_id, name, file, expires, signature, time.time())
+        _, directory = engine.storage.resolve(f"tinker://{model_id}/external_weights/{name}")
+        path = await run_in_threadpool(file_inside, directory, file)
+        return FileResponse(path, media_type="application/octet-stream")
 
     @app.get("/api/v1/checkpoints")
     async def list_all_checkpoints(limit: int = 100, offset: int = 0) -> dict[str, Any]:

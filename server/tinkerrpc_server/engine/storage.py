@@ -4,9 +4,12 @@ Layout:
     <data-dir>/engine_index.json                      runs and checkpoints (written atomically)
     <data-dir>/runs/<model_id>/weights/<name>/        save_state (adapter + optimizer)
     <data-dir>/runs/<model_id>/sampler_weights/<name>/ save_weights_for_sampler (adapter only)
+    <data-dir>/runs/<model_id>/external_weights/<name>/ save_weights_external (plain PEFT adapter dir)
 
-`tinker://<model_id>/weights/<name>` and `tinker://<model_id>/sampler_weights/<name>` resolve to those
-directories. A new engine on the same data dir sees every run and checkpoint of the previous one.
+`tinker://<model_id>/weights/<name>`, `tinker://<model_id>/sampler_weights/<name>` and
+`tinker://<model_id>/external_weights/<name>` resolve to those directories (checkpoint kinds "training",
+"sampler" and "external"). A new engine on the same data dir sees every run and checkpoint of the
+previous one.
 """
 
 from __future__ import annotations
@@ -22,9 +25,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
-CheckpointKind = Literal["training", "sampler"]
+CheckpointKind = Literal["training", "sampler", "external"]
 
-_KIND_SEGMENT: dict[CheckpointKind, str] = {"training": "weights", "sampler": "sampler_weights"}
+_KIND_SEGMENT: dict[CheckpointKind, str] = {
+    "training": "weights",
+    "sampler": "sampler_weights",
+    "external": "external_weights",
+}
 _SEGMENT_KIND: dict[str, CheckpointKind] = {v: k for k, v in _KIND_SEGMENT.items()}
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _INDEX_FILE = "engine_index.json"
@@ -79,13 +86,14 @@ def validate_checkpoint_name(name: str) -> None:
 
 
 def parse_tinker_path(path: str) -> tuple[str, CheckpointKind, str]:
-    """(model_id, kind, name) of `tinker://<model_id>/<weights|sampler_weights>/<name>`."""
+    """(model_id, kind, name) of `tinker://<model_id>/<weights|sampler_weights|external_weights>/<name>`."""
     if not path.startswith("tinker://"):
         raise UnknownPathError(f"{path!r} is not a tinker:// path")
     parts = path[len("tinker://") :].split("/")
     if len(parts) != 3 or parts[1] not in _SEGMENT_KIND or not parts[0] or not parts[2]:
         raise UnknownPathError(
-            f"{path!r} is not of the form tinker://<model_id>/weights/<name> or .../sampler_weights/<name>"
+            f"{path!r} is not of the form tinker://<model_id>/weights/<name>, "
+            ".../sampler_weights/<name> or .../external_weights/<name>"
         )
     return parts[0], _SEGMENT_KIND[parts[1]], parts[2]
 
@@ -110,6 +118,39 @@ def _write_json_atomically(path: Path, payload: Any) -> None:
 
 def directory_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def regular_files(directory: Path) -> list[str]:
+    """The regular files under `directory`, as sorted '/'-separated relative paths; symlinks are skipped
+    (and symlinked directories are not entered)."""
+    found = []
+    for root, _, files in os.walk(directory):
+        for file in files:
+            path = Path(root) / file
+            if path.is_file() and not path.is_symlink():
+                found.append(path.relative_to(directory).as_posix())
+    return sorted(found)
+
+
+def check_relative_path(relative: str) -> None:
+    """UnknownPathError unless `relative` is a plain relative path: no '..', '.', empty parts or leading '/'."""
+    parts = relative.split("/")
+    if not relative or "\\" in relative or "\0" in relative or any(p in ("", ".", "..") for p in parts):
+        raise UnknownPathError(f"no file {relative!r} here")
+
+
+def file_inside(directory: Path, relative: str) -> Path:
+    """The regular file at `relative` inside `directory`, or UnknownPathError: never a path that leaves it,
+    through '..', an absolute path or a symlink anywhere along the way."""
+    check_relative_path(relative)
+    path = directory
+    for part in relative.split("/"):
+        path = path / part
+        if path.is_symlink():
+            raise UnknownPathError(f"no file {relative!r} here")
+    if not path.is_file() or not path.resolve().is_relative_to(directory.resolve()):
+        raise UnknownPathError(f"no file {relative!r} here")
+    return path
 
 
 class Storage:
