@@ -1,10 +1,14 @@
-"""Checkpoints: save a model's state, list checkpoints, sample an old policy version, restore, delete.
+"""Checkpoints: save a model's state, list checkpoints, sample an old policy version, restore, delete,
+and export the adapter as a plain PEFT directory.
 
 python examples/checkpoints.py --local
 python examples/checkpoints.py --target 127.0.0.1:50051 --short
 """
 
 from __future__ import annotations
+
+import tempfile
+from pathlib import Path
 
 from example_support import TASKS, model_name, parser, server_target
 
@@ -53,6 +57,10 @@ def main() -> None:
             model.restore(f"step_{latest:06d}")
         except tinkerrpc.NotFoundError as error:
             print(f"restore of a deleted checkpoint fails: {error.code.name}")
+        # The restored version's adapter, as files any PEFT-compatible server can load.
+        with tempfile.TemporaryDirectory() as scratch:
+            exported = model.export_weights(Path(scratch) / "adapter")
+            print(f"exported v{exported.policy_version}: {', '.join(sorted(exported.files))}")
         print(f"done: policy_version={model.info().policy_version}")
 
 

@@ -18,6 +18,7 @@ from tinkerrpc._errors import (
     UnavailableError,
     raise_for_rpc_error,
 )
+from tinkerrpc._export import ExportProtocolError
 from tinkerrpc._gather import (
     GatherResult,
     RewardSummary,
@@ -28,6 +29,7 @@ from tinkerrpc._gather import (
 from tinkerrpc._retry import RetryPolicy
 from tinkerrpc._types import (
     CheckpointInfo,
+    ExportedWeights,
     Message,
     ModelInfo,
     Sample,
@@ -48,6 +50,8 @@ __all__ = [
     "AsyncModel",
     "CheckpointInfo",
     "Client",
+    "ExportProtocolError",
+    "ExportedWeights",
     "FailedPreconditionError",
     "GatherResult",
     "InvalidArgumentError",

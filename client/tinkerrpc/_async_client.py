@@ -137,6 +137,23 @@ class AsyncClient:
 
         return await call_with_retry_async(self.retry, safe_to_repeat, attempt)
 
+    async def _receive(self, call: calls.StreamCall[T]) -> T:
+        await self.connect()
+        method = getattr(self.stub, call.rpc)
+        deadline = call.timeout if call.timeout is not None else self.timeout
+
+        async def attempt() -> T:
+            reader = call.reader()
+            try:
+                async for response in method(call.request, timeout=deadline, metadata=self._metadata):
+                    reader.add(response)
+                return reader.finish()
+            except BaseException:
+                reader.discard()
+                raise
+
+        return await call_with_retry_async(self.retry, True, attempt)
+
     async def _send(self, call: calls.Call[T]) -> T:
         response = await self.call(
             getattr(self.stub, call.rpc),
@@ -203,6 +220,18 @@ def _sends(
     return method
 
 
+def _receives(
+    prepare: Callable[Concatenate[str, P], calls.StreamCall[T]],
+) -> Callable[Concatenate[AsyncModel, P], Coroutine[Any, Any, T]]:
+    """The AsyncModel method that receives the stream `prepare` builds for the handle's model."""
+
+    async def method(self: AsyncModel, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await self.client._receive(prepare(self.name, *args, **kwargs))
+
+    calls.handle_method(method, prepare, "AsyncModel")
+    return method
+
+
 class AsyncModel(calls.ModelHandle[AsyncClient]):
     """A handle on one model of an AsyncClient; every method is one awaitable RPC."""
 
@@ -216,3 +245,4 @@ class AsyncModel(calls.ModelHandle[AsyncClient]):
     checkpoints = _sends(calls.checkpoints)
     restore = _sends(calls.restore)
     delete_checkpoint = _sends(calls.delete_checkpoint)
+    export_weights = _receives(calls.export_weights)

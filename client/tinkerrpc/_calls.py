@@ -8,17 +8,21 @@ to send it and read the answer. `Client` and `AsyncClient` only send calls, so t
 from __future__ import annotations
 
 import inspect
+import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeVar
+from pathlib import Path
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from google.protobuf.message import Message as ProtoMessage
 
 from tinkerrpc import _convert as convert
+from tinkerrpc._export import WeightsWriter, check_export_target
 from tinkerrpc._types import (
     CheckpointInfo,
     CheckpointKind,
+    ExportedWeights,
     MessageLike,
     ModelInfo,
     Sample,
@@ -35,6 +39,7 @@ from tinkerrpc.v1 import trainer_service_pb2 as service_pb
 from tinkerrpc.v1 import types_pb2 as pb
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 ClientT = TypeVar("ClientT")
 
 LossName = Literal["importance_sampling", "ppo", "cispo", "dro", "cross_entropy"]
@@ -56,6 +61,25 @@ class Call(Generic[T]):
     timeout: float | None  # None: the client's default deadline
 
 
+class StreamReader(Protocol[T_co]):
+    """Takes one attempt's streamed responses, in order; `finish` builds the result, `discard` cleans up."""
+
+    def add(self, response: Any) -> None: ...
+    def finish(self) -> T_co: ...
+    def discard(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class StreamCall(Generic[T]):
+    """A server-streaming RPC, validated and built, not yet sent. Only read-only streams exist, so a
+    retry resends it from the start, into a fresh reader."""
+
+    rpc: str
+    request: ProtoMessage
+    reader: Callable[[], StreamReader[T]]
+    timeout: float | None  # for the whole stream; None: the client's default deadline
+
+
 class ModelHandle(Generic[ClientT]):
     """What the sync and async model handles share: a client and a model name. Cheap; no I/O here."""
 
@@ -67,21 +91,24 @@ class ModelHandle(Generic[ClientT]):
         return f"{type(self).__name__}({self.name!r})"
 
 
-def handle_method(method: Callable[..., Any], prepare: Callable[..., Call[Any]], owner: str) -> None:
+def handle_method(
+    method: Callable[..., Any], prepare: Callable[..., Call[Any] | StreamCall[Any]], owner: str
+) -> None:
     """Give `owner.<name>`, which sends what `prepare` builds for its model, `prepare`'s name, docstring
     and signature (the model name becomes `self`, `Call[T]` becomes `T`), so help() shows the real API."""
     signature = inspect.signature(prepare)
     model_name, *options = signature.parameters.values()
     # With postponed annotations the return annotation is the source text, e.g. "Call[list[Sample]]".
     returns = str(signature.return_annotation)
-    if not (returns.startswith("Call[") and returns.endswith("]")):
+    wrapper = next((w for w in ("Call[", "StreamCall[") if returns.startswith(w)), None)
+    if wrapper is None or not returns.endswith("]"):
         raise TypeError(f"{prepare.__name__} must be annotated as returning Call[...], not {returns!r}")
     method.__name__ = prepare.__name__
     method.__qualname__ = f"{owner}.{prepare.__name__}"
     method.__doc__ = prepare.__doc__
     method.__signature__ = signature.replace(  # type: ignore[attr-defined]
         parameters=[model_name.replace(name="self", annotation=inspect.Parameter.empty), *options],
-        return_annotation=returns.removeprefix("Call[").removesuffix("]"),
+        return_annotation=returns.removeprefix(wrapper).removesuffix("]"),
     )
 
 
@@ -332,6 +359,25 @@ def delete_checkpoint(
         model=model, checkpoint=_checkpoint_name(checkpoint), kind=convert.kind_to_proto(kind)
     )
     return Call("DeleteCheckpoint", request, _nothing, safe_to_repeat=False, timeout=timeout)
+
+
+def export_weights(
+    model: str,
+    directory: str | os.PathLike[str],
+    *,
+    expected_policy_version: int | None = None,
+    timeout: float | None = None,
+) -> StreamCall[ExportedWeights]:
+    """Download the model's LoRA adapter at its current policy version into `directory` (created; it must
+    not exist or be empty), a plain PEFT adapter directory for vLLM, PeftModel.from_pretrained and the
+    like. The directory appears only once every file arrived whole. With `expected_policy_version`, fail
+    (FailedPreconditionError) unless the model is at exactly that version."""
+    target = Path(directory)
+    check_export_target(target)
+    if expected_policy_version is not None and expected_policy_version < 0:
+        raise ValueError(f"expected_policy_version must be >= 0, got {expected_policy_version}")
+    request = service_pb.ExportWeightsRequest(model=model, expected_policy_version=expected_policy_version)
+    return StreamCall("ExportWeights", request, lambda: WeightsWriter(target), timeout=timeout)
 
 
 def _adam(

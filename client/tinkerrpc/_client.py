@@ -130,6 +130,22 @@ class Client:
             lambda: method(request, timeout=deadline, metadata=self._metadata),
         )
 
+    def _receive(self, call: calls.StreamCall[T]) -> T:
+        method = getattr(self.stub, call.rpc)
+        deadline = call.timeout if call.timeout is not None else self.timeout
+
+        def attempt() -> T:
+            reader = call.reader()
+            try:
+                for response in method(call.request, timeout=deadline, metadata=self._metadata):
+                    reader.add(response)
+                return reader.finish()
+            except BaseException:
+                reader.discard()
+                raise
+
+        return call_with_retry(self.retry, True, attempt)
+
     def _send(self, call: calls.Call[T]) -> T:
         response = self.call(
             getattr(self.stub, call.rpc),
@@ -194,6 +210,18 @@ def _sends(prepare: Callable[Concatenate[str, P], calls.Call[T]]) -> Callable[Co
     return method
 
 
+def _receives(
+    prepare: Callable[Concatenate[str, P], calls.StreamCall[T]],
+) -> Callable[Concatenate[Model, P], T]:
+    """The Model method that receives the stream `prepare` builds for the handle's model."""
+
+    def method(self: Model, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self.client._receive(prepare(self.name, *args, **kwargs))
+
+    calls.handle_method(method, prepare, "Model")
+    return method
+
+
 class Model(calls.ModelHandle[Client]):
     """A handle on one model of a Client. Cheap to create; every method is one RPC."""
 
@@ -207,3 +235,4 @@ class Model(calls.ModelHandle[Client]):
     checkpoints = _sends(calls.checkpoints)
     restore = _sends(calls.restore)
     delete_checkpoint = _sends(calls.delete_checkpoint)
+    export_weights = _receives(calls.export_weights)

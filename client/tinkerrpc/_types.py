@@ -7,6 +7,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
@@ -301,6 +302,17 @@ class SupervisedExample:
     def __post_init__(self) -> None:
         object.__setattr__(self, "messages", tuple(as_messages(self.messages)))
         object.__setattr__(self, "tools", tuple(self.tools))
+
+
+@dataclass(frozen=True)
+class ExportedWeights:
+    """A model's LoRA adapter as exported into `directory` (a plain PEFT adapter directory)."""
+
+    model: str
+    policy_version: int
+    base_model: str
+    directory: Path
+    files: tuple[str, ...]
 
 
 @dataclass(frozen=True)

@@ -286,14 +286,23 @@ def test_sample_request_picks_the_prompt_kind() -> None:
 
 @pytest.mark.parametrize(
     "method",
-    ["sample", "train", "train_supervised", "save_checkpoint", "checkpoints", "restore", "delete_checkpoint"],
+    [
+        "sample",
+        "train",
+        "train_supervised",
+        "save_checkpoint",
+        "checkpoints",
+        "restore",
+        "delete_checkpoint",
+        "export_weights",
+    ],
 )
 def test_sync_and_async_handles_document_the_same_signature(method: str) -> None:
     blocking, awaitable = getattr(tinkerrpc.Model, method), getattr(tinkerrpc.AsyncModel, method)
     signature = inspect.signature(blocking)
     assert signature == inspect.signature(awaitable)
     assert next(iter(signature.parameters)) == "self" and "timeout" in signature.parameters
-    assert not signature.return_annotation.startswith("Call")
+    assert not signature.return_annotation.startswith(("Call", "StreamCall"))
     assert blocking.__doc__ and blocking.__doc__ == awaitable.__doc__
     assert blocking.__qualname__ == f"Model.{method}" and awaitable.__qualname__ == f"AsyncModel.{method}"
     assert inspect.iscoroutinefunction(awaitable) and not inspect.iscoroutinefunction(blocking)

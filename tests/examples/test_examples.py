@@ -96,4 +96,6 @@ def test_checkpoints(stack: Stack) -> None:
     assert "restored 'milestone': policy_version 2 -> 1" in text
     assert "deleted state checkpoint 'step_000002'" in text
     assert "restore of a deleted checkpoint fails: NOT_FOUND" in text
+    exported = next(line for line in lines if line.startswith("exported "))
+    assert exported.startswith("exported v1: ") and "adapter_model.safetensors" in exported
     assert lines[-1] == "done: policy_version=1"

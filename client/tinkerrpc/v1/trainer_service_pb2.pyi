@@ -698,3 +698,65 @@ class SampleResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SampleResponse: _TypeAlias = SampleResponse  # noqa: Y015
+
+@_typing.final
+class ExportWeightsRequest(_message.Message):
+    """ExportWeights input."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    EXPECTED_POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Model name."""
+    expected_policy_version: _builtins.int
+    """When set, the export fails with FAILED_PRECONDITION (ErrorInfo VERSION_MISMATCH) unless the
+    model is at exactly this policy version.
+    """
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        expected_policy_version: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_expected_policy_version", b"_expected_policy_version", "expected_policy_version", b"expected_policy_version"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expected_policy_version", b"_expected_policy_version", "expected_policy_version", b"expected_policy_version", "model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__expected_policy_version: _TypeAlias = _typing.Literal["expected_policy_version"]  # noqa: Y015
+    _WhichOneofArgType__expected_policy_version: _TypeAlias = _typing.Literal["_expected_policy_version", b"_expected_policy_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__expected_policy_version) -> _WhichOneofReturnType__expected_policy_version | None: ...
+
+Global___ExportWeightsRequest: _TypeAlias = ExportWeightsRequest  # noqa: Y015
+
+@_typing.final
+class ExportWeightsResponse(_message.Message):
+    """ExportWeights output, streamed: `weights` in the first response, then one `chunk` per response."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WEIGHTS_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def weights(self) -> _types_pb2.ExportedWeights:
+        """What the export holds; only in the first response."""
+
+    @_builtins.property
+    def chunk(self) -> _types_pb2.FileChunk:
+        """A piece of one file. A file's pieces arrive in order, files in the order weights.files lists."""
+
+    def __init__(
+        self,
+        *,
+        weights: _types_pb2.ExportedWeights | None = ...,
+        chunk: _types_pb2.FileChunk | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "part", b"part", "weights", b"weights"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "part", b"part", "weights", b"weights"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["weights", "chunk"]  # noqa: Y015
+    _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
+
+Global___ExportWeightsResponse: _TypeAlias = ExportWeightsResponse  # noqa: Y015

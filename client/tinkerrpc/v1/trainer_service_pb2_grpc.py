@@ -86,6 +86,11 @@ class TrainerServiceStub:
                 request_serializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.SampleRequest.SerializeToString,
                 response_deserializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.SampleResponse.FromString,
                 _registered_method=True)
+        self.ExportWeights = channel.unary_stream(
+                '/tinkerrpc.v1.TrainerService/ExportWeights',
+                request_serializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.ExportWeightsRequest.SerializeToString,
+                response_deserializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.ExportWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer:
@@ -166,6 +171,16 @@ class TrainerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportWeights(self, request, context):
+        """Streams the model's LoRA adapter at its current policy version as a plain PEFT adapter
+        directory (adapter_config.json, adapter_model.safetensors, ...), to serve or merge elsewhere
+        (e.g. vLLM --lora-modules, PeftModel.from_pretrained). The first response describes the
+        export; the file chunks follow. To export an earlier version, RestoreCheckpoint first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -218,6 +233,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.Sample,
                     request_deserializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.SampleRequest.FromString,
                     response_serializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.SampleResponse.SerializeToString,
+            ),
+            'ExportWeights': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportWeights,
+                    request_deserializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.ExportWeightsRequest.FromString,
+                    response_serializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.ExportWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -492,6 +512,33 @@ class TrainerService:
             '/tinkerrpc.v1.TrainerService/Sample',
             tinkerrpc_dot_v1_dot_trainer__service__pb2.SampleRequest.SerializeToString,
             tinkerrpc_dot_v1_dot_trainer__service__pb2.SampleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tinkerrpc.v1.TrainerService/ExportWeights',
+            tinkerrpc_dot_v1_dot_trainer__service__pb2.ExportWeightsRequest.SerializeToString,
+            tinkerrpc_dot_v1_dot_trainer__service__pb2.ExportWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

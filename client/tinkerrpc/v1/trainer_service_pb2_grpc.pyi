@@ -75,6 +75,12 @@ class TrainerServiceStub:
     """
     Sample: _grpc.UnaryUnaryMultiCallable[_trainer_service_pb2.SampleRequest, _trainer_service_pb2.SampleResponse]
     """Samples completions from the latest or a pinned policy version."""
+    ExportWeights: _grpc.UnaryStreamMultiCallable[_trainer_service_pb2.ExportWeightsRequest, _trainer_service_pb2.ExportWeightsResponse]
+    """Streams the model's LoRA adapter at its current policy version as a plain PEFT adapter
+    directory (adapter_config.json, adapter_model.safetensors, ...), to serve or merge elsewhere
+    (e.g. vLLM --lora-modules, PeftModel.from_pretrained). The first response describes the
+    export; the file chunks follow. To export an earlier version, RestoreCheckpoint first.
+    """
 
 @_typing.type_check_only
 class TrainerServiceAsyncStub(TrainerServiceStub):
@@ -109,6 +115,12 @@ class TrainerServiceAsyncStub(TrainerServiceStub):
     """
     Sample: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.SampleRequest, _trainer_service_pb2.SampleResponse]  # type: ignore[assignment]
     """Samples completions from the latest or a pinned policy version."""
+    ExportWeights: _aio.UnaryStreamMultiCallable[_trainer_service_pb2.ExportWeightsRequest, _trainer_service_pb2.ExportWeightsResponse]  # type: ignore[assignment]
+    """Streams the model's LoRA adapter at its current policy version as a plain PEFT adapter
+    directory (adapter_config.json, adapter_model.safetensors, ...), to serve or merge elsewhere
+    (e.g. vLLM --lora-modules, PeftModel.from_pretrained). The first response describes the
+    export; the file chunks follow. To export an earlier version, RestoreCheckpoint first.
+    """
 
 class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
     """Trains and serves LoRA policies. A model is a named LoRA run on a base model; each Train
@@ -200,5 +212,17 @@ class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_trainer_service_pb2.SampleResponse, _abc.Awaitable[_trainer_service_pb2.SampleResponse]]:
         """Samples completions from the latest or a pinned policy version."""
+
+    @_abc_1.abstractmethod
+    def ExportWeights(
+        self,
+        request: _trainer_service_pb2.ExportWeightsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_trainer_service_pb2.ExportWeightsResponse], _abc.AsyncIterator[_trainer_service_pb2.ExportWeightsResponse]]:
+        """Streams the model's LoRA adapter at its current policy version as a plain PEFT adapter
+        directory (adapter_config.json, adapter_model.safetensors, ...), to serve or merge elsewhere
+        (e.g. vLLM --lora-modules, PeftModel.from_pretrained). The first response describes the
+        export; the file chunks follow. To export an earlier version, RestoreCheckpoint first.
+        """
 
 def add_TrainerServiceServicer_to_server(servicer: TrainerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

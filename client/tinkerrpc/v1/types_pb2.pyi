@@ -939,6 +939,98 @@ class CheckpointInfo(_message.Message):
 Global___CheckpointInfo: _TypeAlias = CheckpointInfo  # noqa: Y015
 
 @_typing.final
+class ExportedWeights(_message.Message):
+    """A model's adapter as exported: the policy version it captures and the files that make it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    BASE_MODEL_FIELD_NUMBER: _builtins.int
+    FILES_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The model it belongs to."""
+    policy_version: _builtins.int
+    """The policy version the files capture."""
+    base_model: _builtins.str
+    """The base model the adapter applies to."""
+    @_builtins.property
+    def files(self) -> _containers.RepeatedCompositeFieldContainer[Global___ExportedFile]:
+        """The files, paths relative to the adapter directory, in the order their chunks follow."""
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        policy_version: _builtins.int = ...,
+        base_model: _builtins.str = ...,
+        files: _abc.Iterable[Global___ExportedFile] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model", "files", b"files", "model", b"model", "policy_version", b"policy_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExportedWeights: _TypeAlias = ExportedWeights  # noqa: Y015
+
+@_typing.final
+class ExportedFile(_message.Message):
+    """One file of an export."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    """Path relative to the adapter directory (e.g. "adapter_model.safetensors")."""
+    size_bytes: _builtins.int
+    """Its size; its chunks' data adds up to exactly this many bytes."""
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExportedFile: _TypeAlias = ExportedFile  # noqa: Y015
+
+@_typing.final
+class FileChunk(_message.Message):
+    """A piece of an exported file."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    """The file it belongs to, as in ExportedFile.path."""
+    offset: _builtins.int
+    """Byte offset of `data` in the file."""
+    data: _builtins.bytes
+    """The bytes."""
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "offset", b"offset", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FileChunk: _TypeAlias = FileChunk  # noqa: Y015
+
+@_typing.final
 class TrainMetrics(_message.Message):
     """Figures from one Train step."""
 

@@ -29,12 +29,16 @@ import hashlib
 import logging
 import math
 import os
+import tempfile
 import time
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypedDict, TypeVar
 
 import grpc
+import httpx
 import tinker
 from google.protobuf import timestamp_pb2
 
@@ -74,6 +78,11 @@ ENGINE_RESTART_WAIT_SECONDS = 240.0
 
 Request = TypeVar("Request")
 Response = TypeVar("Response")
+Result = TypeVar("Result")
+# ExportWeights streams files in pieces of this size.
+EXPORT_CHUNK_BYTES = 1 << 20
+# Longest a single exported file may take to come from the backend.
+EXPORT_DOWNLOAD_TIMEOUT_SECONDS = 600.0
 
 
 def sampler_name(version: int) -> str:
@@ -86,16 +95,17 @@ def state_name(version: int) -> str:
 
 def rpc(
     method: Callable[
-        [TrainerService, Request, grpc.aio.ServicerContext[Request, Response]], Awaitable[Response]
+        [TrainerService, Request, grpc.aio.ServicerContext[Request, Response]], Awaitable[Result]
     ],
-) -> Callable[[TrainerService, Request, grpc.aio.ServicerContext[Request, Response]], Awaitable[Response]]:
+) -> Callable[[TrainerService, Request, grpc.aio.ServicerContext[Request, Response]], Awaitable[Result]]:
     """Turns ServiceError and tinker SDK errors into the call's status with google.rpc details; a call
-    cut short by the engine child dying fails UNAVAILABLE (retryable), whatever error it was in."""
+    cut short by the engine child dying fails UNAVAILABLE (retryable), whatever error it was in.
+    A unary RPC returns its response; a streaming RPC's preparation step returns what it streams."""
 
     @functools.wraps(method)
     async def handler(
         self: TrainerService, request: Request, context: grpc.aio.ServicerContext[Request, Response]
-    ) -> Response:
+    ) -> Result:
         task = asyncio.current_task()
         assert task is not None
         generation = self._engine_generation
@@ -128,6 +138,47 @@ def rpc(
         raise AssertionError("abort_with_status returned")  # pragma: no cover - it always raises
 
     return handler
+
+
+def _check_expected_version(row: ModelRow, request: pb.TrainRequest | pb.ExportWeightsRequest) -> None:
+    if request.HasField("expected_policy_version") and request.expected_policy_version != row.policy_version:
+        raise errors.failed_precondition(
+            errors.VERSION_MISMATCH,
+            f"model {row.name!r} is at version {row.policy_version}, "
+            f"not the expected {request.expected_policy_version}",
+            {"current_version": row.policy_version, "expected_version": request.expected_policy_version},
+        )
+
+
+@dataclass
+class _Export:
+    """An export fetched from the backend into a local directory, ready to stream."""
+
+    weights: types_pb2.ExportedWeights
+    directory: tempfile.TemporaryDirectory[str]
+
+
+async def _download(url: str, directory: Path, relative: str) -> int:
+    """Stream one exported file from the backend to `directory`/`relative`; its size."""
+    target = (directory / relative).resolve()
+    if not target.is_relative_to(directory.resolve()):
+        raise ServiceError(grpc.StatusCode.INTERNAL, f"the backend exported an unsafe file path {relative!r}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    size = 0
+    async with (
+        httpx.AsyncClient(timeout=EXPORT_DOWNLOAD_TIMEOUT_SECONDS) as http,
+        http.stream("GET", url) as response,
+    ):
+        if response.status_code != 200:
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"downloading exported file {relative!r} from the backend failed: HTTP {response.status_code}",
+            )
+        with open(target, "wb") as handle:
+            async for data in response.aiter_bytes(EXPORT_CHUNK_BYTES):
+                handle.write(data)
+                size += len(data)
+    return size
 
 
 class _LoraFlags(TypedDict):
@@ -535,19 +586,7 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
                     replay = pb.TrainResponse.FromString(record.response)
                     replay.replayed = True
                     return replay
-            if (
-                request.HasField("expected_policy_version")
-                and request.expected_policy_version != row.policy_version
-            ):
-                raise errors.failed_precondition(
-                    errors.VERSION_MISMATCH,
-                    f"model {row.name!r} is at version {row.policy_version}, "
-                    f"not the expected {request.expected_policy_version}",
-                    {
-                        "current_version": row.policy_version,
-                        "expected_version": request.expected_policy_version,
-                    },
-                )
+            _check_expected_version(row, request)
             text = await self._text(row)
             check_train_request(request, row.policy_version, text.vocab_size)
             batch = (
@@ -815,6 +854,68 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
             self._store.delete_checkpoint(request.model, kind, request.checkpoint)
         await self._delete_tinker_paths([checkpoint.tinker_path])
         return pb.DeleteCheckpointResponse()
+
+    # ---- export
+
+    async def ExportWeights(
+        self,
+        request: pb.ExportWeightsRequest,
+        context: grpc.aio.ServicerContext[pb.ExportWeightsRequest, pb.ExportWeightsResponse],
+    ) -> AsyncIterator[pb.ExportWeightsResponse]:
+        export = await self._fetch_export(request, context)
+        with export.directory as directory:
+            yield pb.ExportWeightsResponse(weights=export.weights)
+            for file in export.weights.files:
+                with open(Path(directory) / file.path, "rb") as handle:
+                    offset = 0
+                    while data := handle.read(EXPORT_CHUNK_BYTES):
+                        yield pb.ExportWeightsResponse(
+                            chunk=types_pb2.FileChunk(path=file.path, offset=offset, data=data)
+                        )
+                        offset += len(data)
+
+    @rpc
+    async def _fetch_export(
+        self,
+        request: pb.ExportWeightsRequest,
+        context: grpc.aio.ServicerContext[pb.ExportWeightsRequest, pb.ExportWeightsResponse],
+    ) -> _Export:
+        """Saves the adapter in the backend's external format, downloads its files from the backend's
+        (signed) URLs into a local temporary directory, and deletes the backend's copy."""
+        runtime = self._runtime(request.model)
+        if request.HasField("expected_policy_version") and request.expected_policy_version < 0:
+            raise errors.invalid_argument([("expected_policy_version", "must be >= 0")])
+        async with runtime.lock:
+            row = self._model(request.model)
+            _check_expected_version(row, request)
+            client = await self._training_client(row.name, runtime)
+            name = f"export-{row.policy_version:06d}-{uuid.uuid4().hex[:8]}"
+            path = (await client.save_weights_external(name)).path
+        directory = tempfile.TemporaryDirectory(prefix="tinkerrpc-export-")
+        try:
+            urls = (await self._backend.rest.get_external_weights_urls(path)).urls
+            files = [
+                types_pb2.ExportedFile(
+                    path=relative, size_bytes=await _download(url, Path(directory.name), relative)
+                )
+                for relative, url in sorted(urls.items())
+            ]
+        except BaseException:
+            directory.cleanup()
+            raise
+        finally:
+            await self._discard_backend_export(path)
+        log.info("model %s: exported version %d (%d files)", row.name, row.policy_version, len(files))
+        weights = types_pb2.ExportedWeights(
+            model=row.name, policy_version=row.policy_version, base_model=row.base_model, files=files
+        )
+        return _Export(weights, directory)
+
+    async def _discard_backend_export(self, path: str) -> None:
+        try:
+            await self._backend.rest.delete_checkpoint_from_tinker_path(path)
+        except Exception as err:  # the export is served already; a stray backend copy only costs space
+            log.warning("could not delete the backend's export %s: %s", path, err)
 
     # ---- sample
 

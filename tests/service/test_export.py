@@ -1,0 +1,133 @@
+"""ExportWeights: the model's adapter streamed out as a plain PEFT directory, on the shared real server.
+
+The export is checked against the server itself: the downloaded adapter, loaded with plain PEFT on the
+same base model, must give the prompt logprobs the server's sampler gives at that policy version.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from peft import PeftModel
+from svc import (
+    CALL_TIMEOUT,
+    TINY,
+    Server,
+    create_model,
+    error_info,
+    prompt_logprobs,
+    resource_info,
+    rl_request,
+    sample_chat,
+)
+from transformers import AutoModelForCausalLM
+
+import tinkerrpc
+from tinkerrpc.v1 import trainer_service_pb2 as pb
+from tinkerrpc_server.model_store import resolve_base_model
+
+MODEL = "exported"
+
+
+@pytest.fixture(scope="module")
+def trained(server: Server) -> int:
+    """MODEL after one RL step: its adapter differs from the fresh initialisation."""
+    create_model(server.stub, MODEL)
+    sampled = sample_chat(server.stub, MODEL, "respond with yes or no", n=4, max_tokens=4)
+    request = rl_request(MODEL, sampled, [0.0, 1.0, 0.0, 1.0], idempotency_key="export-step")
+    return int(server.stub.Train(request, timeout=CALL_TIMEOUT).policy_version)
+
+
+def export_stream(server: Server, **fields: int) -> list[pb.ExportWeightsResponse]:
+    request = pb.ExportWeightsRequest(model=MODEL, **fields)
+    return list(server.stub.ExportWeights(request, timeout=CALL_TIMEOUT))
+
+
+def test_stream_describes_the_export_then_sends_every_byte_in_order(server: Server, trained: int) -> None:
+    first, *chunks = export_stream(server)
+    assert first.WhichOneof("part") == "weights"
+    weights = first.weights
+    assert (weights.model, weights.policy_version, weights.base_model) == (MODEL, trained, TINY)
+    sizes = {f.path: f.size_bytes for f in weights.files}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(sizes)
+    assert all(c.WhichOneof("part") == "chunk" for c in chunks)
+    received: dict[str, int] = {}
+    order: list[str] = []
+    for response in chunks:
+        chunk = response.chunk
+        assert chunk.offset == received.get(chunk.path, 0), "pieces arrive in order, without gaps"
+        received[chunk.path] = chunk.offset + len(chunk.data)
+        if not order or order[-1] != chunk.path:
+            order.append(chunk.path)
+    assert received == sizes
+    assert order == [f.path for f in weights.files if f.size_bytes], "files one after another, as listed"
+
+
+def test_exported_adapter_loads_with_plain_peft_and_matches_the_server(
+    server: Server, service_model_dir: Path, trained: int, tmp_path: Path
+) -> None:
+    target = f"127.0.0.1:{server.port}"
+    with tinkerrpc.Client(target) as client:
+        exported = client.model(MODEL).export_weights(tmp_path / "adapter", expected_policy_version=trained)
+    assert exported.policy_version == trained and exported.directory == tmp_path / "adapter"
+    assert sorted(p.name for p in exported.directory.iterdir()) == sorted(exported.files)
+    assert not list(tmp_path.glob(".adapter.partial-*")), "no staging directory is left behind"
+
+    probe = list(sample_chat(server.stub, MODEL, "respond with maybe", n=1, max_tokens=1).prompt_token_ids)
+    served = prompt_logprobs(server.stub, MODEL, probe, version=trained)
+    base = AutoModelForCausalLM.from_pretrained(
+        resolve_base_model(TINY, service_model_dir), dtype=torch.float32
+    )
+    plain = PeftModel.from_pretrained(base, str(exported.directory)).eval()
+    with torch.no_grad():
+        logits = plain(torch.tensor([probe])).logits[0].float()
+    local = torch.log_softmax(logits, dim=-1)[:-1].gather(1, torch.tensor(probe[1:])[:, None])[:, 0]
+    assert local.tolist() == pytest.approx(served, abs=1e-4)
+    # The fresh adapter gives other logprobs: the export is the trained one, not an initialisation.
+    with plain.disable_adapter(), torch.no_grad():
+        logits = plain(torch.tensor([probe])).logits[0].float()
+    without = torch.log_softmax(logits, dim=-1)[:-1].gather(1, torch.tensor(probe[1:])[:, None])[:, 0]
+    assert without.tolist() != pytest.approx(served, abs=1e-4)
+
+
+def test_async_export_and_refusals(server: Server, trained: int, tmp_path: Path) -> None:
+    import asyncio
+
+    async def export_async() -> tinkerrpc.ExportedWeights:
+        async with tinkerrpc.AsyncClient(f"127.0.0.1:{server.port}") as client:
+            return await client.model(MODEL).export_weights(tmp_path / "async")
+
+    exported = asyncio.run(export_async())
+    assert exported.policy_version == trained
+    assert (tmp_path / "async" / "adapter_model.safetensors").stat().st_size > 0
+
+    with tinkerrpc.Client(f"127.0.0.1:{server.port}") as client:
+        # An existing non-empty directory is refused before anything is sent.
+        with pytest.raises(FileExistsError):
+            client.model(MODEL).export_weights(tmp_path / "async")
+        with pytest.raises(tinkerrpc.FailedPreconditionError):
+            client.model(MODEL).export_weights(tmp_path / "stale", expected_policy_version=trained + 5)
+        with pytest.raises(tinkerrpc.NotFoundError):
+            client.model("no-such-model").export_weights(tmp_path / "missing")
+    assert not (tmp_path / "stale").exists() and not (tmp_path / "missing").exists()
+    assert not list(tmp_path.glob(".*.partial-*")), "failed exports leave nothing behind"
+
+
+def test_export_errors_carry_details(server: Server, trained: int) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        export_stream(server, expected_policy_version=trained + 1)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    info = error_info(err.value)
+    assert info.reason == "VERSION_MISMATCH" and info.metadata["current_version"] == str(trained)
+    with pytest.raises(grpc.RpcError) as err:
+        list(server.stub.ExportWeights(pb.ExportWeightsRequest(model="nope"), timeout=CALL_TIMEOUT))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert resource_info(err.value).resource_name == "nope"
+    # Exports leave the model as it was: same version, nothing added to its checkpoints.
+    model = server.stub.GetModel(pb.GetModelRequest(name=MODEL)).model
+    assert model.policy_version == trained
+    kinds = [c.name for c in server.stub.ListCheckpoints(pb.ListCheckpointsRequest(model=MODEL)).checkpoints]
+    assert not any(name.startswith("export") for name in kinds)
