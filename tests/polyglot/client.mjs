@@ -1,6 +1,6 @@
 // A Node.js client of the tinkerrpc v1 contract, built straight from protos/ with no generated code:
 // create a model, sample with logprobs, train one RL step on its own samples, read back the new
-// policy version and sample pinned to it. Prints one JSON line of what it observed; exits non-zero
+// policy version, sample pinned to it and download its adapter (a server stream). Prints one JSON line of what it observed; exits non-zero
 // with the gRPC status code and details on any error or contract mismatch.
 //
 // Usage: node client.mjs HOST:PORT [--base-model NAME] [--timeout-s SECONDS]
@@ -95,6 +95,54 @@ function unaryCaller(stub, timeoutSeconds, timings) {
         else resolve(response);
       });
     });
+}
+
+/** Receives ExportWeights (a server stream) within a deadline: the first message describes the export,
+ * the rest are file chunks in order. Resolves to the description and each file's bytes; checks offsets
+ * and sizes against the description. */
+function exportWeights(stub, request, timeoutSeconds, timings) {
+  return new Promise((resolve, reject) => {
+    const started = performance.now();
+    const deadline = new Date(Date.now() + timeoutSeconds * 1000);
+    const stream = stub.ExportWeights(request, { deadline });
+    let weights = null;
+    const pieces = new Map();
+    const fail = (failure) => {
+      stream.cancel();
+      reject(failure);
+    };
+    stream.on("data", (response) => {
+      if (response.part === "weights") {
+        if (weights !== null) return fail(new ClientFailure("contract mismatch: the export was described twice"));
+        weights = response.weights;
+        for (const file of weights.files) pieces.set(file.path, []);
+        return undefined;
+      }
+      const { path, offset, data } = response.chunk;
+      if (weights === null || !pieces.has(path)) {
+        return fail(new ClientFailure(`contract mismatch: unexpected chunk of ${path}`));
+      }
+      const received = pieces.get(path).reduce((total, piece) => total + piece.length, 0);
+      if (toInt(offset, "chunk.offset") !== received) {
+        return fail(new ClientFailure(`contract mismatch: ${path} chunk at ${offset}, expected ${received}`));
+      }
+      pieces.get(path).push(data);
+      return undefined;
+    });
+    stream.on("error", (error) => reject(new RpcFailure("ExportWeights", error)));
+    stream.on("end", () => {
+      timings.push(["ExportWeights", Math.round(performance.now() - started)]);
+      if (weights === null) return reject(new ClientFailure("contract mismatch: the export stream was empty"));
+      const files = new Map([...pieces].map(([path, parts]) => [path, Buffer.concat(parts)]));
+      for (const file of weights.files) {
+        const size = toInt(file.size_bytes, "size_bytes");
+        if (files.get(file.path).length !== size) {
+          return reject(new ClientFailure(`contract mismatch: ${file.path} has ${files.get(file.path).length} of ${size} bytes`));
+        }
+      }
+      return resolve({ weights, files });
+    });
+  });
 }
 
 /** Reward rule: 1 when the completion's text has odd length, else 0. */
@@ -206,6 +254,9 @@ async function run({ target, baseModel, timeoutSeconds }) {
     });
     checkSequences(pinned, 1, "Sample(pinned)");
 
+    const exported = await exportWeights(stub, { model: name, expected_policy_version: 1 }, timeoutSeconds, timings);
+    const adapterConfig = JSON.parse(exported.files.get("adapter_config.json").toString("utf8"));
+
     return {
       target,
       model: name,
@@ -233,6 +284,12 @@ async function run({ target, baseModel, timeoutSeconds }) {
         sampler_checkpoint: trained.sampler_checkpoint?.name ?? null,
       },
       pinned_samples: summariseSequences(pinned),
+      export: {
+        policy_version: toInt(exported.weights.policy_version, "ExportedWeights.policy_version"),
+        base_model: exported.weights.base_model,
+        file_sizes: Object.fromEntries([...exported.files].map(([path, bytes]) => [path, bytes.length])),
+        lora_rank: adapterConfig.r,
+      },
       rpc_ms: timings,
     };
   } finally {

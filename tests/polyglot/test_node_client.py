@@ -1,6 +1,6 @@
 """The protos as a contract for non-Python users: a Node.js client (client.mjs, @grpc/grpc-js with
-the protos loaded at run time) creates a model, samples, trains one step and samples the new version
-against a real `tinkerrpc serve`."""
+the protos loaded at run time) creates a model, samples, trains one step, samples the new version and
+downloads its adapter through the ExportWeights stream, against a real `tinkerrpc serve`."""
 
 from __future__ import annotations
 
@@ -94,6 +94,7 @@ def test_node_client_trains_one_step_and_samples_the_new_version(node: str, targ
         "Train",
         "GetModel",
         "Sample",
+        "ExportWeights",
     ]
     assert observed["base_model"] == "tinkerrpc/tiny-chat"
     assert {0, 1} <= set(observed["sampleable_versions"])
@@ -114,6 +115,12 @@ def test_node_client_trains_one_step_and_samples_the_new_version(node: str, targ
     assert train["trajectories_used"] == SAMPLES_PER_PROMPT
     assert train["trained_tokens"] == sum(sample["token_ids"] for sample in samples)
     assert train["total_tokens"] > train["trained_tokens"]
+
+    # The adapter streamed out whole: the files a PEFT loader needs, the model's LoRA rank (default 32).
+    export = observed["export"]
+    assert (export["policy_version"], export["base_model"]) == (1, "tinkerrpc/tiny-chat")
+    assert export["file_sizes"]["adapter_model.safetensors"] > 0
+    assert export["lora_rank"] == 32
 
 
 def test_node_client_reports_a_grpc_error_with_its_code_and_changes_nothing(node: str, target: str) -> None:
