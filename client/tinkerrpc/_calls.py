@@ -365,18 +365,26 @@ def export_weights(
     model: str,
     directory: str | os.PathLike[str],
     *,
+    policy_version: int | None = None,
     expected_policy_version: int | None = None,
     timeout: float | None = None,
 ) -> StreamCall[ExportedWeights]:
-    """Download the model's LoRA adapter at its current policy version into `directory` (created; it must
-    not exist or be empty), a plain PEFT adapter directory for vLLM, PeftModel.from_pretrained and the
-    like. The directory appears only once every file arrived whole. With `expected_policy_version`, fail
-    (FailedPreconditionError) unless the model is at exactly that version."""
+    """Download the model's LoRA adapter into `directory` (created; it must not exist or be empty), a
+    plain PEFT adapter directory for vLLM, PeftModel.from_pretrained and the like. The directory appears
+    only once every file arrived whole. `policy_version` picks an earlier version (exported from its
+    state checkpoint; the model does not move); None means the current one. With
+    `expected_policy_version`, fail (FailedPreconditionError) unless the model is at exactly that version."""
     target = Path(directory)
     check_export_target(target)
-    if expected_policy_version is not None and expected_policy_version < 0:
-        raise ValueError(f"expected_policy_version must be >= 0, got {expected_policy_version}")
-    request = service_pb.ExportWeightsRequest(model=model, expected_policy_version=expected_policy_version)
+    for label, value in (
+        ("policy_version", policy_version),
+        ("expected_policy_version", expected_policy_version),
+    ):
+        if value is not None and value < 0:
+            raise ValueError(f"{label} must be >= 0, got {value}")
+    request = service_pb.ExportWeightsRequest(
+        model=model, policy_version=policy_version, expected_policy_version=expected_policy_version
+    )
     return StreamCall("ExportWeights", request, lambda: WeightsWriter(target), timeout=timeout)
 
 

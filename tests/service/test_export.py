@@ -131,3 +131,50 @@ def test_export_errors_carry_details(server: Server, trained: int) -> None:
     assert model.policy_version == trained
     kinds = [c.name for c in server.stub.ListCheckpoints(pb.ListCheckpointsRequest(model=MODEL)).checkpoints]
     assert not any(name.startswith("export") for name in kinds)
+
+
+def exported_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / "adapter_model.safetensors"))
+
+
+def test_an_earlier_version_exports_without_moving_the_model(
+    server: Server, service_model_dir: Path, trained: int, tmp_path: Path
+) -> None:
+    sampled = sample_chat(server.stub, MODEL, "respond with yes or no", n=4, max_tokens=4)
+    request = rl_request(MODEL, sampled, [1.0, 0.0, 1.0, 0.0], idempotency_key="export-step-2")
+    current = int(server.stub.Train(request, timeout=CALL_TIMEOUT).policy_version)
+    assert current == trained + 1
+    probe = list(sample_chat(server.stub, MODEL, "respond with maybe", n=1, max_tokens=1).prompt_token_ids)
+    with tinkerrpc.Client(f"127.0.0.1:{server.port}") as client:
+        model = client.model(MODEL)
+        before = model.export_weights(tmp_path / "current-before")
+        earlier = model.export_weights(tmp_path / "earlier", policy_version=trained)
+        after = model.export_weights(tmp_path / "current-after", expected_policy_version=current)
+        with pytest.raises(tinkerrpc.NotFoundError):
+            model.export_weights(tmp_path / "future", policy_version=current + 1)
+        assert model.info().policy_version == current
+
+    assert (earlier.policy_version, before.policy_version, after.policy_version) == (
+        trained,
+        current,
+        current,
+    )
+    base = AutoModelForCausalLM.from_pretrained(
+        resolve_base_model(TINY, service_model_dir), dtype=torch.float32
+    )
+    plain = PeftModel.from_pretrained(base, str(earlier.directory)).eval()
+    with torch.no_grad():
+        logits = plain(torch.tensor([probe])).logits[0].float()
+    local = torch.log_softmax(logits, dim=-1)[:-1].gather(1, torch.tensor(probe[1:])[:, None])[:, 0]
+    assert local.tolist() == pytest.approx(
+        prompt_logprobs(server.stub, MODEL, probe, version=trained), abs=1e-4
+    )
+    # The training client got its current state back: exporting the current version again gives the
+    # same tensors as before, and they differ from the earlier version's.
+    tensors_before, tensors_after = exported_tensors(before.directory), exported_tensors(after.directory)
+    assert tensors_before.keys() == tensors_after.keys()
+    assert all(torch.equal(tensors_before[k], tensors_after[k]) for k in tensors_before)
+    earlier_tensors = exported_tensors(earlier.directory)
+    assert not all(torch.equal(tensors_before[k], earlier_tensors[k]) for k in tensors_before)

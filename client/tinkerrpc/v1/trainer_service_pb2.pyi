@@ -707,25 +707,38 @@ class ExportWeightsRequest(_message.Message):
 
     MODEL_FIELD_NUMBER: _builtins.int
     EXPECTED_POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model name."""
     expected_policy_version: _builtins.int
     """When set, the export fails with FAILED_PRECONDITION (ErrorInfo VERSION_MISMATCH) unless the
     model is at exactly this policy version.
     """
+    policy_version: _builtins.int
+    """Version to export; unset = the current one. An earlier version is exported from its state
+    checkpoint (every version keeps one with --checkpoint-every 1, until deleted; NOT_FOUND without
+    it) and leaves the model where it is; it needs a state checkpoint at the current version too
+    (FAILED_PRECONDITION NO_CURRENT_STATE otherwise).
+    """
     def __init__(
         self,
         *,
         model: _builtins.str = ...,
         expected_policy_version: _builtins.int | None = ...,
+        policy_version: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_expected_policy_version", b"_expected_policy_version", "expected_policy_version", b"expected_policy_version"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_expected_policy_version", b"_expected_policy_version", "_policy_version", b"_policy_version", "expected_policy_version", b"expected_policy_version", "policy_version", b"policy_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expected_policy_version", b"_expected_policy_version", "expected_policy_version", b"expected_policy_version", "model", b"model"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expected_policy_version", b"_expected_policy_version", "_policy_version", b"_policy_version", "expected_policy_version", b"expected_policy_version", "model", b"model", "policy_version", b"policy_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__expected_policy_version: _TypeAlias = _typing.Literal["expected_policy_version"]  # noqa: Y015
     _WhichOneofArgType__expected_policy_version: _TypeAlias = _typing.Literal["_expected_policy_version", b"_expected_policy_version"]  # noqa: Y015
+    _WhichOneofReturnType__policy_version: _TypeAlias = _typing.Literal["policy_version"]  # noqa: Y015
+    _WhichOneofArgType__policy_version: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__expected_policy_version) -> _WhichOneofReturnType__expected_policy_version | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__policy_version) -> _WhichOneofReturnType__policy_version | None: ...
 
 Global___ExportWeightsRequest: _TypeAlias = ExportWeightsRequest  # noqa: Y015
 

@@ -172,10 +172,10 @@ class TrainerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ExportWeights(self, request, context):
-        """Streams the model's LoRA adapter at its current policy version as a plain PEFT adapter
-        directory (adapter_config.json, adapter_model.safetensors, ...), to serve or merge elsewhere
-        (e.g. vLLM --lora-modules, PeftModel.from_pretrained). The first response describes the
-        export; the file chunks follow. To export an earlier version, RestoreCheckpoint first.
+        """Streams the model's LoRA adapter at its current (or an earlier) policy version as a plain PEFT
+        adapter directory (adapter_config.json, adapter_model.safetensors, ...), to serve or merge
+        elsewhere (e.g. vLLM --lora-modules, PeftModel.from_pretrained). The first response describes
+        the export; the file chunks follow. The model itself does not change.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

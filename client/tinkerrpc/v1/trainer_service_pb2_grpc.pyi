@@ -76,10 +76,10 @@ class TrainerServiceStub:
     Sample: _grpc.UnaryUnaryMultiCallable[_trainer_service_pb2.SampleRequest, _trainer_service_pb2.SampleResponse]
     """Samples completions from the latest or a pinned policy version."""
     ExportWeights: _grpc.UnaryStreamMultiCallable[_trainer_service_pb2.ExportWeightsRequest, _trainer_service_pb2.ExportWeightsResponse]
-    """Streams the model's LoRA adapter at its current policy version as a plain PEFT adapter
-    directory (adapter_config.json, adapter_model.safetensors, ...), to serve or merge elsewhere
-    (e.g. vLLM --lora-modules, PeftModel.from_pretrained). The first response describes the
-    export; the file chunks follow. To export an earlier version, RestoreCheckpoint first.
+    """Streams the model's LoRA adapter at its current (or an earlier) policy version as a plain PEFT
+    adapter directory (adapter_config.json, adapter_model.safetensors, ...), to serve or merge
+    elsewhere (e.g. vLLM --lora-modules, PeftModel.from_pretrained). The first response describes
+    the export; the file chunks follow. The model itself does not change.
     """
 
 @_typing.type_check_only
@@ -116,10 +116,10 @@ class TrainerServiceAsyncStub(TrainerServiceStub):
     Sample: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.SampleRequest, _trainer_service_pb2.SampleResponse]  # type: ignore[assignment]
     """Samples completions from the latest or a pinned policy version."""
     ExportWeights: _aio.UnaryStreamMultiCallable[_trainer_service_pb2.ExportWeightsRequest, _trainer_service_pb2.ExportWeightsResponse]  # type: ignore[assignment]
-    """Streams the model's LoRA adapter at its current policy version as a plain PEFT adapter
-    directory (adapter_config.json, adapter_model.safetensors, ...), to serve or merge elsewhere
-    (e.g. vLLM --lora-modules, PeftModel.from_pretrained). The first response describes the
-    export; the file chunks follow. To export an earlier version, RestoreCheckpoint first.
+    """Streams the model's LoRA adapter at its current (or an earlier) policy version as a plain PEFT
+    adapter directory (adapter_config.json, adapter_model.safetensors, ...), to serve or merge
+    elsewhere (e.g. vLLM --lora-modules, PeftModel.from_pretrained). The first response describes
+    the export; the file chunks follow. The model itself does not change.
     """
 
 class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -219,10 +219,10 @@ class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _trainer_service_pb2.ExportWeightsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_trainer_service_pb2.ExportWeightsResponse], _abc.AsyncIterator[_trainer_service_pb2.ExportWeightsResponse]]:
-        """Streams the model's LoRA adapter at its current policy version as a plain PEFT adapter
-        directory (adapter_config.json, adapter_model.safetensors, ...), to serve or merge elsewhere
-        (e.g. vLLM --lora-modules, PeftModel.from_pretrained). The first response describes the
-        export; the file chunks follow. To export an earlier version, RestoreCheckpoint first.
+        """Streams the model's LoRA adapter at its current (or an earlier) policy version as a plain PEFT
+        adapter directory (adapter_config.json, adapter_model.safetensors, ...), to serve or merge
+        elsewhere (e.g. vLLM --lora-modules, PeftModel.from_pretrained). The first response describes
+        the export; the file chunks follow. The model itself does not change.
         """
 
 def add_TrainerServiceServicer_to_server(servicer: TrainerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

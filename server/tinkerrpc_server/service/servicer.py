@@ -883,14 +883,21 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
         """Saves the adapter in the backend's external format, downloads its files from the backend's
         (signed) URLs into a local temporary directory, and deletes the backend's copy."""
         runtime = self._runtime(request.model)
-        if request.HasField("expected_policy_version") and request.expected_policy_version < 0:
-            raise errors.invalid_argument([("expected_policy_version", "must be >= 0")])
+        v = Violations()
+        for field_name in ("expected_policy_version", "policy_version"):
+            if request.HasField(field_name) and getattr(request, field_name) < 0:
+                v.add(field_name, "must be >= 0")
+        v.raise_if_any()
         async with runtime.lock:
             row = self._model(request.model)
             _check_expected_version(row, request)
+            version = request.policy_version if request.HasField("policy_version") else row.policy_version
             client = await self._training_client(row.name, runtime)
-            name = f"export-{row.policy_version:06d}-{uuid.uuid4().hex[:8]}"
-            path = (await client.save_weights_external(name)).path
+            name = f"export-{version:06d}-{uuid.uuid4().hex[:8]}"
+            if version == row.policy_version:
+                path = (await client.save_weights_external(name)).path
+            else:
+                path = await self._export_earlier_version(row, runtime, client, version, name)
         directory = tempfile.TemporaryDirectory(prefix="tinkerrpc-export-")
         try:
             urls = (await self._backend.rest.get_external_weights_urls(path)).urls
@@ -905,11 +912,54 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
             raise
         finally:
             await self._discard_backend_export(path)
-        log.info("model %s: exported version %d (%d files)", row.name, row.policy_version, len(files))
+        log.info("model %s: exported version %d (%d files)", row.name, version, len(files))
         weights = types_pb2.ExportedWeights(
-            model=row.name, policy_version=row.policy_version, base_model=row.base_model, files=files
+            model=row.name, policy_version=version, base_model=row.base_model, files=files
         )
         return _Export(weights, directory)
+
+    async def _export_earlier_version(
+        self, row: ModelRow, runtime: ModelRuntime, client: tinker.TrainingClient, version: int, name: str
+    ) -> str:
+        """Export `version` < the current one without moving the model: load that version's state into
+        the training client, export, then load the current state (weights and optimizer) back."""
+        resource = f"{row.name}@{version}"
+        if version > row.policy_version:
+            raise errors.not_found(
+                VERSION_RESOURCE, resource, f"model {row.name!r} is at version {row.policy_version}"
+            )
+        state = next(
+            (
+                c
+                for c in self._store.list_checkpoints(row.name)
+                if c.kind == KIND_STATE and c.policy_version == version
+            ),
+            None,
+        )
+        if state is None:
+            raise errors.not_found(
+                VERSION_RESOURCE,
+                resource,
+                f"model {row.name!r} has no state checkpoint at version {version} to export it from",
+            )
+        if row.recovery_version != row.policy_version:
+            # Coming back needs the current version's full state, which --checkpoint-every > 1 may not keep.
+            raise errors.failed_precondition(
+                errors.NO_CURRENT_STATE,
+                f"model {row.name!r} has no state checkpoint at its current version {row.policy_version}; "
+                "SaveCheckpoint first, then export earlier versions",
+                {"current_version": row.policy_version, "recovery_version": row.recovery_version},
+            )
+        try:
+            await client.load_state(state.tinker_path)
+            saved: tinker.types.SaveWeightsExternalResponse = await client.save_weights_external(name)
+            return saved.path
+        finally:
+            try:
+                await client.load_state_with_optimizer(row.recovery_path)
+            except BaseException:
+                runtime.dirty = True  # the next call rolls back to the recovery point: the current state
+                raise
 
     async def _discard_backend_export(self, path: str) -> None:
         try:
