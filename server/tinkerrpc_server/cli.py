@@ -1,4 +1,4 @@
-"""The `tinkerrpc` command: serve, engine, sidecar and demo."""
+"""The `tinkerrpc` command: serve, engine, sidecar, export and demo."""
 
 from __future__ import annotations
 
@@ -169,6 +169,43 @@ def _sidecar(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_export(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "export", help="download a model's LoRA adapter from a tinkerrpc server as a PEFT directory"
+    )
+    p.add_argument("model", help="model name")
+    p.add_argument("out", type=Path, help="directory to create (must not exist or be empty)")
+    p.add_argument("--target", default="127.0.0.1:50051", help="the tinkerrpc gRPC server")
+    p.add_argument(
+        "--policy-version", type=int, default=None, help="an earlier version to export (default: current)"
+    )
+    p.add_argument(
+        "--token",
+        default=os.environ.get(AUTH_TOKEN_ENV),
+        help=f"bearer token for the gRPC server (default: ${AUTH_TOKEN_ENV})",
+    )
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole download")
+    p.set_defaults(func=_export)
+
+
+def _export(args: argparse.Namespace) -> int:
+    import tinkerrpc
+
+    try:
+        with tinkerrpc.Client(args.target, token=args.token) as client:
+            exported = client.model(args.model).export_weights(
+                args.out, policy_version=args.policy_version, timeout=args.timeout
+            )
+    except (tinkerrpc.RPCError, FileExistsError) as err:
+        print(f"tinkerrpc export: {err}", file=sys.stderr)
+        return 1
+    sizes = ", ".join(f"{p} ({(exported.directory / p).stat().st_size} B)" for p in exported.files)
+    print(
+        f"exported {exported.model}@{exported.policy_version} (base {exported.base_model}) to {exported.directory}: {sizes}"
+    )
+    return 0
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from tinkerrpc_server import demo
 
@@ -189,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_serve(sub)
     _add_engine(sub)
     _add_sidecar(sub)
+    _add_export(sub)
     _add_demo(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -6,6 +6,8 @@ same base model, must give the prompt logprobs the server's sampler gives at tha
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -178,3 +180,19 @@ def test_an_earlier_version_exports_without_moving_the_model(
     assert all(torch.equal(tensors_before[k], tensors_after[k]) for k in tensors_before)
     earlier_tensors = exported_tensors(earlier.directory)
     assert not all(torch.equal(tensors_before[k], earlier_tensors[k]) for k in tensors_before)
+
+
+def test_cli_export_writes_the_directory_and_reports_errors(
+    server: Server, trained: int, tmp_path: Path
+) -> None:
+    command = [sys.executable, "-m", "tinkerrpc_server.cli", "export", "--target", f"127.0.0.1:{server.port}"]
+    done = subprocess.run(
+        [*command, MODEL, str(tmp_path / "cli")], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith(f"exported {MODEL}@") and "adapter_model.safetensors" in done.stdout
+    assert (tmp_path / "cli" / "adapter_config.json").is_file()
+    refused = subprocess.run(
+        [*command, "no-such-model", str(tmp_path / "x")], capture_output=True, text=True, timeout=300
+    )
+    assert refused.returncode == 1 and "no-such-model" in refused.stderr and not (tmp_path / "x").exists()
