@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from svc import CALL_TIMEOUT, Server, create_model, prompt_logprobs, rl_request, sample_chat
+from svc import CALL_TIMEOUT, Server, create_model, error_info, prompt_logprobs, rl_request, sample_chat
 
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 
@@ -107,6 +107,22 @@ def test_checkpoint_every_k_rolls_back_to_the_last_state_checkpoint(
     assert [r.policy_version for r in responses] == [1, 2, 3]
     assert [r.HasField("state_checkpoint") for r in responses] == [False, True, False]
     at_two = prompt_logprobs(server.stub, MODEL, probe, version=2)
+    # Exporting an earlier version needs the current state to come back to: version 3 has none here.
+    with pytest.raises(grpc.RpcError) as err:
+        list(
+            server.stub.ExportWeights(
+                pb.ExportWeightsRequest(model=MODEL, policy_version=2), timeout=CALL_TIMEOUT
+            )
+        )
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert error_info(err.value).reason == "NO_CURRENT_STATE"
+    with pytest.raises(grpc.RpcError) as err:
+        list(
+            server.stub.ExportWeights(
+                pb.ExportWeightsRequest(model=MODEL, policy_version=1), timeout=CALL_TIMEOUT
+            )
+        )
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND, "version 1 has no state checkpoint to export from"
     server.proc.kill()
     server.close()
 
