@@ -191,6 +191,11 @@ def grpc_rows(s: Setup) -> list[GrpcRow]:
         GrpcRow("DeleteCheckpoint", pb.DeleteCheckpointRequest(model=MODEL, checkpoint="saved", kind=99), Code.INVALID_ARGUMENT, "kind"),  # type: ignore[arg-type]
         GrpcRow("DeleteCheckpoint", pb.DeleteCheckpointRequest(model=MODEL, checkpoint="v000001", kind=types_pb2.CHECKPOINT_KIND_SAMPLER), Code.FAILED_PRECONDITION, "current version"),
         GrpcRow("DeleteCheckpoint", pb.DeleteCheckpointRequest(model=MODEL, checkpoint="saved"), Code.FAILED_PRECONDITION, "recovers from"),
+        # ExportWeights (a server stream: the error arrives when it is read)
+        GrpcRow("ExportWeights", pb.ExportWeightsRequest(model="ghost"), Code.NOT_FOUND, "ghost"),
+        GrpcRow("ExportWeights", pb.ExportWeightsRequest(model=MODEL, policy_version=-1), Code.INVALID_ARGUMENT, "policy_version"),
+        GrpcRow("ExportWeights", pb.ExportWeightsRequest(model=MODEL, policy_version=9), Code.NOT_FOUND, "is at version 1"),
+        GrpcRow("ExportWeights", pb.ExportWeightsRequest(model=MODEL, expected_policy_version=5), Code.FAILED_PRECONDITION, "expected 5"),
         # Sample
         GrpcRow("Sample", pb.SampleRequest(model="ghost", text="x", params=_params()), Code.NOT_FOUND, "ghost"),
         GrpcRow("Sample", pb.SampleRequest(model=MODEL, params=_params()), Code.INVALID_ARGUMENT, "prompt"),
@@ -283,8 +288,11 @@ def _state(s: Setup, probe: list[int]) -> dict[str, Any]:
 
 
 def _grpc_outcome(s: Setup, row: GrpcRow) -> tuple[grpc.StatusCode, str]:
+    streams = pb.DESCRIPTOR.services_by_name["TrainerService"].methods_by_name[row.rpc].server_streaming
     try:
-        getattr(s.server.stub, row.rpc)(row.request, timeout=CALL_TIMEOUT)
+        answer = getattr(s.server.stub, row.rpc)(row.request, timeout=CALL_TIMEOUT)
+        if streams:
+            list(answer)
     except grpc.RpcError as err:
         return err.code(), err.details() or ""
     return grpc.StatusCode.OK, ""
