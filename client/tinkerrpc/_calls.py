@@ -367,13 +367,15 @@ def export_weights(
     *,
     policy_version: int | None = None,
     expected_policy_version: int | None = None,
+    progress: bool = False,
     timeout: float | None = None,
 ) -> StreamCall[ExportedWeights]:
     """Download the model's LoRA adapter into `directory` (created; it must not exist or be empty), a
     plain PEFT adapter directory for vLLM, PeftModel.from_pretrained and the like. The directory appears
     only once every file arrived whole. `policy_version` picks an earlier version (exported from its
     state checkpoint; the model does not move); None means the current one. With
-    `expected_policy_version`, fail (FailedPreconditionError) unless the model is at exactly that version."""
+    `expected_policy_version`, fail (FailedPreconditionError) unless the model is at exactly that version.
+    `progress` draws a progress bar (MiB received) on stderr."""
     target = Path(directory)
     check_export_target(target)
     for label, value in (
@@ -385,7 +387,7 @@ def export_weights(
     request = service_pb.ExportWeightsRequest(
         model=model, policy_version=policy_version, expected_policy_version=expected_policy_version
     )
-    return StreamCall("ExportWeights", request, lambda: WeightsWriter(target), timeout=timeout)
+    return StreamCall("ExportWeights", request, lambda: WeightsWriter(target, progress), timeout=timeout)
 
 
 def _adam(

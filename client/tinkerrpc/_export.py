@@ -7,9 +7,12 @@ import shutil
 import tempfile
 from pathlib import Path, PurePosixPath
 
+from tinkerrpc._progress import ProgressBar
 from tinkerrpc._types import ExportedWeights
 from tinkerrpc.v1 import trainer_service_pb2 as service_pb
 from tinkerrpc.v1 import types_pb2 as pb
+
+MIB = 1 << 20
 
 
 class ExportProtocolError(RuntimeError):
@@ -33,12 +36,14 @@ class WeightsWriter:
     """Writes one attempt's stream into a staging directory beside `directory`; `finish()` checks every
     file is complete and renames the staging directory into place, `discard()` removes it."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, progress: bool = False) -> None:
         self.directory = directory
+        self.progress = progress
         directory.parent.mkdir(parents=True, exist_ok=True)
         self._staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.partial-", dir=directory.parent))
         self._weights: pb.ExportedWeights | None = None
         self._written: dict[str, int] = {}
+        self._bar: ProgressBar | None = None
 
     def add(self, response: service_pb.ExportWeightsResponse) -> None:
         part = response.WhichOneof("part")
@@ -47,6 +52,12 @@ class WeightsWriter:
                 raise ExportProtocolError("the server described the export twice")
             self._weights = response.weights
             self._written = {_safe_relative(f.path).as_posix(): 0 for f in response.weights.files}
+            if self.progress:
+                total = sum(f.size_bytes for f in response.weights.files)
+                self._bar = ProgressBar(
+                    total, f"export {response.weights.model}@{response.weights.policy_version}"
+                )
+                self._draw()
             return
         if part != "chunk" or self._weights is None:
             raise ExportProtocolError("a file chunk came before the export's description")
@@ -63,6 +74,12 @@ class WeightsWriter:
         with open(target, "ab") as handle:
             handle.write(chunk.data)
         self._written[path] += len(chunk.data)
+        self._draw()
+
+    def _draw(self) -> None:
+        if self._bar is not None:
+            done = sum(self._written.values())
+            self._bar.draw(done, f"{done / MIB:.1f}/{self._bar.total / MIB:.1f} MiB")
 
     def finish(self) -> ExportedWeights:
         weights = self._weights
@@ -76,6 +93,7 @@ class WeightsWriter:
                 )
             # A file of size 0 has no chunk: create it.
             (self._staging / path).touch()
+        self._close_bar()
         if self.directory.exists():
             self.directory.rmdir()  # empty, as check_export_target made sure
         os.replace(self._staging, self.directory)
@@ -88,4 +106,10 @@ class WeightsWriter:
         )
 
     def discard(self) -> None:
+        self._close_bar()
         shutil.rmtree(self._staging, ignore_errors=True)
+
+    def _close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
-import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TextIO, TypeVar
+from typing import Any, Generic, TypeVar
 
+from tinkerrpc._progress import ProgressBar
 from tinkerrpc._types import Trajectory, TrajectoryGroup
 
 T = TypeVar("T")
@@ -51,28 +51,12 @@ class TooManyRolloutErrors(Exception):
         self.exceptions = exceptions
 
 
-class _ProgressBar:
-    """A one-line progress bar on a text stream, redrawn in place, with the running mean reward."""
-
-    WIDTH = 24
-
-    def __init__(self, total: int, desc: str, stream: TextIO) -> None:
-        self.total = total
-        self.desc = desc
-        self.stream = stream
-
-    def draw(self, done: int, failed: int, rewards: Sequence[float]) -> None:
-        filled = self.WIDTH * done // self.total if self.total else self.WIDTH
-        postfix = f" reward={sum(rewards) / len(rewards):.3f}" if rewards else ""
-        if failed:
-            postfix += f" errors={failed}"
-        bar = "#" * filled + "-" * (self.WIDTH - filled)
-        self.stream.write(f"\r{self.desc}: {done}/{self.total} [{bar}]{postfix}")
-        self.stream.flush()
-
-    def close(self) -> None:
-        self.stream.write("\n")
-        self.stream.flush()
+def _draw(bar: ProgressBar, done: int, failed: int, rewards: Sequence[float]) -> None:
+    """Rollouts done, with the running mean reward and the errors so far."""
+    postfix = f" reward={sum(rewards) / len(rewards):.3f}" if rewards else ""
+    if failed:
+        postfix += f" errors={failed}"
+    bar.draw(done, f"{done}/{bar.total}", postfix)
 
 
 def _exception_budget(max_exceptions: int | float, total: int) -> int:
@@ -98,7 +82,7 @@ async def _gather(
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
     limit = asyncio.Semaphore(max_concurrency or max(len(items), 1))
-    bar = _ProgressBar(len(items), desc, sys.stderr) if progress else None
+    bar = ProgressBar(len(items), desc) if progress else None
     finished: dict[int, T] = {}
     failures: list[BaseException] = []
     rewards: list[float] = []
@@ -122,10 +106,10 @@ async def _gather(
             if not started and inspect.iscoroutine(item):
                 item.close()
         if bar is not None:
-            bar.draw(len(finished) + len(failures), len(failures), rewards)
+            _draw(bar, len(finished) + len(failures), len(failures), rewards)
 
     if bar is not None:
-        bar.draw(0, 0, rewards)
+        _draw(bar, 0, 0, rewards)
     tasks = [asyncio.ensure_future(run(i, item)) for i, item in enumerate(items)]
     all_done: asyncio.Future[list[None]] = asyncio.gather(*tasks)
     stop_early: asyncio.Future[bool] = asyncio.ensure_future(too_many.wait())

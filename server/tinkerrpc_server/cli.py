@@ -194,7 +194,7 @@ def _export(args: argparse.Namespace) -> int:
     try:
         with tinkerrpc.Client(args.target, token=args.token) as client:
             exported = client.model(args.model).export_weights(
-                args.out, policy_version=args.policy_version, timeout=args.timeout
+                args.out, policy_version=args.policy_version, progress=True, timeout=args.timeout
             )
     except (tinkerrpc.RPCError, FileExistsError) as err:
         print(f"tinkerrpc export: {err}", file=sys.stderr)

@@ -104,3 +104,14 @@ def test_export_refuses_a_non_empty_target_before_sending(tmp_path: Path) -> Non
     assert call.rpc == "ExportWeights" and call.request.expected_policy_version == 2
     with pytest.raises(ValueError, match="expected_policy_version"):
         calls.export_weights("m", tmp_path / "new", expected_policy_version=-1)
+
+
+def test_progress_shows_the_bytes_received(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    writer = WeightsWriter(tmp_path / "adapter", progress=True)
+    writer.add(header(("adapter_model.safetensors", 3 << 20)))
+    writer.add(chunk("adapter_model.safetensors", 0, bytes(1 << 20)))
+    writer.add(chunk("adapter_model.safetensors", 1 << 20, bytes(2 << 20)))
+    writer.finish()
+    drawn = capsys.readouterr().err
+    assert "export m@3: 0.0/3.0 MiB" in drawn and "1.0/3.0 MiB" in drawn
+    assert "3.0/3.0 MiB [########################]" in drawn and drawn.endswith("\n")

@@ -192,6 +192,7 @@ def test_cli_export_writes_the_directory_and_reports_errors(
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith(f"exported {MODEL}@") and "adapter_model.safetensors" in done.stdout
     assert (tmp_path / "cli" / "adapter_config.json").is_file()
+    assert f"export {MODEL}@" in done.stderr and " MiB [" in done.stderr, "the download shows progress"
     refused = subprocess.run(
         [*command, "no-such-model", str(tmp_path / "x")], capture_output=True, text=True, timeout=300
     )
