@@ -964,7 +964,7 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
     async def _discard_backend_export(self, path: str) -> None:
         try:
             await self._backend.rest.delete_checkpoint_from_tinker_path(path)
-        except Exception as err:  # the export is served already; a stray backend copy only costs space
+        except Exception as err:  # a stray backend copy only costs space: never fail the export for it
             log.warning("could not delete the backend's export %s: %s", path, err)
 
     # ---- sample
