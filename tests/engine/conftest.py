@@ -28,5 +28,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterato
 
 
 @pytest.fixture(scope="module")
-def service(engine: LocalEngine) -> tinker.ServiceClient:
-    return engine.service_client()
+def service(engine: LocalEngine) -> Iterator[tinker.ServiceClient]:
+    # Closed while its engine still runs: an open session keeps heartbeating (and warning) until exit.
+    with engine.service_client() as client:
+        yield client

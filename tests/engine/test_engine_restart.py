@@ -25,41 +25,47 @@ PROMPT = types.ModelInput.from_ints([12, 40, 41, 7, 9, 3])
 def test_state_survives_an_engine_restart(tmp_path: Path, model_dir: Path) -> None:
     first = start_engine(tmp_path / "data", model_dir, tmp_path / "first.log")
     try:
-        service = first.service_client()
-        client = service.create_lora_training_client(TINY, rank=4, seed=9).result()
-        client.forward_backward(DATA, "cross_entropy")
-        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-        state = client.save_state("step-1").result().path
-        sampler_path = client.save_weights_for_sampler("step-1").result().path
-        client.forward_backward(DATA, "cross_entropy")
-        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-        expected = client.forward(DATA, "cross_entropy").result().metrics["loss:sum"]
-        scored = (
-            service.create_sampling_client(model_path=sampler_path).result().compute_logprobs(PROMPT).result()
-        )
+        with first.service_client() as service:
+            client = service.create_lora_training_client(TINY, rank=4, seed=9).result()
+            client.forward_backward(DATA, "cross_entropy")
+            client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            state = client.save_state("step-1").result().path
+            sampler_path = client.save_weights_for_sampler("step-1").result().path
+            client.forward_backward(DATA, "cross_entropy")
+            client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            expected = client.forward(DATA, "cross_entropy").result().metrics["loss:sum"]
+            scored = (
+                service.create_sampling_client(model_path=sampler_path)
+                .result()
+                .compute_logprobs(PROMPT)
+                .result()
+            )
     finally:
         assert first.stop() == 0, first.log()[-3000:]
 
     second = start_engine(tmp_path / "data", model_dir, tmp_path / "second.log")
     try:
-        service = second.service_client()
-        rest = tinker.RestClient(base_url=second.base_url, api_key="tml-local")
-        assert client.model_id in {
-            r.training_run_id for r in rest.list_training_runs().result().training_runs
-        }
-        listed = {c.tinker_path for c in rest.list_checkpoints(client.model_id).result().checkpoints}
-        assert listed == {state, sampler_path}
+        with second.service_client() as service:
+            rest = tinker.RestClient(base_url=second.base_url, api_key="tml-local")
+            assert client.model_id in {
+                r.training_run_id for r in rest.list_training_runs().result().training_runs
+            }
+            listed = {c.tinker_path for c in rest.list_checkpoints(client.model_id).result().checkpoints}
+            assert listed == {state, sampler_path}
 
-        resumed = service.create_training_client_from_state_with_optimizer(state).result()
-        resumed.forward_backward(DATA, "cross_entropy")
-        resumed.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-        assert resumed.forward(DATA, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(
-            expected, abs=1e-5
-        )
+            resumed = service.create_training_client_from_state_with_optimizer(state).result()
+            resumed.forward_backward(DATA, "cross_entropy")
+            resumed.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            assert resumed.forward(DATA, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(
+                expected, abs=1e-5
+            )
 
-        again = (
-            service.create_sampling_client(model_path=sampler_path).result().compute_logprobs(PROMPT).result()
-        )
-        np.testing.assert_allclose(np.asarray(again[1:]), np.asarray(scored[1:]), atol=1e-6)
+            again = (
+                service.create_sampling_client(model_path=sampler_path)
+                .result()
+                .compute_logprobs(PROMPT)
+                .result()
+            )
+            np.testing.assert_allclose(np.asarray(again[1:]), np.asarray(scored[1:]), atol=1e-6)
     finally:
         assert second.stop() == 0, second.log()[-3000:]
