@@ -158,17 +158,14 @@ class _Export:
     directory: tempfile.TemporaryDirectory[str]
 
 
-async def _download(url: str, directory: Path, relative: str) -> int:
+async def _download(http: httpx.AsyncClient, url: str, directory: Path, relative: str) -> int:
     """Stream one exported file from the backend to `directory`/`relative`; its size."""
     target = (directory / relative).resolve()
     if not target.is_relative_to(directory.resolve()):
         raise ServiceError(grpc.StatusCode.INTERNAL, f"the backend exported an unsafe file path {relative!r}")
     target.parent.mkdir(parents=True, exist_ok=True)
     size = 0
-    async with (
-        httpx.AsyncClient(timeout=EXPORT_DOWNLOAD_TIMEOUT_SECONDS) as http,
-        http.stream("GET", url) as response,
-    ):
+    async with http.stream("GET", url) as response:
         if response.status_code != 200:
             raise ServiceError(
                 grpc.StatusCode.UNAVAILABLE,
@@ -901,12 +898,13 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
         directory = tempfile.TemporaryDirectory(prefix="tinkerrpc-export-")
         try:
             urls = (await self._backend.rest.get_external_weights_urls(path)).urls
-            files = [
-                types_pb2.ExportedFile(
-                    path=relative, size_bytes=await _download(url, Path(directory.name), relative)
-                )
-                for relative, url in sorted(urls.items())
-            ]
+            async with httpx.AsyncClient(timeout=EXPORT_DOWNLOAD_TIMEOUT_SECONDS) as http:
+                files = [
+                    types_pb2.ExportedFile(
+                        path=relative, size_bytes=await _download(http, url, Path(directory.name), relative)
+                    )
+                    for relative, url in sorted(urls.items())
+                ]
         except BaseException:
             directory.cleanup()
             raise
