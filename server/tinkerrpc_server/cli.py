@@ -144,6 +144,15 @@ def _engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_grpc_token_argument(p: argparse.ArgumentParser, flag: str) -> None:
+    """The bearer token a client command sends to the gRPC server."""
+    p.add_argument(
+        flag,
+        default=os.environ.get(AUTH_TOKEN_ENV),
+        help=f"bearer token for the gRPC server (default: ${AUTH_TOKEN_ENV})",
+    )
+
+
 def _add_sidecar(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("sidecar", help="run the OpenAI-compatible inference server over a tinkerrpc server")
     p.add_argument("--grpc-target", default="127.0.0.1:50051", help="the tinkerrpc gRPC server")
@@ -154,11 +163,7 @@ def _add_sidecar(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
         default=os.environ.get(SIDECAR_API_KEY_ENV),
         help=f"require `Authorization: Bearer KEY` (default: ${SIDECAR_API_KEY_ENV}, else no auth)",
     )
-    p.add_argument(
-        "--grpc-token",
-        default=os.environ.get(AUTH_TOKEN_ENV),
-        help=f"bearer token for the gRPC server (default: ${AUTH_TOKEN_ENV})",
-    )
+    _add_grpc_token_argument(p, "--grpc-token")
     p.set_defaults(func=_sidecar)
 
 
@@ -179,11 +184,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument(
         "--policy-version", type=int, default=None, help="an earlier version to export (default: current)"
     )
-    p.add_argument(
-        "--token",
-        default=os.environ.get(AUTH_TOKEN_ENV),
-        help=f"bearer token for the gRPC server (default: ${AUTH_TOKEN_ENV})",
-    )
+    _add_grpc_token_argument(p, "--token")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole download")
     p.set_defaults(func=_export)
 
