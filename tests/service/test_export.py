@@ -14,6 +14,7 @@ import grpc
 import pytest
 import torch
 from peft import PeftModel
+from safetensors.torch import load_file
 from svc import (
     CALL_TIMEOUT,
     TINY,
@@ -41,6 +42,20 @@ def trained(server: Server) -> int:
     sampled = sample_chat(server.stub, MODEL, "respond with yes or no", n=4, max_tokens=4)
     request = rl_request(MODEL, sampled, [0.0, 1.0, 0.0, 1.0], idempotency_key="export-step")
     return int(server.stub.Train(request, timeout=CALL_TIMEOUT).policy_version)
+
+
+def load_plain_peft(model_dir: Path, adapter: Path) -> PeftModel:
+    """The exported adapter on the base model, loaded by PEFT alone (no tinkerrpc code)."""
+    base = AutoModelForCausalLM.from_pretrained(resolve_base_model(TINY, model_dir), dtype=torch.float32)
+    return PeftModel.from_pretrained(base, str(adapter)).eval()
+
+
+def peft_prompt_logprobs(model: PeftModel, tokens: list[int]) -> list[float]:
+    """Log-probability of each token after the first, as the server's prompt_logprobs gives them."""
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0].float()
+    picked = torch.log_softmax(logits, dim=-1)[:-1].gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    return [float(x) for x in picked]
 
 
 def export_stream(server: Server, **fields: int) -> list[pb.ExportWeightsResponse]:
@@ -80,19 +95,11 @@ def test_exported_adapter_loads_with_plain_peft_and_matches_the_server(
 
     probe = list(sample_chat(server.stub, MODEL, "respond with maybe", n=1, max_tokens=1).prompt_token_ids)
     served = prompt_logprobs(server.stub, MODEL, probe, version=trained)
-    base = AutoModelForCausalLM.from_pretrained(
-        resolve_base_model(TINY, service_model_dir), dtype=torch.float32
-    )
-    plain = PeftModel.from_pretrained(base, str(exported.directory)).eval()
-    with torch.no_grad():
-        logits = plain(torch.tensor([probe])).logits[0].float()
-    local = torch.log_softmax(logits, dim=-1)[:-1].gather(1, torch.tensor(probe[1:])[:, None])[:, 0]
-    assert local.tolist() == pytest.approx(served, abs=1e-4)
-    # The fresh adapter gives other logprobs: the export is the trained one, not an initialisation.
-    with plain.disable_adapter(), torch.no_grad():
-        logits = plain(torch.tensor([probe])).logits[0].float()
-    without = torch.log_softmax(logits, dim=-1)[:-1].gather(1, torch.tensor(probe[1:])[:, None])[:, 0]
-    assert without.tolist() != pytest.approx(served, abs=1e-4)
+    plain = load_plain_peft(service_model_dir, exported.directory)
+    assert peft_prompt_logprobs(plain, probe) == pytest.approx(served, abs=1e-4)
+    # The base model alone gives other logprobs: the export carries the trained adapter.
+    with plain.disable_adapter():
+        assert peft_prompt_logprobs(plain, probe) != pytest.approx(served, abs=1e-4)
 
 
 def test_async_export_and_refusals(server: Server, trained: int, tmp_path: Path) -> None:
@@ -133,11 +140,12 @@ def test_export_errors_carry_details(server: Server, trained: int) -> None:
     assert model.policy_version == trained
     kinds = [c.name for c in server.stub.ListCheckpoints(pb.ListCheckpointsRequest(model=MODEL)).checkpoints]
     assert not any(name.startswith("export") for name in kinds)
+    # The backend's copies of the exports were deleted once downloaded (the embedded engine keeps
+    # checkpoints under <data-dir>/engine/runs/<run>/<kind>/<name>).
+    assert list(server.proc.data_dir.glob("engine/runs/*/external_weights/*")) == []
 
 
 def exported_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     return load_file(str(directory / "adapter_model.safetensors"))
 
 
@@ -163,14 +171,8 @@ def test_an_earlier_version_exports_without_moving_the_model(
         current,
         current,
     )
-    base = AutoModelForCausalLM.from_pretrained(
-        resolve_base_model(TINY, service_model_dir), dtype=torch.float32
-    )
-    plain = PeftModel.from_pretrained(base, str(earlier.directory)).eval()
-    with torch.no_grad():
-        logits = plain(torch.tensor([probe])).logits[0].float()
-    local = torch.log_softmax(logits, dim=-1)[:-1].gather(1, torch.tensor(probe[1:])[:, None])[:, 0]
-    assert local.tolist() == pytest.approx(
+    plain = load_plain_peft(service_model_dir, earlier.directory)
+    assert peft_prompt_logprobs(plain, probe) == pytest.approx(
         prompt_logprobs(server.stub, MODEL, probe, version=trained), abs=1e-4
     )
     # The training client got its current state back: exporting the current version again gives the
