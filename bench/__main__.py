@@ -18,8 +18,8 @@ import torch
 
 from bench import machine, memory, overhead, report, sampling, serialization, training
 from bench.workload import FULL, SHORT, BenchModel, Settings, prepare_model
+from tinkerrpc_server.local.stack import LocalEngine
 from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
-from tinkerrpc_server.stack import LocalEngine
 
 
 @dataclass

@@ -29,7 +29,7 @@ import grpc
 
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import trainer_service_pb2_grpc, types_pb2
-from tinkerrpc_server.stack import LocalStack
+from tinkerrpc_server.local.stack import LocalStack
 
 BASE_MODEL = "tinkerrpc/tiny-chat"
 PROMPTS = ("respond with yes", "respond with no", "say maybe", "answer briefly")

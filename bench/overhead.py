@@ -20,8 +20,8 @@ from tinker import types
 import tinkerrpc
 from bench.report import Figure
 from bench.workload import Settings, token_sequences
+from tinkerrpc_server.local.stack import LOCAL_API_KEY, LocalSidecar, LocalStack
 from tinkerrpc_server.model_store import TINY_CHAT
-from tinkerrpc_server.stack import LOCAL_API_KEY, LocalSidecar, LocalStack
 
 STACK_GOAL = 1.15
 SIDECAR_GOAL = 1.2

@@ -16,7 +16,7 @@ from transformers import GenerationConfig
 from bench.report import Figure
 from bench.training import load_lora_model
 from bench.workload import BenchModel, Settings, token_sequences
-from tinkerrpc_server.stack import LocalEngine
+from tinkerrpc_server.local.stack import LocalEngine
 
 SAMPLING_GOAL = 4.0
 

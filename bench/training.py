@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from bench.report import Figure
 from bench.workload import BenchModel, Settings, token_sequences
-from tinkerrpc_server.stack import LocalEngine
+from tinkerrpc_server.local.stack import LocalEngine
 
 # Tinker's LoRA targets with train_mlp, train_attn and train_unembed on (its defaults).
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]

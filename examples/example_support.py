@@ -45,7 +45,7 @@ def server_target(args: argparse.Namespace) -> Iterator[str]:
         yield str(args.target)
         return
     # Imported only here: the server package (torch, tinker) is not needed to talk to a remote server.
-    from tinkerrpc_server.stack import LocalStack
+    from tinkerrpc_server.local.stack import LocalStack
 
     with tempfile.TemporaryDirectory(prefix="tinkerrpc-example-") as work:
         print(f"starting a local tinkerrpc serve (log: {work}/serve.log) ...", flush=True)
@@ -56,7 +56,7 @@ def server_target(args: argparse.Namespace) -> Iterator[str]:
 @contextmanager
 def local_sidecar(grpc_target: str, log_path: Path, api_key: str | None = None) -> Iterator[str]:
     """Run the OpenAI-compatible sidecar for `grpc_target` on a free port; yields its `/v1` base URL."""
-    from tinkerrpc_server.stack import LocalSidecar
+    from tinkerrpc_server.local.stack import LocalSidecar
 
     with LocalSidecar(grpc_target, log_path, api_key) as sidecar:
         yield sidecar.openai_base_url

@@ -7,12 +7,22 @@ The drift test calls this with a temporary --out and compares the result with th
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTO_ROOT = ROOT / "protos"
+
+
+def _plugins() -> dict[str, Path]:
+    """mypy-protobuf's two plugins, taken from the interpreter's own environment (never from PATH, which
+    need not contain an unactivated venv's bin/)."""
+    bin_dir = Path(sys.executable).parent
+    plugins = {name: bin_dir / name for name in ("protoc-gen-mypy", "protoc-gen-mypy_grpc")}
+    missing = [name for name, path in plugins.items() if not path.exists()]
+    if missing:
+        sys.exit(f"{', '.join(missing)} not found in {bin_dir}: pip install -e '.[dev]'")
+    return plugins
 
 
 def generate(out_root: Path) -> list[Path]:
@@ -29,6 +39,7 @@ def generate(out_root: Path) -> list[Path]:
     package_dir.mkdir(parents=True, exist_ok=True)
     args = [
         "grpc_tools.protoc",
+        *(f"--plugin={name}={path}" for name, path in _plugins().items()),
         f"-I{PROTO_ROOT}",
         f"-I{well_known}",
         f"--python_out={out_root}",
@@ -48,8 +59,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=ROOT / "client")
     args = parser.parse_args()
-    if shutil.which("protoc-gen-mypy") is None:
-        sys.exit("protoc-gen-mypy not found: pip install -e '.[dev]'")
     for path in generate(args.out):
         print(path.relative_to(args.out))
 

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tinkerrpc_server.local.stack import AUTH_TOKEN_ENV, SIDECAR_API_KEY_ENV
 from tinkerrpc_server.service.limits import add_limit_arguments, limits_from_args
-from tinkerrpc_server.stack import AUTH_TOKEN_ENV, SIDECAR_API_KEY_ENV
 
 if TYPE_CHECKING:
-    from tinkerrpc_server.service.engine_process import EmbeddedEngine
+    from tinkerrpc_server.local.engine_process import EmbeddedEngine
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -71,8 +71,8 @@ def _auth_token(args: argparse.Namespace) -> str | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from tinkerrpc_server.local.engine_process import EmbeddedEngine, probe_data_dir
     from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
-    from tinkerrpc_server.service.engine_process import EmbeddedEngine, probe_data_dir
 
     # Before the heavy imports: an unusable data dir is one line in a fraction of a second.
     problem = probe_data_dir(args.data_dir)

@@ -319,7 +319,7 @@ async def run_demo_against(target: str, sidecar_url: str, config: DemoConfig, st
 
 def run_demo(config: DemoConfig) -> DemoSummary:
     """Start the stack in child processes, run the demo, stop the stack, write the outputs."""
-    from tinkerrpc_server.stack import LocalStack
+    from tinkerrpc_server.local.stack import LocalStack
 
     started = time.monotonic()
     config.out_dir.mkdir(parents=True, exist_ok=True)

@@ -15,9 +15,9 @@ from grpc_reflection.v1alpha import reflection
 
 from tinkerrpc.v1 import trainer_service_pb2, trainer_service_pb2_grpc
 from tinkerrpc_server.auth import BearerTokenInterceptor
+from tinkerrpc_server.local.engine_process import BackendStartError, EmbeddedEngine, probe_data_dir
 from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
 from tinkerrpc_server.service.backend import connect_backend
-from tinkerrpc_server.service.engine_process import BackendStartError, EmbeddedEngine, probe_data_dir
 from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.rendering import TextCache
 from tinkerrpc_server.service.servicer import TrainerService

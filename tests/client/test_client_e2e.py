@@ -14,7 +14,7 @@ import pytest
 
 import tinkerrpc
 from tinkerrpc.v1 import trainer_service_pb2 as service_pb
-from tinkerrpc_server.stack import LocalStack
+from tinkerrpc_server.local.stack import LocalStack
 
 TINY = "tinkerrpc/tiny-chat"
 PROMPT = [tinkerrpc.Message.user("respond with yes or no")]

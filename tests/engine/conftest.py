@@ -10,7 +10,7 @@ import pytest
 import tinker
 from engine_proc import start_engine
 
-from tinkerrpc_server.stack import LocalEngine
+from tinkerrpc_server.local.stack import LocalEngine
 
 
 @pytest.fixture(scope="session")

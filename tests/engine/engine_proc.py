@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tinkerrpc_server.local.stack import LocalEngine
 from tinkerrpc_server.model_store import TINY_CHAT
-from tinkerrpc_server.stack import LocalEngine
 
 TINY = TINY_CHAT
 

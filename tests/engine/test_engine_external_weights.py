@@ -20,7 +20,7 @@ from tinker import types
 from transformers import AutoModelForCausalLM
 
 from tinkerrpc_server.engine.app import Forbidden, check_file_signature, sign_file
-from tinkerrpc_server.stack import LocalEngine
+from tinkerrpc_server.local.stack import LocalEngine
 
 DATA = [
     types.Datum(

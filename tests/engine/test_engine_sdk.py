@@ -17,7 +17,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from transformers import AutoModelForCausalLM
 
-from tinkerrpc_server.stack import LocalEngine
+from tinkerrpc_server.local.stack import LocalEngine
 
 ADAM = types.AdamParams(learning_rate=1e-2)
 

@@ -17,8 +17,8 @@ from tinker import types
 from tinker_cookbook import renderers
 from tinker_cookbook.tokenizer_utils import get_tokenizer
 
+from tinkerrpc_server.local.stack import LocalEngine
 from tinkerrpc_server.model_store import ANSWER_WORDS, answer_format_prompt
-from tinkerrpc_server.stack import LocalEngine
 
 BATCH_SIZE = 32
 EVAL_SAMPLES = 48

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tinkerrpc_server.stack import LocalStack
+from tinkerrpc_server.local.stack import LocalStack
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))

@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from tinkerrpc.v1 import trainer_service_pb2
-from tinkerrpc_server.stack import LocalStack
+from tinkerrpc_server.local.stack import LocalStack
 
 SERVICE = "tinkerrpc.v1.TrainerService"
 

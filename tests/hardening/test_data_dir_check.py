@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tinkerrpc_server.stack import free_port, tinkerrpc_command
+from tinkerrpc_server.local.stack import free_port, tinkerrpc_command
 
 START_TIMEOUT = 120.0
 

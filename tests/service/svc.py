@@ -13,7 +13,7 @@ from grpc_status import rpc_status
 
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import trainer_service_pb2_grpc, types_pb2
-from tinkerrpc_server.stack import LocalStack
+from tinkerrpc_server.local.stack import LocalStack
 
 TINY = "tinkerrpc/tiny-chat"
 START_TIMEOUT = 240.0

@@ -8,7 +8,7 @@ import pytest
 from sidecar_support import Sidecar, Stack, start_sidecar
 
 import tinkerrpc
-from tinkerrpc_server.stack import LocalStack, free_port
+from tinkerrpc_server.local.stack import LocalStack, free_port
 
 
 @pytest.fixture(scope="module")

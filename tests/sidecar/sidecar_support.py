@@ -10,7 +10,7 @@ import httpx
 import openai
 
 import tinkerrpc
-from tinkerrpc_server.stack import LocalSidecar
+from tinkerrpc_server.local.stack import LocalSidecar
 
 API_KEY = "sk-sidecar-test"
 

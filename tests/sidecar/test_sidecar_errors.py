@@ -10,8 +10,8 @@ import openai
 import pytest
 from sidecar_support import API_KEY, Sidecar
 
+from tinkerrpc_server.local.stack import free_port
 from tinkerrpc_server.sidecar.app import serve_sidecar
-from tinkerrpc_server.stack import free_port
 
 
 def client(sidecar: Sidecar, *, key: str = API_KEY, max_retries: int = 0) -> openai.OpenAI:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import tinker
 
-from tinkerrpc_server.service.engine_process import EmbeddedEngine
+from tinkerrpc_server.local.engine_process import EmbeddedEngine
 
 log = logging.getLogger("tinkerrpc.backend")
 

@@ -45,10 +45,10 @@ from google.protobuf import timestamp_pb2
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import trainer_service_pb2_grpc, types_pb2
 from tinkerrpc_server import model_store
+from tinkerrpc_server.local.engine_process import BackendStartError
 from tinkerrpc_server.service import errors
 from tinkerrpc_server.service.backend import Backend
 from tinkerrpc_server.service.datums import Batch, rl_batch, sft_batch
-from tinkerrpc_server.service.engine_process import BackendStartError
 from tinkerrpc_server.service.errors import ServiceError, Violations
 from tinkerrpc_server.service.limits import Limits, flag_of
 from tinkerrpc_server.service.rendering import (

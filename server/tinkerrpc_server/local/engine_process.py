@@ -86,7 +86,7 @@ class EmbeddedEngine:
         cmd = [
             sys.executable,
             "-m",
-            "tinkerrpc_server.service.engine_child",
+            "tinkerrpc_server.local.engine_child",
             str(os.getpid()),
             "engine",
             "--host",

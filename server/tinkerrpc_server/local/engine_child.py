@@ -1,4 +1,4 @@
-"""Entry point of the embedded engine child: `python -m tinkerrpc_server.service.engine_child PARENT_PID
+"""Entry point of the embedded engine child: `python -m tinkerrpc_server.local.engine_child PARENT_PID
 engine ...`. It asks the kernel to SIGKILL it when the server dies (even by SIGKILL), then runs the CLI.
 
 Set here rather than in a preexec_fn: a preexec_fn forces a plain fork() that runs Python and gRPC's
