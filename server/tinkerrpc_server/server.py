@@ -19,7 +19,7 @@ from tinkerrpc_server.local.engine_process import BackendStartError, EmbeddedEng
 from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
 from tinkerrpc_server.service.backend import connect_backend
 from tinkerrpc_server.service.limits import Limits
-from tinkerrpc_server.service.rendering import TextCache
+from tinkerrpc_server.service.rendering import ChatCodecs
 from tinkerrpc_server.service.servicer import TrainerService
 from tinkerrpc_server.service.store import Store
 
@@ -65,10 +65,10 @@ async def serve(config: ServerConfig, engine: EmbeddedEngine | None) -> int:
         log.error("cannot start: %s", problem)
         return 1
     store = Store(config.data_dir / "tinkerrpc.sqlite3")
-    texts = TextCache(config.model_dir, allow_remote_tokenizers=engine is None)
+    codecs = ChatCodecs(config.model_dir, allow_remote_tokenizers=engine is None)
     # Tokenizers load while the engine boots.
     preload = asyncio.create_task(
-        asyncio.to_thread(texts.preload, [(m.base_model, m.renderer) for m in store.list_models()])
+        asyncio.to_thread(codecs.preload, [(m.base_model, m.renderer) for m in store.list_models()])
     )
     try:
         backend = await connect_backend(engine, config.tinker_url)
@@ -81,7 +81,7 @@ async def serve(config: ServerConfig, engine: EmbeddedEngine | None) -> int:
         checkpoint_every = config.checkpoint_every or (
             DEFAULT_CHECKPOINT_EVERY_EMBEDDED if backend.embedded else DEFAULT_CHECKPOINT_EVERY_TINKER
         )
-        return await _serve(config, TrainerService(store, backend, texts, checkpoint_every, config.limits))
+        return await _serve(config, TrainerService(store, backend, codecs, checkpoint_every, config.limits))
     finally:
         backend.close()
         store.close()

@@ -12,7 +12,7 @@ from tinker_cookbook.renderers import TrainOnWhat
 
 from tinkerrpc.v1 import trainer_service_pb2, types_pb2
 from tinkerrpc_server.service.errors import STALE_POLICY_VERSION, Violations, failed_precondition
-from tinkerrpc_server.service.rendering import ModelText, to_cookbook_messages
+from tinkerrpc_server.service.rendering import ChatCodec, to_cookbook_messages
 
 STD_EPSILON = 1e-6
 
@@ -47,7 +47,7 @@ def _staleness(trajectory: types_pb2.Trajectory, current_version: int) -> int:
     return current_version - min(turn.policy_version for turn in trajectory.turns)
 
 
-def _turn_prompt(trajectory: types_pb2.Trajectory, turn_index: int, text: ModelText) -> list[int]:
+def _turn_prompt(trajectory: types_pb2.Trajectory, turn_index: int, codec: ChatCodec) -> list[int]:
     """The turn's prompt ids, or (only when it carries none) the conversation before its assistant message,
     re-rendered with the model's renderer."""
     turn = trajectory.turns[turn_index]
@@ -56,7 +56,7 @@ def _turn_prompt(trajectory: types_pb2.Trajectory, turn_index: int, text: ModelT
     assistant_positions = [i for i, m in enumerate(trajectory.messages) if m.role == types_pb2.ROLE_ASSISTANT]
     history = to_cookbook_messages(list(trajectory.messages[: assistant_positions[turn_index]]))
     return list(
-        text.renderer.build_generation_prompt(text.with_tools(history, list(trajectory.tools))).to_ints()
+        codec.renderer.build_generation_prompt(codec.with_tools(history, list(trajectory.tools))).to_ints()
     )
 
 
@@ -82,7 +82,7 @@ def _rl_datum(prompt: list[int], turn: types_pb2.SampledTurn, advantage: float) 
     )
 
 
-def rl_batch(request: trainer_service_pb2.TrainRequest, current_version: int, text: ModelText) -> Batch:
+def rl_batch(request: trainer_service_pb2.TrainRequest, current_version: int, codec: ChatCodec) -> Batch:
     batch = Batch()
     rewards = [t.reward for g in request.groups for t in g.trajectories]
     batch.mean_reward = sum(rewards) / len(rewards)
@@ -123,12 +123,12 @@ def rl_batch(request: trainer_service_pb2.TrainRequest, current_version: int, te
             continue
         for (t, trajectory), advantage in zip(fresh, advantages, strict=True):
             for k, turn in enumerate(trajectory.turns):
-                prompt = _turn_prompt(trajectory, k, text)
+                prompt = _turn_prompt(trajectory, k, codec)
                 length = len(prompt) + len(turn.completion_token_ids)
-                if length > text.max_context_length:
+                if length > codec.max_context_length:
                     violations.add(
                         f"groups[{g}].trajectories[{t}].turns[{k}]",
-                        f"{length} tokens exceed the model's context of {text.max_context_length}",
+                        f"{length} tokens exceed the model's context of {codec.max_context_length}",
                     )
                     continue
                 batch.datums.append(_rl_datum(prompt, turn, advantage))
@@ -146,19 +146,19 @@ _TRAIN_ON = {
 }
 
 
-def sft_batch(request: trainer_service_pb2.TrainRequest, text: ModelText) -> Batch:
+def sft_batch(request: trainer_service_pb2.TrainRequest, codec: ChatCodec) -> Batch:
     batch = Batch()
     violations = Violations()
     for e, example in enumerate(request.examples):
-        messages = text.with_tools(to_cookbook_messages(list(example.messages)), list(example.tools))
-        for model_input, weights in text.renderer.build_supervised_examples(
+        messages = codec.with_tools(to_cookbook_messages(list(example.messages)), list(example.tools))
+        for model_input, weights in codec.renderer.build_supervised_examples(
             messages, _TRAIN_ON[example.train_on]
         ):
             tokens = model_input.to_ints()
-            if len(tokens) > text.max_context_length:
+            if len(tokens) > codec.max_context_length:
                 violations.add(
                     f"examples[{e}]",
-                    f"{len(tokens)} tokens exceed the model's context of {text.max_context_length}",
+                    f"{len(tokens)} tokens exceed the model's context of {codec.max_context_length}",
                 )
                 continue
             target_weights = [float(w) for w in weights.tolist()[1:]]

@@ -36,8 +36,8 @@ class UnknownRendererError(ValueError):
 
 
 @dataclass(frozen=True)
-class ModelText:
-    """Everything that turns text into tokens and back for one model."""
+class ChatCodec:
+    """One model's tokenizer and chat renderer: what turns messages and text into tokens and back."""
 
     tokenizer: Tokenizer
     renderer: Renderer
@@ -109,13 +109,13 @@ def _context_length(local_dir: Path | None, tokenizer: Tokenizer) -> int:
     return FALLBACK_CONTEXT_LENGTH
 
 
-class TextCache:
-    """Loads each (base model, renderer) pair once."""
+class ChatCodecs:
+    """The codec of each (base model, renderer) pair, loaded once."""
 
     def __init__(self, model_dir: Path, allow_remote_tokenizers: bool) -> None:
         self._model_dir = model_dir
         self._allow_remote = allow_remote_tokenizers
-        self._cache: dict[tuple[str, str], ModelText] = {}
+        self._cache: dict[tuple[str, str], ChatCodec] = {}
 
     def preload(self, models: list[tuple[str, str]]) -> None:
         """Load these (base model, renderer) pairs now, or at least the tokenizer machinery, so the first
@@ -125,8 +125,8 @@ class TextCache:
         if not models:
             import transformers  # noqa: F401 - the import itself is the warm-up
 
-    def get(self, base_model: str, renderer_name: str = "") -> ModelText:
-        """The model's text tools; an empty renderer name means the recommended one for the base model.
+    def get(self, base_model: str, renderer_name: str = "") -> ChatCodec:
+        """The model's codec; an empty renderer name means the recommended one for the base model.
         Raises model_store.UnknownBaseModelError or UnknownRendererError for bad names."""
         key = (base_model, renderer_name)
         cached = self._cache.get(key)
@@ -145,15 +145,15 @@ class TextCache:
             renderer = renderers.get_renderer(renderer_name, tokenizer)
         except (ValueError, KeyError, NotImplementedError) as err:
             raise UnknownRendererError(f"unknown renderer {renderer_name!r}: {err}") from err
-        text = ModelText(
+        codec = ChatCodec(
             tokenizer=tokenizer,
             renderer=renderer,
             renderer_name=renderer_name,
             vocab_size=len(tokenizer),
             max_context_length=_context_length(local_dir, tokenizer),
         )
-        self._cache[key] = text
-        return text
+        self._cache[key] = codec
+        return codec
 
 
 def to_cookbook_messages(messages: list[types_pb2.Message]) -> list[renderers.Message]:

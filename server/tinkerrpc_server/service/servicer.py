@@ -52,8 +52,8 @@ from tinkerrpc_server.service.datums import Batch, rl_batch, sft_batch
 from tinkerrpc_server.service.errors import ServiceError, Violations
 from tinkerrpc_server.service.limits import Limits, flag_of
 from tinkerrpc_server.service.rendering import (
-    ModelText,
-    TextCache,
+    ChatCodec,
+    ChatCodecs,
     UnknownRendererError,
     check_messages,
     check_tools,
@@ -251,11 +251,11 @@ def _adam(adam: types_pb2.AdamParams) -> tinker.types.AdamParams:
 
 class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
     def __init__(
-        self, store: Store, backend: Backend, texts: TextCache, checkpoint_every: int, limits: Limits
+        self, store: Store, backend: Backend, codecs: ChatCodecs, checkpoint_every: int, limits: Limits
     ) -> None:
         self._store = store
         self._backend = backend
-        self._texts = texts
+        self._codecs = codecs
         self._checkpoint_every = checkpoint_every
         self._limits = limits
         # Engine supervision: calls in flight (cancelled when the engine dies), those cancelled that way,
@@ -288,8 +288,8 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
             raise errors.not_found(MODEL_RESOURCE, name, f"model {name!r} not found")
         return runtime
 
-    async def _text(self, row: ModelRow) -> ModelText:
-        return await asyncio.to_thread(self._texts.get, row.base_model, row.renderer)
+    async def _codec(self, row: ModelRow) -> ChatCodec:
+        return await asyncio.to_thread(self._codecs.get, row.base_model, row.renderer)
 
     def _model_info(self, row: ModelRow) -> types_pb2.ModelInfo:
         return types_pb2.ModelInfo(
@@ -473,7 +473,7 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
         self, request: pb.CreateModelRequest, runtime: ModelRuntime
     ) -> pb.CreateModelResponse:
         try:
-            text = await asyncio.to_thread(self._texts.get, request.base_model, request.renderer)
+            codec = await asyncio.to_thread(self._codecs.get, request.base_model, request.renderer)
         except model_store.UnknownBaseModelError as err:
             raise errors.invalid_argument([("base_model", str(err))]) from err
         except UnknownRendererError as err:
@@ -499,10 +499,10 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
             name=request.name,
             base_model=request.base_model,
             lora_rank=rank,
-            renderer=text.renderer_name,
+            renderer=codec.renderer_name,
             seed=seed,
-            vocab_size=text.vocab_size,
-            max_context_length=text.max_context_length,
+            vocab_size=codec.vocab_size,
+            max_context_length=codec.max_context_length,
             create_time=now,
             tinker_run_id=str(client.model_id),
             policy_version=0,
@@ -584,10 +584,10 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
                     replay.replayed = True
                     return replay
             _check_expected_version(row, request)
-            text = await self._text(row)
-            check_train_request(request, row.policy_version, text.vocab_size)
+            codec = await self._codec(row)
+            check_train_request(request, row.policy_version, codec.vocab_size)
             batch = (
-                rl_batch(request, row.policy_version, text) if request.groups else sft_batch(request, text)
+                rl_batch(request, row.policy_version, codec) if request.groups else sft_batch(request, codec)
             )
             if not batch.datums:
                 raise errors.failed_precondition(
@@ -983,10 +983,10 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
                 f"model {row.name!r} has no sampleable version {version} "
                 f"(sampleable: {self._store.sampleable_versions(row.name)})",
             )
-        text = await self._text(row)
-        prompt = self._sample_prompt(request, text)
+        codec = await self._codec(row)
+        prompt = self._sample_prompt(request, codec)
         params = request.params
-        sampling_params = self._sampling_params(params, len(prompt), text)
+        sampling_params = self._sampling_params(params, len(prompt), codec)
         client = await self._sampling_client(path)
         result = await client.sample(
             tinker.types.ModelInput.from_ints(prompt),
@@ -995,12 +995,12 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
             include_prompt_logprobs=params.include_prompt_logprobs,
         )
         sequences = [
-            self._sampled_sequence(seq.tokens, seq.logprobs or [], seq.stop_reason, request, version, text)
+            self._sampled_sequence(seq.tokens, seq.logprobs or [], seq.stop_reason, request, version, codec)
             for seq in result.sequences
         ]
         if params.top_logprobs > 0:
             await asyncio.gather(
-                *(self._fill_top_logprobs(client, prompt, seq, params, text) for seq in sequences)
+                *(self._fill_top_logprobs(client, prompt, seq, params, codec) for seq in sequences)
             )
         response = pb.SampleResponse(
             sequences=sequences, prompt_token_ids=prompt, policy_version=version, model=row.name
@@ -1011,7 +1011,7 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
             )
         return response
 
-    def _sample_prompt(self, request: pb.SampleRequest, text: ModelText) -> list[int]:
+    def _sample_prompt(self, request: pb.SampleRequest, codec: ChatCodec) -> list[int]:
         v = Violations()
         kind = request.WhichOneof("prompt")
         prompt: list[int] = []
@@ -1023,20 +1023,20 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
             for field_name, description in check_tools(list(request.chat.tools), "chat.tools"):
                 v.add(field_name, description)
             v.raise_if_any()
-            messages = text.with_tools(
+            messages = codec.with_tools(
                 to_cookbook_messages(list(request.chat.messages)), list(request.chat.tools)
             )
-            prompt = list(text.renderer.build_generation_prompt(messages).to_ints())
+            prompt = list(codec.renderer.build_generation_prompt(messages).to_ints())
         elif kind == "tokens":
             prompt = list(request.tokens.token_ids)
-            bad = next((i for i, t in enumerate(prompt) if not 0 <= t < text.vocab_size), None)
+            bad = next((i for i, t in enumerate(prompt) if not 0 <= t < codec.vocab_size), None)
             if bad is not None:
                 v.add(
                     "tokens.token_ids",
-                    f"token id {prompt[bad]} at index {bad} is outside the vocabulary [0, {text.vocab_size})",
+                    f"token id {prompt[bad]} at index {bad} is outside the vocabulary [0, {codec.vocab_size})",
                 )
         elif kind == "text":
-            prompt = list(text.tokenizer.encode(request.text, add_special_tokens=False))
+            prompt = list(codec.tokenizer.encode(request.text, add_special_tokens=False))
         else:
             v.add("prompt", "give chat, tokens or text")
         if kind is not None and not prompt:
@@ -1045,7 +1045,7 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
         return prompt
 
     def _sampling_params(
-        self, params: types_pb2.SamplingParams, prompt_length: int, text: ModelText
+        self, params: types_pb2.SamplingParams, prompt_length: int, codec: ChatCodec
     ) -> tinker.types.SamplingParams:
         v = Violations()
         limits = self._limits
@@ -1056,8 +1056,8 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
                 "params.n",
                 f"{params.n} is over this server's limit of {limits.max_sample_n} (--max-sample-n)",
             )
-        if prompt_length >= text.max_context_length:
-            v.add("prompt", f"{prompt_length} tokens fill the model's context of {text.max_context_length}")
+        if prompt_length >= codec.max_context_length:
+            v.add("prompt", f"{prompt_length} tokens fill the model's context of {codec.max_context_length}")
         if params.max_tokens <= 0:
             v.add("params.max_tokens", "must be > 0 (it is required)")
         elif params.max_tokens > limits.max_sample_tokens:
@@ -1066,11 +1066,11 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
                 f"{params.max_tokens} is over this server's limit of {limits.max_sample_tokens} "
                 "(--max-sample-tokens)",
             )
-        elif prompt_length + params.max_tokens > text.max_context_length:
+        elif prompt_length + params.max_tokens > codec.max_context_length:
             v.add(
                 "params.max_tokens",
                 f"prompt ({prompt_length}) + max_tokens ({params.max_tokens}) exceed the context of "
-                f"{text.max_context_length}",
+                f"{codec.max_context_length}",
             )
         if params.HasField("temperature") and not (
             math.isfinite(params.temperature) and params.temperature >= 0
@@ -1082,20 +1082,20 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
             v.add("params.top_k", "must be >= 0 (0 = off)")
         if params.top_logprobs < 0:
             v.add("params.top_logprobs", "must be >= 0")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < text.vocab_size]
+        bad = [t for t in params.stop_token_ids if not 0 <= t < codec.vocab_size]
         if bad:
             v.add(
-                "params.stop_token_ids", f"token ids {bad} are outside the vocabulary [0, {text.vocab_size})"
+                "params.stop_token_ids", f"token ids {bad} are outside the vocabulary [0, {codec.vocab_size})"
             )
         if any(not s for s in params.stop):
             v.add("params.stop", "stop strings must not be empty")
         v.raise_if_any()
         stop_tokens = list(params.stop_token_ids)
         if not params.ignore_default_stops:
-            stop_tokens += [t for t in text.default_stop_tokens() if t not in stop_tokens]
+            stop_tokens += [t for t in codec.default_stop_tokens() if t not in stop_tokens]
         # Tinker takes either stop strings or stop token ids: with both, tokens become their texts.
         stop: list[str] | list[int] = (
-            [*params.stop, *(text.token_text(t) for t in stop_tokens)] if params.stop else stop_tokens
+            [*params.stop, *(codec.token_text(t) for t in stop_tokens)] if params.stop else stop_tokens
         )
         return tinker.types.SamplingParams(
             max_tokens=params.max_tokens,
@@ -1113,22 +1113,22 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
         stop_reason: str,
         request: pb.SampleRequest,
         version: int,
-        text: ModelText,
+        codec: ChatCodec,
     ) -> types_pb2.SampledSequence:
         sequence = types_pb2.SampledSequence(
             token_ids=tokens,
             logprobs=logprobs,
-            text=text.decode(tokens),
+            text=codec.decode(tokens),
             stop_reason=types_pb2.STOP_REASON_LENGTH
             if stop_reason == "length"
             else types_pb2.STOP_REASON_STOP,
             policy_version=version,
         )
         if request.WhichOneof("prompt") == "chat":
-            message, _termination = text.renderer.parse_response(tokens)
+            message, _termination = codec.renderer.parse_response(tokens)
             sequence.message.CopyFrom(to_proto_message(message))
         if request.params.return_token_texts:
-            sequence.token_texts.extend(text.token_text(t) for t in tokens)
+            sequence.token_texts.extend(codec.token_text(t) for t in tokens)
         return sequence
 
     async def _fill_top_logprobs(
@@ -1137,7 +1137,7 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
         prompt: list[int],
         sequence: types_pb2.SampledSequence,
         params: types_pb2.SamplingParams,
-        text: ModelText,
+        codec: ChatCodec,
     ) -> None:
         """Top-k alternatives at each sampled position, from a prompt-logprobs pass over prompt + completion
         (a plain SDK call, so it works on Tinker itself too)."""
@@ -1158,4 +1158,4 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
                 token_ids=[t for t, _ in alternatives], logprobs=[lp for _, lp in alternatives]
             )
             if params.return_token_texts:
-                top.token_texts.extend(text.token_text(t) for t, _ in alternatives)
+                top.token_texts.extend(codec.token_text(t) for t, _ in alternatives)
