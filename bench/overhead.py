@@ -20,7 +20,8 @@ from tinker import types
 import tinkerrpc
 from bench.report import Figure
 from bench.workload import Settings, token_sequences
-from tinkerrpc_server.local.stack import LOCAL_API_KEY, LocalSidecar, LocalStack
+from tinkerrpc_server.local.processes import LOCAL_API_KEY
+from tinkerrpc_server.local.stack import LocalSidecar, LocalStack
 from tinkerrpc_server.model_store import TINY_CHAT
 
 STACK_GOAL = 1.15

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tinkerrpc_server.local.stack import AUTH_TOKEN_ENV, SIDECAR_API_KEY_ENV
 from tinkerrpc_server.service.limits import add_limit_arguments, limits_from_args
+from tinkerrpc_server.settings import (
+    AUTH_TOKEN_ENV,
+    SIDECAR_API_KEY_ENV,
+    configure_logging,
+    default_log_level,
+    set_process_defaults,
+)
 
 if TYPE_CHECKING:
     from tinkerrpc_server.local.engine_process import EmbeddedEngine
@@ -216,13 +221,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("TINKER_TELEMETRY", "0")
-    # Spinning OpenMP workers collapse when the cores are shared (engine, server, rollout workers
-    # on one machine): measured 2-8 s vs 0.2 s per tiny forward_backward under load. Must be set
-    # before torch loads; child processes (the engine) inherit it.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    set_process_defaults()
     parser = argparse.ArgumentParser(prog="tinkerrpc", description=__doc__)
-    parser.add_argument("--log-level", default=os.environ.get("TINKERRPC_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=default_log_level())
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_engine(sub)
@@ -230,11 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_export(sub)
     _add_demo(sub)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level)
     return int(args.func(args))
 
 

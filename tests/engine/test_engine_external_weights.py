@@ -20,6 +20,7 @@ from tinker import types
 from transformers import AutoModelForCausalLM
 
 from tinkerrpc_server.engine.app import Forbidden, check_file_signature, sign_file
+from tinkerrpc_server.local.processes import LOCAL_API_KEY
 from tinkerrpc_server.local.stack import LocalEngine
 
 DATA = [
@@ -201,7 +202,7 @@ def test_exports_survive_a_restart_and_old_urls_do_not(
     # A second engine on the same data dir (it only reads here) plays the restarted engine.
     second = start_engine(engine.data_dir, model_dir, tmp_path / "second.log")
     try:
-        rest = tinker.RestClient(base_url=second.base_url, api_key="tml-local")
+        rest = tinker.RestClient(base_url=second.base_url, api_key=LOCAL_API_KEY)
         listed = {c.tinker_path: c for c in rest.list_checkpoints(client.model_id).result().checkpoints}
         assert listed[path].checkpoint_type == "external"
         new_urls = rest.get_external_weights_urls(path).result().urls

@@ -10,6 +10,8 @@ import tinker
 from engine_proc import TINY, start_engine
 from tinker import types
 
+from tinkerrpc_server.local.processes import LOCAL_API_KEY
+
 DATA = [
     types.Datum(
         model_input=types.ModelInput.from_ints([12, 40, 41, 7, 9]),
@@ -46,7 +48,7 @@ def test_state_survives_an_engine_restart(tmp_path: Path, model_dir: Path) -> No
     second = start_engine(tmp_path / "data", model_dir, tmp_path / "second.log")
     try:
         with second.service_client() as service:
-            rest = tinker.RestClient(base_url=second.base_url, api_key="tml-local")
+            rest = tinker.RestClient(base_url=second.base_url, api_key=LOCAL_API_KEY)
             assert client.model_id in {
                 r.training_run_id for r in rest.list_training_runs().result().training_runs
             }

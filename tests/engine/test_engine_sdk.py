@@ -17,6 +17,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from transformers import AutoModelForCausalLM
 
+from tinkerrpc_server.local.processes import LOCAL_API_KEY
 from tinkerrpc_server.local.stack import LocalEngine
 
 ADAM = types.AdamParams(learning_rate=1e-2)
@@ -207,7 +208,7 @@ def _post_proto(engine: LocalEngine, request: types.ForwardBackwardRequest) -> s
     response = httpx.post(
         f"{engine.base_url}/api/v1/forward_backward",
         content=body,
-        headers={"Content-Type": "application/x-protobuf", "X-API-Key": "tml-local"},
+        headers={"Content-Type": "application/x-protobuf", "X-API-Key": LOCAL_API_KEY},
     )
     response.raise_for_status()
     return str(response.json()["request_id"])
@@ -324,7 +325,7 @@ def test_rest_client_lists_runs_and_deletes_checkpoints(
     client = new_model(service, seed=2)
     state = client.save_state("kept").result().path
     doomed = client.save_weights_for_sampler("doomed").result().path
-    rest = tinker.RestClient(base_url=engine.base_url, api_key="tml-local")
+    rest = tinker.RestClient(base_url=engine.base_url, api_key=LOCAL_API_KEY)
 
     runs = {r.training_run_id: r for r in rest.list_training_runs(limit=100).result().training_runs}
     assert runs[client.model_id].base_model == TINY and runs[client.model_id].lora_rank == 4

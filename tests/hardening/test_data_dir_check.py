@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from tinkerrpc_server.local.stack import free_port, tinkerrpc_command
+from tinkerrpc_server.local.processes import free_port
+from tinkerrpc_server.local.stack import tinkerrpc_command
 
 START_TIMEOUT = 120.0
 

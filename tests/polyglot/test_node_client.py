@@ -15,7 +15,8 @@ import grpc
 import pytest
 
 from tinkerrpc.v1 import trainer_service_pb2, trainer_service_pb2_grpc
-from tinkerrpc_server.local.stack import LocalStack, free_port
+from tinkerrpc_server.local.processes import free_port
+from tinkerrpc_server.local.stack import LocalStack
 
 NODE_DIR = Path(__file__).parent
 NPM_CI_TIMEOUT_S = 300

@@ -8,7 +8,8 @@ import pytest
 from sidecar_support import Sidecar, Stack, start_sidecar
 
 import tinkerrpc
-from tinkerrpc_server.local.stack import LocalStack, free_port
+from tinkerrpc_server.local.processes import free_port
+from tinkerrpc_server.local.stack import LocalStack
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import openai
 import pytest
 from sidecar_support import API_KEY, Sidecar
 
-from tinkerrpc_server.local.stack import free_port
+from tinkerrpc_server.local.processes import free_port
 from tinkerrpc_server.sidecar.app import serve_sidecar
 
 

@@ -1,5 +1,7 @@
-"""Entry point of the embedded engine child: `python -m tinkerrpc_server.local.engine_child PARENT_PID
-engine ...`. It asks the kernel to SIGKILL it when the server dies (even by SIGKILL), then runs the CLI.
+"""Entry point of the embedded engine child, started by `EmbeddedEngine`:
+`python -m tinkerrpc_server.local.engine_child --parent-pid PID --host H --port P --data-dir D --model-dir M`.
+
+It asks the kernel to SIGKILL it when the server dies (even by SIGKILL), then runs the engine.
 
 Set here rather than in a preexec_fn: a preexec_fn forces a plain fork() that runs Python and gRPC's
 fork handlers in the child, which abort it when the server forks while gRPC threads are busy (an engine
@@ -8,23 +10,40 @@ restart). Without one the child is spawned by vfork and runs no code before exec
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import os
 import signal
 import sys
+from pathlib import Path
+
+from tinkerrpc_server.settings import configure_logging, default_log_level, set_process_defaults
 
 _PR_SET_PDEATHSIG = 1
 
 
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tinkerrpc_server.local.engine_child")
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--data-dir", type=Path, required=True)
+    parser.add_argument("--model-dir", type=Path, required=True)
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str]) -> int:
-    parent_pid = int(argv[0])
+    args = _parse(argv)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:
+    if os.getppid() != args.parent_pid:
         return 1  # the server died before the signal was armed
-    from tinkerrpc_server.cli import main as cli_main
+    set_process_defaults()
+    configure_logging(default_log_level())
+    from tinkerrpc_server.engine.app import run_engine  # after the defaults: it imports torch
 
-    return cli_main(argv[1:])
+    run_engine(args.host, args.port, args.data_dir, args.model_dir)
+    return 0
 
 
 if __name__ == "__main__":

@@ -7,12 +7,12 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
+
+from tinkerrpc_server.local.processes import ENGINE_HEALTH_PATH, free_port, http_ok, stop_process
 
 log = logging.getLogger("tinkerrpc.backend")
 
@@ -22,24 +22,6 @@ _PROBE_BYTES = 64 * 1024
 
 class BackendStartError(RuntimeError):
     """The backend could not be started or reached."""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-# Loopback health checks must not go through an HTTP proxy from the environment.
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with _DIRECT.open(f"{url}/api/v1/healthz", timeout=2) as response:
-            return int(response.status) == 200
-    except OSError:
-        return False
 
 
 def probe_data_dir(directory: Path) -> str | None:
@@ -81,14 +63,14 @@ class EmbeddedEngine:
     def respawn(self) -> None:
         """Start the child (again) on a fresh port; a still running previous child is stopped first."""
         self.stop()
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [
             sys.executable,
             "-m",
             "tinkerrpc_server.local.engine_child",
+            "--parent-pid",
             str(os.getpid()),
-            "engine",
             "--host",
             "127.0.0.1",
             "--port",
@@ -119,7 +101,7 @@ class EmbeddedEngine:
                 raise BackendStartError(
                     f"embedded engine exited with code {self.process.returncode} before becoming healthy"
                 )
-            if await asyncio.to_thread(_healthy, self.url):
+            if await asyncio.to_thread(http_ok, f"{self.url}{ENGINE_HEALTH_PATH}"):
                 log.info("embedded engine healthy on %s", self.url)
                 return
             await asyncio.sleep(0.1)
@@ -127,11 +109,5 @@ class EmbeddedEngine:
         raise BackendStartError(f"embedded engine not healthy on {self.url} after {timeout:.0f}s")
 
     def stop(self, grace: float = 5.0) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(grace)
-            except subprocess.TimeoutExpired:
-                log.warning("embedded engine did not stop after SIGTERM; killing it")
-                self.process.kill()
-                self.process.wait(5)
+        if self.process is not None:
+            stop_process(self.process, grace)

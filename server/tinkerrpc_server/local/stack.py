@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,36 +17,24 @@ from typing import TYPE_CHECKING, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tinkerrpc_server.local.processes import (
+    ENGINE_HEALTH_PATH,
+    LOCAL_API_KEY,
+    free_port,
+    http_ok,
+    stop_process,
+)
+from tinkerrpc_server.settings import SIDECAR_API_KEY_ENV
+
 if TYPE_CHECKING:
     import tinker
 
-# The engine takes any key of the tinker SDK's shape; the SDK insists on one.
-LOCAL_API_KEY = "tml-local"
-
 ProcessT = TypeVar("ProcessT", bound="LocalProcess")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return bool(response.status == 200)
-    except OSError:  # refused while it boots, or an HTTP error status
-        return False
 
 
 def tinkerrpc_command(*args: str) -> list[str]:
     """The `tinkerrpc` command line run with this interpreter (the console script may not be on PATH)."""
     return [sys.executable, "-m", "tinkerrpc_server.cli", *args]
-
-
-SIDECAR_API_KEY_ENV = "TINKERRPC_SIDECAR_API_KEY"
-AUTH_TOKEN_ENV = "TINKERRPC_AUTH_TOKEN"
 
 
 class LocalProcess:
@@ -102,14 +88,7 @@ class LocalProcess:
         """Stop the process; its exit code (None if it never started)."""
         if self._proc is None:
             return None
-        if self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGTERM)
-            try:
-                self._proc.wait(stop_timeout)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(10)
-        return self._proc.returncode
+        return stop_process(self._proc, stop_timeout)
 
     def wait(self, timeout: float) -> int:
         """Wait for the process to exit by itself; its exit code."""
@@ -182,7 +161,7 @@ class LocalStack(LocalProcess):
         if response.status != health_pb2.HealthCheckResponse.SERVING:
             return False
         # The hosted sidecar starts once the server serves; its /health needs no key.
-        return self.sidecar_url is None or _http_ok(f"{self.sidecar_url}/health")
+        return self.sidecar_url is None or http_ok(f"{self.sidecar_url}/health")
 
 
 class LocalEngine(LocalProcess):
@@ -201,7 +180,7 @@ class LocalEngine(LocalProcess):
         )
 
     def is_ready(self) -> bool:
-        return _http_ok(f"{self.base_url}/api/v1/healthz")
+        return http_ok(f"{self.base_url}{ENGINE_HEALTH_PATH}")
 
     def service_client(self) -> tinker.ServiceClient:
         import tinker  # imported here: the other processes' users need no tinker SDK
@@ -230,4 +209,4 @@ class LocalSidecar(LocalProcess):
         super().__init__(args, log_path, startup_timeout, env)
 
     def is_ready(self) -> bool:
-        return _http_ok(f"{self.base_url}/metrics")
+        return http_ok(f"{self.base_url}/metrics")

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import tinker
 
 from tinkerrpc_server.local.engine_process import EmbeddedEngine
+from tinkerrpc_server.local.processes import LOCAL_API_KEY
 
 log = logging.getLogger("tinkerrpc.backend")
 
-LOCAL_API_KEY = "tml-local"
 ENGINE_STARTUP_TIMEOUT = 180.0
 
 
