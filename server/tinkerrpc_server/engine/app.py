@@ -25,7 +25,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from types import FrameType
 from typing import Any
 from urllib.parse import quote
 
@@ -57,6 +56,7 @@ from tinkerrpc_server.engine.storage import (
     validate_checkpoint_name,
 )
 from tinkerrpc_server.engine.worker import ComputeWorker
+from tinkerrpc_server.local.uvicorn_serving import serve_until_signalled
 from tinkerrpc_server.model_store import TINY_CHAT, UnknownBaseModelError, resolve_base_model
 
 log = logging.getLogger("tinkerrpc.engine")
@@ -799,14 +799,6 @@ def create_app(data_dir: Path, model_dir: Path) -> FastAPI:
     return app
 
 
-class _EngineServer(uvicorn.Server):
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        super().handle_exit(sig, frame)
-        # uvicorn re-raises a captured SIGTERM/SIGINT after its graceful shutdown, which would make the
-        # process die by the signal; the engine exits 0 after a requested shutdown instead.
-        self._captured_signals.clear()
-
-
 def run_engine(host: str, port: int, data_dir: Path, model_dir: Path) -> None:
     """Serve the engine until SIGTERM/SIGINT, then return normally."""
     app = create_app(data_dir, model_dir)
@@ -818,4 +810,4 @@ def run_engine(host: str, port: int, data_dir: Path, model_dir: Path) -> None:
     # The imports (torch, transformers, peft) leave millions of long-lived objects: freezing them keeps
     # every garbage collection, and the final one at exit (3+ s otherwise), from walking them.
     gc.freeze()
-    _EngineServer(config).run()
+    serve_until_signalled(config)

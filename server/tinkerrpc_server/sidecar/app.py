@@ -7,14 +7,11 @@ translated to HTTP in `errors.from_rpc_error`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
-import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
-from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
@@ -25,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from tinkerrpc import AsyncClient, RetryPolicy, RPCError, Sample
+from tinkerrpc_server.local.uvicorn_serving import serve_until_signalled, serve_until_stopped
 from tinkerrpc_server.sidecar import translate
 from tinkerrpc_server.sidecar.errors import OpenAIError, from_rpc_error, param_from_loc
 from tinkerrpc_server.sidecar.metrics import SidecarMetrics
@@ -194,7 +192,7 @@ def create_app(grpc_target: str, api_key: str | None, grpc_token: str | None = N
             chunks = translate.chat_stream_chunks(request, ref, args, samples, created)
             return StreamingResponse(_sse(chunks), media_type="text/event-stream")
         body = translate.build_chat_completion(request, ref, args, samples, created)
-        return Response(body.model_dump_json(), media_type="application/json")
+        return Response(translate.response_json(body, request), media_type="application/json")
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: CompletionRequest) -> Response:
@@ -207,7 +205,7 @@ def create_app(grpc_target: str, api_key: str | None, grpc_token: str | None = N
             chunks = translate.completion_stream_chunks(request, ref, args, samples, created)
             return StreamingResponse(_sse(chunks), media_type="text/event-stream")
         body = translate.build_completion(request, ref, args, samples, created)
-        return Response(body.model_dump_json(), media_type="application/json")
+        return Response(translate.response_json(body, request), media_type="application/json")
 
     return app
 
@@ -216,28 +214,13 @@ def _uvicorn_config(app: FastAPI, host: str, port: int) -> uvicorn.Config:
     return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on")
 
 
-def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(0)
-
-
 def run_sidecar(
     grpc_target: str, host: str, port: int, api_key: str | None, grpc_token: str | None = None
 ) -> None:
     """Serve the sidecar until SIGTERM/SIGINT, then return after a graceful shutdown."""
     app = create_app(grpc_target, api_key, grpc_token)
     log.info("sidecar for %s on http://%s:%d (auth %s)", grpc_target, host, port, "on" if api_key else "off")
-    # uvicorn re-raises the signal it handled once it has shut down; with this handler that ends
-    # the process with status 0 (a requested stop) instead of death by SIGTERM.
-    signal.signal(signal.SIGTERM, _exit_cleanly)
-    uvicorn.Server(_uvicorn_config(app, host, port)).run()
-
-
-class _HostedServer(uvicorn.Server):
-    """A uvicorn server inside a process whose event loop already owns SIGTERM/SIGINT."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
+    serve_until_signalled(_uvicorn_config(app, host, port))
 
 
 async def serve_sidecar(
@@ -249,10 +232,5 @@ async def serve_sidecar(
     grpc_token: str | None = None,
 ) -> None:
     """Serve the sidecar on the running loop until `stop` is set (for `tinkerrpc serve --sidecar-port`)."""
-    server = _HostedServer(_uvicorn_config(create_app(grpc_target, api_key, grpc_token), host, port))
-    serving = asyncio.create_task(server.serve())
-    stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    server.should_exit = True
-    stopping.cancel()
-    await serving
+    app = create_app(grpc_target, api_key, grpc_token)
+    await serve_until_stopped(_uvicorn_config(app, host, port), stop)
