@@ -43,6 +43,7 @@ from tinkerrpc._types import (
     Trajectory,
     TrajectoryGroup,
 )
+from tinkerrpc.v1.errors_pb2 import ErrorReason
 
 __all__ = [
     "AlreadyExistsError",
@@ -50,6 +51,7 @@ __all__ = [
     "AsyncModel",
     "CheckpointInfo",
     "Client",
+    "ErrorReason",
     "ExportProtocolError",
     "ExportedWeights",
     "FailedPreconditionError",

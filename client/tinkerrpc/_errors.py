@@ -11,8 +11,11 @@ from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as ProtoMessage
 from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped]
 
+from tinkerrpc.v1.errors_pb2 import ErrorReason
+
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
-STALE_POLICY_REASON = "STALE_POLICY_VERSION"
+# ErrorInfo.reason is an ErrorReason's name without this prefix (errors.proto).
+_REASON_PREFIX = "ERROR_REASON_"
 
 # The standard google.rpc detail types, unpacked from their Any wrappers.
 _DETAIL_TYPES: dict[str, type[ProtoMessage]] = {
@@ -50,6 +53,13 @@ class RPCError(Exception):
         info = self.detail(error_details_pb2.ErrorInfo)
         return info if isinstance(info, error_details_pb2.ErrorInfo) else None
 
+    @property
+    def reason(self) -> ErrorReason.ValueType | None:
+        """Why the server refused the call, from its ErrorInfo (None without one); ERROR_REASON_UNSPECIFIED
+        for a reason newer than this SDK."""
+        info = self.error_info
+        return _reason(info) if info is not None else None
+
 
 class InvalidArgumentError(RPCError):
     """INVALID_ARGUMENT; `field_violations` lists (field, description) from google.rpc.BadRequest."""
@@ -77,7 +87,7 @@ class FailedPreconditionError(RPCError):
 
 
 class StalePolicyError(FailedPreconditionError):
-    """Trajectories sampled too many versions ago under strict staleness (ErrorInfo STALE_POLICY_VERSION)."""
+    """Trajectories sampled too many versions ago under strict staleness (ERROR_REASON_STALE_POLICY_VERSION)."""
 
     @property
     def current_version(self) -> int | None:
@@ -135,10 +145,19 @@ def decode_details(status_bytes: bytes) -> list[ProtoMessage]:
     return details
 
 
+def _reason(info: error_details_pb2.ErrorInfo) -> ErrorReason.ValueType:
+    try:
+        return ErrorReason.Value(_REASON_PREFIX + info.reason)
+    except ValueError:  # a reason added after this SDK was built
+        return ErrorReason.ERROR_REASON_UNSPECIFIED
+
+
 def error_from_status(code: grpc.StatusCode, message: str, details: Sequence[ProtoMessage]) -> RPCError:
     """The most specific RPCError subclass for a status."""
     if code == grpc.StatusCode.FAILED_PRECONDITION and any(
-        isinstance(d, error_details_pb2.ErrorInfo) and d.reason == STALE_POLICY_REASON for d in details
+        isinstance(d, error_details_pb2.ErrorInfo)
+        and _reason(d) == ErrorReason.ERROR_REASON_STALE_POLICY_VERSION
+        for d in details
     ):
         return StalePolicyError(code, message, details)
     return _CLASS_BY_CODE.get(code, RPCError)(code, message, details)

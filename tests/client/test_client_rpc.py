@@ -212,10 +212,12 @@ def test_server_errors_arrive_typed_with_details(client: tinkerrpc.Client, name:
         model.train([old_group], max_staleness=1, strict_staleness=True)
     assert (stale.value.current_version, stale.value.sampled_version) == (2, 0)
     assert stale.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert stale.value.reason == tinkerrpc.ErrorReason.ERROR_REASON_STALE_POLICY_VERSION
     with pytest.raises(tinkerrpc.NotFoundError) as missing:
         client.model("no-such-model").info()
     resource = missing.value.details[0]
     assert resource.resource_name == "no-such-model"  # type: ignore[attr-defined]
+    assert missing.value.reason is None
 
 
 async def test_async_errors_are_typed_too(fake_server: FakeServer) -> None:

@@ -16,9 +16,10 @@ from openai.types.chat import ChatCompletion
 import tinkerrpc
 from tinkerrpc import _calls as calls
 from tinkerrpc import _convert as convert
-from tinkerrpc._errors import decode_details, error_from_status
+from tinkerrpc._errors import STATUS_DETAILS_KEY, decode_details, error_from_status
 from tinkerrpc.v1 import trainer_service_pb2 as service_pb
 from tinkerrpc.v1 import types_pb2 as pb
+from tinkerrpc_server.service import errors as service_errors
 
 WHEN = datetime(2025, 5, 17, 12, 30, 15, 250000, tzinfo=timezone.utc)
 WEATHER_TOOL = tinkerrpc.Tool(
@@ -351,3 +352,39 @@ def test_error_details_decode_from_a_real_status() -> None:
     plain = error_from_status(grpc.StatusCode.FAILED_PRECONDITION, "other", [])
     assert type(plain) is tinkerrpc.FailedPreconditionError
     assert type(error_from_status(grpc.StatusCode.INTERNAL, "boom", [])) is tinkerrpc.RPCError
+
+
+# The wire strings clients saw before ErrorReason existed; they must never change.
+WIRE_REASONS = {
+    "STALE_POLICY_VERSION": service_errors.STALE_POLICY_VERSION,
+    "VERSION_MISMATCH": service_errors.VERSION_MISMATCH,
+    "NO_CURRENT_STATE": service_errors.NO_CURRENT_STATE,
+    "IDEMPOTENCY_KEY_REUSED": service_errors.IDEMPOTENCY_KEY_REUSED,
+    "NOTHING_TO_TRAIN": service_errors.NOTHING_TO_TRAIN,
+    "CURRENT_SAMPLER_CHECKPOINT": service_errors.CURRENT_SAMPLER_CHECKPOINT,
+    "RECOVERY_CHECKPOINT": service_errors.RECOVERY_CHECKPOINT,
+}
+
+
+def test_every_error_reason_goes_from_the_server_to_the_sdk_as_its_wire_string() -> None:
+    reasons = set(tinkerrpc.ErrorReason.values()) - {tinkerrpc.ErrorReason.ERROR_REASON_UNSPECIFIED}
+    assert set(WIRE_REASONS.values()) == reasons, "every ErrorReason is one of the server's reasons"
+    for wire, reason in WIRE_REASONS.items():
+        status = service_errors.failed_precondition(reason, "refused", {"policy_version": 3}).to_status()
+        trailers = dict(status.trailing_metadata)
+        details = decode_details(trailers[STATUS_DETAILS_KEY])
+        error = error_from_status(status.code, status.details, details)
+        assert isinstance(error, tinkerrpc.FailedPreconditionError)
+        assert error.error_info is not None
+        assert (error.error_info.reason, error.error_info.domain) == (wire, "tinkerrpc")
+        assert error.error_info.metadata == {"policy_version": "3"}
+        assert error.reason == reason
+        assert tinkerrpc.ErrorReason.Name(reason) == f"ERROR_REASON_{wire}"
+
+
+def test_error_reason_is_unspecified_when_unknown_and_none_without_error_info() -> None:
+    newer = [error_details_pb2.ErrorInfo(reason="ADDED_BY_A_NEWER_SERVER", domain="tinkerrpc")]
+    error = error_from_status(grpc.StatusCode.FAILED_PRECONDITION, "refused", newer)
+    assert type(error) is tinkerrpc.FailedPreconditionError
+    assert error.reason == tinkerrpc.ErrorReason.ERROR_REASON_UNSPECIFIED
+    assert error_from_status(grpc.StatusCode.NOT_FOUND, "gone", []).reason is None

@@ -9,8 +9,9 @@ Errors use canonical gRPC status codes with google.rpc details in the
   (e.g. "groups[0].trajectories[2].turns[0].completion_logprobs").
 - NOT_FOUND + google.rpc.ResourceInfo: unknown model, checkpoint or policy version.
 - ALREADY_EXISTS: CreateModel with a name in use.
-- FAILED_PRECONDITION + google.rpc.ErrorInfo: e.g. reason STALE_POLICY_VERSION with metadata
-  current_version / sampled_version, or VERSION_MISMATCH for expected_policy_version.
+- FAILED_PRECONDITION + google.rpc.ErrorInfo (domain "tinkerrpc"): the reason is an ErrorReason
+  (errors.proto) without its prefix, e.g. STALE_POLICY_VERSION with metadata current_version /
+  sampled_version, or VERSION_MISMATCH for expected_policy_version.
 - RESOURCE_EXHAUSTED: request over a size limit. UNAVAILABLE: the backend is (re)starting;
   safe to retry. UNAUTHENTICATED: missing or wrong bearer token.
 Every RPC honours deadlines and cancellation. gRPC health checking and server reflection
@@ -248,17 +249,18 @@ class TrainRequest(_message.Message):
     current one; unset = keep all.
     """
     strict_staleness: _builtins.bool
-    """With max_staleness: fail with FAILED_PRECONDITION (ErrorInfo STALE_POLICY_VERSION)
+    """With max_staleness: fail with FAILED_PRECONDITION (ERROR_REASON_STALE_POLICY_VERSION)
     instead of dropping stale trajectories.
     """
     idempotency_key: _builtins.str
     """Client-chosen key (e.g. a UUID) identifying this logical step. A retry with the same key
-    returns the recorded response (replayed = true) and applies nothing twice. Empty = no
-    deduplication.
+    returns the recorded response (replayed = true) and applies nothing twice; the same key with
+    a different request fails (FAILED_PRECONDITION with ERROR_REASON_IDEMPOTENCY_KEY_REUSED).
+    Empty = no deduplication.
     """
     expected_policy_version: _builtins.int
     """When set, the step applies only if the model is at this version (FAILED_PRECONDITION with
-    ErrorInfo VERSION_MISMATCH otherwise): optimistic concurrency between trainers.
+    ERROR_REASON_VERSION_MISMATCH otherwise): optimistic concurrency between trainers.
     """
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.TrajectoryGroup]:
@@ -711,14 +713,14 @@ class ExportWeightsRequest(_message.Message):
     model: _builtins.str
     """Model name."""
     expected_policy_version: _builtins.int
-    """When set, the export fails with FAILED_PRECONDITION (ErrorInfo VERSION_MISMATCH) unless the
+    """When set, the export fails with FAILED_PRECONDITION (ERROR_REASON_VERSION_MISMATCH) unless the
     model is at exactly this policy version.
     """
     policy_version: _builtins.int
     """Version to export; unset = the current one. An earlier version is exported from its state
     checkpoint (every version keeps one with --checkpoint-every 1, until deleted; NOT_FOUND without
     it) and leaves the model where it is; it needs a state checkpoint at the current version too
-    (FAILED_PRECONDITION NO_CURRENT_STATE otherwise).
+    (FAILED_PRECONDITION with ERROR_REASON_NO_CURRENT_STATE otherwise).
     """
     def __init__(
         self,

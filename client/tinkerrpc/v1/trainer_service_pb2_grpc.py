@@ -128,7 +128,9 @@ class TrainerServiceServicer:
 
     def Train(self, request, context):
         """One optimizer step from RL trajectory groups or supervised examples. Idempotent per
-        idempotency_key; steps on one model apply in arrival order.
+        idempotency_key; steps on one model apply in arrival order. When nothing is left to train
+        after dropping stale trajectories and zero-variance groups it fails (FAILED_PRECONDITION with
+        ERROR_REASON_NOTHING_TO_TRAIN) and the model stays where it was.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -158,7 +160,8 @@ class TrainerServiceServicer:
 
     def DeleteCheckpoint(self, request, context):
         """Deletes a checkpoint. Deleting a sampler checkpoint makes that version unsampleable; the
-        current version's sampler checkpoint cannot be deleted.
+        current version's sampler checkpoint (ERROR_REASON_CURRENT_SAMPLER_CHECKPOINT) and the state
+        checkpoint the model recovers from (ERROR_REASON_RECOVERY_CHECKPOINT) cannot be deleted.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -9,8 +9,9 @@ Errors use canonical gRPC status codes with google.rpc details in the
   (e.g. "groups[0].trajectories[2].turns[0].completion_logprobs").
 - NOT_FOUND + google.rpc.ResourceInfo: unknown model, checkpoint or policy version.
 - ALREADY_EXISTS: CreateModel with a name in use.
-- FAILED_PRECONDITION + google.rpc.ErrorInfo: e.g. reason STALE_POLICY_VERSION with metadata
-  current_version / sampled_version, or VERSION_MISMATCH for expected_policy_version.
+- FAILED_PRECONDITION + google.rpc.ErrorInfo (domain "tinkerrpc"): the reason is an ErrorReason
+  (errors.proto) without its prefix, e.g. STALE_POLICY_VERSION with metadata current_version /
+  sampled_version, or VERSION_MISMATCH for expected_policy_version.
 - RESOURCE_EXHAUSTED: request over a size limit. UNAVAILABLE: the backend is (re)starting;
   safe to retry. UNAUTHENTICATED: missing or wrong bearer token.
 Every RPC honours deadlines and cancellation. gRPC health checking and server reflection
@@ -59,7 +60,9 @@ class TrainerServiceStub:
     """Deletes a model with all its checkpoints."""
     Train: _grpc.UnaryUnaryMultiCallable[_trainer_service_pb2.TrainRequest, _trainer_service_pb2.TrainResponse]
     """One optimizer step from RL trajectory groups or supervised examples. Idempotent per
-    idempotency_key; steps on one model apply in arrival order.
+    idempotency_key; steps on one model apply in arrival order. When nothing is left to train
+    after dropping stale trajectories and zero-variance groups it fails (FAILED_PRECONDITION with
+    ERROR_REASON_NOTHING_TO_TRAIN) and the model stays where it was.
     """
     SaveCheckpoint: _grpc.UnaryUnaryMultiCallable[_trainer_service_pb2.SaveCheckpointRequest, _trainer_service_pb2.SaveCheckpointResponse]
     """Saves the model's full training state (adapter + optimizer) as a named checkpoint."""
@@ -71,7 +74,8 @@ class TrainerServiceStub:
     """
     DeleteCheckpoint: _grpc.UnaryUnaryMultiCallable[_trainer_service_pb2.DeleteCheckpointRequest, _trainer_service_pb2.DeleteCheckpointResponse]
     """Deletes a checkpoint. Deleting a sampler checkpoint makes that version unsampleable; the
-    current version's sampler checkpoint cannot be deleted.
+    current version's sampler checkpoint (ERROR_REASON_CURRENT_SAMPLER_CHECKPOINT) and the state
+    checkpoint the model recovers from (ERROR_REASON_RECOVERY_CHECKPOINT) cannot be deleted.
     """
     Sample: _grpc.UnaryUnaryMultiCallable[_trainer_service_pb2.SampleRequest, _trainer_service_pb2.SampleResponse]
     """Samples completions from the latest or a pinned policy version."""
@@ -99,7 +103,9 @@ class TrainerServiceAsyncStub(TrainerServiceStub):
     """Deletes a model with all its checkpoints."""
     Train: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.TrainRequest, _trainer_service_pb2.TrainResponse]  # type: ignore[assignment]
     """One optimizer step from RL trajectory groups or supervised examples. Idempotent per
-    idempotency_key; steps on one model apply in arrival order.
+    idempotency_key; steps on one model apply in arrival order. When nothing is left to train
+    after dropping stale trajectories and zero-variance groups it fails (FAILED_PRECONDITION with
+    ERROR_REASON_NOTHING_TO_TRAIN) and the model stays where it was.
     """
     SaveCheckpoint: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.SaveCheckpointRequest, _trainer_service_pb2.SaveCheckpointResponse]  # type: ignore[assignment]
     """Saves the model's full training state (adapter + optimizer) as a named checkpoint."""
@@ -111,7 +117,8 @@ class TrainerServiceAsyncStub(TrainerServiceStub):
     """
     DeleteCheckpoint: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.DeleteCheckpointRequest, _trainer_service_pb2.DeleteCheckpointResponse]  # type: ignore[assignment]
     """Deletes a checkpoint. Deleting a sampler checkpoint makes that version unsampleable; the
-    current version's sampler checkpoint cannot be deleted.
+    current version's sampler checkpoint (ERROR_REASON_CURRENT_SAMPLER_CHECKPOINT) and the state
+    checkpoint the model recovers from (ERROR_REASON_RECOVERY_CHECKPOINT) cannot be deleted.
     """
     Sample: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.SampleRequest, _trainer_service_pb2.SampleResponse]  # type: ignore[assignment]
     """Samples completions from the latest or a pinned policy version."""
@@ -166,7 +173,9 @@ class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_trainer_service_pb2.TrainResponse, _abc.Awaitable[_trainer_service_pb2.TrainResponse]]:
         """One optimizer step from RL trajectory groups or supervised examples. Idempotent per
-        idempotency_key; steps on one model apply in arrival order.
+        idempotency_key; steps on one model apply in arrival order. When nothing is left to train
+        after dropping stale trajectories and zero-variance groups it fails (FAILED_PRECONDITION with
+        ERROR_REASON_NOTHING_TO_TRAIN) and the model stays where it was.
         """
 
     @_abc_1.abstractmethod
@@ -202,7 +211,8 @@ class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_trainer_service_pb2.DeleteCheckpointResponse, _abc.Awaitable[_trainer_service_pb2.DeleteCheckpointResponse]]:
         """Deletes a checkpoint. Deleting a sampler checkpoint makes that version unsampleable; the
-        current version's sampler checkpoint cannot be deleted.
+        current version's sampler checkpoint (ERROR_REASON_CURRENT_SAMPLER_CHECKPOINT) and the state
+        checkpoint the model recovers from (ERROR_REASON_RECOVERY_CHECKPOINT) cannot be deleted.
         """
 
     @_abc_1.abstractmethod

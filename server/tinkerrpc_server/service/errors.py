@@ -12,16 +12,18 @@ from google.protobuf.message import Message as ProtoMessage
 from google.rpc import code_pb2, error_details_pb2, status_pb2  # type: ignore[import-untyped]
 from grpc_status import rpc_status
 
+from tinkerrpc.v1.errors_pb2 import ErrorReason
+
 ERROR_DOMAIN = "tinkerrpc"
 
-# ErrorInfo reasons (part of the public contract, see trainer_service.proto).
-STALE_POLICY_VERSION = "STALE_POLICY_VERSION"
-VERSION_MISMATCH = "VERSION_MISMATCH"
-NO_CURRENT_STATE = "NO_CURRENT_STATE"
-IDEMPOTENCY_KEY_REUSED = "IDEMPOTENCY_KEY_REUSED"
-NOTHING_TO_TRAIN = "NOTHING_TO_TRAIN"
-CURRENT_SAMPLER_CHECKPOINT = "CURRENT_SAMPLER_CHECKPOINT"
-RECOVERY_CHECKPOINT = "RECOVERY_CHECKPOINT"
+# ErrorInfo reasons: the public contract is ErrorReason in errors.proto, which documents each one.
+STALE_POLICY_VERSION = ErrorReason.ERROR_REASON_STALE_POLICY_VERSION
+VERSION_MISMATCH = ErrorReason.ERROR_REASON_VERSION_MISMATCH
+NO_CURRENT_STATE = ErrorReason.ERROR_REASON_NO_CURRENT_STATE
+IDEMPOTENCY_KEY_REUSED = ErrorReason.ERROR_REASON_IDEMPOTENCY_KEY_REUSED
+NOTHING_TO_TRAIN = ErrorReason.ERROR_REASON_NOTHING_TO_TRAIN
+CURRENT_SAMPLER_CHECKPOINT = ErrorReason.ERROR_REASON_CURRENT_SAMPLER_CHECKPOINT
+RECOVERY_CHECKPOINT = ErrorReason.ERROR_REASON_RECOVERY_CHECKPOINT
 
 
 class ServiceError(Exception):
@@ -92,12 +94,19 @@ def resource_exhausted(subject: str, message: str) -> ServiceError:
 
 
 def failed_precondition(
-    reason: str, message: str, metadata: Mapping[str, object] | None = None
+    reason: ErrorReason.ValueType, message: str, metadata: Mapping[str, object] | None = None
 ) -> ServiceError:
     info = error_details_pb2.ErrorInfo(
-        reason=reason, domain=ERROR_DOMAIN, metadata={k: str(v) for k, v in (metadata or {}).items()}
+        reason=_wire_reason(reason),
+        domain=ERROR_DOMAIN,
+        metadata={k: str(v) for k, v in (metadata or {}).items()},
     )
     return ServiceError(grpc.StatusCode.FAILED_PRECONDITION, message, [info])
+
+
+def _wire_reason(reason: ErrorReason.ValueType) -> str:
+    """ErrorInfo.reason as errors.proto defines it: the ErrorReason's name without its prefix."""
+    return ErrorReason.Name(reason).removeprefix("ERROR_REASON_")
 
 
 def from_tinker(error: Exception) -> ServiceError | None:
