@@ -26,6 +26,7 @@ from tinkerrpc._gather import (
     gather_groups,
     gather_trajectories,
 )
+from tinkerrpc._openai import messages_from_response_input
 from tinkerrpc._retry import RetryPolicy
 from tinkerrpc._types import (
     CheckpointInfo,
@@ -81,5 +82,6 @@ __all__ = [
     "UnavailableError",
     "gather_groups",
     "gather_trajectories",
+    "messages_from_response_input",
     "raise_for_rpc_error",
 ]

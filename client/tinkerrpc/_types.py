@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from tinkerrpc._openai import ChatCompletionLike
+    from tinkerrpc._openai import ChatCompletionLike, ResponseInput, ResponseLike
 
 Role = Literal["system", "user", "assistant", "tool"]
 ROLES: tuple[Role, ...] = ("system", "user", "assistant", "tool")
@@ -191,8 +191,9 @@ class Sample:
 class Trajectory:
     """One rollout: the conversation, every sampled assistant turn in it, and its reward.
 
-    Build it from samples (`from_sample`, `add_sample`) or from the sidecar's chat completions
-    (`from_openai`, `add_openai`); a trajectory without sampled turns cannot train.
+    Build it from samples (`from_sample`, `add_sample`), from the sidecar's chat completions
+    (`from_openai`, `add_openai`; a `.stream()`'s `get_final_completion()` too) or its Responses
+    (`from_openai_response`, `add_openai_response`); a trajectory without sampled turns cannot train.
     """
 
     messages: list[Message] = field(default_factory=list)
@@ -248,6 +249,33 @@ class Trajectory:
         )
         return traj.add_openai(chat_completion, choice_index)
 
+    @classmethod
+    def from_openai_response(
+        cls,
+        input: ResponseInput,
+        response: ResponseLike,
+        reward: float = 0.0,
+        *,
+        instructions: str | None = None,
+        tools: Iterable[Tool | Mapping[str, Any]] = (),
+        metrics: Mapping[str, float] | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> Trajectory:
+        """The request's `input` (and `instructions`) plus the sampled turn of a sidecar Response.
+
+        `tools` take the Responses form (`{"type": "function", "name": ...}`) or the chat form.
+        """
+        from tinkerrpc._openai import messages_from_response_input
+
+        traj = cls(
+            messages=messages_from_response_input(input, instructions),
+            reward=reward,
+            tools=[t if isinstance(t, Tool) else Tool.from_openai(t) for t in tools],
+            metrics=dict(metrics or {}),
+            metadata=dict(metadata or {}),
+        )
+        return traj.add_openai_response(response)
+
     def add_sample(self, sample: Sample) -> Trajectory:
         """Append a sampled assistant turn (its message and tokens); returns self for chaining."""
         self.messages.append(sample.to_message())
@@ -259,6 +287,15 @@ class Trajectory:
         from tinkerrpc._openai import turn_from_chat_completion
 
         message, turn = turn_from_chat_completion(chat_completion, choice_index)
+        self.messages.append(message)
+        self.turns.append(turn)
+        return self
+
+    def add_openai_response(self, response: ResponseLike) -> Trajectory:
+        """Append the sampled turn of a sidecar Response (`/v1/responses`); returns self."""
+        from tinkerrpc._openai import turn_from_response
+
+        message, turn = turn_from_response(response)
         self.messages.append(message)
         self.turns.append(turn)
         return self

@@ -23,12 +23,23 @@ from starlette.routing import Match
 
 from tinkerrpc import AsyncClient, RetryPolicy, RPCError, Sample
 from tinkerrpc_server.local.uvicorn_serving import serve_until_signalled, serve_until_stopped
-from tinkerrpc_server.sidecar import translate
+from tinkerrpc_server.sidecar import responses, translate
 from tinkerrpc_server.sidecar.errors import OpenAIError, from_rpc_error, param_from_loc
 from tinkerrpc_server.sidecar.metrics import SidecarMetrics
 from tinkerrpc_server.sidecar.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 
 log = logging.getLogger("tinkerrpc.sidecar")
+
+# Named in the 404 of any other path, so a client built for another API sees what is served here.
+ENDPOINTS = (
+    "GET /v1/models",
+    "GET /v1/models/{model}",
+    "POST /v1/chat/completions",
+    "POST /v1/completions",
+    "POST /v1/responses",
+    "GET /health",
+    "GET /metrics",
+)
 
 # An HTTP caller is waiting: give up on an unreachable server after a short backoff and answer 503
 # (with x-should-retry) instead of holding the request for the SDK's default minute.
@@ -128,9 +139,14 @@ def create_app(grpc_target: str, api_key: str | None, grpc_token: str | None = N
         return _validation_error(error).to_response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        code = "not_found" if error.status_code == 404 else None
-        return OpenAIError(error.status_code, str(error.detail), code=code).to_response()
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        if error.status_code == 404:
+            message = (
+                f"{request.method} {request.url.path} is not served by the tinkerrpc sidecar; "
+                f"it serves {', '.join(ENDPOINTS)}"
+            )
+            return OpenAIError(404, message, code="not_found").to_response()
+        return OpenAIError(error.status_code, str(error.detail)).to_response()
 
     @app.exception_handler(Exception)
     async def unexpected_error(_: Request, error: Exception) -> JSONResponse:
@@ -207,6 +223,7 @@ def create_app(grpc_target: str, api_key: str | None, grpc_token: str | None = N
         body = translate.build_completion(request, ref, args, samples, created)
         return Response(translate.response_json(body, request), media_type="application/json")
 
+    app.include_router(responses.create_router(sample, count_tokens))
     return app
 
 

@@ -45,8 +45,15 @@ class ChatMessageParam(_Request):
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = None
     tool_call_id: str | None = None
-    # Sent back by clients that echo assistant messages verbatim; carries nothing to render.
+    # Sent back by clients that echo returned assistant messages verbatim (`message.model_dump()`);
+    # none of them changes the rendered prompt: the sidecar never returns refusals, annotations or
+    # audio, and an earlier turn's reasoning is not re-rendered (Qwen3's template drops it too).
     refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    reasoning_content: str | None = None
+    # The deprecated single function call; only null is accepted (refused by name when set).
+    function_call: dict[str, Any] | None = None
 
 
 class FunctionDefinition(_Request):
@@ -83,11 +90,15 @@ class SamplingFields(_Request):
     # Honoured only at their neutral values (checked by name so the 400 says which one).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     # RL extensions (vLLM): logprob tokens as `token_id:N`, extra stop token ids, no end-of-turn stop.
     return_tokens_as_token_ids: bool = False
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # vLLM: true returns `token_ids`/`prompt_token_ids`/`policy_version` (also on a stream's last
+    # chunk), false leaves them out; unset keeps them on plain responses.
+    return_token_ids: bool | None = None
     # Accepted and ignored: they do not change what is sampled.
     user: str | None = None
 
@@ -215,6 +226,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChoiceLogprobs | None = None
     finish_reason: FinishReason | None = None
     token_ids: list[int] | None = None
+    policy_version: int | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -225,7 +237,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None
-    policy_version: int
+    policy_version: int | None = None
 
 
 class LegacyLogprobs(BaseModel):
@@ -253,7 +265,8 @@ class Completion(BaseModel):
     usage: Usage | None = None
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None
-    policy_version: int
+    # Set on plain responses; on stream chunks only when asked (see translate.completion_stream_chunks).
+    policy_version: int | None = None
 
 
 class ModelCard(BaseModel):

@@ -109,10 +109,18 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
 
 def _check_unsupported_sampling(request: SamplingFields) -> None:
     """400 naming the first parameter the sampler cannot honour."""
-    if request.presence_penalty not in (None, 0):
-        raise bad_request("presence_penalty is not supported (only 0)", "presence_penalty")
-    if request.frequency_penalty not in (None, 0):
-        raise bad_request("frequency_penalty is not supported (only 0)", "frequency_penalty")
+    penalties = (
+        ("presence_penalty", request.presence_penalty, 0.0),
+        ("frequency_penalty", request.frequency_penalty, 0.0),
+        ("repetition_penalty", request.repetition_penalty, 1.0),
+    )
+    for param, value, neutral in penalties:
+        if value is not None and value != neutral:
+            raise bad_request(
+                f"{param}={value} cannot be honoured: Tinker's sampler has no {param} knob "
+                f"(only the neutral {neutral} is accepted)",
+                param,
+            )
     if request.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
     if request.stream_options is not None and not request.stream:
@@ -155,6 +163,10 @@ def _check_unsupported_chat(request: ChatCompletionRequest) -> None:
         ("web_search_options", request.web_search_options is not None),
         ("functions", request.functions is not None),
         ("function_call", request.function_call is not None),
+        *(
+            (f"messages[{i}].function_call", m.function_call is not None)
+            for i, m in enumerate(request.messages)
+        ),
     ]
     for param, is_set in refused:
         if is_set:
@@ -373,6 +385,24 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# A plain response's RL extension fields, left out when the request sets `return_token_ids: false`.
+_RL_FIELDS: dict[str, Any] = {
+    "prompt_token_ids": True,
+    "policy_version": True,
+    "choices": {"__all__": {"token_ids": True, "policy_version": True}},
+}
+
+
+def response_json(body: ChatCompletion | Completion, request: SamplingFields) -> str:
+    return body.model_dump_json(exclude=_RL_FIELDS if request.return_token_ids is False else None)
+
+
+def stream_carries_rl_fields(request: ChatCompletionRequest | CompletionRequest) -> bool:
+    """Streams stay OpenAI-shaped unless the request asks for logprobs or token ids."""
+    asked_logprobs = request.logprobs if isinstance(request.logprobs, bool) else request.logprobs is not None
+    return bool(request.return_token_ids) or (asked_logprobs and request.return_token_ids is not False)
+
+
 def build_chat_completion(
     request: ChatCompletionRequest, ref: ModelRef, args: SampleArgs, samples: Sequence[Sample], created: int
 ) -> ChatCompletion:
@@ -418,44 +448,50 @@ def chat_stream_chunks(
 
     The Sample RPC is unary, so the stream replays a finished result: the first token arrives
     only after the whole sample, and the chunks exist for client compatibility, not latency.
+    When asked (`stream_carries_rl_fields`), the first chunk carries `prompt_token_ids` and each
+    choice's first chunk its complete `token_ids` and `policy_version`: openai's stream
+    accumulator (`.stream()`'s `get_final_completion()`) keeps a choice's extra fields from its
+    first chunk only, so that is where they survive into the accumulated completion.
     """
     version = produced_version(samples, ref)
     chunk_id = new_id("chatcmpl")
     model = ref.served_id(version)
+    rl_fields = stream_carries_rl_fields(request)
 
     def chunk(choices: list[ChatChunkChoice], **extra: Any) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=chunk_id, created=created, model=model, choices=choices, policy_version=version, **extra
-        )
+        return ChatCompletionChunk(id=chunk_id, created=created, model=model, choices=choices, **extra)
 
     parsed = [parse_chat_choice(s, args.stop) for s in samples]
     pieces = [
         split_by_tokens(p.content or "", s.token_texts, len(s.tokens))
         for p, s in zip(parsed, samples, strict=True)
     ]
-    prompt_ids = list(samples[0].prompt_token_ids) if samples else []
-    for index in range(len(samples)):
+    for index, sample in enumerate(samples):
         first = ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))
-        yield chunk([first], prompt_token_ids=prompt_ids if index == 0 else None)
+        if not rl_fields:
+            yield chunk([first])
+            continue
+        first.token_ids, first.policy_version = list(sample.tokens), sample.policy_version
+        yield chunk(
+            [first],
+            prompt_token_ids=list(sample.prompt_token_ids) if index == 0 else None,
+            policy_version=version,
+        )
     for position in range(max((len(p) for p in pieces), default=0)):
         for index, sample in enumerate(samples):
             if position >= len(pieces[index]):
                 continue
-            has_token = position < len(sample.tokens)
             logprobs = (
                 ChoiceLogprobs(
                     content=[chat_logprob_entry(sample, position, request.return_tokens_as_token_ids)]
                 )
-                if request.logprobs and has_token
+                if request.logprobs and position < len(sample.tokens)
                 else None
             )
             yield chunk(
                 [
                     ChatChunkChoice(
-                        index=index,
-                        delta=ChatDelta(content=pieces[index][position]),
-                        logprobs=logprobs,
-                        token_ids=[sample.tokens[position]] if has_token else None,
+                        index=index, delta=ChatDelta(content=pieces[index][position]), logprobs=logprobs
                     )
                 ]
             )
@@ -533,20 +569,18 @@ def build_completion(
 def completion_stream_chunks(
     request: CompletionRequest, ref: ModelRef, args: SampleArgs, samples: Sequence[Sample], created: int
 ) -> Iterator[Completion]:
-    """Legacy completion chunks, one per sampled token, interleaved by index (replayed, see chat)."""
+    """Legacy completion chunks, one per sampled token, interleaved by index (replayed, see chat).
+
+    When asked, each choice's first chunk carries its complete `token_ids`, `policy_version` and
+    the `prompt_token_ids`, as in a chat stream.
+    """
     version = produced_version(samples, ref)
     chunk_id = new_id("cmpl")
     model = ref.served_id(version)
+    rl_fields = stream_carries_rl_fields(request)
 
     def chunk(choices: list[CompletionChoice], **extra: Any) -> Completion:
-        return Completion(
-            id=chunk_id,
-            created=created,
-            model=model,
-            choices=choices,
-            policy_version=version,
-            **extra,
-        )
+        return Completion(id=chunk_id, created=created, model=model, choices=choices, **extra)
 
     texts = [completion_text(s, args.stop) for s in samples]
     pieces = [split_by_tokens(t, s.token_texts, len(s.tokens)) for t, s in zip(texts, samples, strict=True)]
@@ -555,23 +589,22 @@ def completion_stream_chunks(
         for index, sample in enumerate(samples):
             if position >= len(pieces[index]):
                 continue
-            has_token = position < len(sample.tokens)
             logprobs = (
                 _legacy_logprobs(
                     sample, range(position, position + 1), offsets[index], request.return_tokens_as_token_ids
                 )
-                if request.logprobs is not None and has_token
+                if request.logprobs is not None and position < len(sample.tokens)
                 else None
             )
             offsets[index] += len(_token_text(sample, position))
             choice = CompletionChoice(
-                index=index,
-                text=pieces[index][position],
-                finish_reason=None,
-                logprobs=logprobs,
-                token_ids=[sample.tokens[position]] if has_token else None,
+                index=index, text=pieces[index][position], finish_reason=None, logprobs=logprobs
             )
-            yield chunk([choice], prompt_token_ids=list(sample.prompt_token_ids) if position == 0 else None)
+            if not (rl_fields and position == 0):
+                yield chunk([choice])
+                continue
+            choice.token_ids, choice.policy_version = list(sample.tokens), sample.policy_version
+            yield chunk([choice], prompt_token_ids=list(sample.prompt_token_ids), policy_version=version)
     for index, sample in enumerate(samples):
         yield chunk([CompletionChoice(index=index, text="", finish_reason=_finish(sample), logprobs=None)])
     if request.stream_options is not None and request.stream_options.include_usage:
