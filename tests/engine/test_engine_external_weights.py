@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from tinker import types
 from transformers import AutoModelForCausalLM
 
-from tinkerrpc_server.engine.app import Forbidden, check_file_signature, sign_file
+from tinkerrpc_server.engine.signed_urls import Forbidden, check_file_signature, sign_file
 from tinkerrpc_server.local.processes import LOCAL_API_KEY
 from tinkerrpc_server.local.stack import LocalEngine
 

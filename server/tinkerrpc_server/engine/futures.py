@@ -11,12 +11,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
+import pydantic
+
 ErrorCategory = Literal["user", "server"]
 
 
 @dataclass
 class JsonResult:
-    payload: dict[str, object]
+    payload: pydantic.BaseModel  # one of the SDK's response types, sent as JSON
 
 
 @dataclass

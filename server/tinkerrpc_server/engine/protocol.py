@@ -1,7 +1,8 @@
-"""Tinker wire formats: decode requests into runtime inputs, encode runtime outputs as Tinker's protobufs.
+"""Tinker wire formats the SDK's pydantic types do not cover, and requests into runtime inputs.
 
 The tinker SDK sends forward_backward as a protobuf `ForwardBackwardRequest` (maybe zstd-compressed) and
-expects forward_backward and sample results as protobuf; everything else is JSON.
+expects forward_backward and sample results as protobuf: this module decodes and encodes those. Every
+other body is JSON and parses into `tinker.types` in the routes.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pydantic
 import zstandard
+from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
 from tinkerrpc_server.engine.runtime import DatumArrays, ForwardResult, SampleJob, SampleOutput
@@ -163,62 +166,56 @@ def encode_sample_output(result: SampleOutput) -> bytes:
     return bytes(response.SerializeToString())
 
 
-def prompt_tokens(prompt: dict[str, Any]) -> list[int]:
-    """Tokens of a JSON ModelInput ({"chunks": [{"type": "encoded_text", "tokens": [...]}, ...]})."""
+def prompt_tokens(prompt: types.ModelInput) -> list[int]:
     tokens: list[int] = []
-    for chunk in prompt.get("chunks", []):
-        kind = chunk.get("type", "encoded_text")
-        if kind != "encoded_text":
-            raise BadRequest(f"prompt chunk {kind!r} is not supported (text tokens only)")
-        tokens.extend(int(t) for t in chunk.get("tokens", []))
+    for chunk in prompt.chunks:
+        if not isinstance(chunk, types.EncodedTextChunk):
+            raise BadRequest(f"prompt chunk {chunk.type!r} is not supported (text tokens only)")
+        tokens.extend(chunk.tokens)
     return tokens
 
 
-def sample_job(request: dict[str, Any]) -> SampleJob:
-    """Translate a JSON SampleRequest into a runtime SampleJob.
+def sample_job(request: types.SampleRequest) -> tuple[SampleJob, int | None]:
+    """Translate a SampleRequest into a runtime SampleJob and its prompt_logprobs_last_n.
 
-    An unset max_tokens becomes -1: the worker fills in "until the context is full" once the model is
-    loaded. Stop semantics: `stop` absent/None keeps the model's default EOS stop; any list, including [],
-    is the complete set of stops and replaces EOS: token ids stop on those ids, strings stop when
-    the decoded text contains one of them.
+    The runtime checks the values; this checks only what the wire encodes differently. An unset
+    max_tokens becomes -1: the worker fills in "until the context is full" once the model is loaded.
+    Stop semantics: `stop` None keeps the model's default EOS stop; any list, including [], is the
+    complete set of stops and replaces EOS: token ids stop on those ids, strings stop when the decoded
+    text contains one of them.
     """
-    params = request.get("sampling_params") or {}
-    tokens = prompt_tokens(request.get("prompt") or {})
-    if not tokens:
-        raise BadRequest("prompt is empty")
-    num_samples = int(request.get("num_samples", 1))
-    if num_samples < 1:
-        raise BadRequest(f"num_samples must be >= 1, got {num_samples}")
-    max_tokens = params.get("max_tokens")
-    if max_tokens is not None and int(max_tokens) < 0:
-        raise BadRequest(f"max_tokens must be >= 0, got {max_tokens}")
-    stop = params.get("stop")
-    stop_token_ids: list[int] | None = None
-    stop_strings: list[str] = []
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None:
-        stop_token_ids = [s for s in stop if isinstance(s, int)]
-        stop_strings = [s for s in stop if isinstance(s, str)]
-        if len(stop_token_ids) + len(stop_strings) != len(stop):
-            raise BadRequest("stop must be a list of strings or of token ids")
-    temperature = float(params.get("temperature", 1.0))
-    top_p = float(params.get("top_p", 1.0))
-    if temperature < 0:
-        raise BadRequest(f"temperature must be >= 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise BadRequest(f"top_p must be in (0, 1], got {top_p}")
-    topk_prompt = int(request.get("topk_prompt_logprobs") or 0)
-    return SampleJob(
+    for unsupported, value in (
+        ("topk_sample_logprobs", request.topk_sample_logprobs),
+        ("prompt_alt_tokens_k", request.prompt_alt_tokens_k),
+        ("target_prompt_logprobs", request.target_prompt_logprobs),
+    ):
+        if value:
+            raise BadRequest(f"{unsupported} is not supported by this engine")
+    params = request.sampling_params
+    tokens = prompt_tokens(request.prompt)
+    if params.max_tokens is not None and params.max_tokens < 0:
+        raise BadRequest(f"max_tokens must be >= 0, got {params.max_tokens}")
+    last_n = request.prompt_logprobs_last_n
+    if last_n is not None and not 1 <= last_n < len(tokens):
+        raise BadRequest(f"prompt_logprobs_last_n must be in [1, {len(tokens) - 1}]")
+    stop = [params.stop] if isinstance(params.stop, str) else params.stop
+    job = SampleJob(
         prompt_tokens=tokens,
-        num_samples=num_samples,
-        max_tokens=-1 if max_tokens is None else int(max_tokens),
-        temperature=temperature,
-        top_k=int(params.get("top_k", -1)),
-        top_p=top_p,
-        stop_token_ids=stop_token_ids,
-        stop_strings=stop_strings,
-        seed=None if params.get("seed") is None else int(params["seed"]),
-        include_prompt_logprobs=bool(request.get("prompt_logprobs")) or topk_prompt > 0,
-        topk_prompt_logprobs=topk_prompt,
+        num_samples=request.num_samples,
+        max_tokens=-1 if params.max_tokens is None else params.max_tokens,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        stop_token_ids=None if stop is None else [s for s in stop if isinstance(s, int)],
+        stop_strings=[] if stop is None else [s for s in stop if isinstance(s, str)],
+        seed=params.seed,
+        include_prompt_logprobs=bool(request.prompt_logprobs) or request.topk_prompt_logprobs > 0,
+        topk_prompt_logprobs=request.topk_prompt_logprobs,
     )
+    return job, last_n
+
+
+class WeightsInfoRequest(pydantic.BaseModel):
+    """The body of weights_info, which the SDK sends as a plain dict."""
+
+    tinker_path: str

@@ -1,0 +1,293 @@
+"""The engine's shared state and its operations, used by every route family.
+
+Routes reach the one `Engine` of an app through a FastAPI dependency; they read its state and change it
+only through its methods. Runtime objects are only touched on the compute worker's thread: the methods
+documented "compute thread" run inside work submitted to the worker.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from tinkerrpc_server.engine import protocol
+from tinkerrpc_server.engine.futures import FailedResult, FutureTable, Outcome, ProtoResult
+from tinkerrpc_server.engine.runtime import (
+    BaseModelRuntime,
+    EngineUserError,
+    LoraSpec,
+    SampleJob,
+    SampleOutput,
+)
+from tinkerrpc_server.engine.storage import (
+    CheckpointKind,
+    CheckpointRecord,
+    RunRecord,
+    Storage,
+    UnknownPathError,
+    directory_size,
+    now_iso,
+    validate_checkpoint_name,
+)
+from tinkerrpc_server.engine.worker import ComputeWorker
+from tinkerrpc_server.model_store import TINY_CHAT, UnknownBaseModelError, resolve_base_model
+
+log = logging.getLogger("tinkerrpc.engine")
+
+_USER_ERRORS = (EngineUserError, UnknownBaseModelError, UnknownPathError, protocol.BadRequest)
+
+
+class NotFound(LookupError):
+    """An id in a direct (non-future) request that the engine does not know: HTTP 404."""
+
+
+@dataclass
+class Sampler:
+    sampler_id: str
+    base_model: str
+    model_path: str | None
+    weights_dir: Path | None
+
+
+def classify_error(exc: BaseException) -> FailedResult:
+    if isinstance(exc, _USER_ERRORS):
+        return FailedResult(str(exc), "user")
+    log.exception("engine operation failed", exc_info=exc)
+    return FailedResult(f"internal engine error: {type(exc).__name__}: {exc}", "server")
+
+
+class Engine:
+    def __init__(self, data_dir: Path, model_dir: Path) -> None:
+        self.model_dir = model_dir
+        self.storage = Storage(data_dir)
+        self.futures = FutureTable()
+        self.worker = ComputeWorker(classify_error)
+        self.url_secret = secrets.token_bytes(32)  # signs external-weights file URLs
+        self._resolve_lock = threading.Lock()
+        self._runtimes: dict[Path, BaseModelRuntime] = {}
+        self._live_models: dict[str, str] = {}  # model_id -> base model, adapters present in a runtime
+        self._samplers: dict[str, Sampler] = {}
+
+    # ---- models ----
+
+    def resolve_model_dir(self, base_model: str) -> Path:
+        # The first use of the built-in model writes it to disk; serialize so two threads never race.
+        with self._resolve_lock:
+            return resolve_base_model(base_model, self.model_dir)
+
+    def runtime(self, base_model: str) -> BaseModelRuntime:
+        """The runtime of a base model, loaded on first use (compute thread)."""
+        path = self.resolve_model_dir(base_model)
+        runtime = self._runtimes.get(path)
+        if runtime is None:
+            started = time.perf_counter()
+            runtime = self._runtimes[path] = BaseModelRuntime(path)
+            log.info(
+                "loaded base model %s from %s in %.1f s", base_model, path, time.perf_counter() - started
+            )
+        return runtime
+
+    def live_runtime(self, model_id: str) -> BaseModelRuntime:
+        base_model = self._live_models.get(model_id)
+        if base_model is None:
+            raise EngineUserError(f"unknown model {model_id!r}")
+        return self.runtime(base_model)
+
+    def is_live(self, model_id: str) -> bool:
+        return model_id in self._live_models
+
+    def supported_models(self) -> list[str]:
+        """The built-in model plus every `<org>/<name>` or `<name>` HF directory under --model-dir."""
+        names = {TINY_CHAT}
+        if self.model_dir.is_dir():
+            for config in [*self.model_dir.glob("*/config.json"), *self.model_dir.glob("*/*/config.json")]:
+                names.add(str(config.parent.relative_to(self.model_dir)))
+        return sorted(names)
+
+    def create_model(
+        self, model_id: str, base_model: str, spec: LoraSpec, seed: int | None, metadata: dict[str, str]
+    ) -> None:
+        """A new adapter on `base_model`; `seed` is the one the client asked for, if any (compute thread)."""
+        self.runtime(base_model).create_adapter(model_id, spec)
+        self._record_live_run(model_id, base_model, spec, seed, metadata)
+
+    def load_weights(
+        self,
+        model_id: str,
+        path: str,
+        base_model: str | None,
+        with_optimizer: bool,
+        metadata: dict[str, str],
+    ) -> None:
+        """Load a checkpoint into `model_id`, creating it unless it is live (compute thread)."""
+        try:
+            record, directory = self.storage.resolve(path)
+        except UnknownPathError as exc:
+            raise EngineUserError(str(exc)) from exc
+        base_model = base_model or self.storage.get_run(record.model_id).base_model
+        live_base = self._live_models.get(model_id)
+        if live_base is not None and live_base != base_model:
+            raise EngineUserError(f"{path} was trained on {base_model}, model {model_id} is on {live_base}")
+        if with_optimizer and record.kind != "training":
+            raise EngineUserError(
+                f"{path} holds adapter weights only; optimizer state needs a save_state path"
+            )
+        spec = self.runtime(base_model).load_state(model_id, directory, include_optimizer=with_optimizer)
+        self._record_live_run(model_id, base_model, spec, spec.seed, metadata)
+
+    def _record_live_run(
+        self, model_id: str, base_model: str, spec: LoraSpec, seed: int | None, metadata: dict[str, str]
+    ) -> None:
+        stamp = now_iso()
+        self.storage.put_run(
+            RunRecord(
+                model_id,
+                base_model,
+                spec.rank,
+                seed,
+                spec.train_mlp,
+                spec.train_attn,
+                spec.train_unembed,
+                stamp,
+                stamp,
+                metadata,
+            )
+        )
+        self._live_models[model_id] = base_model
+
+    def submit_training(
+        self, model_id: str, seq_id: int | None, name: str, work: Callable[[], Outcome]
+    ) -> str:
+        request_id, future = self.futures.create()
+        self.storage.touch_run(model_id)
+        self.worker.submit_training(model_id, seq_id, f"{name} {model_id}", work, future)
+        return request_id
+
+    def reject_in_turn(self, model_id: str, seq_id: int, name: str, message: str) -> str:
+        """A request id that fails with `message` when `seq_id` comes up in the model's queue, so the
+        model's later requests do not wait for a seq_id that a rejected request used."""
+
+        def reject() -> Outcome:
+            raise EngineUserError(message)
+
+        return self.submit_training(model_id, seq_id, name, reject)
+
+    # ---- checkpoints ----
+
+    def save_checkpoint(
+        self, model_id: str, kind: CheckpointKind, name: str, overwrite: bool, metadata: dict[str, str]
+    ) -> CheckpointRecord:
+        """Save a live model's adapter (and for "training", its optimizer) as a checkpoint (compute thread)."""
+        runtime = self.live_runtime(model_id)
+        try:
+            validate_checkpoint_name(name)
+        except ValueError as exc:
+            raise EngineUserError(str(exc)) from exc
+        directory = self.storage.checkpoint_dir(model_id, kind, name)
+        record = CheckpointRecord(model_id, kind, name, now_iso(), 0, metadata)
+        if self.storage.has_checkpoint(record.tinker_path) or directory.exists():
+            if not overwrite:
+                raise EngineUserError(f"checkpoint {record.tinker_path} already exists")
+            self.storage.delete_checkpoint(model_id, record.checkpoint_id)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        runtime.save_state(model_id, directory, include_optimizer=kind == "training")
+        record.size_bytes = directory_size(directory)
+        self.storage.add_checkpoint(record)
+        return record
+
+    # ---- sampling ----
+
+    def new_sampler(self, sampler_id: str, base_model: str, model_path: str | None) -> Sampler:
+        weights_dir = None
+        if model_path is not None:
+            _, weights_dir = self.storage.resolve(model_path)
+        sampler = Sampler(sampler_id, base_model, model_path, weights_dir)
+        self._samplers[sampler_id] = sampler
+        return sampler
+
+    def sampler(self, sampler_id: str) -> Sampler:
+        sampler = self._samplers.get(sampler_id)
+        if sampler is None:
+            raise NotFound(f"unknown sampling session {sampler_id!r}")
+        return sampler
+
+    def sampler_for(
+        self, sampling_session_id: str | None, model_path: str | None, base_model: str | None
+    ) -> Sampler:
+        """The sampling session a sample request names, or a one-off sampler for its weights."""
+        if sampling_session_id is not None:
+            return self.sampler(sampling_session_id)
+        if model_path:
+            record, weights_dir = self.storage.resolve(model_path)
+            return Sampler("", self.storage.get_run(record.model_id).base_model, model_path, weights_dir)
+        if base_model is None:
+            raise protocol.BadRequest("base_model is required")
+        return Sampler("", base_model, None, None)
+
+    def run_sample_batch(
+        self, sampler: Sampler, requests: list[tuple[SampleJob, int | None]]
+    ) -> list[Outcome]:
+        """Run pending sample requests for one sampler as one runtime batch (compute thread)."""
+        runtime = self.runtime(sampler.base_model)
+        if sampler.weights_dir is not None and not sampler.weights_dir.is_dir():
+            raise EngineUserError(f"the weights of {sampler.model_path} were deleted")
+        jobs = [fill_max_tokens(job, runtime) for job, _ in requests]
+        results: list[SampleOutput | EngineUserError] = []
+        try:
+            results.extend(runtime.sample(sampler.weights_dir, jobs))
+        except EngineUserError:
+            if len(jobs) == 1:
+                raise
+            # One bad request must not fail its batch-mates: retry each alone to isolate it.
+            for job in jobs:
+                try:
+                    results.extend(runtime.sample(sampler.weights_dir, [job]))
+                except EngineUserError as exc:
+                    results.append(exc)
+        outcomes: list[Outcome] = []
+        for (_, last_n), result in zip(requests, results, strict=True):
+            if isinstance(result, EngineUserError):
+                outcomes.append(FailedResult(str(result), "user"))
+                continue
+            if last_n is not None and result.prompt_logprobs is not None:
+                # Only the last N prompt positions were asked for; the SDK checks the rest are None.
+                keep_from = len(result.prompt_logprobs) - last_n
+                result.prompt_logprobs = [
+                    None if j < keep_from else lp for j, lp in enumerate(result.prompt_logprobs)
+                ]
+            outcomes.append(ProtoResult(protocol.encode_sample_output(result)))
+        return outcomes
+
+    def submit_sample(
+        self,
+        sampler: Sampler,
+        job: SampleJob,
+        last_n: int | None,
+        future: concurrent.futures.Future[Outcome],
+    ) -> None:
+        """Queue one sample request; requests pending together for the same weights run as one batch."""
+
+        def run_batch(payloads: list[Any]) -> list[Outcome]:
+            return self.run_sample_batch(sampler, payloads)
+
+        self.worker.submit_sample(
+            (sampler.base_model, sampler.weights_dir),
+            sampler.model_path or sampler.base_model,
+            run_batch,
+            (job, last_n),
+            future,
+        )
+
+
+def fill_max_tokens(job: SampleJob, runtime: BaseModelRuntime) -> SampleJob:
+    """An unset max_tokens (-1) samples until the context is full (the runtime rejects a too-long prompt)."""
+    if job.max_tokens >= 0:
+        return job
+    return replace(job, max_tokens=max(1, runtime.max_context_length - len(job.prompt_tokens)))

@@ -1,0 +1,196 @@
+"""Sessions, service configuration, futures, and training models: creating them and reading their runs.
+
+Bodies the engine does not read (session creation, heartbeats, telemetry, client config) are not parsed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+from datetime import datetime
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from tinker import types
+from tinker.types.try_again_response import TryAgainResponse
+
+from tinkerrpc_server.engine import protocol
+from tinkerrpc_server.engine.core import NotFound
+from tinkerrpc_server.engine.futures import FailedResult, JsonResult, Outcome, ProtoResult
+from tinkerrpc_server.engine.routes.common import EngineDep, future, sdk_checkpoint, str_metadata
+from tinkerrpc_server.engine.runtime import LoraSpec
+from tinkerrpc_server.engine.storage import CheckpointRecord, RunRecord
+
+log = logging.getLogger("tinkerrpc.engine")
+router = APIRouter(prefix="/api/v1")
+
+# retrieve_future holds a request this long before answering try_again (the SDK's own timeout is 45 s).
+LONG_POLL_SECONDS = 25.0
+# The SDK's default LoRA rank, for a create_model without lora_config.
+DEFAULT_LORA_RANK = 32
+
+# ---- session and service ----
+
+
+@router.get("/healthz")
+async def healthz() -> types.HealthResponse:
+    return types.HealthResponse(status="ok")
+
+
+@router.post("/client/config")
+async def client_config() -> types.ClientConfigResponse:
+    # Plain httpx transport; zstd-compressed forward_backward bodies (decoded by the training route).
+    return types.ClientConfigResponse(
+        use_pyqwest_transport=False, proto_compress_fwdbwd=True, pjwt_auth_enabled=False
+    )
+
+
+@router.post("/client/dynamic_config")
+async def client_dynamic_config() -> types.ClientDynamicConfigResponse:
+    return types.ClientDynamicConfigResponse(refresh_interval_sec=3600)
+
+
+@router.post("/create_session")
+async def create_session() -> types.CreateSessionResponse:
+    session_id = f"s{secrets.token_hex(6)}"
+    log.info("session %s created", session_id)
+    return types.CreateSessionResponse(session_id=session_id)
+
+
+@router.post("/session_heartbeat")
+async def session_heartbeat() -> types.SessionHeartbeatResponse:
+    return types.SessionHeartbeatResponse()
+
+
+@router.post("/sessions/{session_id}/finish")
+async def finish_session(session_id: str) -> dict[str, str]:
+    log.info("session %s finished", session_id)
+    return {}
+
+
+@router.post("/telemetry")
+async def telemetry() -> types.TelemetryResponse:
+    return types.TelemetryResponse(status="accepted")
+
+
+@router.get("/get_server_capabilities")
+async def server_capabilities(engine: EngineDep) -> types.GetServerCapabilitiesResponse:
+    names = await run_in_threadpool(engine.supported_models)
+    return types.GetServerCapabilitiesResponse(
+        supported_models=[
+            types.SupportedModel(model_name=name, trainable=True, sampleable=True) for name in names
+        ]
+    )
+
+
+@router.get("/debug/stats")
+async def debug_stats(engine: EngineDep) -> dict[str, int]:
+    return dataclasses.asdict(engine.worker.stats)
+
+
+# ---- futures ----
+
+
+@router.post("/retrieve_future")
+async def retrieve_future(request: types.FutureRetrieveRequest, engine: EngineDep) -> Response:
+    request_id = request.request_id
+    try:
+        outcome: Outcome | None = await engine.futures.wait(request_id, LONG_POLL_SECONDS)
+    except KeyError as exc:
+        raise NotFound(f"unknown request id {request_id!r}") from exc
+    if outcome is None:
+        pending = TryAgainResponse(request_id=request_id, queue_state="active")
+        return JSONResponse(pending.model_dump(mode="json"))
+    if isinstance(outcome, ProtoResult):
+        return Response(outcome.payload, media_type=protocol.PROTOBUF_CONTENT_TYPE)
+    if isinstance(outcome, FailedResult):
+        failed = types.RequestFailedResponse(
+            error=outcome.message, category=types.RequestErrorCategory(outcome.category)
+        )
+        return JSONResponse(failed.model_dump(mode="json"))
+    assert isinstance(outcome, JsonResult)
+    return JSONResponse(outcome.payload.model_dump(mode="json"))
+
+
+# ---- training models ----
+
+
+@router.post("/create_model")
+async def create_model(request: types.CreateModelRequest, engine: EngineDep) -> types.UntypedAPIFuture:
+    model_id = f"{request.session_id}:train:{request.model_seq_id}"
+    base_model = request.base_model
+    lora = request.lora_config or types.LoraConfig(rank=DEFAULT_LORA_RANK)
+    spec = LoraSpec(
+        rank=lora.rank,
+        seed=secrets.randbelow(2**31) if lora.seed is None else lora.seed,
+        train_mlp=lora.train_mlp,
+        train_attn=lora.train_attn,
+        train_unembed=lora.train_unembed,
+    )
+    metadata = str_metadata(request.user_metadata)
+    if engine.is_live(model_id):
+        return future(engine.futures.failed(f"model {model_id} already exists"), model_id)
+
+    def work() -> Outcome:
+        engine.create_model(model_id, base_model, spec, lora.seed, metadata)
+        return JsonResult(types.CreateModelResponse(model_id=model_id))
+
+    return future(engine.submit_training(model_id, 0, "create_model", work), model_id)
+
+
+@router.post("/get_info")
+async def get_info(request: types.GetInfoRequest, engine: EngineDep) -> types.GetInfoResponse:
+    model_id = request.model_id
+    if not engine.is_live(model_id):
+        raise NotFound(f"unknown model {model_id!r}")
+    run = engine.storage.get_run(model_id)
+    path = await run_in_threadpool(engine.resolve_model_dir, run.base_model)
+    return types.GetInfoResponse(
+        type="get_info",
+        model_id=model_id,
+        model_data=types.ModelData(arch="lora", model_name=run.base_model, tokenizer_id=str(path)),
+        is_lora=True,
+        lora_rank=run.lora_rank,
+        model_name=run.base_model,
+    )
+
+
+# ---- training runs ----
+
+
+def _training_run(run: RunRecord, checkpoints: list[CheckpointRecord]) -> types.TrainingRun:
+    training = [c for c in checkpoints if c.kind == "training"]
+    sampler = [c for c in checkpoints if c.kind == "sampler"]
+    return types.TrainingRun(
+        training_run_id=run.model_id,
+        base_model=run.base_model,
+        model_owner="local",
+        is_lora=True,
+        lora_rank=run.lora_rank,
+        last_request_time=datetime.fromisoformat(run.last_request_time),
+        last_checkpoint=sdk_checkpoint(training[-1]) if training else None,
+        last_sampler_checkpoint=sdk_checkpoint(sampler[-1]) if sampler else None,
+        user_metadata=run.user_metadata or None,
+    )
+
+
+@router.get("/training_runs")
+async def list_training_runs(
+    engine: EngineDep, limit: int = 20, offset: int = 0
+) -> types.TrainingRunsResponse:
+    runs = engine.storage.list_runs()
+    return types.TrainingRunsResponse(
+        training_runs=[
+            _training_run(r, engine.storage.list_checkpoints(r.model_id))
+            for r in runs[offset : offset + limit]
+        ],
+        cursor=types.Cursor(offset=offset, limit=limit, total_count=len(runs)),
+    )
+
+
+@router.get("/training_runs/{model_id}")
+async def get_training_run(model_id: str, engine: EngineDep) -> types.TrainingRun:
+    run = engine.storage.get_run(model_id)
+    return _training_run(run, engine.storage.list_checkpoints(model_id))

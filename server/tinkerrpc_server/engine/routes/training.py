@@ -1,0 +1,58 @@
+"""Training steps: forward_backward (and forward, its forward_only variant) and optim_step.
+
+forward_backward arrives as protobuf (see protocol); its data, loss and Adam values are checked by the
+runtime, on the compute thread, so a rejected request still takes its turn in the model's queue.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from tinker import types
+
+from tinkerrpc_server.engine import protocol
+from tinkerrpc_server.engine.futures import JsonResult, Outcome, ProtoResult
+from tinkerrpc_server.engine.routes.common import EngineDep, future, unknown_model
+from tinkerrpc_server.engine.runtime import EngineUserError
+
+router = APIRouter(prefix="/api/v1")
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request, engine: EngineDep) -> types.UntypedAPIFuture:
+    raw = protocol.decode_body(await request.body(), request.headers.get("content-encoding"))
+    call = protocol.parse_forward_backward(raw)
+    if not engine.is_live(call.model_id):
+        return unknown_model(engine, call.model_id)
+
+    def work() -> Outcome:
+        result = engine.live_runtime(call.model_id).forward_backward(
+            call.model_id, call.data, call.loss_fn, call.loss_fn_config, backward=not call.forward_only
+        )
+        return ProtoResult(protocol.encode_forward_result(result))
+
+    name = "forward" if call.forward_only else f"forward_backward[{call.loss_fn}]"
+    return future(engine.submit_training(call.model_id, call.seq_id, name, work), call.model_id)
+
+
+@router.post("/optim_step")
+async def optim_step(request: types.OptimStepRequest, engine: EngineDep) -> types.UntypedAPIFuture:
+    model_id = request.model_id
+    if not engine.is_live(model_id):
+        return unknown_model(engine, model_id)
+    adam = request.optim_params
+
+    def work() -> Outcome:
+        if not isinstance(adam, types.AdamParams):
+            raise EngineUserError("optim_step needs adam_params (the only optimizer this engine runs)")
+        metrics = engine.live_runtime(model_id).optim_step(
+            model_id,
+            learning_rate=adam.learning_rate,
+            beta1=adam.beta1,
+            beta2=adam.beta2,
+            eps=adam.eps,
+            weight_decay=adam.weight_decay,
+            grad_clip_norm=adam.grad_clip_norm,
+        )
+        return JsonResult(types.OptimStepResponse(metrics=metrics))
+
+    return future(engine.submit_training(model_id, request.seq_id, "optim_step", work), model_id)

@@ -1,0 +1,216 @@
+"""Weights and checkpoints: save (state, for sampler, external), load, describe, list, delete, download.
+
+External weights (save_weights_external) are plain PEFT adapter directories; get_external_weights_urls
+hands out one signed URL per file (see signed_urls), served by this engine under
+/api/v1/external_weights_files/.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from datetime import datetime, timezone
+from urllib.parse import quote
+
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse
+from starlette.concurrency import run_in_threadpool
+from tinker import types
+
+from tinkerrpc_server.engine import protocol
+from tinkerrpc_server.engine.futures import JsonResult, Outcome
+from tinkerrpc_server.engine.routes.common import (
+    EngineDep,
+    future,
+    sdk_checkpoint,
+    str_metadata,
+    unknown_model,
+)
+from tinkerrpc_server.engine.runtime import EngineUserError
+from tinkerrpc_server.engine.signed_urls import EXTERNAL_URL_TTL_SECONDS, check_file_signature, sign_file
+from tinkerrpc_server.engine.storage import UnknownPathError, check_relative_path, file_inside, regular_files
+
+log = logging.getLogger("tinkerrpc.engine")
+router = APIRouter(prefix="/api/v1")
+
+# ---- saving and loading (operations on a model's queue) ----
+
+
+@router.post("/save_weights")
+async def save_weights(request: types.SaveWeightsRequest, engine: EngineDep) -> types.UntypedAPIFuture:
+    model_id = request.model_id
+    if not engine.is_live(model_id):
+        return unknown_model(engine, model_id)
+    name = request.path or f"state-{request.seq_id or secrets.token_hex(4)}"
+
+    def work() -> Outcome:
+        record = engine.save_checkpoint(
+            model_id, "training", name, request.overwrite, str_metadata(request.user_metadata)
+        )
+        return JsonResult(types.SaveWeightsResponse(path=record.tinker_path, type="save_weights"))
+
+    return future(engine.submit_training(model_id, request.seq_id, "save_weights", work), model_id)
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(
+    request: types.SaveWeightsForSamplerRequest, engine: EngineDep
+) -> types.UntypedAPIFuture:
+    model_id = request.model_id
+    if not engine.is_live(model_id):
+        return unknown_model(engine, model_id)
+
+    def work() -> Outcome:
+        name = request.path or f"sampler-{request.seq_id}-{secrets.token_hex(3)}"
+        record = engine.save_checkpoint(model_id, "sampler", name, False, str_metadata(request.user_metadata))
+        sampling_session_id = None
+        if not request.path:
+            # The no-name variant hands back a sampling session over the weights just saved.
+            session = model_id.split(":train:")[0]
+            sampler = engine.new_sampler(
+                f"{session}:sample:{request.sampling_session_seq_id}:{secrets.token_hex(3)}",
+                engine.storage.get_run(model_id).base_model,
+                record.tinker_path,
+            )
+            sampling_session_id = sampler.sampler_id
+        return JsonResult(
+            types.SaveWeightsForSamplerResponseInternal(
+                path=record.tinker_path,
+                sampling_session_id=sampling_session_id,
+                type="save_weights_for_sampler",
+            )
+        )
+
+    return future(
+        engine.submit_training(model_id, request.seq_id, "save_weights_for_sampler", work), model_id
+    )
+
+
+@router.post("/save_weights_external")
+async def save_weights_external(
+    request: types.SaveWeightsExternalRequest, engine: EngineDep
+) -> types.UntypedAPIFuture:
+    # ttl_seconds is accepted and ignored: local exports stay until delete_checkpoint removes them.
+    model_id = request.model_id
+    if not engine.is_live(model_id):
+        return unknown_model(engine, model_id)
+
+    def work() -> Outcome:
+        # Checked here, in seq order, so a rejected request still takes its turn in the model's queue.
+        if request.age_encryption_recipients:
+            raise EngineUserError(
+                "age_encryption_recipients: encrypting exported weights is not supported by the local "
+                "engine (its exports never leave this machine); export without recipients"
+            )
+        record = engine.save_checkpoint(model_id, "external", request.path, False, {})
+        return JsonResult(
+            types.SaveWeightsExternalResponseInternal(
+                path=record.tinker_path, size_bytes=record.size_bytes, type="save_weights_external"
+            )
+        )
+
+    return future(engine.submit_training(model_id, request.seq_id, "save_weights_external", work), model_id)
+
+
+@router.post("/load_weights")
+async def load_weights(request: types.LoadWeightsRequest, engine: EngineDep) -> types.UntypedAPIFuture:
+    if request.model_id is not None:
+        model_id: str = request.model_id
+        seq_id = request.seq_id
+        if not engine.is_live(model_id):
+            return unknown_model(engine, model_id)
+    elif request.session_id is None or request.model_seq_id is None:
+        raise protocol.BadRequest("load_weights needs model_id, or session_id and model_seq_id")
+    else:
+        # Create-via-load: the load is the new model's first request.
+        model_id = f"{request.session_id}:train:{request.model_seq_id}"
+        seq_id = 0
+
+    def work() -> Outcome:
+        engine.load_weights(
+            model_id, request.path, request.base_model, request.optimizer, str_metadata(request.user_metadata)
+        )
+        return JsonResult(
+            types.LoadWeightsResponse(path=request.path, model_id=model_id, type="load_weights")
+        )
+
+    return future(engine.submit_training(model_id, seq_id, "load_weights", work), model_id)
+
+
+@router.post("/weights_info")
+async def weights_info(request: protocol.WeightsInfoRequest, engine: EngineDep) -> types.WeightsInfoResponse:
+    record, _ = engine.storage.resolve(request.tinker_path)
+    run = engine.storage.get_run(record.model_id)
+    return types.WeightsInfoResponse(
+        base_model=run.base_model,
+        is_lora=True,
+        lora_rank=run.lora_rank,
+        train_unembed=run.train_unembed,
+        train_mlp=run.train_mlp,
+        train_attn=run.train_attn,
+    )
+
+
+# ---- checkpoints (REST) ----
+
+
+@router.get("/training_runs/{model_id}/checkpoints")
+async def list_checkpoints(model_id: str, engine: EngineDep) -> types.CheckpointsListResponse:
+    engine.storage.get_run(model_id)
+    return types.CheckpointsListResponse(
+        checkpoints=[sdk_checkpoint(c) for c in engine.storage.list_checkpoints(model_id)]
+    )
+
+
+@router.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
+async def delete_checkpoint(model_id: str, checkpoint_id: str, engine: EngineDep) -> dict[str, str]:
+    record = await run_in_threadpool(engine.storage.delete_checkpoint, model_id, checkpoint_id)
+    log.info("deleted checkpoint %s", record.tinker_path)
+    return {}
+
+
+@router.get("/checkpoints")
+async def list_all_checkpoints(
+    engine: EngineDep, limit: int = 100, offset: int = 0
+) -> types.CheckpointsListResponse:
+    everything = [c for r in engine.storage.list_runs() for c in engine.storage.list_checkpoints(r.model_id)]
+    return types.CheckpointsListResponse(
+        checkpoints=[sdk_checkpoint(c) for c in everything[offset : offset + limit]],
+        cursor=types.Cursor(offset=offset, limit=limit, total_count=len(everything)),
+    )
+
+
+# ---- external weights downloads ----
+
+
+# The SDK sends checkpoint_id ("external_weights/<name>") with its slash unencoded.
+@router.get("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+async def external_weights_urls(
+    model_id: str, checkpoint_id: str, request: Request, engine: EngineDep
+) -> types.ExternalWeightsUrlsResponse:
+    tinker_path = f"tinker://{model_id}/{checkpoint_id}"
+    record, directory = engine.storage.resolve(tinker_path)
+    if record.kind != "external":
+        raise UnknownPathError(f"{tinker_path} is not an external_weights checkpoint")
+    files = await run_in_threadpool(regular_files, directory)
+    expires = int(time.time()) + EXTERNAL_URL_TTL_SECONDS
+    base = f"{str(request.base_url).rstrip('/')}/api/v1/external_weights_files"
+    prefix = f"{base}/{quote(model_id, safe=':')}/{quote(record.name, safe='')}"
+    urls = {
+        file: f"{prefix}/{quote(file)}?expires={expires}&signature="
+        + sign_file(engine.url_secret, model_id, record.name, file, expires)
+        for file in files
+    }
+    return types.ExternalWeightsUrlsResponse(urls=urls, expires=datetime.fromtimestamp(expires, timezone.utc))
+
+
+@router.get("/external_weights_files/{model_id}/{name}/{file:path}")
+async def external_weights_file(
+    model_id: str, name: str, file: str, engine: EngineDep, expires: str = "", signature: str = ""
+) -> FileResponse:
+    check_relative_path(file)  # 404 for '..', absolute paths and the like, before anything else
+    check_file_signature(engine.url_secret, model_id, name, file, expires, signature, time.time())
+    _, directory = engine.storage.resolve(f"tinker://{model_id}/external_weights/{name}")
+    path = await run_in_threadpool(file_inside, directory, file)
+    return FileResponse(path, media_type="application/octet-stream")
