@@ -1,22 +1,32 @@
 // A Node.js client of the tinkerrpc v1 contract, built straight from protos/ with no generated code:
 // create a model, sample with logprobs, train one RL step on its own samples, read back the new
-// policy version, sample pinned to it and download its adapter (a server stream). Prints one JSON line of what it observed; exits non-zero
+// policy version, sample pinned to it and download its adapter (a server stream). Reusing the step's
+// idempotency key for another request is refused: the reason is decoded from the status details and
+// looked up in the ErrorReason enum. Prints one JSON line of what it observed; exits non-zero
 // with the gRPC status code and details on any error or contract mismatch.
 //
-// Usage: node client.mjs HOST:PORT [--base-model NAME] [--timeout-s SECONDS]
+// Usage: node client.mjs HOST:PORT --google-protos DIR [--base-model NAME] [--timeout-s SECONDS]
+// DIR holds googleapis' google/rpc/status.proto and error_details.proto (the test passes the copy
+// that ships with Python's googleapis-common-protos).
 
 import { randomUUID } from "node:crypto";
+import { existsSync } from "node:fs";
 import { dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";
 
 import grpc from "@grpc/grpc-js";
 import protoLoader from "@grpc/proto-loader";
+import protobuf from "protobufjs";
 
 const PROTOS_DIR = join(dirname(fileURLToPath(import.meta.url)), "..", "..", "protos");
 const DEFAULT_BASE_MODEL = "tinkerrpc/tiny-chat";
 const SAMPLES_PER_PROMPT = 4;
 const MAX_NEW_TOKENS = 8;
 const SAMPLING_SEED = 20240601;
+const STATUS_DETAILS_KEY = "grpc-status-details-bin";
+const ERROR_INFO_TYPE_URL = "type.googleapis.com/google.rpc.ErrorInfo";
+// ErrorInfo.reason is an ErrorReason's name without this prefix (errors.proto).
+const REASON_PREFIX = "ERROR_REASON_";
 
 // keepCase keeps the proto's snake_case field names, so the code reads like the contract;
 // int64 fields arrive as decimal strings (never silently rounded) and go through toInt();
@@ -37,14 +47,19 @@ class RpcFailure extends ClientFailure {
     const codeName = grpc.status[error.code] ?? "UNKNOWN";
     super(`${method} failed: ${codeName} (${error.code}): ${error.details}`);
     this.codeName = codeName;
+    this.metadata = error.metadata;
   }
 }
 
+const USAGE = "usage: node client.mjs HOST:PORT --google-protos DIR [--base-model NAME] [--timeout-s SECONDS]";
+
 function parseArgs(argv) {
-  const args = { target: null, baseModel: DEFAULT_BASE_MODEL, timeoutSeconds: 120 };
+  const args = { target: null, googleProtos: null, baseModel: DEFAULT_BASE_MODEL, timeoutSeconds: 120 };
   for (let i = 0; i < argv.length; i++) {
     const arg = argv[i];
-    if (arg === "--base-model") {
+    if (arg === "--google-protos") {
+      args.googleProtos = requireValue(argv, ++i, arg);
+    } else if (arg === "--base-model") {
       args.baseModel = requireValue(argv, ++i, arg);
     } else if (arg === "--timeout-s") {
       args.timeoutSeconds = Number(requireValue(argv, ++i, arg));
@@ -57,7 +72,7 @@ function parseArgs(argv) {
       throw new ClientFailure(`unexpected argument ${arg}`);
     }
   }
-  if (args.target === null) throw new ClientFailure("usage: node client.mjs HOST:PORT [--base-model NAME]");
+  if (args.target === null || args.googleProtos === null) throw new ClientFailure(USAGE);
   return args;
 }
 
@@ -69,6 +84,48 @@ function requireValue(argv, index, option) {
 function loadTrainerService() {
   const definition = protoLoader.loadSync("tinkerrpc/v1/trainer_service.proto", LOADER_OPTIONS);
   return grpc.loadPackageDefinition(definition).tinkerrpc.v1.TrainerService;
+}
+
+/** What decoding a refusal takes, read from the .proto files with protobufjs: google.rpc.Status and
+ * ErrorInfo from googleapis, ErrorReason from tinkerrpc. */
+function loadErrorTypes(googleProtosDir) {
+  const root = new protobuf.Root();
+  root.resolvePath = (_origin, target) =>
+    [PROTOS_DIR, googleProtosDir].map((dir) => join(dir, target)).find(existsSync) ?? target;
+  root.loadSync(
+    ["google/rpc/status.proto", "google/rpc/error_details.proto", "tinkerrpc/v1/errors.proto"],
+    { keepCase: true },
+  );
+  return {
+    status: root.lookupType("google.rpc.Status"),
+    errorInfo: root.lookupType("google.rpc.ErrorInfo"),
+    errorReason: root.lookupEnum("tinkerrpc.v1.ErrorReason"),
+  };
+}
+
+/** Awaits a call that must fail with a gRPC status; returns that RpcFailure. */
+async function refusal(pending, what) {
+  try {
+    await pending;
+  } catch (failure) {
+    if (failure instanceof RpcFailure) return failure;
+    throw failure;
+  }
+  throw new ClientFailure(`contract mismatch: ${what} was accepted`);
+}
+
+/** The ErrorInfo in a failure's status details, its reason mapped to an ErrorReason value. */
+function decodeErrorInfo(failure, errorTypes) {
+  const [statusBytes] = failure.metadata.get(STATUS_DETAILS_KEY);
+  expect(statusBytes !== undefined, `${failure.message} came without ${STATUS_DETAILS_KEY}`);
+  const status = errorTypes.status.decode(statusBytes);
+  const packed = status.details.find((detail) => detail.type_url === ERROR_INFO_TYPE_URL);
+  expect(packed !== undefined, `${failure.message} came without a google.rpc.ErrorInfo`);
+  const info = errorTypes.errorInfo.decode(packed.value);
+  const reasonName = `${REASON_PREFIX}${info.reason}`;
+  const reasonNumber = errorTypes.errorReason.values[reasonName];
+  expect(reasonNumber !== undefined, `ErrorInfo.reason ${info.reason} is not an ErrorReason`);
+  return { reason: reasonName, reason_number: reasonNumber, domain: info.domain, metadata: info.metadata };
 }
 
 /** An int64 received as a decimal string, as a JS number; refuses values a double cannot hold. */
@@ -183,8 +240,9 @@ function summariseSequences(response) {
   }));
 }
 
-async function run({ target, baseModel, timeoutSeconds }) {
+async function run({ target, googleProtos, baseModel, timeoutSeconds }) {
   const TrainerService = loadTrainerService();
+  const errorTypes = loadErrorTypes(googleProtos);
   const stub = new TrainerService(target, grpc.credentials.createInsecure());
   const timings = [];
   const call = unaryCaller(stub, timeoutSeconds, timings);
@@ -240,6 +298,13 @@ async function run({ target, baseModel, timeoutSeconds }) {
     expect(toInt(retried.policy_version, "Train(retry).policy_version") === 1,
       `the retried Train reports version ${retried.policy_version}, expected 1`);
 
+    // The same key with a different request: refused, and the protos name the reason.
+    const reused = await refusal(
+      call("Train", { ...trainRequest, adam: { learning_rate: 2e-3 } }),
+      "a Train reusing an idempotency key for another request",
+    );
+    const reusedInfo = decodeErrorInfo(reused, errorTypes);
+
     const fetched = await call("GetModel", { name });
     const currentVersion = toInt(fetched.model.policy_version, "GetModel.model.policy_version");
     const sampleableVersions = fetched.model.sampleable_versions.map((version) => toInt(version, "sampleable_versions"));
@@ -284,6 +349,8 @@ async function run({ target, baseModel, timeoutSeconds }) {
         sampler_checkpoint: trained.sampler_checkpoint?.name ?? null,
       },
       pinned_samples: summariseSequences(pinned),
+      refused: { code: reused.codeName, ...reusedInfo },
+      idempotency_key: trainRequest.idempotency_key,
       export: {
         policy_version: toInt(exported.weights.policy_version, "ExportedWeights.policy_version"),
         base_model: exported.weights.base_model,

@@ -1,6 +1,7 @@
 """The protos as a contract for non-Python users: a Node.js client (client.mjs, @grpc/grpc-js with
 the protos loaded at run time) creates a model, samples, trains one step, samples the new version and
-downloads its adapter through the ExportWeights stream, against a real `tinkerrpc serve`."""
+downloads its adapter through the ExportWeights stream, against a real `tinkerrpc serve`; a refused
+Train's ErrorInfo reason is decoded and named by the ErrorReason enum of the protos."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from typing import Any
 
 import grpc
 import pytest
+from google.rpc import status_pb2
 
-from tinkerrpc.v1 import trainer_service_pb2, trainer_service_pb2_grpc
+from tinkerrpc.v1 import errors_pb2, trainer_service_pb2, trainer_service_pb2_grpc
 from tinkerrpc_server.local.processes import free_port
 from tinkerrpc_server.local.stack import LocalStack
 
@@ -22,6 +24,8 @@ NODE_DIR = Path(__file__).parent
 NPM_CI_TIMEOUT_S = 300
 CLIENT_TIMEOUT_S = 120
 SAMPLES_PER_PROMPT = 4
+# googleapis' google/rpc/*.proto, as googleapis-common-protos installs them beside their Python modules.
+GOOGLE_PROTOS_DIR = Path(status_pb2.__file__).parents[2]
 
 
 def _tool(name: str) -> str:
@@ -58,7 +62,7 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 def _run_client(node: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [node, str(NODE_DIR / "client.mjs"), *args],
+        [node, str(NODE_DIR / "client.mjs"), *args, "--google-protos", str(GOOGLE_PROTOS_DIR)],
         cwd=NODE_DIR,
         capture_output=True,
         text=True,
@@ -93,6 +97,7 @@ def test_node_client_trains_one_step_and_samples_the_new_version(node: str, targ
         "Sample",
         "Train",
         "Train",
+        "Train",
         "GetModel",
         "Sample",
         "ExportWeights",
@@ -116,6 +121,17 @@ def test_node_client_trains_one_step_and_samples_the_new_version(node: str, targ
     assert train["trajectories_used"] == SAMPLES_PER_PROMPT
     assert train["trained_tokens"] == sum(sample["token_ids"] for sample in samples)
     assert train["total_tokens"] > train["trained_tokens"]
+
+    # Reusing the idempotency key for another request: the reason, decoded in Node, is the ErrorReason
+    # the Python stubs know by the same name and number.
+    refused = observed["refused"]
+    assert refused["code"] == "FAILED_PRECONDITION"
+    assert (refused["reason"], refused["reason_number"]) == (
+        "ERROR_REASON_IDEMPOTENCY_KEY_REUSED",
+        errors_pb2.ERROR_REASON_IDEMPOTENCY_KEY_REUSED,
+    )
+    assert refused["domain"] == "tinkerrpc"
+    assert refused["metadata"] == {"idempotency_key": observed["idempotency_key"], "policy_version": "1"}
 
     # The adapter streamed out whole: the files a PEFT loader needs, the model's LoRA rank (default 32).
     export = observed["export"]
