@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from pathlib import Path
 
 import httpx
@@ -245,6 +246,32 @@ def test_operations_run_in_seq_order_even_when_they_arrive_out_of_order(
     # The forward saw the weights from before the step; the step ran after it.
     np.testing.assert_allclose(values[: offsets[1] // 4], initial, atol=1e-6)
     assert not np.allclose(probe_logprobs_raw(engine, client.model_id, seq_id=4), initial)
+
+
+def test_malformed_bodies_fail_clearly_and_keep_the_seq_order(
+    service: tinker.ServiceClient, engine: LocalEngine
+) -> None:
+    client = new_model(service, seed=7)
+    initial = probe_logprobs(client)  # seq 1
+    started = time.monotonic()
+    # JSON has no NaN: the SDK sends a NaN learning rate as null, which AdamParams refuses.
+    rejected = httpx.post(
+        f"{engine.base_url}/api/v1/optim_step",
+        json={"model_id": client.model_id, "seq_id": 2, "adam_params": {"learning_rate": None}},
+    )
+    assert rejected.status_code == 200, rejected.text
+    failure = _retrieve(engine, rejected.json()["request_id"]).json()
+    assert failure["category"] == "user" and "adam_params" in failure["error"]
+    # The rejected request took its turn: seq 3 runs at once, on unchanged weights.
+    np.testing.assert_allclose(probe_logprobs_raw(engine, client.model_id, seq_id=3), initial, atol=1e-6)
+    assert time.monotonic() - started < 9, "a rejected request must not leave a gap in the seq_id order"
+
+    # Outside a model's numbered sequence, a malformed body is a 400 that names the field.
+    response = httpx.post(
+        f"{engine.base_url}/api/v1/create_sampling_session",
+        json={"sampling_session_seq_id": 0, "base_model": TINY},
+    )
+    assert response.status_code == 400 and "session_id" in response.json()["detail"]
 
 
 def probe_logprobs_raw(engine: LocalEngine, model_id: str, seq_id: int) -> np.ndarray:
