@@ -181,3 +181,65 @@ def test_sdk_samples_name_each_tool_call(stack: Stack, tool_agent: str) -> None:
     calls = [call for sample in samples for call in sample.to_message().tool_calls]
     assert [(call.name, call.parsed_arguments()) for call in calls] == [("get_weather", ARGUMENTS)] * 2
     assert all(call.id.startswith("call_") for call in calls) and calls[0].id != calls[1].id
+
+
+def test_streamed_chat_and_responses_rollouts_train_token_exact(stack: Stack, tool_agent: str) -> None:
+    """The accumulated results of `.stream()` (chat and Responses) become trajectories that train.
+
+    They need answers that end by themselves: openai's stream helpers refuse truncated ones.
+    """
+    api = stack.openai()
+    name, version = tool_agent.split("@")
+    plain_chat = ask(api, tool_agent, [QUESTION], logprobs=True)
+    with api.chat.completions.stream(
+        model=tool_agent,
+        messages=[QUESTION],  # type: ignore[list-item]
+        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        temperature=0,
+        max_tokens=40,
+        logprobs=True,
+    ) as stream:
+        streamed_chat = stream.get_final_completion()
+    from_chat = tinkerrpc.Trajectory.from_openai([QUESTION], streamed_chat, reward=1.0, tools=[WEATHER_TOOL])
+    assert list(from_chat.turns[0].completion_token_ids) == extra(plain_chat.choices[0], "token_ids")
+    assert list(from_chat.turns[0].prompt_token_ids) == extra(plain_chat, "prompt_token_ids")
+    assert from_chat.messages[-1].tool_calls[0].name == "get_weather"
+
+    responses_tool = {"type": "function", **WEATHER_TOOL["function"]}
+    request: dict[str, Any] = {
+        "model": tool_agent,
+        "input": [QUESTION],
+        "tools": [responses_tool],
+        "temperature": 0,
+        "max_output_tokens": 40,
+        "include": ["message.output_text.logprobs"],
+    }
+    plain_response = api.responses.create(**request)
+    with api.responses.stream(**request) as response_stream:
+        kinds = [event.type for event in response_stream]
+        streamed_response = response_stream.get_final_response()
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+    (call,) = streamed_response.output
+    assert call.type == "function_call" and json.loads(call.arguments) == ARGUMENTS
+    from_response = tinkerrpc.Trajectory.from_openai_response(
+        [QUESTION], streamed_response, reward=0.0, tools=[responses_tool]
+    )
+    assert list(from_response.turns[0].completion_token_ids) == extra(plain_response.output[0], "token_ids")
+    assert from_response.turns[0] == from_chat.turns[0]
+    # The agent answers the call in Responses form; the answer is the taught one.
+    answer = api.responses.create(
+        **{
+            **request,
+            "input": [
+                QUESTION,
+                *[item.model_dump() for item in streamed_response.output],
+                {"type": "function_call_output", "call_id": call.call_id, "output": TOOL_RESULT},
+            ],
+        }
+    )
+    assert answer.status == "completed" and answer.output_text == ANSWER
+
+    result = stack.client.model(name).train(
+        [tinkerrpc.TrajectoryGroup([from_chat, from_response])], learning_rate=1e-4
+    )
+    assert result.metrics.trajectories_used == 2 and result.policy_version > int(version)
