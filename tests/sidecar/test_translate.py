@@ -371,13 +371,13 @@ def test_grpc_failures_map_to_http_in_one_place() -> None:
 
 def test_metrics_render_prometheus_text() -> None:
     metrics = SidecarMetrics()
-    metrics.requests.inc("/v1/models", "200")
-    metrics.requests.inc("/v1/models", "200")
-    metrics.latency.observe(0.2, "/v1/models")
-    metrics.latency.observe(700.0, "/v1/models")
+    metrics.requests.labels("/v1/models", "200").inc()
+    metrics.requests.labels("/v1/models", "200").inc()
+    metrics.latency.labels("/v1/models").observe(0.2)
+    metrics.latency.labels("/v1/models").observe(700.0)
     text = metrics.render()
     assert 'tinkerrpc_sidecar_requests_total{route="/v1/models",status="200"} 2' in text
-    assert 'tinkerrpc_sidecar_request_duration_seconds_bucket{route="/v1/models",le="0.25"} 1' in text
-    assert 'tinkerrpc_sidecar_request_duration_seconds_bucket{route="/v1/models",le="+Inf"} 2' in text
+    assert 'tinkerrpc_sidecar_request_duration_seconds_bucket{le="0.25",route="/v1/models"} 1' in text
+    assert 'tinkerrpc_sidecar_request_duration_seconds_bucket{le="+Inf",route="/v1/models"} 2' in text
     assert 'tinkerrpc_sidecar_request_duration_seconds_count{route="/v1/models"} 2' in text
     assert "# TYPE tinkerrpc_sidecar_errors_total counter" in text

@@ -124,10 +124,10 @@ def create_app(grpc_target: str, api_key: str | None, grpc_token: str | None = N
         else:
             response = await call_next(request)
         route_path = _route_label(app, request)
-        metrics.requests.inc(route_path, str(response.status_code))
-        metrics.latency.observe(time.perf_counter() - started, route_path)
+        metrics.requests.labels(route_path, str(response.status_code)).inc()
+        metrics.latency.labels(route_path).observe(time.perf_counter() - started)
         if response.status_code >= 400:
-            metrics.errors.inc(str(response.status_code))
+            metrics.errors.labels(str(response.status_code)).inc()
         return response
 
     @app.exception_handler(OpenAIError)
@@ -174,8 +174,8 @@ def create_app(grpc_target: str, api_key: str | None, grpc_token: str | None = N
 
     def count_tokens(route: str, samples: list[Sample]) -> None:
         usage = translate.usage_of(samples)
-        metrics.generated_tokens.inc(route, amount=usage.completion_tokens)
-        metrics.prompt_tokens.inc(route, amount=usage.prompt_tokens)
+        metrics.generated_tokens.labels(route).inc(usage.completion_tokens)
+        metrics.prompt_tokens.labels(route).inc(usage.prompt_tokens)
 
     @app.get("/health")
     async def health() -> JSONResponse:
