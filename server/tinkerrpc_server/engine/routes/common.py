@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Annotated, Any
 
@@ -10,6 +10,7 @@ from fastapi import Depends, Request
 from tinker import types
 
 from tinkerrpc_server.engine.core import Engine
+from tinkerrpc_server.engine.futures import Outcome
 from tinkerrpc_server.engine.storage import CheckpointRecord
 
 
@@ -25,9 +26,14 @@ def future(request_id: str, model_id: str | None = None) -> types.UntypedAPIFutu
     return types.UntypedAPIFuture(request_id=request_id, model_id=model_id)
 
 
-def unknown_model(engine: Engine, model_id: str) -> types.UntypedAPIFuture:
-    """A request for a model this engine does not hold fails as a future, like its other errors."""
-    return future(engine.futures.failed(f"unknown model {model_id!r}"), model_id)
+def model_operation(
+    engine: Engine, model_id: str, seq_id: int | None, name: str, work: Callable[[], Outcome]
+) -> types.UntypedAPIFuture:
+    """Queue `work` in the live model's seq_id order. A request for a model this engine does not hold
+    fails as a future, like the work's own errors."""
+    if not engine.is_live(model_id):
+        return future(engine.futures.failed(f"unknown model {model_id!r}"), model_id)
+    return future(engine.submit_training(model_id, seq_id, name, work), model_id)
 
 
 def str_metadata(value: Mapping[str, Any] | None) -> dict[str, str]:

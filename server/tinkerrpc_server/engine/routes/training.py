@@ -11,7 +11,7 @@ from tinker import types
 
 from tinkerrpc_server.engine import protocol
 from tinkerrpc_server.engine.futures import JsonResult, Outcome, ProtoResult
-from tinkerrpc_server.engine.routes.common import EngineDep, future, unknown_model
+from tinkerrpc_server.engine.routes.common import EngineDep, model_operation
 from tinkerrpc_server.engine.runtime import EngineUserError
 
 router = APIRouter(prefix="/api/v1")
@@ -21,8 +21,6 @@ router = APIRouter(prefix="/api/v1")
 async def forward_backward(request: Request, engine: EngineDep) -> types.UntypedAPIFuture:
     raw = protocol.decode_body(await request.body(), request.headers.get("content-encoding"))
     call = protocol.parse_forward_backward(raw)
-    if not engine.is_live(call.model_id):
-        return unknown_model(engine, call.model_id)
 
     def work() -> Outcome:
         result = engine.live_runtime(call.model_id).forward_backward(
@@ -31,14 +29,12 @@ async def forward_backward(request: Request, engine: EngineDep) -> types.Untyped
         return ProtoResult(protocol.encode_forward_result(result))
 
     name = "forward" if call.forward_only else f"forward_backward[{call.loss_fn}]"
-    return future(engine.submit_training(call.model_id, call.seq_id, name, work), call.model_id)
+    return model_operation(engine, call.model_id, call.seq_id, name, work)
 
 
 @router.post("/optim_step")
 async def optim_step(request: types.OptimStepRequest, engine: EngineDep) -> types.UntypedAPIFuture:
     model_id = request.model_id
-    if not engine.is_live(model_id):
-        return unknown_model(engine, model_id)
     adam = request.optim_params
 
     def work() -> Outcome:
@@ -55,4 +51,4 @@ async def optim_step(request: types.OptimStepRequest, engine: EngineDep) -> type
         )
         return JsonResult(types.OptimStepResponse(metrics=metrics))
 
-    return future(engine.submit_training(model_id, request.seq_id, "optim_step", work), model_id)
+    return model_operation(engine, model_id, request.seq_id, "optim_step", work)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from urllib.parse import quote
 
@@ -23,9 +24,9 @@ from tinkerrpc_server.engine.futures import JsonResult, Outcome
 from tinkerrpc_server.engine.routes.common import (
     EngineDep,
     future,
+    model_operation,
     sdk_checkpoint,
     str_metadata,
-    unknown_model,
 )
 from tinkerrpc_server.engine.runtime import EngineUserError
 from tinkerrpc_server.engine.signed_urls import EXTERNAL_URL_TTL_SECONDS, check_file_signature, sign_file
@@ -40,8 +41,6 @@ router = APIRouter(prefix="/api/v1")
 @router.post("/save_weights")
 async def save_weights(request: types.SaveWeightsRequest, engine: EngineDep) -> types.UntypedAPIFuture:
     model_id = request.model_id
-    if not engine.is_live(model_id):
-        return unknown_model(engine, model_id)
     name = request.path or f"state-{request.seq_id or secrets.token_hex(4)}"
 
     def work() -> Outcome:
@@ -50,7 +49,7 @@ async def save_weights(request: types.SaveWeightsRequest, engine: EngineDep) -> 
         )
         return JsonResult(types.SaveWeightsResponse(path=record.tinker_path, type="save_weights"))
 
-    return future(engine.submit_training(model_id, request.seq_id, "save_weights", work), model_id)
+    return model_operation(engine, model_id, request.seq_id, "save_weights", work)
 
 
 @router.post("/save_weights_for_sampler")
@@ -58,8 +57,6 @@ async def save_weights_for_sampler(
     request: types.SaveWeightsForSamplerRequest, engine: EngineDep
 ) -> types.UntypedAPIFuture:
     model_id = request.model_id
-    if not engine.is_live(model_id):
-        return unknown_model(engine, model_id)
 
     def work() -> Outcome:
         name = request.path or f"sampler-{request.seq_id}-{secrets.token_hex(3)}"
@@ -82,9 +79,7 @@ async def save_weights_for_sampler(
             )
         )
 
-    return future(
-        engine.submit_training(model_id, request.seq_id, "save_weights_for_sampler", work), model_id
-    )
+    return model_operation(engine, model_id, request.seq_id, "save_weights_for_sampler", work)
 
 
 @router.post("/save_weights_external")
@@ -93,8 +88,6 @@ async def save_weights_external(
 ) -> types.UntypedAPIFuture:
     # ttl_seconds is accepted and ignored: local exports stay until delete_checkpoint removes them.
     model_id = request.model_id
-    if not engine.is_live(model_id):
-        return unknown_model(engine, model_id)
 
     def work() -> Outcome:
         # Checked here, in seq order, so a rejected request still takes its turn in the model's queue.
@@ -110,32 +103,30 @@ async def save_weights_external(
             )
         )
 
-    return future(engine.submit_training(model_id, request.seq_id, "save_weights_external", work), model_id)
+    return model_operation(engine, model_id, request.seq_id, "save_weights_external", work)
 
 
 @router.post("/load_weights")
 async def load_weights(request: types.LoadWeightsRequest, engine: EngineDep) -> types.UntypedAPIFuture:
+    def load_into(model_id: str) -> Callable[[], Outcome]:
+        def work() -> Outcome:
+            metadata = str_metadata(request.user_metadata)
+            engine.load_weights(model_id, request.path, request.base_model, request.optimizer, metadata)
+            return JsonResult(
+                types.LoadWeightsResponse(path=request.path, model_id=model_id, type="load_weights")
+            )
+
+        return work
+
     if request.model_id is not None:
-        model_id: str = request.model_id
-        seq_id = request.seq_id
-        if not engine.is_live(model_id):
-            return unknown_model(engine, model_id)
-    elif request.session_id is None or request.model_seq_id is None:
+        return model_operation(
+            engine, request.model_id, request.seq_id, "load_weights", load_into(request.model_id)
+        )
+    if request.session_id is None or request.model_seq_id is None:
         raise protocol.BadRequest("load_weights needs model_id, or session_id and model_seq_id")
-    else:
-        # Create-via-load: the load is the new model's first request.
-        model_id = f"{request.session_id}:train:{request.model_seq_id}"
-        seq_id = 0
-
-    def work() -> Outcome:
-        engine.load_weights(
-            model_id, request.path, request.base_model, request.optimizer, str_metadata(request.user_metadata)
-        )
-        return JsonResult(
-            types.LoadWeightsResponse(path=request.path, model_id=model_id, type="load_weights")
-        )
-
-    return future(engine.submit_training(model_id, seq_id, "load_weights", work), model_id)
+    # Create-via-load: the load is the new model's first request.
+    model_id = f"{request.session_id}:train:{request.model_seq_id}"
+    return future(engine.submit_training(model_id, 0, "load_weights", load_into(model_id)), model_id)
 
 
 @router.post("/weights_info")
