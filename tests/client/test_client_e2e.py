@@ -5,6 +5,8 @@ Train steps cost seconds each on a loaded 2-core machine, so every test takes as
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -49,6 +51,34 @@ def group_of(samples: list[tinkerrpc.Sample]) -> tinkerrpc.TrajectoryGroup:
     return tinkerrpc.TrajectoryGroup(
         [tinkerrpc.Trajectory.from_sample(PROMPT, s, reward=float(i)) for i, s in enumerate(samples)]
     )
+
+
+LOGPROB_SHIFT = 0.5
+
+
+def lowered_logprobs(group: tinkerrpc.TrajectoryGroup) -> tinkerrpc.TrajectoryGroup:
+    """Lowers every sampler logprob of the group by LOGPROB_SHIFT (in place): the importance ratios at the
+    sampling policy become e^LOGPROB_SHIFT."""
+    for trajectory in group.trajectories:
+        trajectory.turns = [
+            dataclasses.replace(turn, logprobs=tuple(lp - LOGPROB_SHIFT for lp in turn.logprobs))
+            for turn in trajectory.turns
+        ]
+    return group
+
+
+def expected_loss(groups: list[tinkerrpc.TrajectoryGroup], clip_high: float) -> float:
+    """PPO's summed loss, −Σ min(r·A, min(r, clip_high)·A), at the sampling policy (r = e^LOGPROB_SHIFT on
+    every completion token); an infinite clip_high gives importance sampling's."""
+    ratio = math.exp(LOGPROB_SHIFT)
+    total = 0.0
+    for group in groups:
+        mean = sum(group.rewards) / len(group.rewards)
+        for trajectory in group.trajectories:
+            advantage = trajectory.reward - mean
+            tokens = sum(len(turn.completion_token_ids) for turn in trajectory.turns)
+            total -= min(ratio * advantage, min(ratio, clip_high) * advantage) * tokens
+    return total
 
 
 def probe_logprobs(model: tinkerrpc.Model, version: int | None = None) -> list[float]:
@@ -170,8 +200,14 @@ async def test_async_client_whole_api(target: str) -> None:
 
         gathered = await tinkerrpc.gather_groups([rollout(1), rollout(2)], max_concurrency=2, progress=False)
         assert len(gathered.results) == 2 and gathered.rewards.count == 4 and gathered.rewards.mean == 0.5
-        result = await model.train(gathered.results, learning_rate=1e-2, loss="ppo")
+        groups = [lowered_logprobs(group) for group in gathered.results]
+        result = await model.train(groups, learning_rate=1e-2, loss="ppo")
         assert result.policy_version == 1 and result.metrics.trajectories_used == 4
+        # Every importance ratio is e^0.5, above PPO's default clip (1.2): importance sampling would
+        # report a different loss.
+        ppo = expected_loss(groups, clip_high=1.2)
+        assert abs(ppo - expected_loss(groups, clip_high=math.inf)) > 0.1
+        assert result.metrics.loss == pytest.approx(ppo, abs=1e-3)
         assert (await model.sample(PROMPT, max_tokens=2, policy_version=0))[0].policy_version == 0
 
         saved = await model.save_checkpoint("one")

@@ -88,7 +88,11 @@ async def test_async_client_whole_api(fake_server: FakeServer, name: str) -> Non
         assert name in [m.name for m in await client.list_models()]
         samples = await model.sample(PROMPT, n=2, max_tokens=4)
         group = [tinkerrpc.Trajectory.from_sample(PROMPT, s, reward=float(i)) for i, s in enumerate(samples)]
-        assert (await model.train([group], loss="cispo")).policy_version == 1
+        assert (await model.train([group], loss="cispo", clip_high_threshold=1.1)).policy_version == 1
+        sent = [c.request for c in fake_server.trainer.calls_to("Train") if c.request.model == name][-1]
+        assert sent.loss == tinkerrpc.v1.types_pb2.LossConfig(
+            function=tinkerrpc.v1.types_pb2.LOSS_FUNCTION_CISPO, clip_high_threshold=1.1
+        )
         assert (
             await model.train_supervised([[*PROMPT, tinkerrpc.Message.assistant("no")]])
         ).policy_version == 2
