@@ -1,0 +1,46 @@
+"""`litellm` with the `openai/` prefix against the real sidecar: the call shape is accepted, the
+response parses in litellm, and a rollout from it trains token-exact."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+from sidecar_support import API_KEY, Stack
+
+import tinkerrpc
+
+# litellm downloads its model price list at import unless told to use the bundled copy.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+litellm = pytest.importorskip("litellm")
+
+USER = [{"role": "user", "content": "Is the sky blue?"}]
+
+
+def test_litellm_openai_prefix_rollout_trains_token_exact(stack: Stack) -> None:
+    model = stack.client.create_model("litellm", base_model="tinkerrpc/tiny-chat", lora_rank=8)
+    options: dict[str, Any] = {"api_base": stack.sidecar.openai_base_url, "api_key": API_KEY}
+    request: dict[str, Any] = {"model": "openai/litellm", "messages": USER, "max_tokens": 5, **options}
+    plain = stack.openai().chat.completions.create(
+        model="litellm",
+        messages=USER,
+        max_tokens=5,
+        seed=1,
+        logprobs=True,  # type: ignore[arg-type]
+    )
+    response = litellm.completion(**request, logprobs=True, seed=1)
+    (choice,) = response.choices
+    assert choice.message.content == plain.choices[0].message.content
+    # litellm keeps the sidecar's RL fields, so its response is a trajectory as it is.
+    trajectory = tinkerrpc.Trajectory.from_openai(USER, response, reward=1.0)
+    (turn,) = trajectory.turns
+    assert list(turn.completion_token_ids) == (plain.choices[0].model_extra or {})["token_ids"]
+    assert list(turn.prompt_token_ids) == (plain.model_extra or {})["prompt_token_ids"]
+    streamed = "".join(
+        chunk.choices[0].delta.content or "" for chunk in litellm.completion(**request, seed=1, stream=True)
+    )
+    assert streamed == choice.message.content
+    other = tinkerrpc.Trajectory.from_openai(USER, litellm.completion(**request, logprobs=True, seed=2))
+    result = model.train([tinkerrpc.TrajectoryGroup([trajectory, other])], learning_rate=1e-3)
+    assert result.policy_version == 1 and result.metrics.trajectories_used == 2
