@@ -6,14 +6,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import pytest
 from sidecar_support import API_KEY, Stack
 
 import tinkerrpc
 
 # litellm downloads its model price list at import unless told to use the bundled copy.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-litellm = pytest.importorskip("litellm")
+import litellm
 
 USER = [{"role": "user", "content": "Is the sky blue?"}]
 
