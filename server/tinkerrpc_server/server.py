@@ -22,6 +22,7 @@ from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.rendering import ChatCodecs
 from tinkerrpc_server.service.servicer import TrainerService
 from tinkerrpc_server.service.store import Store
+from tinkerrpc_server.service.training import NoStepHooks, StepHooks
 
 log = logging.getLogger("tinkerrpc.server")
 
@@ -55,6 +56,8 @@ class ServerConfig:
     sidecar_port: int | None = None
     sidecar_api_key: str | None = None
     limits: Limits = field(default_factory=Limits)
+    # Called at fixed points of every Train step; fault tests stop the process there.
+    step_hooks: StepHooks = field(default_factory=NoStepHooks)
 
 
 async def serve(config: ServerConfig, engine: EmbeddedEngine | None) -> int:
@@ -81,7 +84,8 @@ async def serve(config: ServerConfig, engine: EmbeddedEngine | None) -> int:
         checkpoint_every = config.checkpoint_every or (
             DEFAULT_CHECKPOINT_EVERY_EMBEDDED if backend.embedded else DEFAULT_CHECKPOINT_EVERY_TINKER
         )
-        return await _serve(config, TrainerService(store, backend, codecs, checkpoint_every, config.limits))
+        service = TrainerService(store, backend, codecs, checkpoint_every, config.limits, config.step_hooks)
+        return await _serve(config, service)
     finally:
         backend.close()
         store.close()

@@ -3,7 +3,9 @@ decoded error details, and the probes the tests compare (prompt logprobs at a po
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from pathlib import Path
 
 import grpc
@@ -21,14 +23,24 @@ CALL_TIMEOUT = 120.0
 
 
 class Server:
-    """A `tinkerrpc serve` process on 127.0.0.1 and a channel to it."""
+    """A `tinkerrpc serve` process on 127.0.0.1 and a channel to it. With `crash_at` it is
+    crashing_server.py instead: the same server, which exits 137 when a Train step reaches that point."""
 
     def __init__(
-        self, data_dir: Path, model_dir: Path, log_path: Path, env: dict[str, str] | None = None, *extra: str
+        self,
+        data_dir: Path,
+        model_dir: Path,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        *extra: str,
+        crash_at: str = "",
     ) -> None:
-        self.proc = LocalStack(
-            data_dir, log_path, ("--model-dir", str(model_dir), *extra), START_TIMEOUT, env
-        ).start()
+        stack = LocalStack(data_dir, log_path, ("--model-dir", str(model_dir), *extra), START_TIMEOUT, env)
+        if crash_at:
+            stack.cmd = [sys.executable, "-m", "crashing_server", *stack.cmd[3:], "--crash-at", crash_at]
+            search_path = [str(Path(__file__).parent), stack.env.get("PYTHONPATH", "")]
+            stack.env["PYTHONPATH"] = os.pathsep.join(filter(None, search_path))
+        self.proc = stack.start()
         self.port = self.proc.port
         self.channel = grpc.insecure_channel(self.proc.target)
         self.stub = trainer_service_pb2_grpc.TrainerServiceStub(self.channel)

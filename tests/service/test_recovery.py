@@ -1,6 +1,7 @@
-"""Restart recovery: the server dies abruptly (os._exit(137) at a fault-injection point inside Train, which is
-what SIGKILL does) and restarts on the same data dir. Every model must come back at its last committed version,
-sampleable, with matching weights, and the next Train must work."""
+"""Restart recovery: the server dies abruptly (os._exit(137) at a point inside Train, which is what SIGKILL
+does; crashing_server.py builds the real server with that step hook) and restarts on the same data dir.
+Every model must come back at its last committed version, sampleable, with matching weights, and the next
+Train must work."""
 
 from __future__ import annotations
 
@@ -39,8 +40,7 @@ def _wait_gone(pid: int, timeout: float = 30.0) -> bool:
 
 
 def _start(tmp: Path, model_dir: Path, tag: str, crash_at: str = "") -> Server:
-    env = {"TINKERRPC_TEST_CRASH_AT": crash_at} if crash_at else {}
-    return Server(tmp / "data", model_dir, tmp / f"serve-{tag}.log", env)
+    return Server(tmp / "data", model_dir, tmp / f"serve-{tag}.log", crash_at=crash_at)
 
 
 def _train_request(server: Server, key: str) -> pb.TrainRequest:
@@ -56,9 +56,9 @@ def test_crash_at_every_step_phase_restarts_consistent(tmp_path: Path, service_m
     committed = prompt_logprobs(server.stub, MODEL, probe)
     assert server.close() == 0
 
-    # Crashes before the commit (after the optimizer step; after the new weights were saved): the step
-    # never happened.
-    for point in ("after_optim", "before_commit"):
+    # Crashes before the commit (after the optimizer step; after the new sampler weights were saved;
+    # after everything was saved): the step never happened.
+    for point in ("after_optim", "after_sampler_save", "before_commit"):
         server = _start(tmp_path, service_model_dir, point, crash_at=point)
         engine = server.engine_pid()
         model = server.stub.GetModel(pb.GetModelRequest(name=MODEL)).model

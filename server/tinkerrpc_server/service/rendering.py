@@ -22,13 +22,13 @@ log = logging.getLogger("tinkerrpc.rendering")
 # Context length assumed when a remote base model's config is not available locally.
 FALLBACK_CONTEXT_LENGTH = 32768
 
-_ROLE_NAMES = {
+ROLE_NAMES = {
     types_pb2.ROLE_SYSTEM: "system",
     types_pb2.ROLE_USER: "user",
     types_pb2.ROLE_ASSISTANT: "assistant",
     types_pb2.ROLE_TOOL: "tool",
 }
-_ROLES_BY_NAME = {name: role for role, name in _ROLE_NAMES.items()}
+_ROLES_BY_NAME = {name: role for role, name in ROLE_NAMES.items()}
 
 
 class UnknownRendererError(ValueError):
@@ -159,7 +159,7 @@ class ChatCodecs:
 def to_cookbook_messages(messages: list[types_pb2.Message]) -> list[renderers.Message]:
     out: list[renderers.Message] = []
     for message in messages:
-        converted: renderers.Message = {"role": _ROLE_NAMES[message.role], "content": message.content}
+        converted: renderers.Message = {"role": ROLE_NAMES[message.role], "content": message.content}
         if message.tool_calls:
             converted["tool_calls"] = [
                 renderers.ToolCall(
@@ -191,29 +191,3 @@ def to_proto_message(message: renderers.Message) -> types_pb2.Message:
             arguments_json=call.function.arguments,
         )
     return proto
-
-
-def check_messages(messages: list[types_pb2.Message], field: str) -> list[tuple[str, str]]:
-    """Field violations for messages a renderer cannot take."""
-    violations = []
-    for i, message in enumerate(messages):
-        if message.role not in _ROLE_NAMES:
-            violations.append((f"{field}[{i}].role", "role must be system, user, assistant or tool"))
-        for j, call in enumerate(message.tool_calls):
-            try:
-                json.loads(call.arguments_json or "{}")
-            except json.JSONDecodeError:
-                violations.append((f"{field}[{i}].tool_calls[{j}].arguments_json", "must be a JSON object"))
-    return violations
-
-
-def check_tools(tools: list[types_pb2.Tool], field: str) -> list[tuple[str, str]]:
-    violations = []
-    for i, tool in enumerate(tools):
-        if not tool.name:
-            violations.append((f"{field}[{i}].name", "tool name is required"))
-        try:
-            json.loads(tool.parameters_json or "{}")
-        except json.JSONDecodeError:
-            violations.append((f"{field}[{i}].parameters_json", "must be a JSON Schema object"))
-    return violations

@@ -1,16 +1,22 @@
-"""Request checks that run before anything touches the backend: every problem becomes a BadRequest
-field violation naming the field (e.g. `groups[0].trajectories[1].turns[0].completion_logprobs`)."""
+"""Every request check, before anything touches the backend: a malformed field becomes a BadRequest
+field violation naming it (e.g. `groups[0].trajectories[1].turns[0].completion_logprobs`); a request over
+this server's size limits is RESOURCE_EXHAUSTED naming the flag; an expected version that is not the
+model's is FAILED_PRECONDITION."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
 from tinker.types import LossFnType
 
 from tinkerrpc.v1 import trainer_service_pb2, types_pb2
+from tinkerrpc_server.service import errors
 from tinkerrpc_server.service.errors import Violations
-from tinkerrpc_server.service.rendering import check_messages, check_tools
+from tinkerrpc_server.service.limits import Limits, flag_of
+from tinkerrpc_server.service.rendering import ROLE_NAMES
+from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE, ModelRow
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 NAME_RULE = "1-64 characters of [A-Za-z0-9._-], starting with a letter or digit"
@@ -23,9 +29,20 @@ RL_LOSSES: dict[types_pb2.LossFunction.ValueType, LossFnType] = {
 }
 
 
+# Clip thresholds of the ppo and cispo losses when the request leaves them unset.
+DEFAULT_CLIP_LOW = 0.8
+DEFAULT_CLIP_HIGH = 1.2
+
+
 def check_name(violations: Violations, field: str, name: str) -> None:
     if not NAME_PATTERN.fullmatch(name):
         violations.add(field, f"{name!r}: must be {NAME_RULE}")
+
+
+def clip_thresholds(loss: types_pb2.LossConfig) -> tuple[float, float]:
+    low = loss.clip_low_threshold if loss.HasField("clip_low_threshold") else DEFAULT_CLIP_LOW
+    high = loss.clip_high_threshold if loss.HasField("clip_high_threshold") else DEFAULT_CLIP_HIGH
+    return low, high
 
 
 def loss_name(request: trainer_service_pb2.TrainRequest) -> LossFnType:
@@ -67,10 +84,8 @@ def check_train_request(
             _check_trajectory(v, f"groups[{g}].trajectories[{t}]", trajectory, current_version, vocab_size)
     for e, example in enumerate(request.examples):
         field = f"examples[{e}]"
-        for field_name, description in check_messages(list(example.messages), f"{field}.messages"):
-            v.add(field_name, description)
-        for field_name, description in check_tools(list(example.tools), f"{field}.tools"):
-            v.add(field_name, description)
+        _check_messages(v, list(example.messages), f"{field}.messages")
+        _check_tools(v, list(example.tools), f"{field}.tools")
         if not any(m.role == types_pb2.ROLE_ASSISTANT for m in example.messages):
             v.add(f"{field}.messages", "a supervised example needs at least one assistant message")
         if example.train_on not in types_pb2.TrainOn.values():
@@ -93,8 +108,7 @@ def _check_loss(v: Violations, request: trainer_service_pb2.TrainRequest) -> Non
             "loss.function",
             "trajectory groups need a policy-gradient loss (importance_sampling, ppo, cispo, dro)",
         )
-    low = loss.clip_low_threshold if loss.HasField("clip_low_threshold") else 0.8
-    high = loss.clip_high_threshold if loss.HasField("clip_high_threshold") else 1.2
+    low, high = clip_thresholds(loss)
     if not (_finite(low) and low > 0):
         v.add("loss.clip_low_threshold", "must be a finite number > 0")
     if not (_finite(high) and high >= 1.0):
@@ -135,10 +149,8 @@ def _check_trajectory(
     for name, value in trajectory.metrics.items():
         if not _finite(value):
             v.add(f"{field}.metrics[{name}]", "must be finite")
-    for field_name, description in check_messages(list(trajectory.messages), f"{field}.messages"):
-        v.add(field_name, description)
-    for field_name, description in check_tools(list(trajectory.tools), f"{field}.tools"):
-        v.add(field_name, description)
+    _check_messages(v, list(trajectory.messages), f"{field}.messages")
+    _check_tools(v, list(trajectory.tools), f"{field}.tools")
     if not trajectory.turns:
         v.add(f"{field}.turns", "no sampled turn: RL needs the token ids and logprobs the sampler returned")
     assistant_messages = sum(1 for m in trajectory.messages if m.role == types_pb2.ROLE_ASSISTANT)
@@ -167,3 +179,156 @@ def _check_trajectory(
                 f"{turn_field}.policy_version",
                 f"{turn.policy_version} is not a version of this model (current version {current_version})",
             )
+
+
+def _check_messages(v: Violations, messages: list[types_pb2.Message], field: str) -> None:
+    """Messages a renderer cannot take."""
+    for i, message in enumerate(messages):
+        if message.role not in ROLE_NAMES:
+            v.add(f"{field}[{i}].role", "role must be system, user, assistant or tool")
+        for j, call in enumerate(message.tool_calls):
+            try:
+                json.loads(call.arguments_json or "{}")
+            except json.JSONDecodeError:
+                v.add(f"{field}[{i}].tool_calls[{j}].arguments_json", "must be a JSON object")
+
+
+def _check_tools(v: Violations, tools: list[types_pb2.Tool], field: str) -> None:
+    for i, tool in enumerate(tools):
+        if not tool.name:
+            v.add(f"{field}[{i}].name", "tool name is required")
+        try:
+            json.loads(tool.parameters_json or "{}")
+        except json.JSONDecodeError:
+            v.add(f"{field}[{i}].parameters_json", "must be a JSON Schema object")
+
+
+def check_create_model(request: trainer_service_pb2.CreateModelRequest) -> None:
+    v = Violations()
+    check_name(v, "name", request.name)
+    if not request.base_model:
+        v.add("base_model", "required")
+    if request.lora.rank < 0:
+        v.add("lora.rank", "must be > 0 (0 = default 32)")
+    v.raise_if_any()
+
+
+def check_checkpoint_name(name: str) -> None:
+    """An explicit SaveCheckpoint name (empty: the automatic one)."""
+    if name:
+        v = Violations()
+        check_name(v, "name", name)
+        v.raise_if_any()
+
+
+def check_checkpoint_kind(kind: int) -> None:
+    if kind not in (KIND_STATE, KIND_SAMPLER):
+        raise errors.invalid_argument([("kind", f"unknown checkpoint kind {kind}")])
+
+
+def check_expected_version(
+    row: ModelRow,
+    request: trainer_service_pb2.TrainRequest | trainer_service_pb2.ExportWeightsRequest,
+) -> None:
+    if request.HasField("expected_policy_version") and request.expected_policy_version != row.policy_version:
+        raise errors.failed_precondition(
+            errors.VERSION_MISMATCH,
+            f"model {row.name!r} is at version {row.policy_version}, "
+            f"not the expected {request.expected_policy_version}",
+            {"current_version": row.policy_version, "expected_version": request.expected_policy_version},
+        )
+
+
+def check_train_size(request: trainer_service_pb2.TrainRequest, limits: Limits) -> None:
+    count = sum(len(group.trajectories) for group in request.groups) + len(request.examples)
+    if count > limits.max_train_trajectories:
+        raise errors.resource_exhausted(
+            flag_of("max_train_trajectories"),
+            f"the batch has {count} trajectories/examples; this server takes at most "
+            f"{limits.max_train_trajectories} per Train (--max-train-trajectories): split it",
+        )
+
+
+def check_train_tokens(total_tokens: int, limits: Limits) -> None:
+    """The built batch's tokens, prompts and completions."""
+    if total_tokens > limits.max_train_tokens:
+        raise errors.resource_exhausted(
+            flag_of("max_train_tokens"),
+            f"the batch has {total_tokens} tokens; this server takes at most "
+            f"{limits.max_train_tokens} per Train (--max-train-tokens): split it",
+        )
+
+
+def check_prompt(request: trainer_service_pb2.SampleRequest) -> None:
+    """What can be checked before the prompt is rendered or tokenized."""
+    v = Violations()
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        v.add("prompt", "give chat, tokens or text")
+    elif kind == "chat":
+        if not request.chat.messages:
+            v.add("chat.messages", "give at least one message")
+        _check_messages(v, list(request.chat.messages), "chat.messages")
+        _check_tools(v, list(request.chat.tools), "chat.tools")
+    v.raise_if_any()
+
+
+def check_prompt_tokens(
+    request: trainer_service_pb2.SampleRequest, prompt: list[int], vocab_size: int
+) -> None:
+    kind = request.WhichOneof("prompt")
+    assert kind is not None, "check_prompt ran first"
+    v = Violations()
+    if kind == "tokens":
+        _check_tokens(v, "tokens.token_ids", prompt, vocab_size)
+    if not prompt:
+        v.add(kind, "the prompt is empty")
+    v.raise_if_any()
+
+
+def check_sampling_params(
+    params: types_pb2.SamplingParams, prompt_length: int, vocab_size: int, context_length: int, limits: Limits
+) -> None:
+    v = Violations()
+    if params.n < 0:
+        v.add("params.n", "must be >= 1 (0 = default 1)")
+    elif params.n > limits.max_sample_n:
+        v.add("params.n", f"{params.n} is over this server's limit of {limits.max_sample_n} (--max-sample-n)")
+    if prompt_length >= context_length:
+        v.add("prompt", f"{prompt_length} tokens fill the model's context of {context_length}")
+    if params.max_tokens <= 0:
+        v.add("params.max_tokens", "must be > 0 (it is required)")
+    elif params.max_tokens > limits.max_sample_tokens:
+        v.add(
+            "params.max_tokens",
+            f"{params.max_tokens} is over this server's limit of {limits.max_sample_tokens} "
+            "(--max-sample-tokens)",
+        )
+    elif prompt_length + params.max_tokens > context_length:
+        v.add(
+            "params.max_tokens",
+            f"prompt ({prompt_length}) + max_tokens ({params.max_tokens}) exceed the context of "
+            f"{context_length}",
+        )
+    if params.HasField("temperature") and not (_finite(params.temperature) and params.temperature >= 0):
+        v.add("params.temperature", "must be >= 0")
+    if params.HasField("top_p") and not 0 < params.top_p <= 1:
+        v.add("params.top_p", "must be in (0, 1]")
+    if params.top_k < 0:
+        v.add("params.top_k", "must be >= 0 (0 = off)")
+    if params.top_logprobs < 0:
+        v.add("params.top_logprobs", "must be >= 0")
+    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        v.add("params.stop_token_ids", f"token ids {bad} are outside the vocabulary [0, {vocab_size})")
+    if any(not s for s in params.stop):
+        v.add("params.stop", "stop strings must not be empty")
+    v.raise_if_any()
+
+
+def check_export_request(request: trainer_service_pb2.ExportWeightsRequest) -> None:
+    v = Violations()
+    for field_name in ("expected_policy_version", "policy_version"):
+        if request.HasField(field_name) and getattr(request, field_name) < 0:
+            v.add(field_name, "must be >= 0")
+    v.raise_if_any()

@@ -1,0 +1,181 @@
+"""What every RPC goes through: the `rpc` decorator maps errors to statuses, and the engine supervisor
+tracks the calls in flight so that an embedded engine's death fails them UNAVAILABLE, new calls wait for
+the restarted engine (within their deadline), and every model reloads from its recovery point."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+import grpc
+import tinker
+
+from tinkerrpc_server.local.engine_process import BackendStartError
+from tinkerrpc_server.service import errors
+from tinkerrpc_server.service.backend import Backend
+from tinkerrpc_server.service.errors import ServiceError
+from tinkerrpc_server.service.models import ModelRegistry
+
+log = logging.getLogger("tinkerrpc.service")
+
+ENGINE_POLL_SECONDS = 0.2
+# Restarts of a dead engine in a row before the server gives up and stops.
+ENGINE_RESTART_ATTEMPTS = 3
+# Longest a call waits for a restarting engine when it has no deadline of its own.
+ENGINE_RESTART_WAIT_SECONDS = 240.0
+
+Request = TypeVar("Request")
+Response = TypeVar("Response")
+Result = TypeVar("Result")
+
+
+def _engine_lost() -> ServiceError:
+    return ServiceError(
+        grpc.StatusCode.UNAVAILABLE,
+        "the embedded engine stopped during this call and is being restarted: retry it (a Train retried "
+        "with its idempotency key is applied at most once)",
+    )
+
+
+class EngineSupervisor:
+    """Calls in flight (cancelled when the engine dies), those cancelled that way, and a generation that
+    counts engine restarts. With Tinker itself there is nothing to restart and calls never wait."""
+
+    def __init__(self, backend: Backend, models: ModelRegistry) -> None:
+        self._backend = backend
+        self._models = models
+        self._calls: set[asyncio.Task[Any]] = set()
+        self._interrupted: set[asyncio.Task[Any]] = set()
+        self.generation = 0
+        self._ready = asyncio.Event()
+        self._ready.set()
+
+    @property
+    def supervises_engine(self) -> bool:
+        return self._backend.engine is not None
+
+    def engine_down(self) -> bool:
+        engine = self._backend.engine
+        return not self._ready.is_set() or (engine is not None and engine.exit_code() is not None)
+
+    async def enter(self, task: asyncio.Task[Any], context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """Wait (within the call's deadline) while the engine restarts, then track the call."""
+        if not self._ready.is_set():
+            remaining = context.time_remaining()
+            wait = (
+                ENGINE_RESTART_WAIT_SECONDS
+                if remaining is None
+                else min(remaining, ENGINE_RESTART_WAIT_SECONDS)
+            )
+            try:
+                await asyncio.wait_for(self._ready.wait(), wait)
+            except TimeoutError:
+                raise ServiceError(
+                    grpc.StatusCode.UNAVAILABLE, "the embedded engine is restarting; retry shortly"
+                ) from None
+        self._calls.add(task)
+
+    def leave(self, task: asyncio.Task[Any]) -> None:
+        self._calls.discard(task)
+        self._interrupted.discard(task)
+
+    def interrupted(self, task: asyncio.Task[Any]) -> bool:
+        """Whether the supervisor (not the client) cancelled this call."""
+        return task in self._interrupted
+
+    async def supervise(self, report_serving: Callable[[bool], Awaitable[None]]) -> None:
+        """Runs for the server's lifetime (embedded engine only): restarts the engine child whenever it
+        exits, reporting not serving for the restart window. Returns only after ENGINE_RESTART_ATTEMPTS
+        failed restarts in a row (the server then stops)."""
+        engine = self._backend.engine
+        assert engine is not None, "only the embedded engine is supervised"
+        while True:
+            await asyncio.sleep(ENGINE_POLL_SECONDS)
+            exit_code = engine.exit_code()
+            if exit_code is None:
+                continue
+            log.error("embedded engine (pid %s) exited with code %d; restarting it", engine.pid, exit_code)
+            await report_serving(False)
+            for attempt in range(1, ENGINE_RESTART_ATTEMPTS + 1):
+                try:
+                    await self._restart_engine()
+                    await report_serving(True)
+                    break
+                except BackendStartError as err:
+                    log.error("engine restart %d/%d failed: %s", attempt, ENGINE_RESTART_ATTEMPTS, err)
+            else:
+                return
+
+    async def _restart_engine(self) -> None:
+        started = time.monotonic()
+        self._ready.clear()
+        self.generation += 1
+        for task in self._calls - self._interrupted:
+            self._interrupted.add(task)
+            task.cancel()
+        self._models.drop_sampling_clients()
+        await self._backend.restart_engine()
+        models = await self._models.reload_all()
+        self._ready.set()
+        log.warning(
+            "embedded engine restarted (pid %s) in %.1fs; %d models reload from their recovery points",
+            self._backend.engine.pid if self._backend.engine else None,
+            time.monotonic() - started,
+            models,
+        )
+
+
+class SupervisedService(Protocol):
+    @property
+    def supervisor(self) -> EngineSupervisor: ...
+
+
+Service = TypeVar("Service", bound=SupervisedService)
+
+
+def rpc(
+    method: Callable[[Service, Request, grpc.aio.ServicerContext[Request, Response]], Awaitable[Result]],
+) -> Callable[[Service, Request, grpc.aio.ServicerContext[Request, Response]], Awaitable[Result]]:
+    """Turns ServiceError and tinker SDK errors into the call's status with google.rpc details; a call
+    cut short by the engine child dying fails UNAVAILABLE (retryable), whatever error it was in.
+    A unary RPC returns its response; a streaming RPC's preparation step returns what it streams."""
+
+    @functools.wraps(method)
+    async def handler(
+        self: Service, request: Request, context: grpc.aio.ServicerContext[Request, Response]
+    ) -> Result:
+        supervisor = self.supervisor
+        task = asyncio.current_task()
+        assert task is not None
+        generation = supervisor.generation
+        try:
+            await supervisor.enter(task, context)
+            return await method(self, request, context)
+        except ServiceError as err:
+            error = err
+        except asyncio.CancelledError:
+            if not supervisor.interrupted(task):
+                raise  # the client cancelled, or its deadline passed: nobody waits for an answer
+            task.uncancel()
+            error = _engine_lost()
+        except Exception as err:
+            if supervisor.generation != generation or supervisor.engine_down():
+                error = _engine_lost()
+            elif isinstance(err, tinker.TinkerError):
+                error = errors.from_tinker(err) or ServiceError(
+                    grpc.StatusCode.INTERNAL, f"Tinker error: {err}"
+                )
+            else:
+                log.exception("%s failed", method.__name__)
+                error = ServiceError(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
+        finally:
+            supervisor.leave(task)
+        # grpc-stubs' aio.ServicerContext lacks abort_with_status (grpc.aio has it since 1.38).
+        await context.abort_with_status(error.to_status())  # type: ignore[attr-defined]
+        raise AssertionError("abort_with_status returned")  # pragma: no cover - it always raises
+
+    return handler

@@ -1,0 +1,267 @@
+"""The model registry: each model's in-memory runtime (step lock, training client, dirty flag), the
+sampling clients by tinker:// path, rollback to the recovery point, ModelInfo, and creating and deleting
+models. Every other room reaches models and their clients through it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TypedDict
+
+import tinker
+from google.protobuf import timestamp_pb2
+
+from tinkerrpc.v1 import types_pb2
+from tinkerrpc.v1.trainer_service_pb2 import CreateModelRequest
+from tinkerrpc_server import model_store
+from tinkerrpc_server.service import errors
+from tinkerrpc_server.service.backend import Backend
+from tinkerrpc_server.service.rendering import ChatCodec, ChatCodecs, UnknownRendererError
+from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE, CheckpointRow, ModelRow, Store
+
+log = logging.getLogger("tinkerrpc.service")
+
+DEFAULT_LORA_RANK = 32
+MODEL_RESOURCE = "tinkerrpc.v1.Model"
+CHECKPOINT_RESOURCE = "tinkerrpc.v1.Checkpoint"
+VERSION_RESOURCE = "tinkerrpc.v1.PolicyVersion"
+
+
+def sampler_name(version: int) -> str:
+    return f"v{version:06d}"
+
+
+def state_name(version: int) -> str:
+    return f"step_{version:06d}"
+
+
+def timestamp(seconds: float) -> timestamp_pb2.Timestamp:
+    stamp = timestamp_pb2.Timestamp()
+    stamp.FromNanoseconds(int(seconds * 1e9))
+    return stamp
+
+
+def checkpoint_info(row: CheckpointRow) -> types_pb2.CheckpointInfo:
+    return types_pb2.CheckpointInfo(
+        model=row.model,
+        name=row.name,
+        policy_version=row.policy_version,
+        kind=row.kind,  # type: ignore[arg-type]
+        tinker_path=row.tinker_path,
+        create_time=timestamp(row.create_time),
+        automatic=row.automatic,
+    )
+
+
+class _LoraFlags(TypedDict):
+    train_mlp: bool
+    train_attn: bool
+    train_unembed: bool
+
+
+@dataclass
+class ModelRuntime:
+    """In-memory state of one model: its step lock (FIFO: arrival order), training client and dirty flag."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    training_client: tinker.TrainingClient | None = None
+    # Work was submitted to the training client and not committed: reload before training again.
+    dirty: bool = False
+
+
+class ModelRegistry:
+    def __init__(self, store: Store, backend: Backend, codecs: ChatCodecs) -> None:
+        self._store = store
+        self._backend = backend
+        self._codecs = codecs
+        self._runtimes: dict[str, ModelRuntime] = {row.name: ModelRuntime() for row in store.list_models()}
+        self._sampling_clients: dict[str, asyncio.Task[tinker.SamplingClient]] = {}
+
+    def row(self, name: str) -> ModelRow:
+        row = self._store.get_model(name)
+        if row is None:
+            raise errors.not_found(MODEL_RESOURCE, name, f"model {name!r} not found")
+        return row
+
+    def runtime(self, name: str) -> ModelRuntime:
+        runtime = self._runtimes.get(name)
+        if runtime is None:
+            raise errors.not_found(MODEL_RESOURCE, name, f"model {name!r} not found")
+        return runtime
+
+    async def codec(self, row: ModelRow) -> ChatCodec:
+        return await asyncio.to_thread(self._codecs.get, row.base_model, row.renderer)
+
+    def info(self, row: ModelRow) -> types_pb2.ModelInfo:
+        return types_pb2.ModelInfo(
+            name=row.name,
+            base_model=row.base_model,
+            lora=types_pb2.LoraConfig(
+                rank=row.lora_rank,
+                train_mlp=row.train_mlp,
+                train_attn=row.train_attn,
+                train_unembed=row.train_unembed,
+            ),
+            renderer=row.renderer,
+            policy_version=row.policy_version,
+            sampleable_versions=self._store.sampleable_versions(row.name),
+            create_time=timestamp(row.create_time),
+            seed=row.seed,
+            tinker_run_id=row.tinker_run_id,
+            vocab_size=row.vocab_size,
+            max_context_length=row.max_context_length,
+        )
+
+    def infos(self) -> list[types_pb2.ModelInfo]:
+        return [self.info(row) for row in self._store.list_models()]
+
+    async def delete_tinker_paths(self, paths: list[str]) -> None:
+        """Best effort: a file left behind wastes space but never breaks a committed state."""
+        for path in paths:
+            self._sampling_clients.pop(path, None)
+            try:
+                await self._backend.rest.delete_checkpoint_from_tinker_path(path)
+            except Exception as err:
+                log.warning("could not delete %s from the backend: %s", path, err)
+
+    async def sampling_client(self, path: str) -> tinker.SamplingClient:
+        task = self._sampling_clients.get(path)
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+
+            async def create() -> tinker.SamplingClient:
+                # The SDK's future declares `__await__` as returning Any.
+                client: tinker.SamplingClient = await self._backend.service.create_sampling_client(
+                    model_path=path
+                )
+                return client
+
+            task = asyncio.ensure_future(create())
+            self._sampling_clients[path] = task
+        return await asyncio.shield(task)
+
+    async def roll_back(self, name: str, runtime: ModelRuntime) -> None:
+        """Forget uncommitted work: versions after the last committed state checkpoint go, and the
+        training client is reloaded from that checkpoint on next use."""
+        row = self.row(name)
+        with self._store.transaction() as tx:
+            stale_paths = self._store.roll_back(tx, name, row.recovery_version)
+        if row.policy_version != row.recovery_version:
+            log.warning(
+                "model %s: rolled back from version %d to its recovery point %d",
+                name,
+                row.policy_version,
+                row.recovery_version,
+            )
+        runtime.training_client = None
+        runtime.dirty = False
+        await self.delete_tinker_paths(stale_paths)
+
+    async def training_client(self, name: str, runtime: ModelRuntime) -> tinker.TrainingClient:
+        if runtime.dirty:
+            await self.roll_back(name, runtime)
+        if runtime.training_client is None:
+            row = self.row(name)
+            client = await self._backend.service.create_training_client_from_state_with_optimizer(
+                row.recovery_path
+            )
+            self._store.set_run_id(name, str(client.model_id))
+            runtime.training_client = client
+            log.info("model %s: training client %s loaded from %s", name, client.model_id, row.recovery_path)
+        return runtime.training_client
+
+    async def recover(self) -> None:
+        """At start-up: every model goes to its recovery point (a no-op when each step saved state)."""
+        for name, runtime in self._runtimes.items():
+            await self.roll_back(name, runtime)
+
+    def drop_sampling_clients(self) -> None:
+        """The engine died: its sampling clients (and those being made) are useless."""
+        for pending in self._sampling_clients.values():
+            pending.cancel()
+        self._sampling_clients.clear()
+
+    async def reload_all(self) -> int:
+        """After an engine restart: every model goes to its recovery point once its lock is free (the
+        interrupted calls release the locks as they unwind). The number of models."""
+        for name, runtime in list(self._runtimes.items()):
+            async with runtime.lock:
+                if self._store.get_model(name) is not None:
+                    await self.roll_back(name, runtime)
+        return len(self._runtimes)
+
+    async def create(self, request: CreateModelRequest) -> types_pb2.ModelInfo:
+        """A validated request's model at version 0 (sampleable and recoverable from the start)."""
+        if request.name in self._runtimes:
+            raise errors.already_exists(
+                MODEL_RESOURCE, request.name, f"model {request.name!r} already exists"
+            )
+        runtime = ModelRuntime()
+        self._runtimes[request.name] = runtime
+        try:
+            async with runtime.lock:
+                return await self._create(request, runtime)
+        except BaseException:
+            self._runtimes.pop(request.name, None)
+            raise
+
+    async def _create(self, request: CreateModelRequest, runtime: ModelRuntime) -> types_pb2.ModelInfo:
+        try:
+            codec = await asyncio.to_thread(self._codecs.get, request.base_model, request.renderer)
+        except model_store.UnknownBaseModelError as err:
+            raise errors.invalid_argument([("base_model", str(err))]) from err
+        except UnknownRendererError as err:
+            raise errors.invalid_argument([("renderer", str(err))]) from err
+        lora = request.lora
+        rank = lora.rank or DEFAULT_LORA_RANK
+        seed = request.seed if request.HasField("seed") else 0
+        flags: _LoraFlags = {
+            "train_mlp": lora.train_mlp if lora.HasField("train_mlp") else True,
+            "train_attn": lora.train_attn if lora.HasField("train_attn") else True,
+            "train_unembed": lora.train_unembed if lora.HasField("train_unembed") else True,
+        }
+        client = await self._backend.service.create_lora_training_client(
+            request.base_model, rank=rank, seed=seed, user_metadata={"tinkerrpc_model": request.name}, **flags
+        )
+        state_future = client.save_state(state_name(0))
+        sampler_future = client.save_weights_for_sampler(sampler_name(0))
+        state_path = (await state_future).path
+        sampler_path = (await sampler_future).path
+        now = time.time()
+        row = ModelRow(
+            name=request.name,
+            base_model=request.base_model,
+            lora_rank=rank,
+            renderer=codec.renderer_name,
+            seed=seed,
+            vocab_size=codec.vocab_size,
+            max_context_length=codec.max_context_length,
+            create_time=now,
+            tinker_run_id=str(client.model_id),
+            policy_version=0,
+            recovery_version=0,
+            recovery_path=state_path,
+            **flags,
+        )
+        with self._store.transaction() as tx:
+            self._store.insert_model(row, tx)
+            self._store.put_checkpoint(
+                tx, CheckpointRow(request.name, KIND_STATE, state_name(0), 0, state_path, now, True)
+            )
+            self._store.put_checkpoint(
+                tx, CheckpointRow(request.name, KIND_SAMPLER, sampler_name(0), 0, sampler_path, now, True)
+            )
+        runtime.training_client = client
+        log.info("created model %s on %s (run %s)", request.name, request.base_model, client.model_id)
+        return self.info(row)
+
+    async def delete(self, name: str) -> None:
+        runtime = self.runtime(name)
+        async with runtime.lock:
+            self.row(name)
+            paths = [row.tinker_path for row in self._store.list_checkpoints(name)]
+            self._store.delete_model(name)
+            self._runtimes.pop(name, None)
+        await self.delete_tinker_paths(paths)
+        log.info("deleted model %s", name)

@@ -1,0 +1,237 @@
+"""The Train transaction. One step on model M at version N:
+  validate → build datums → forward_backward, optim_step, save_weights_for_sampler("vNNNNNN") and,
+  every --checkpoint-every steps, save_state("step_NNNNNN"), all submitted at once (the SDK orders
+  them by sequence id) → ONE transaction commits version N+1, the checkpoint rows, the metrics and
+  the idempotency record → respond.
+A step that fails or is cancelled after it submitted work marks the model dirty; the next call that
+trains first rolls back to the recovery point (the last committed state checkpoint) and reloads the
+training client from it."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import time
+from typing import Literal, Protocol
+
+import tinker
+
+from tinkerrpc.v1 import trainer_service_pb2 as pb
+from tinkerrpc.v1 import types_pb2
+from tinkerrpc_server.service import errors
+from tinkerrpc_server.service.datums import Batch, rl_batch, sft_batch
+from tinkerrpc_server.service.limits import Limits
+from tinkerrpc_server.service.models import ModelRegistry, checkpoint_info, sampler_name, state_name
+from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE, CheckpointRow, ModelRow, Store
+from tinkerrpc_server.service.validation import (
+    check_expected_version,
+    check_train_request,
+    check_train_size,
+    check_train_tokens,
+    clip_thresholds,
+    loss_name,
+)
+
+log = logging.getLogger("tinkerrpc.service")
+
+# The points of a step a fault test may stop the process at.
+StepPoint = Literal["after_optim", "after_sampler_save", "before_commit", "after_commit"]
+DEFAULT_DRO_BETA = 0.05
+
+
+class StepHooks(Protocol):
+    def reached(self, point: StepPoint) -> None:
+        """Called as a Train step passes `point`."""
+
+
+class NoStepHooks:
+    """Production: a step passes its points without a hook."""
+
+    def reached(self, point: StepPoint) -> None:
+        pass
+
+
+def request_hash(request: pb.TrainRequest) -> str:
+    keyless = pb.TrainRequest()
+    keyless.CopyFrom(request)
+    keyless.idempotency_key = ""
+    return hashlib.sha256(keyless.SerializeToString(deterministic=True)).hexdigest()
+
+
+def _loss_config(loss: types_pb2.LossConfig, name: str) -> dict[str, float] | None:
+    if name in ("ppo", "cispo"):
+        low, high = clip_thresholds(loss)
+        return {"clip_low_threshold": low, "clip_high_threshold": high}
+    if name == "dro":
+        return {"beta": loss.beta if loss.HasField("beta") else DEFAULT_DRO_BETA}
+    return None
+
+
+def _adam(adam: types_pb2.AdamParams) -> tinker.types.AdamParams:
+    """Unset optional fields keep Tinker's own defaults."""
+    optional = {name: getattr(adam, name) for name in ("beta1", "beta2", "eps") if adam.HasField(name)}
+    return tinker.types.AdamParams(
+        learning_rate=adam.learning_rate,
+        weight_decay=adam.weight_decay,
+        grad_clip_norm=adam.grad_clip_norm,
+        **optional,
+    )
+
+
+class Trainer:
+    def __init__(
+        self, store: Store, models: ModelRegistry, checkpoint_every: int, limits: Limits, hooks: StepHooks
+    ) -> None:
+        self._store = store
+        self._models = models
+        self._checkpoint_every = checkpoint_every
+        self._limits = limits
+        self._hooks = hooks
+
+    async def train(self, request: pb.TrainRequest) -> pb.TrainResponse:
+        runtime = self._models.runtime(request.model)
+        check_train_size(request, self._limits)
+        hashed = request_hash(request) if request.idempotency_key else ""
+        # Steps on one model queue here in arrival order; a retry of a running step waits for it and
+        # then finds its record.
+        async with runtime.lock:
+            started = time.monotonic()
+            row = self._models.row(request.model)
+            replay = self._replay(request, hashed)
+            if replay is not None:
+                return replay
+            check_expected_version(row, request)
+            codec = await self._models.codec(row)
+            check_train_request(request, row.policy_version, codec.vocab_size)
+            batch = (
+                rl_batch(request, row.policy_version, codec) if request.groups else sft_batch(request, codec)
+            )
+            if not batch.datums:
+                raise errors.failed_precondition(
+                    errors.NOTHING_TO_TRAIN,
+                    "nothing left to train after dropping stale trajectories and zero-variance groups; "
+                    "the model was not changed",
+                    {
+                        "dropped_stale": batch.dropped_stale,
+                        "dropped_zero_variance": batch.dropped_zero_variance,
+                        "zero_variance_groups": batch.zero_variance_groups,
+                    },
+                )
+            check_train_tokens(batch.total_tokens, self._limits)
+            client = await self._models.training_client(request.model, runtime)
+            runtime.dirty = True
+            try:
+                response = await self._step(request, hashed, row, client, batch, started)
+            except asyncio.CancelledError:
+                log.warning(
+                    "model %s: Train cancelled mid-step (deadline, client or engine loss); nothing committed, "
+                    "the model rolls back to version %d before its next step",
+                    row.name,
+                    row.policy_version,
+                )
+                raise
+            runtime.dirty = False
+            self._hooks.reached("after_commit")
+            return response
+
+    def _replay(self, request: pb.TrainRequest, hashed: str) -> pb.TrainResponse | None:
+        """The recorded response of a request retried with its idempotency key."""
+        if not request.idempotency_key:
+            return None
+        record = self._store.get_idempotency(request.model, request.idempotency_key)
+        if record is None:
+            return None
+        if record.request_hash != hashed:
+            raise errors.failed_precondition(
+                errors.IDEMPOTENCY_KEY_REUSED,
+                f"idempotency key {request.idempotency_key!r} was used for a different request",
+                {"idempotency_key": request.idempotency_key, "policy_version": record.policy_version},
+            )
+        replay = pb.TrainResponse.FromString(record.response)
+        replay.replayed = True
+        return replay
+
+    async def _step(
+        self,
+        request: pb.TrainRequest,
+        hashed: str,
+        row: ModelRow,
+        client: tinker.TrainingClient,
+        batch: Batch,
+        started: float,
+    ) -> pb.TrainResponse:
+        name = row.name
+        version = row.policy_version + 1
+        loss = loss_name(request)
+        save_state = version % self._checkpoint_every == 0
+        forward_backward = client.forward_backward(batch.datums, loss, _loss_config(request.loss, loss))
+        optim_step = client.optim_step(_adam(request.adam))
+        sampler_save = client.save_weights_for_sampler(sampler_name(version))
+        state_save = client.save_state(state_name(version)) if save_state else None
+        fb_output = await forward_backward
+        optim_output = await optim_step
+        self._hooks.reached("after_optim")
+        sampler_path = (await sampler_save).path
+        self._hooks.reached("after_sampler_save")
+        state_path = (await state_save).path if state_save is not None else None
+        step_seconds = time.monotonic() - started
+
+        trainer_metrics = {**fb_output.metrics, **(optim_output.metrics or {})}
+        metrics = types_pb2.TrainMetrics(
+            loss=float(trainer_metrics.get("loss:sum", math.nan)),
+            mean_reward=batch.mean_reward,
+            trained_tokens=batch.trained_tokens,
+            total_tokens=batch.total_tokens,
+            trajectories_used=batch.used,
+            dropped_stale=batch.dropped_stale,
+            dropped_zero_variance=batch.dropped_zero_variance,
+            zero_variance_groups=batch.zero_variance_groups,
+            staleness_histogram=batch.staleness_histogram,
+            step_seconds=step_seconds,
+            tokens_per_second=batch.total_tokens / step_seconds if step_seconds > 0 else 0.0,
+            extra={**{k: float(v) for k, v in trainer_metrics.items()}, **batch.env_metrics},
+        )
+        now = time.time()
+        sampler_row = CheckpointRow(
+            name, KIND_SAMPLER, sampler_name(version), version, sampler_path, now, True
+        )
+        state_row = (
+            CheckpointRow(name, KIND_STATE, state_name(version), version, state_path, now, True)
+            if state_path is not None
+            else None
+        )
+        response = pb.TrainResponse(
+            policy_version=version,
+            metrics=metrics,
+            sampler_checkpoint=checkpoint_info(sampler_row),
+            state_checkpoint=checkpoint_info(state_row) if state_row is not None else None,
+        )
+        # A state checkpoint of this name from an abandoned timeline (before a restore) is replaced.
+        replaced = self._store.get_checkpoint(name, KIND_STATE, state_name(version)) if state_row else None
+        self._hooks.reached("before_commit")
+        with self._store.transaction() as tx:
+            self._store.set_version(
+                tx, name, version, (version, state_path) if state_path is not None else None
+            )
+            self._store.put_checkpoint(tx, sampler_row)
+            if state_row is not None:
+                self._store.put_checkpoint(tx, state_row)
+            self._store.put_metrics(tx, name, version, metrics.SerializeToString())
+            if request.idempotency_key:
+                self._store.put_idempotency(
+                    tx, name, request.idempotency_key, hashed, version, response.SerializeToString()
+                )
+            self._store.set_run_id(name, str(client.model_id), tx)
+        if replaced is not None and replaced.tinker_path != state_path:
+            await self._models.delete_tinker_paths([replaced.tinker_path])
+        log.info(
+            "model %s: version %d (loss %.4f, %d datums, %.3fs)",
+            name,
+            version,
+            metrics.loss,
+            len(batch.datums),
+            step_seconds,
+        )
+        return response
