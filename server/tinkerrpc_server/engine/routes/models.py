@@ -28,7 +28,7 @@ router = APIRouter(prefix="/api/v1")
 
 # retrieve_future holds a request this long before answering try_again (the SDK's own timeout is 45 s).
 LONG_POLL_SECONDS = 25.0
-# The SDK's default LoRA rank, for a create_model without lora_config.
+# The LoRA rank of a create_model without lora_config (the SDK's create_lora_training_client default).
 DEFAULT_LORA_RANK = 32
 
 # ---- session and service ----
