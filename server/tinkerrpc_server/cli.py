@@ -22,18 +22,23 @@ if TYPE_CHECKING:
     from tinkerrpc_server.local.engine_process import EmbeddedEngine
 
 
-def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("serve", help="run the gRPC TrainerService")
+def _add_address_and_dirs(p: argparse.ArgumentParser, port: int, data_dir: str, models: str) -> None:
+    """--host, --port, --data-dir and --model-dir: what `serve` and `engine` both take."""
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--data-dir", type=Path, default=Path("tinkerrpc-data"))
-    p.add_argument("--max-message-mb", type=int, default=256, help="max gRPC send/receive message size")
+    p.add_argument("--port", type=int, default=port)
+    p.add_argument("--data-dir", type=Path, default=Path(data_dir))
     p.add_argument(
         "--model-dir",
         type=Path,
         default=None,
-        help="local base models for the embedded engine (default: $TINKERRPC_MODEL_DIR or ~/.cache/tinkerrpc/models)",
+        help=f"{models} (default: $TINKERRPC_MODEL_DIR or ~/.cache/tinkerrpc/models)",
     )
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("serve", help="run the gRPC TrainerService")
+    _add_address_and_dirs(p, 50051, "tinkerrpc-data", "local base models for the embedded engine")
+    p.add_argument("--max-message-mb", type=int, default=256, help="max gRPC send/receive message size")
     p.add_argument(
         "--tinker-url",
         default=None,
@@ -129,15 +134,7 @@ def _run_server(args: argparse.Namespace, model_dir: Path, engine: EmbeddedEngin
 
 def _add_engine(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("engine", help="run the embedded Tinker-compatible engine (HTTP)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8111)
-    p.add_argument("--data-dir", type=Path, default=Path("tinkerrpc-engine-data"))
-    p.add_argument(
-        "--model-dir",
-        type=Path,
-        default=None,
-        help="local models (default: $TINKERRPC_MODEL_DIR or ~/.cache/tinkerrpc/models)",
-    )
+    _add_address_and_dirs(p, 8111, "tinkerrpc-engine-data", "local models")
     p.set_defaults(func=_engine)
 
 
