@@ -129,8 +129,8 @@ def _validated(model: type[BaseModel], raw: dict[str, Any], where: str) -> Any:
         raise bad_request(f"Invalid value for {param}: {first['msg']}", param) from error
 
 
-def _check_request(request: ResponseRequest) -> list[FunctionTool]:
-    """400 naming what the sidecar cannot honour; the function tools otherwise."""
+def _check_request(request: ResponseRequest) -> None:
+    """400 naming the first thing the sidecar cannot honour."""
     if request.previous_response_id is not None:
         raise bad_request(
             "previous_response_id is not supported: the sidecar stores no responses; "
@@ -151,6 +151,9 @@ def _check_request(request: ResponseRequest) -> list[FunctionTool]:
         raise bad_request("only text.format {'type': 'text'} is supported", "text.format")
     if request.tool_choice not in (None, "auto", "none"):
         raise bad_request("tool_choice must be 'auto' or 'none'", "tool_choice")
+
+
+def function_tools(request: ResponseRequest) -> list[FunctionTool]:
     for i, raw in enumerate(request.tools or ()):
         if raw.get("type") != "function":
             raise bad_request(
@@ -183,7 +186,8 @@ def prompt_messages(request: ResponseRequest) -> list[dict[str, Any]]:
 
 
 def sample_args(request: ResponseRequest, ref: translate.ModelRef) -> translate.SampleArgs:
-    tools = _check_request(request)
+    _check_request(request)
+    tools = function_tools(request)
     offered = [
         {"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})} for t in tools
     ]
@@ -316,7 +320,7 @@ def build_response(
         output=output,
         parallel_tool_calls=request.parallel_tool_calls is not False,
         tool_choice=str(request.tool_choice or "auto"),
-        tools=_check_request(request),
+        tools=function_tools(request),
         temperature=request.temperature,
         top_p=request.top_p,
         top_logprobs=request.top_logprobs,
