@@ -13,8 +13,8 @@ from typing import TypedDict
 import tinker
 from google.protobuf import timestamp_pb2
 
+from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
-from tinkerrpc.v1.trainer_service_pb2 import CreateModelRequest
 from tinkerrpc_server import model_store
 from tinkerrpc_server.service import errors
 from tinkerrpc_server.service.backend import Backend
@@ -191,7 +191,7 @@ class ModelRegistry:
                     await self.roll_back(name, runtime)
         return len(self._runtimes)
 
-    async def create(self, request: CreateModelRequest) -> types_pb2.ModelInfo:
+    async def create(self, request: pb.CreateModelRequest) -> types_pb2.ModelInfo:
         """A validated request's model at version 0 (sampleable and recoverable from the start)."""
         if request.name in self._runtimes:
             raise errors.already_exists(
@@ -206,7 +206,7 @@ class ModelRegistry:
             self._runtimes.pop(request.name, None)
             raise
 
-    async def _create(self, request: CreateModelRequest, runtime: ModelRuntime) -> types_pb2.ModelInfo:
+    async def _create(self, request: pb.CreateModelRequest, runtime: ModelRuntime) -> types_pb2.ModelInfo:
         try:
             codec = await asyncio.to_thread(self._codecs.get, request.base_model, request.renderer)
         except model_store.UnknownBaseModelError as err:
