@@ -34,7 +34,7 @@ DEFAULT_CLIP_LOW = 0.8
 DEFAULT_CLIP_HIGH = 1.2
 
 
-def check_name(violations: Violations, field: str, name: str) -> None:
+def _check_name(violations: Violations, field: str, name: str) -> None:
     if not NAME_PATTERN.fullmatch(name):
         violations.add(field, f"{name!r}: must be {NAME_RULE}")
 
@@ -205,7 +205,7 @@ def _check_tools(v: Violations, tools: list[types_pb2.Tool], field: str) -> None
 
 def check_create_model(request: trainer_service_pb2.CreateModelRequest) -> None:
     v = Violations()
-    check_name(v, "name", request.name)
+    _check_name(v, "name", request.name)
     if not request.base_model:
         v.add("base_model", "required")
     if request.lora.rank < 0:
@@ -217,7 +217,7 @@ def check_checkpoint_name(name: str) -> None:
     """An explicit SaveCheckpoint name (empty: the automatic one)."""
     if name:
         v = Violations()
-        check_name(v, "name", name)
+        _check_name(v, "name", name)
         v.raise_if_any()
 
 
