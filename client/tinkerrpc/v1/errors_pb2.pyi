@@ -55,6 +55,12 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """DeleteCheckpoint of the state checkpoint the model recovers from after a restart: save a
     newer checkpoint first. Metadata: policy_version (the checkpoint's).
     """
+    ERROR_REASON_NON_FINITE_UPDATE: _ErrorReason.ValueType  # 8
+    """Train whose step came out non-finite (loss, gradients or updated weights: e.g. importance
+    ratios that overflow float32) although every field was in range. The step was not applied:
+    version, weights and optimizer state are as before and the model trains normally on the
+    next call. Lower the learning rate or check the rewards and sampling logprobs. No metadata.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """Why a call was refused, for failures a client may want to handle in code.
@@ -100,5 +106,11 @@ Metadata: policy_version (the current one).
 ERROR_REASON_RECOVERY_CHECKPOINT: ErrorReason.ValueType  # 7
 """DeleteCheckpoint of the state checkpoint the model recovers from after a restart: save a
 newer checkpoint first. Metadata: policy_version (the checkpoint's).
+"""
+ERROR_REASON_NON_FINITE_UPDATE: ErrorReason.ValueType  # 8
+"""Train whose step came out non-finite (loss, gradients or updated weights: e.g. importance
+ratios that overflow float32) although every field was in range. The step was not applied:
+version, weights and optimizer state are as before and the model trains normally on the
+next call. Lower the learning rate or check the rewards and sampling logprobs. No metadata.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

@@ -299,7 +299,8 @@ class SampledTurn(_message.Message):
     @_builtins.property
     def completion_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Log-probability of each completion token under the sampling policy; same length as
-        completion_token_ids.
+        completion_token_ids. Each must be finite and in [-1e4, 0]: no sampler emits a token of
+        probability below e^-10000.
         """
 
     def __init__(
@@ -371,7 +372,7 @@ class Trajectory(_message.Message):
     METADATA_FIELD_NUMBER: _builtins.int
     TOOLS_FIELD_NUMBER: _builtins.int
     reward: _builtins.float
-    """Scalar reward of the whole trajectory; must be finite."""
+    """Scalar reward of the whole trajectory; must be finite, |reward| <= 1e6."""
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___Message]:
         """The conversation, including the assistant messages that the turns produced. Used to
@@ -487,11 +488,11 @@ class LossConfig(_message.Message):
     function: Global___LossFunction.ValueType
     """Which loss to use."""
     clip_low_threshold: _builtins.float
-    """Lower clip bound on the importance ratio for PPO and CISPO (default 0.8)."""
+    """Lower clip bound on the importance ratio for PPO and CISPO (default 0.8); in (0, 1]."""
     clip_high_threshold: _builtins.float
-    """Upper clip bound on the importance ratio for PPO and CISPO (default 1.2)."""
+    """Upper clip bound on the importance ratio for PPO and CISPO (default 1.2); in [1, 1000]."""
     beta: _builtins.float
-    """Strength of DRO's quadratic penalty (default 0.05)."""
+    """Strength of DRO's quadratic penalty (default 0.05); in [0, 1000]."""
     def __init__(
         self,
         *,
@@ -532,17 +533,17 @@ class AdamParams(_message.Message):
     WEIGHT_DECAY_FIELD_NUMBER: _builtins.int
     GRAD_CLIP_NORM_FIELD_NUMBER: _builtins.int
     learning_rate: _builtins.float
-    """Learning rate; must be > 0."""
+    """Learning rate; required, in (0, 10]."""
     beta1: _builtins.float
-    """First-moment decay (default 0.9)."""
+    """First-moment decay (default 0.9); in [0, 1)."""
     beta2: _builtins.float
-    """Second-moment decay (default 0.95)."""
+    """Second-moment decay (default 0.95); in [0, 1)."""
     eps: _builtins.float
-    """Denominator epsilon (default 1e-12)."""
+    """Denominator epsilon (default 1e-12); finite and >= 1e-30 (smaller is 0 in float32)."""
     weight_decay: _builtins.float
-    """Decoupled weight decay (default 0)."""
+    """Decoupled weight decay (default 0); in [0, 1]."""
     grad_clip_norm: _builtins.float
-    """Clip the global gradient norm to this value; 0 disables clipping."""
+    """Clip the global gradient norm to this value; 0 disables clipping; finite and >= 0."""
     def __init__(
         self,
         *,
@@ -617,7 +618,9 @@ class SamplingParams(_message.Message):
     n: _builtins.int
     """Number of completions for the prompt (default 1)."""
     temperature: _builtins.float
-    """Softmax temperature (default 1.0); 0 means greedy decoding."""
+    """Softmax temperature (default 1.0); 0 means greedy decoding, otherwise in [0.001, 100]
+    (below, logits / temperature overflow float32).
+    """
     top_p: _builtins.float
     """Nucleus sampling mass in (0, 1] (default 1.0 = off)."""
     top_k: _builtins.int

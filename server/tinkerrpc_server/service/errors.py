@@ -24,12 +24,31 @@ IDEMPOTENCY_KEY_REUSED = ErrorReason.ERROR_REASON_IDEMPOTENCY_KEY_REUSED
 NOTHING_TO_TRAIN = ErrorReason.ERROR_REASON_NOTHING_TO_TRAIN
 CURRENT_SAMPLER_CHECKPOINT = ErrorReason.ERROR_REASON_CURRENT_SAMPLER_CHECKPOINT
 RECOVERY_CHECKPOINT = ErrorReason.ERROR_REASON_RECOVERY_CHECKPOINT
+NON_FINITE_UPDATE = ErrorReason.ERROR_REASON_NON_FINITE_UPDATE
+
+# A status travels in grpc-message and grpc-status-details-bin, metadata of at most 8 KiB by default:
+# whatever a request echoes (a name, a value) is cut short so the status itself always fits.
+MAX_SHOWN_CHARS = 64
+MAX_MESSAGE_CHARS = 1024
+MAX_REPORTED_VIOLATIONS = 20
+
+
+def shown(value: str) -> str:
+    """`value` quoted for an error message, its first MAX_SHOWN_CHARS characters only."""
+    if len(value) <= MAX_SHOWN_CHARS:
+        return repr(value)
+    return f"{value[:MAX_SHOWN_CHARS]!r}… ({len(value)} characters)"
+
+
+def _bounded(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
 
 class ServiceError(Exception):
     """A failed RPC: status code, message and google.rpc detail messages."""
 
     def __init__(self, code: grpc.StatusCode, message: str, details: Sequence[ProtoMessage] = ()) -> None:
+        message = _bounded(message)
         super().__init__(message)
         self.code = code
         self.message = message
@@ -64,10 +83,14 @@ class Violations:
 
 
 def invalid_argument(violations: Sequence[tuple[str, str]]) -> ServiceError:
+    """The first MAX_REPORTED_VIOLATIONS violations go into the BadRequest (a batch of thousands of bad
+    trajectories would not fit in a status); the message counts the rest."""
     bad_request = error_details_pb2.BadRequest(
         field_violations=[
-            error_details_pb2.BadRequest.FieldViolation(field=field, description=description)
-            for field, description in violations
+            error_details_pb2.BadRequest.FieldViolation(
+                field=_bounded(field, MAX_SHOWN_CHARS * 2), description=_bounded(description, 256)
+            )
+            for field, description in violations[:MAX_REPORTED_VIOLATIONS]
         ]
     )
     summary = "; ".join(f"{field}: {description}" for field, description in violations[:5])
@@ -76,13 +99,21 @@ def invalid_argument(violations: Sequence[tuple[str, str]]) -> ServiceError:
 
 
 def not_found(resource_type: str, resource_name: str, message: str) -> ServiceError:
-    info = error_details_pb2.ResourceInfo(resource_type=resource_type, resource_name=resource_name)
+    info = error_details_pb2.ResourceInfo(
+        resource_type=resource_type, resource_name=_bounded(resource_name, MAX_SHOWN_CHARS)
+    )
     return ServiceError(grpc.StatusCode.NOT_FOUND, message, [info])
 
 
 def already_exists(resource_type: str, resource_name: str, message: str) -> ServiceError:
-    info = error_details_pb2.ResourceInfo(resource_type=resource_type, resource_name=resource_name)
+    info = error_details_pb2.ResourceInfo(
+        resource_type=resource_type, resource_name=_bounded(resource_name, MAX_SHOWN_CHARS)
+    )
     return ServiceError(grpc.StatusCode.ALREADY_EXISTS, message, [info])
+
+
+def deadline_exceeded(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, message)
 
 
 def resource_exhausted(subject: str, message: str) -> ServiceError:
@@ -99,7 +130,7 @@ def failed_precondition(
     info = error_details_pb2.ErrorInfo(
         reason=_wire_reason(reason),
         domain=ERROR_DOMAIN,
-        metadata={k: str(v) for k, v in (metadata or {}).items()},
+        metadata={k: _bounded(str(v), MAX_SHOWN_CHARS) for k, v in (metadata or {}).items()},
     )
     return ServiceError(grpc.StatusCode.FAILED_PRECONDITION, message, [info])
 
@@ -109,10 +140,31 @@ def _wire_reason(reason: ErrorReason.ValueType) -> str:
     return ErrorReason.Name(reason).removeprefix("ERROR_REASON_")
 
 
+def is_non_finite_update(error: Exception) -> bool:
+    """The embedded engine refused an optimizer step whose gradients or updated weights were not finite,
+    keeping its weights and optimizer state: its message starts with the reason's wire name."""
+    return (
+        isinstance(error, tinker.RequestFailedError)
+        and error.category == tinker.types.RequestErrorCategory.User
+        and error.message.startswith(f"{_wire_reason(NON_FINITE_UPDATE)}:")
+    )
+
+
+def non_finite_update(detail: str) -> ServiceError:
+    return failed_precondition(
+        NON_FINITE_UPDATE,
+        f"the step was not applied: {detail}. The model keeps its version, weights and optimizer state; "
+        "lower the learning rate or check the rewards and sampling logprobs",
+    )
+
+
 def from_tinker(error: Exception) -> ServiceError | None:
     """Map a tinker SDK error to a status: the caller's fault → INVALID_ARGUMENT, unreachable → UNAVAILABLE."""
     if isinstance(error, tinker.APIConnectionError):
         return ServiceError(grpc.StatusCode.UNAVAILABLE, f"Tinker backend unreachable: {error}")
+    if is_non_finite_update(error):
+        assert isinstance(error, tinker.RequestFailedError)
+        return non_finite_update(error.message.split(":", 1)[1].strip())
     if isinstance(error, tinker.RequestFailedError):
         if error.category == tinker.types.RequestErrorCategory.User:
             return ServiceError(

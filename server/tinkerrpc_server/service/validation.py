@@ -33,6 +33,24 @@ RL_LOSSES: dict[types_pb2.LossFunction.ValueType, LossFnType] = {
 DEFAULT_CLIP_LOW = 0.8
 DEFAULT_CLIP_HIGH = 1.2
 
+# Range bounds of numeric fields (types.proto and the README's limits paragraph document each one). A
+# value beyond them is never a setting that trains: it overflows fp32 in the first step or cannot come
+# from a real sampler or environment. Whether a step overflows also depends on the weights, so the
+# engine checks each step itself (NON_FINITE_UPDATE); these bounds refuse what is plainly wrong first.
+MAX_LEARNING_RATE = 10.0
+# Smaller rounds to 0 or a subnormal in fp32, where an untouched parameter's update is 0/0.
+MIN_ADAM_EPS = 1e-30
+MAX_WEIGHT_DECAY = 1.0
+# Clip thresholds and DRO's beta above this weigh nothing more: the loss is already unclipped/dominated.
+MAX_LOSS_PARAMETER = 1e3
+# A sampler never emits a token of probability e^-10000; anything lower is not a sampling logprob.
+MIN_LOGPROB = -1e4
+MAX_ABS_REWARD = 1e6
+# 0 is greedy; below the floor logits/temperature overflow fp32 (1e-40 gave NaN logprobs); above the
+# ceiling the distribution is uniform to fp32 precision.
+MIN_TEMPERATURE = 1e-3
+MAX_TEMPERATURE = 100.0
+
 
 def _check_name(violations: Violations, field: str, name: str) -> None:
     if not NAME_PATTERN.fullmatch(name):
@@ -109,28 +127,32 @@ def _check_loss(v: Violations, request: trainer_service_pb2.TrainRequest) -> Non
             "trajectory groups need a policy-gradient loss (importance_sampling, ppo, cispo, dro)",
         )
     low, high = clip_thresholds(loss)
-    if not (_finite(low) and low > 0):
-        v.add("loss.clip_low_threshold", "must be a finite number > 0")
-    if not (_finite(high) and high >= 1.0):
-        v.add("loss.clip_high_threshold", "must be a finite number >= 1")
-    if _finite(low) and _finite(high) and low > 1.0:
-        v.add("loss.clip_low_threshold", "must be <= 1")
-    if loss.HasField("beta") and not (_finite(loss.beta) and loss.beta >= 0):
-        v.add("loss.beta", "must be a finite number >= 0")
+    if not (_finite(low) and 0 < low <= 1):
+        v.add("loss.clip_low_threshold", "must be a finite number in (0, 1]")
+    if not (_finite(high) and 1 <= high <= MAX_LOSS_PARAMETER):
+        v.add("loss.clip_high_threshold", f"must be a finite number in [1, {MAX_LOSS_PARAMETER:g}]")
+    if loss.HasField("beta") and not (_finite(loss.beta) and 0 <= loss.beta <= MAX_LOSS_PARAMETER):
+        v.add("loss.beta", f"must be a finite number in [0, {MAX_LOSS_PARAMETER:g}]")
 
 
 def _check_adam(v: Violations, adam: types_pb2.AdamParams) -> None:
-    if not (_finite(adam.learning_rate) and adam.learning_rate > 0):
-        v.add("adam.learning_rate", "must be a finite number > 0 (it is required)")
+    if not (_finite(adam.learning_rate) and 0 < adam.learning_rate <= MAX_LEARNING_RATE):
+        v.add(
+            "adam.learning_rate",
+            f"must be a finite number in (0, {MAX_LEARNING_RATE:g}] (it is required), got {adam.learning_rate}",
+        )
     for name in ("beta1", "beta2"):
         if adam.HasField(name):
             value = getattr(adam, name)
             if not (_finite(value) and 0 <= value < 1):
-                v.add(f"adam.{name}", "must be in [0, 1)")
-    if adam.HasField("eps") and not (_finite(adam.eps) and adam.eps >= 0):
-        v.add("adam.eps", "must be a finite number >= 0")
-    if not (_finite(adam.weight_decay) and adam.weight_decay >= 0):
-        v.add("adam.weight_decay", "must be a finite number >= 0")
+                v.add(f"adam.{name}", f"must be in [0, 1), got {value}")
+    if adam.HasField("eps") and not (_finite(adam.eps) and adam.eps >= MIN_ADAM_EPS):
+        v.add("adam.eps", f"must be a finite number >= {MIN_ADAM_EPS:g}, got {adam.eps}")
+    if not (_finite(adam.weight_decay) and 0 <= adam.weight_decay <= MAX_WEIGHT_DECAY):
+        v.add(
+            "adam.weight_decay",
+            f"must be a finite number in [0, {MAX_WEIGHT_DECAY:g}], got {adam.weight_decay}",
+        )
     if not (_finite(adam.grad_clip_norm) and adam.grad_clip_norm >= 0):
         v.add("adam.grad_clip_norm", "must be a finite number >= 0 (0 disables clipping)")
 
@@ -144,8 +166,11 @@ def _check_tokens(v: Violations, field: str, tokens: list[int], vocab_size: int)
 def _check_trajectory(
     v: Violations, field: str, trajectory: types_pb2.Trajectory, current_version: int, vocab_size: int
 ) -> None:
-    if not _finite(trajectory.reward):
-        v.add(f"{field}.reward", f"must be finite, got {trajectory.reward}")
+    if not (_finite(trajectory.reward) and abs(trajectory.reward) <= MAX_ABS_REWARD):
+        v.add(
+            f"{field}.reward",
+            f"must be a finite number in [-{MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}], got {trajectory.reward}",
+        )
     for name, value in trajectory.metrics.items():
         if not _finite(value):
             v.add(f"{field}.metrics[{name}]", "must be finite")
@@ -165,8 +190,16 @@ def _check_trajectory(
                 f"{turn_field}.completion_logprobs",
                 f"{len(turn.completion_logprobs)} logprobs for {len(turn.completion_token_ids)} completion tokens",
             )
-        elif not all(_finite(lp) for lp in turn.completion_logprobs):
-            v.add(f"{turn_field}.completion_logprobs", "must be finite")
+        else:
+            bad_logprob = next(
+                (lp for lp in turn.completion_logprobs if not (_finite(lp) and MIN_LOGPROB <= lp <= 0)), None
+            )
+            if bad_logprob is not None:
+                v.add(
+                    f"{turn_field}.completion_logprobs",
+                    f"must be finite numbers in [{MIN_LOGPROB:g}, 0] (log-probabilities a sampler returned), "
+                    f"got {bad_logprob}",
+                )
         _check_tokens(v, f"{turn_field}.completion_token_ids", list(turn.completion_token_ids), vocab_size)
         _check_tokens(v, f"{turn_field}.prompt_token_ids", list(turn.prompt_token_ids), vocab_size)
         if not turn.prompt_token_ids and k >= assistant_messages:
@@ -310,8 +343,13 @@ def check_sampling_params(
             f"prompt ({prompt_length}) + max_tokens ({params.max_tokens}) exceed the context of "
             f"{context_length}",
         )
-    if params.HasField("temperature") and not (_finite(params.temperature) and params.temperature >= 0):
-        v.add("params.temperature", "must be >= 0")
+    if params.HasField("temperature") and not (
+        params.temperature == 0 or MIN_TEMPERATURE <= params.temperature <= MAX_TEMPERATURE
+    ):
+        v.add(
+            "params.temperature",
+            f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {params.temperature:g}",
+        )
     if params.HasField("top_p") and not 0 < params.top_p <= 1:
         v.add("params.top_p", "must be in (0, 1]")
     if params.top_k < 0:
