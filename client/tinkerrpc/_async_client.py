@@ -48,6 +48,7 @@ class AsyncClient:
         token: str | None = None,
         tls: TlsOption = False,
         *,
+        tls_server_name: str | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,
         retry: RetryPolicy | None = None,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
@@ -61,7 +62,7 @@ class AsyncClient:
         self.connect_timeout = connect_timeout
         self._metadata = auth_metadata(token)
         credentials = channel_credentials(tls)
-        options = channel_options(max_message_bytes)
+        options = channel_options(max_message_bytes, tls_server_name)
         # grpc-stubs leaves aio's interceptor type as a placeholder that must be cast.
         aio_interceptors = cast("list[grpc.aio.ClientInterceptor]", list(interceptors))
         self.channel: grpc.aio.Channel = (

@@ -18,13 +18,19 @@ Metadata = tuple[tuple[str, str], ...]
 TlsOption = bool | grpc.ChannelCredentials
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+def channel_options(
+    max_message_bytes: int, tls_server_name: str | None = None
+) -> list[tuple[str, int | str]]:
     if max_message_bytes < 1:
         raise ValueError(f"max_message_bytes must be >= 1, got {max_message_bytes}")
-    return [
+    options: list[tuple[str, int | str]] = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ]
+    if tls_server_name is not None:
+        # The name the server's certificate must carry, when the target's host is not it (an IP).
+        options.append(("grpc.ssl_target_name_override", tls_server_name))
+    return options
 
 
 def channel_credentials(tls: TlsOption) -> grpc.ChannelCredentials | None:

@@ -39,7 +39,8 @@ class Client:
 
     `Client("127.0.0.1:50051")` connects and waits (up to `connect_timeout` seconds) until the
     server's gRPC health check reports SERVING. `token` is sent as `authorization: Bearer ...`
-    on every call; `tls` is False (plaintext), True (system roots) or grpc.ChannelCredentials.
+    on every call; `tls` is False (plaintext), True (system roots) or grpc.ChannelCredentials, and
+    `tls_server_name` the name the server's certificate is checked for, when not the target's host.
     `interceptors` (grpc.UnaryUnaryClientInterceptor) see every call, retries included: tracing,
     extra metadata, fault injection in tests.
     """
@@ -50,6 +51,7 @@ class Client:
         token: str | None = None,
         tls: TlsOption = False,
         *,
+        tls_server_name: str | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,
         retry: RetryPolicy | None = None,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
@@ -62,7 +64,7 @@ class Client:
         self.retry = retry or RetryPolicy()
         self._metadata = auth_metadata(token)
         credentials = channel_credentials(tls)
-        options = channel_options(max_message_bytes)
+        options = channel_options(max_message_bytes, tls_server_name)
         channel = (
             grpc.secure_channel(target, credentials, options)
             if credentials is not None

@@ -65,7 +65,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument(
         "--sidecar-api-key",
         default=os.environ.get(SIDECAR_API_KEY_ENV),
-        help=f"bearer key the sidecar requires (default: ${SIDECAR_API_KEY_ENV}, else none)",
+        help=f"bearer key the sidecar requires (default: ${SIDECAR_API_KEY_ENV}, else none; "
+        "needed with an auth token)",
+    )
+    p.add_argument(
+        "--sidecar-no-auth",
+        action="store_true",
+        help="serve the sidecar without a key although the server needs a token (anyone reaching it "
+        "uses the server with the token)",
     )
     add_limit_arguments(p)
     p.set_defaults(func=_serve)
@@ -80,38 +87,56 @@ def _auth_token(args: argparse.Namespace) -> str | None:
     return str(args.auth_token) if args.auth_token else None
 
 
+def _serve_usage_error(args: argparse.Namespace, auth_token: str | None) -> str | None:
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        return "--checkpoint-every must be >= 1"
+    if (args.tls_cert is None) != (args.tls_key is None):
+        return "--tls-cert and --tls-key go together"
+    if args.sidecar_no_auth and args.sidecar_api_key:
+        return f"--sidecar-no-auth contradicts --sidecar-api-key (or ${SIDECAR_API_KEY_ENV})"
+    # The sidecar is never more open than the server it fronts, unless told.
+    if auth_token and args.sidecar_port is not None and not args.sidecar_api_key and not args.sidecar_no_auth:
+        return (
+            f"--sidecar-port with an auth token needs --sidecar-api-key (or ${SIDECAR_API_KEY_ENV}); "
+            "--sidecar-no-auth serves it without one"
+        )
+    return None
+
+
 def _serve(args: argparse.Namespace) -> int:
     from tinkerrpc_server.local.engine_process import EmbeddedEngine, probe_data_dir
+    from tinkerrpc_server.local.ownership import own_data_dir, port_taken
     from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
 
-    # Before the heavy imports: an unusable data dir is one line in a fraction of a second.
-    problem = probe_data_dir(args.data_dir)
+    auth_token = _auth_token(args)
+    usage_error = _serve_usage_error(args, auth_token)
+    if usage_error is not None:
+        print(f"tinkerrpc serve: {usage_error}", file=sys.stderr)
+        return 2
+    # Before the heavy imports and the engine child: an unusable or owned data dir, or a port in use,
+    # is one line in a fraction of a second.
+    ports = [args.port] if args.sidecar_port is None else [args.port, args.sidecar_port]
+    problem = (
+        probe_data_dir(args.data_dir)
+        or own_data_dir(args.data_dir)
+        or next(filter(None, (port_taken(args.host, port) for port in ports)), None)
+    )
     if problem is not None:
         print(f"tinkerrpc serve: cannot start: {problem}", file=sys.stderr)
         return 1
-    if args.checkpoint_every is not None and args.checkpoint_every < 1:
-        print("tinkerrpc serve: --checkpoint-every must be >= 1", file=sys.stderr)
-        return 2
-    if (args.tls_cert is None) != (args.tls_key is None):
-        print("tinkerrpc serve: --tls-cert and --tls-key go together", file=sys.stderr)
-        return 2
-    if args.tls_cert is not None and args.sidecar_port is not None:
-        print(
-            "tinkerrpc serve: --sidecar-port needs a plaintext loopback server; run `tinkerrpc sidecar`",
-            file=sys.stderr,
-        )
-        return 2
     model_dir = args.model_dir or DEFAULT_MODEL_DIR
     # Without a Tinker key the embedded engine serves; it boots while the service modules import.
     engine = None if os.environ.get("TINKER_API_KEY") else EmbeddedEngine(args.data_dir / "engine", model_dir)
     try:
-        return _run_server(args, model_dir, engine)
+        return _run_server(args, auth_token, model_dir, engine)
     finally:
         if engine is not None:
             engine.stop()
 
 
-def _run_server(args: argparse.Namespace, model_dir: Path, engine: EmbeddedEngine | None) -> int:
+def _run_server(
+    args: argparse.Namespace, auth_token: str | None, model_dir: Path, engine: EmbeddedEngine | None
+) -> int:
     from tinkerrpc_server.server import ServerConfig, serve
 
     config = ServerConfig(
@@ -122,7 +147,7 @@ def _run_server(args: argparse.Namespace, model_dir: Path, engine: EmbeddedEngin
         model_dir=model_dir,
         tinker_url=args.tinker_url,
         checkpoint_every=args.checkpoint_every,
-        auth_token=_auth_token(args),
+        auth_token=auth_token,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         sidecar_port=args.sidecar_port,
@@ -139,6 +164,13 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
 
 
 def _engine(args: argparse.Namespace) -> int:
+    from tinkerrpc_server.local.ownership import own_data_dir
+
+    # Before the heavy imports: a data dir another engine owns is one line.
+    problem = own_data_dir(args.data_dir)
+    if problem is not None:
+        print(f"tinkerrpc engine: cannot start: {problem}", file=sys.stderr)
+        return 1
     from tinkerrpc_server.engine.app import run_engine
     from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
 
@@ -166,13 +198,33 @@ def _add_sidecar(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
         help=f"require `Authorization: Bearer KEY` (default: ${SIDECAR_API_KEY_ENV}, else no auth)",
     )
     _add_grpc_token_argument(p, "--grpc-token")
+    p.add_argument(
+        "--grpc-tls-ca",
+        type=Path,
+        default=None,
+        help="PEM certificates that verify a TLS server (its own certificate, if self-signed): dial TLS",
+    )
+    p.add_argument(
+        "--grpc-server-name",
+        default=None,
+        help="the host name the server's certificate carries, when --grpc-target's host is not it",
+    )
     p.set_defaults(func=_sidecar)
 
 
 def _sidecar(args: argparse.Namespace) -> int:
-    from tinkerrpc_server.sidecar.app import run_sidecar
+    from tinkerrpc_server.sidecar.app import GrpcUpstream, run_sidecar
 
-    run_sidecar(args.grpc_target, args.host, args.port, args.api_key or None, args.grpc_token)
+    if args.grpc_server_name is not None and args.grpc_tls_ca is None:
+        print("tinkerrpc sidecar: --grpc-server-name needs --grpc-tls-ca", file=sys.stderr)
+        return 2
+    try:
+        tls_roots = args.grpc_tls_ca.read_bytes() if args.grpc_tls_ca is not None else None
+    except OSError as err:
+        print(f"tinkerrpc sidecar: cannot read {args.grpc_tls_ca}: {err.strerror or err}", file=sys.stderr)
+        return 2
+    upstream = GrpcUpstream(args.grpc_target, args.grpc_token, tls_roots, args.grpc_server_name)
+    run_sidecar(upstream, args.host, args.port, args.api_key or None)
     return 0
 
 

@@ -6,8 +6,10 @@ import asyncio
 import gc
 import logging
 import signal
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -16,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from tinkerrpc.v1 import trainer_service_pb2, trainer_service_pb2_grpc
 from tinkerrpc_server.auth import BearerTokenInterceptor
 from tinkerrpc_server.local.engine_process import BackendStartError, EmbeddedEngine, probe_data_dir
+from tinkerrpc_server.local.ownership import own_data_dir
 from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
 from tinkerrpc_server.service.backend import connect_backend
 from tinkerrpc_server.service.limits import Limits
@@ -52,7 +55,9 @@ class ServerConfig:
     # PEM files; with both set the server speaks TLS only.
     tls_cert: Path | None = None
     tls_key: Path | None = None
-    # Serve the OpenAI-compatible sidecar in this process on this port (same host).
+    # Serve the OpenAI-compatible sidecar in this process on this port (same host). Without
+    # sidecar_api_key it answers anyone, and forwards with auth_token: the CLI allows that only when
+    # told (--sidecar-no-auth), and it is logged as a warning.
     sidecar_port: int | None = None
     sidecar_api_key: str | None = None
     limits: Limits = field(default_factory=Limits)
@@ -63,7 +68,7 @@ class ServerConfig:
 async def serve(config: ServerConfig, engine: EmbeddedEngine | None) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code. `engine` is the embedded engine child,
     already starting (None: use Tinker itself, TINKER_API_KEY is set)."""
-    problem = probe_data_dir(config.data_dir)
+    problem = probe_data_dir(config.data_dir) or own_data_dir(config.data_dir)
     if problem is not None:
         log.error("cannot start: %s", problem)
         return 1
@@ -96,6 +101,8 @@ async def _serve(config: ServerConfig, service: TrainerService) -> int:
     options = [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
+        # gRPC's default would let a second server bind the same port and take half the calls.
+        ("grpc.so_reuseport", 0),
     ]
     interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
@@ -108,13 +115,17 @@ async def _serve(config: ServerConfig, service: TrainerService) -> int:
         server,
     )
     address = f"{config.host}:{config.port}"
-    if config.tls_cert and config.tls_key:
-        credentials = grpc.ssl_server_credentials(
-            [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())]
-        )
-        server.add_secure_port(address, credentials)
-    else:
-        server.add_insecure_port(address)
+    try:
+        if config.tls_cert and config.tls_key:
+            credentials = grpc.ssl_server_credentials(
+                [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())]
+            )
+            server.add_secure_port(address, credentials)
+        else:
+            server.add_insecure_port(address)
+    except RuntimeError:  # grpc's only word on a failed bind: "Failed to bind to address ..."
+        log.error("cannot start: cannot listen on %s (in use, or not an address of this machine)", address)
+        return 1
     await server.start()
 
     async def report_serving(serving: bool) -> None:
@@ -126,7 +137,13 @@ async def _serve(config: ServerConfig, service: TrainerService) -> int:
             await health_servicer.set(name, status)
 
     await report_serving(True)
-    log.info("tinkerrpc serving on %s (data dir %s)", address, config.data_dir)
+    log.info(
+        "tinkerrpc serving gRPC on %s (%s, %s; data dir %s)",
+        address,
+        "TLS" if config.tls_cert else "plaintext",
+        "bearer token required" if config.auth_token else "no token",
+        config.data_dir,
+    )
     # The tinker SDK pulls in torch: freeze those long-lived objects so garbage collections, and the
     # final one at exit (seconds otherwise), skip them.
     gc.freeze()
@@ -150,17 +167,23 @@ async def _serve(config: ServerConfig, service: TrainerService) -> int:
         supervisor.add_done_callback(engine_lost)
     sidecar = None
     if config.sidecar_port is not None:
-        from tinkerrpc_server.sidecar.app import serve_sidecar
+        from tinkerrpc_server.sidecar.app import GrpcUpstream, serve_sidecar
 
-        sidecar = asyncio.create_task(
-            serve_sidecar(
-                f"127.0.0.1:{config.port}",
-                config.host,
+        if config.auth_token and not config.sidecar_api_key:
+            log.warning(
+                "the sidecar on port %d requires no API key: anyone who reaches it uses the server "
+                "as if they held its token",
                 config.sidecar_port,
-                config.sidecar_api_key,
-                stop_requested,
-                grpc_token=config.auth_token,
             )
+        # Over TLS when the server speaks it, trusting exactly the server's own certificate.
+        upstream = GrpcUpstream(
+            f"127.0.0.1:{config.port}",
+            config.auth_token,
+            tls_roots=config.tls_cert.read_bytes() if config.tls_cert else None,
+            tls_server_name=certificate_name(config.tls_cert) if config.tls_cert else None,
+        )
+        sidecar = asyncio.create_task(
+            serve_sidecar(upstream, config.host, config.sidecar_port, config.sidecar_api_key, stop_requested)
         )
     await stop_requested.wait()
 
@@ -175,3 +198,21 @@ async def _serve(config: ServerConfig, service: TrainerService) -> int:
     await server.stop(config.shutdown_grace_seconds)
     log.info("stopped")
     return exit_code
+
+
+def certificate_name(cert_file: Path) -> str | None:
+    """A host name `cert_file` (a self-signed PEM certificate) is valid for: its first DNS
+    subjectAltName, else its common name; None when it names no host (then only an IP SAN can match).
+    The hosted sidecar dials 127.0.0.1 and checks the server's certificate for this name."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.load_verify_locations(cafile=cert_file)
+    for cert in context.get_ca_certs():
+        # typeshed types these dicts loosely; the ssl module documents their shape.
+        alt_names = cast("tuple[tuple[str, str], ...]", cert.get("subjectAltName", ()))
+        subject = cast("tuple[tuple[tuple[str, str], ...], ...]", cert.get("subject", ()))
+        names = [value for kind, value in alt_names if kind == "DNS"]
+        names += [value for rdn in subject for key, value in rdn if key == "commonName"]
+        if names:
+            # A wildcard certificate is checked for one of the names it covers.
+            return f"sidecar{names[0][1:]}" if names[0].startswith("*.") else names[0]
+    return None

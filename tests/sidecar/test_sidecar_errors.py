@@ -11,7 +11,7 @@ import pytest
 from sidecar_support import API_KEY, Sidecar
 
 from tinkerrpc_server.local.processes import free_port
-from tinkerrpc_server.sidecar.app import serve_sidecar
+from tinkerrpc_server.sidecar.app import GrpcUpstream, serve_sidecar
 
 
 def client(sidecar: Sidecar, *, key: str = API_KEY, max_retries: int = 0) -> openai.OpenAI:
@@ -111,7 +111,8 @@ async def test_serve_sidecar_runs_on_a_host_loop_until_stopped() -> None:
     """The form `tinkerrpc serve --sidecar-port` uses: no signal handling of its own, stops on an event."""
     port = free_port()
     stop = asyncio.Event()
-    serving = asyncio.create_task(serve_sidecar(f"127.0.0.1:{free_port()}", "127.0.0.1", port, None, stop))
+    upstream = GrpcUpstream(f"127.0.0.1:{free_port()}")
+    serving = asyncio.create_task(serve_sidecar(upstream, "127.0.0.1", port, None, stop))
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as http:
         for _ in range(100):
             try:

@@ -17,6 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
+from tinkerrpc_server.local.ownership import own_data_dir
 from tinkerrpc_server.settings import configure_logging, default_log_level, set_process_defaults
 
 _PR_SET_PDEATHSIG = 1
@@ -38,6 +39,11 @@ def main(argv: list[str]) -> int:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != args.parent_pid:
         return 1  # the server died before the signal was armed
+    # A standalone engine on this data dir (or a second serve's child) owns it already.
+    problem = own_data_dir(args.data_dir)
+    if problem is not None:
+        print(f"tinkerrpc engine: cannot start: {problem}", file=sys.stderr)
+        return 1
     set_process_defaults()
     configure_logging(default_log_level())
     from tinkerrpc_server.engine.app import run_engine  # after the defaults: it imports torch

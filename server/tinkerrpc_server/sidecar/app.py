@@ -12,7 +12,9 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
+import grpc
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -47,6 +49,33 @@ SIDECAR_RETRY = RetryPolicy(max_attempts=3, initial_backoff=0.1, max_backoff=0.5
 HEALTH_TIMEOUT_SECONDS = 2.0
 
 
+@dataclass(frozen=True)
+class GrpcUpstream:
+    """How the sidecar reaches the tinkerrpc gRPC server: its address, the bearer token it forwards, and
+    for a TLS server the PEM roots that verify its certificate and, when the certificate does not name
+    the target's host, the name it carries."""
+
+    target: str
+    token: str | None = None
+    tls_roots: bytes | None = None
+    tls_server_name: str | None = None
+
+    def client(self) -> AsyncClient:
+        tls = grpc.ssl_channel_credentials(self.tls_roots) if self.tls_roots is not None else False
+        # No health check at start: the sidecar comes up (and answers 503) while the server is down.
+        return AsyncClient(
+            self.target,
+            self.token,
+            tls,
+            tls_server_name=self.tls_server_name,
+            check_health=False,
+            retry=SIDECAR_RETRY,
+        )
+
+    def describe(self) -> str:
+        return f"{self.target} ({'TLS' if self.tls_roots is not None else 'plaintext'})"
+
+
 def _validation_error(error: RequestValidationError) -> OpenAIError:
     first = error.errors()[0] if error.errors() else {}
     loc = tuple(first.get("loc", ()))
@@ -73,8 +102,8 @@ def _sse(chunks: Iterator[BaseModel]) -> Iterator[str]:
     yield "data: [DONE]\n\n"
 
 
-def create_app(grpc_target: str, api_key: str | None, grpc_token: str | None = None) -> FastAPI:
-    """The sidecar app; it connects to the gRPC server at `grpc_target` when it starts serving."""
+def create_app(upstream: GrpcUpstream, api_key: str | None) -> FastAPI:
+    """The sidecar app; it connects to the gRPC server `upstream` when it starts serving."""
     if api_key is not None and not api_key:
         raise ValueError("api_key must be None (no auth) or a non-empty string")
     metrics = SidecarMetrics()
@@ -83,8 +112,7 @@ def create_app(grpc_target: str, api_key: str | None, grpc_token: str | None = N
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         # grpc.aio channels bind to the running loop, so the client is made here, not at import.
-        # No health check at start: the sidecar comes up (and answers 503) while the server is down.
-        client = AsyncClient(grpc_target, grpc_token, check_health=False, retry=SIDECAR_RETRY)
+        client = upstream.client()
         clients.append(client)
         try:
             yield
@@ -181,8 +209,14 @@ def create_app(grpc_target: str, api_key: str | None, grpc_token: str | None = N
     async def health() -> JSONResponse:
         try:
             await client().wait_until_serving(HEALTH_TIMEOUT_SECONDS)
-        except (RPCError, OpenAIError) as error:
-            return JSONResponse({"status": "unavailable", "detail": str(error)}, status_code=503)
+            # Health checking needs no token: an authenticated call shows the server takes ours.
+            await client().list_models(timeout=HEALTH_TIMEOUT_SECONDS)
+        except RPCError as error:
+            return JSONResponse(
+                {"status": "unavailable", "reason": error.code.name, "detail": str(error)}, status_code=503
+            )
+        except OpenAIError as error:
+            return JSONResponse({"status": "unavailable", "detail": error.message}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -231,23 +265,27 @@ def _uvicorn_config(app: FastAPI, host: str, port: int) -> uvicorn.Config:
     return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on")
 
 
-def run_sidecar(
-    grpc_target: str, host: str, port: int, api_key: str | None, grpc_token: str | None = None
-) -> None:
+def _log_start(upstream: GrpcUpstream, host: str, port: int, api_key: str | None) -> None:
+    log.info(
+        "OpenAI sidecar on http://%s:%d/v1 (%s) for gRPC %s",
+        host,
+        port,
+        "API key required" if api_key is not None else "no API key",
+        upstream.describe(),
+    )
+
+
+def run_sidecar(upstream: GrpcUpstream, host: str, port: int, api_key: str | None) -> None:
     """Serve the sidecar until SIGTERM/SIGINT, then return after a graceful shutdown."""
-    app = create_app(grpc_target, api_key, grpc_token)
-    log.info("sidecar for %s on http://%s:%d (auth %s)", grpc_target, host, port, "on" if api_key else "off")
+    app = create_app(upstream, api_key)
+    _log_start(upstream, host, port, api_key)
     serve_until_signalled(_uvicorn_config(app, host, port))
 
 
 async def serve_sidecar(
-    grpc_target: str,
-    host: str,
-    port: int,
-    api_key: str | None,
-    stop: asyncio.Event,
-    grpc_token: str | None = None,
+    upstream: GrpcUpstream, host: str, port: int, api_key: str | None, stop: asyncio.Event
 ) -> None:
     """Serve the sidecar on the running loop until `stop` is set (for `tinkerrpc serve --sidecar-port`)."""
-    app = create_app(grpc_target, api_key, grpc_token)
+    app = create_app(upstream, api_key)
+    _log_start(upstream, host, port, api_key)
     await serve_until_stopped(_uvicorn_config(app, host, port), stop)
