@@ -7,7 +7,6 @@ documented "compute thread" run inside work submitted to the worker.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import secrets
 import threading
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tinkerrpc_server.engine import protocol
-from tinkerrpc_server.engine.futures import FailedResult, FutureTable, Outcome, ProtoResult
+from tinkerrpc_server.engine.futures import FailedResult, FutureTable, Outcome, ProtoResult, RequestFuture
 from tinkerrpc_server.engine.runtime import (
     BaseModelRuntime,
     EngineUserError,
@@ -26,6 +25,7 @@ from tinkerrpc_server.engine.runtime import (
     SampleJob,
     SampleOutput,
 )
+from tinkerrpc_server.engine.sampler import DecodeBreaks
 from tinkerrpc_server.engine.storage import (
     CheckpointKind,
     CheckpointRecord,
@@ -232,16 +232,17 @@ class Engine:
         return Sampler("", base_model, None, None)
 
     def run_sample_batch(
-        self, sampler: Sampler, requests: list[tuple[SampleJob, int | None]]
+        self, sampler: Sampler, requests: list[tuple[SampleJob, int | None]], breaks: DecodeBreaks
     ) -> list[Outcome]:
-        """Run pending sample requests for one sampler as one runtime batch (compute thread)."""
+        """Run pending sample requests for one sampler as one runtime batch (compute thread); `breaks`
+        runs queued training between its decode steps."""
         runtime = self.runtime(sampler.base_model)
         if sampler.weights_dir is not None and not sampler.weights_dir.is_dir():
             raise EngineUserError(f"the weights of {sampler.model_path} were deleted")
         jobs = [fill_max_tokens(job, runtime) for job, _ in requests]
         results: list[SampleOutput | EngineUserError] = []
         try:
-            results.extend(runtime.sample(sampler.weights_dir, jobs))
+            results.extend(runtime.sample(sampler.weights_dir, jobs, breaks))
         except EngineUserError:
             if len(jobs) == 1:
                 raise
@@ -270,12 +271,12 @@ class Engine:
         sampler: Sampler,
         job: SampleJob,
         last_n: int | None,
-        future: concurrent.futures.Future[Outcome],
+        future: RequestFuture,
     ) -> None:
         """Queue one sample request; requests pending together for the same weights run as one batch."""
 
-        def run_batch(payloads: list[Any]) -> list[Outcome]:
-            return self.run_sample_batch(sampler, payloads)
+        def run_batch(payloads: list[Any], breaks: DecodeBreaks) -> list[Outcome]:
+            return self.run_sample_batch(sampler, payloads, breaks)
 
         self.worker.submit_sample(
             (sampler.base_model, sampler.weights_dir),

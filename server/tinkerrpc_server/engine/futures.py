@@ -8,8 +8,9 @@ import itertools
 import threading
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import pydantic
 
@@ -35,20 +36,48 @@ class FailedResult:
 Outcome = JsonResult | ProtoResult | FailedResult
 
 
+class RequestFuture(concurrent.futures.Future[Outcome]):
+    """A request's outcome, and whether its caller still waits for it.
+
+    The SDK long-polls retrieve_future until the outcome is there; when the SDK call is cancelled (the
+    gRPC caller cancelled or passed its deadline) its poll's connection closes. A poll that ended by a
+    disconnect before the outcome, with no poll after it, means nobody will read the outcome: the worker
+    drops the request instead of running it. Poll counts change on the event loop only.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._polls = 0
+        self._caller_left = False
+
+    def poll_started(self) -> None:
+        self._polls += 1
+        self._caller_left = False
+
+    def poll_ended(self, disconnected: bool) -> None:
+        self._polls -= 1
+        if disconnected and self._polls == 0 and not self.done():
+            self._caller_left = True
+
+    @property
+    def abandoned(self) -> bool:
+        return self._caller_left
+
+
 class FutureTable:
     """request id → outcome. Finished outcomes are kept for the most recent `keep_finished` requests
     so a client that lost a poll response can ask again."""
 
     def __init__(self, keep_finished: int = 4096) -> None:
         self._lock = threading.Lock()
-        self._futures: OrderedDict[str, concurrent.futures.Future[Outcome]] = OrderedDict()
+        self._futures: OrderedDict[str, RequestFuture] = OrderedDict()
         self._keep_finished = keep_finished
         self._counter = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:8]
 
-    def create(self) -> tuple[str, concurrent.futures.Future[Outcome]]:
+    def create(self) -> tuple[str, RequestFuture]:
         request_id = f"req-{self._prefix}-{next(self._counter)}"
-        future: concurrent.futures.Future[Outcome] = concurrent.futures.Future()
+        future = RequestFuture()
         with self._lock:
             self._futures[request_id] = future
             finished = [k for k, f in self._futures.items() if f.done()]
@@ -62,18 +91,33 @@ class FutureTable:
         future.set_result(FailedResult(message, category))
         return request_id
 
-    def get(self, request_id: str) -> concurrent.futures.Future[Outcome] | None:
+    def get(self, request_id: str) -> RequestFuture | None:
         with self._lock:
             return self._futures.get(request_id)
 
-    async def wait(self, request_id: str, timeout: float) -> Outcome | None:
-        """The outcome, waiting up to `timeout` seconds; None while still pending.
+    async def wait(
+        self, request_id: str, timeout: float, disconnected: Callable[[], Coroutine[Any, Any, None]]
+    ) -> Outcome | None:
+        """The outcome, waiting up to `timeout` seconds or until `disconnected()` returns (the poll's
+        client left); None while still pending.
 
-        Raises KeyError for an unknown request id. The wait never cancels the underlying work.
+        Raises KeyError for an unknown request id. The wait itself never cancels the underlying work; a
+        disconnect marks it abandoned (see RequestFuture).
         """
         future = self.get(request_id)
         if future is None:
             raise KeyError(request_id)
         if not future.done():
-            await asyncio.wait({asyncio.wrap_future(future)}, timeout=timeout)
+            watcher = asyncio.ensure_future(disconnected())
+            future.poll_started()
+            try:
+                outcome: asyncio.Future[Any] = asyncio.wrap_future(future)
+                await asyncio.wait(
+                    {outcome, watcher},
+                    timeout=timeout,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                future.poll_ended(disconnected=watcher.done() and not watcher.cancelled())
+                watcher.cancel()
         return future.result() if future.done() else None

@@ -502,14 +502,25 @@ class BaseModelRuntime:
 
     # ---------------------------------------------------------------- sampling
 
-    def sample(self, weights_dir: Path | None, jobs: list[SampleJob]) -> list[SampleOutput]:
+    def sample(
+        self,
+        weights_dir: Path | None,
+        jobs: list[SampleJob],
+        breaks: sampler.DecodeBreaks = sampler.NO_BREAKS,
+    ) -> list[SampleOutput]:
+        """Sample `jobs` as one batch; between decode steps `breaks` may run other work (training)."""
         requests = [self._validate_job(index, job) for index, job in enumerate(jobs)]
         if not requests:
             raise EngineUserError("no sampling jobs given")
         peft_name = None if weights_dir is None else self._sampler_adapter(Path(weights_dir))
-        # inference_mode, not no_grad: decoding never feeds autograd, so skip version counters too.
-        with self._active(peft_name) as model, torch.inference_mode():
-            results = sampler.generate(model, requests, self.tokenizer, self.device)
+
+        @contextmanager
+        def sampling_model() -> Iterator[torch.nn.Module]:
+            # inference_mode, not no_grad: decoding never feeds autograd, so skip version counters too.
+            with self._active(peft_name) as model, torch.inference_mode():
+                yield model
+
+        results = sampler.generate(sampling_model, requests, self.tokenizer, self.device, breaks)
         return [
             SampleOutput(
                 sequences=[SampledSeq(s.tokens, s.logprobs, s.stop_reason) for s in result.sequences],

@@ -5,12 +5,15 @@ Scheduling rules:
   creation is seq 0); a request whose predecessor never arrives runs after `gap_timeout` seconds;
 - sample requests that are pending together for the same weights go to the runtime as ONE batch;
 - the worker alternates between a training operation and a sample batch whenever both are waiting,
-  so sampling keeps being served while training requests queue (and vice versa).
+  so sampling keeps being served while training requests queue (and vice versa); a running sample
+  batch also lets one waiting training operation run between two of its decode steps, so a long
+  Sample never holds another model's Train until it finishes;
+- a request whose caller gave up (RequestFuture.abandoned: its SDK call was cancelled) is dropped when
+  its turn comes instead of run, and a running sample batch stops decoding for it.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import heapq
 import itertools
 import logging
@@ -21,13 +24,19 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tinkerrpc_server.engine.futures import FailedResult, Outcome
+from tinkerrpc_server.engine.futures import FailedResult, Outcome, RequestFuture
+from tinkerrpc_server.engine.sampler import DecodeBreaks
 
 log = logging.getLogger("tinkerrpc.engine")
 
 TrainingWork = Callable[[], Outcome]
-# Runs one batch: gets the payloads of every request in it, returns one outcome per payload.
-BatchWork = Callable[[list[Any]], list[Outcome]]
+# Runs one batch: gets the payloads of every request in it and what to do between decode steps,
+# returns one outcome per payload.
+BatchWork = Callable[[list[Any], DecodeBreaks], list[Outcome]]
+
+ABANDONED = (
+    "dropped without running: its caller stopped waiting for the result (cancelled or past its deadline)"
+)
 
 
 @dataclass(order=True)
@@ -37,7 +46,7 @@ class _TrainingOp:
     enqueued_at: float = field(compare=False)
     name: str = field(compare=False)
     work: TrainingWork = field(compare=False)
-    future: concurrent.futures.Future[Outcome] = field(compare=False)
+    future: RequestFuture = field(compare=False)
 
 
 @dataclass
@@ -52,7 +61,7 @@ class _ModelQueue:
 @dataclass
 class _SampleRequest:
     payload: Any
-    future: concurrent.futures.Future[Outcome]
+    future: RequestFuture
 
 
 @dataclass
@@ -72,6 +81,11 @@ class WorkerStats:
     sample_batches: int = 0
     largest_sample_batch: int = 0
     training_ops: int = 0
+    # Requests dropped because their caller gave up: before they ran, or (samples) while decoding.
+    abandoned_sample_requests: int = 0
+    abandoned_training_ops: int = 0
+    # Training operations run between two decode steps of a sample batch.
+    training_ops_between_decode_steps: int = 0
 
 
 class ComputeWorker:
@@ -99,7 +113,7 @@ class ComputeWorker:
         seq_id: int | None,
         name: str,
         work: TrainingWork,
-        future: concurrent.futures.Future[Outcome],
+        future: RequestFuture,
     ) -> None:
         """Queue `work` for `model_id`; seq_id None runs after everything already queued for it."""
         with self._cond:
@@ -127,7 +141,7 @@ class ComputeWorker:
         description: str,
         run_batch: BatchWork,
         payload: Any,
-        future: concurrent.futures.Future[Outcome],
+        future: RequestFuture,
     ) -> None:
         """Queue one sample request; pending requests with the same group_key run as one batch."""
         with self._cond:
@@ -145,34 +159,43 @@ class ComputeWorker:
 
     # ---- the compute thread ----
 
-    def _next_training_op(self, now: float) -> tuple[_TrainingOp | None, float | None]:
-        """The next runnable training op (round-robin over models), or the time until one may run."""
+    def _runnable_training_op(self, now: float) -> tuple[int, _TrainingOp | None, float | None]:
+        """The model (index in the rotation) whose training op may run next, round-robin, and that op;
+        or the time until one may run."""
         wait: float | None = None
         for index, model_id in enumerate(self._model_rotation):
             queue = self._models[model_id]
             if queue.unsequenced:
-                self._model_rotation = self._model_rotation[index + 1 :] + self._model_rotation[: index + 1]
-                return queue.unsequenced.pop(0), None
+                return index, queue.unsequenced[0], None
             if not queue.pending:
                 continue
             head = queue.pending[0]
             waited = now - head.enqueued_at
             if head.seq_id == queue.next_seq or waited >= self._gap_timeout:
-                if head.seq_id != queue.next_seq:
-                    log.warning(
-                        "model %s: seq %d never arrived, running seq %d",
-                        model_id,
-                        queue.next_seq,
-                        head.seq_id,
-                    )
-                heapq.heappop(queue.pending)
-                queue.next_seq = head.seq_id + 1
-                # Rotate so the next pick starts after this model.
-                self._model_rotation = self._model_rotation[index + 1 :] + self._model_rotation[: index + 1]
-                return head, None
+                return index, head, None
             remaining = self._gap_timeout - waited
             wait = remaining if wait is None else min(wait, remaining)
-        return None, wait
+        return -1, None, wait
+
+    def _next_training_op(self, now: float) -> tuple[_TrainingOp | None, float | None]:
+        """Take the next runnable training op (round-robin over models), or the time until one may run."""
+        index, op, wait = self._runnable_training_op(now)
+        if op is None:
+            return None, wait
+        model_id = self._model_rotation[index]
+        queue = self._models[model_id]
+        if op.seq_id < 0:
+            queue.unsequenced.pop(0)
+        else:
+            if op.seq_id != queue.next_seq:
+                log.warning(
+                    "model %s: seq %d never arrived, running seq %d", model_id, queue.next_seq, op.seq_id
+                )
+            heapq.heappop(queue.pending)
+            queue.next_seq = op.seq_id + 1
+        # Rotate so the next pick starts after this model.
+        self._model_rotation = self._model_rotation[index + 1 :] + self._model_rotation[: index + 1]
+        return op, None
 
     def _loop(self) -> None:
         while True:
@@ -210,6 +233,12 @@ class ComputeWorker:
                 self._run_training_op(op)
 
     def _run_training_op(self, op: _TrainingOp) -> None:
+        seq = f"seq={op.seq_id}" if op.seq_id >= 0 else "unsequenced"
+        if op.future.abandoned:
+            self.stats.abandoned_training_ops += 1
+            log.info("%s %s dropped: its caller stopped waiting", op.name, seq)
+            op.future.set_result(FailedResult(ABANDONED, "user"))
+            return
         started = time.perf_counter()
         try:
             outcome = op.work()
@@ -220,15 +249,18 @@ class ComputeWorker:
         status = (
             "ok" if not isinstance(outcome, FailedResult) else f"{outcome.category} error: {outcome.message}"
         )
-        seq = f"seq={op.seq_id}" if op.seq_id >= 0 else "unsequenced"
         log.info("%s %s %.1f ms %s", op.name, seq, elapsed_ms, status)
         op.future.set_result(outcome)
 
     def _run_sample_group(self, group: _SampleGroup) -> None:
+        waiting = [r for r in group.requests if not r.future.abandoned]
+        self._drop_abandoned_samples([r for r in group.requests if r.future.abandoned])
+        if not waiting:
+            return
         started = time.perf_counter()
-        payloads = [r.payload for r in group.requests]
+        payloads = [r.payload for r in waiting]
         try:
-            outcomes = group.run_batch(payloads)
+            outcomes = group.run_batch(payloads, _BetweenDecodeSteps(self, waiting))
         except BaseException as exc:
             outcomes = [self._classify_error(exc)] * len(payloads)
         elapsed_ms = (time.perf_counter() - started) * 1000
@@ -243,5 +275,48 @@ class ComputeWorker:
             elapsed_ms,
             failures,
         )
-        for request, outcome in zip(group.requests, outcomes, strict=True):
-            request.future.set_result(outcome)
+        finished = []
+        for request, outcome in zip(waiting, outcomes, strict=True):
+            if request.future.abandoned:
+                finished.append(request)
+            else:
+                request.future.set_result(outcome)
+        self._drop_abandoned_samples(finished)
+
+    def _drop_abandoned_samples(self, requests: list[_SampleRequest]) -> None:
+        if requests:
+            self.stats.abandoned_sample_requests += len(requests)
+            log.info("sample: %d request(s) dropped, their callers stopped waiting", len(requests))
+        for request in requests:
+            request.future.set_result(FailedResult(ABANDONED, "user"))
+
+    # ---- between two decode steps of a sample batch (compute thread) ----
+
+    def training_waiting(self) -> bool:
+        with self._cond:
+            return not self._stopping and self._runnable_training_op(time.monotonic())[1] is not None
+
+    def run_one_training_op(self) -> None:
+        with self._cond:
+            op, _ = self._next_training_op(time.monotonic())
+        if op is not None:
+            self.stats.training_ops_between_decode_steps += 1
+            self._run_training_op(op)
+
+
+class _BetweenDecodeSteps:
+    """A running sample batch's view of the worker: which of its requests were abandoned, and the
+    training operations waiting meanwhile."""
+
+    def __init__(self, worker: ComputeWorker, requests: list[_SampleRequest]) -> None:
+        self._worker = worker
+        self._requests = requests
+
+    def abandoned(self) -> set[int]:
+        return {index for index, request in enumerate(self._requests) if request.future.abandoned}
+
+    def other_work_waiting(self) -> bool:
+        return self._worker.training_waiting()
+
+    def run_other_work(self) -> None:
+        self._worker.run_one_training_op()

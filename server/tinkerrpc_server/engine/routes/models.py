@@ -10,7 +10,7 @@ import logging
 import secrets
 from datetime import datetime
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from tinker import types
@@ -94,10 +94,18 @@ async def debug_stats(engine: EngineDep) -> dict[str, int]:
 
 
 @router.post("/retrieve_future")
-async def retrieve_future(request: types.FutureRetrieveRequest, engine: EngineDep) -> Response:
+async def retrieve_future(
+    request: types.FutureRetrieveRequest, engine: EngineDep, http_request: Request
+) -> Response:
     request_id = request.request_id
+
+    async def disconnected() -> None:
+        # The body is read: the next ASGI message is the disconnect (or the end of this response).
+        while (await http_request.receive())["type"] != "http.disconnect":
+            pass
+
     try:
-        outcome: Outcome | None = await engine.futures.wait(request_id, LONG_POLL_SECONDS)
+        outcome: Outcome | None = await engine.futures.wait(request_id, LONG_POLL_SECONDS, disconnected)
     except KeyError as exc:
         raise NotFound(f"unknown request id {request_id!r}") from exc
     if outcome is None:
