@@ -4,20 +4,166 @@ uvicorn's own signal handling re-raises SIGTERM once it has shut down, so a proc
 signal instead of exiting 0, and it replaces the handlers of a process that hosts it next to other
 servers. Here the caller's event loop owns the signals: either this module installs them for a whole
 process (`serve_until_signalled`), or the host sets an event (`serve_until_stopped`).
+
+Slow or idle clients cannot hold the server's file descriptors: every server here speaks HTTP/1.1
+through `BoundedH11Protocol`, which closes a connection whose request headers are not complete within
+HEADER_READ_TIMEOUT_SECONDS, or whose body stops arriving for BODY_READ_IDLE_SECONDS, and closes at once
+(after a one-line 503) a connection beyond MAX_CONNECTIONS. uvicorn's keep-alive timeout closes idle
+connections between requests. When the process still runs out of descriptors, asyncio's "accept out of
+system resource" error is logged once per ACCEPT_ERROR_LOG_INTERVAL_SECONDS with a count, not per
+attempt.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
+import time
 from collections.abc import Iterator
+from typing import Any
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger("tinkerrpc.http")
+
+HEADER_READ_TIMEOUT_SECONDS = 10.0
+BODY_READ_IDLE_SECONDS = 30.0
+MAX_CONNECTIONS = 256
+ACCEPT_ERROR_LOG_INTERVAL_SECONDS = 60.0
+
+_TOO_MANY_CONNECTIONS = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\nconnection: close\r\n"
+    b"content-length: 21\r\n\r\ntoo many connections\n"
+)
+
+
+class BoundedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a read deadline on each request and a cap on open connections."""
+
+    _read_timer: asyncio.TimerHandle | None = None
+    _reading_headers = False
+    _refused = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= MAX_CONNECTIONS:
+            # Not tracked in self.connections: connection_lost only closes the transport.
+            self._refused = True
+            self.transport = transport
+            transport.write(_TOO_MANY_CONNECTIONS)
+            transport.close()
+            return
+        super().connection_made(transport)
+        self._watch_request_read(bytes_arrived=True)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_read_timer()
+        if self._refused:
+            self.transport.close()
+            return
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch_request_read(bytes_arrived=True)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # Between requests the keep-alive timeout applies; the next request's first bytes start its own.
+        self._watch_request_read(bytes_arrived=False)
+
+    def _watch_request_read(self, bytes_arrived: bool) -> None:
+        """Arm the deadline of the request being received: its headers from its first byte (or the
+        connection's start), then each chunk of its body; none once it has arrived."""
+        if self.transport.is_closing():
+            self._cancel_read_timer()
+            return
+        state = self.conn.their_state
+        if state is h11.IDLE:
+            if bytes_arrived and not self._reading_headers:
+                self._arm_read_timer(HEADER_READ_TIMEOUT_SECONDS)
+                self._reading_headers = True
+            elif not bytes_arrived:
+                self._cancel_read_timer()
+        elif state is h11.SEND_BODY:
+            if bytes_arrived or self._reading_headers:
+                self._arm_read_timer(BODY_READ_IDLE_SECONDS)
+        else:
+            self._cancel_read_timer()
+
+    def _arm_read_timer(self, seconds: float) -> None:
+        self._cancel_read_timer()
+        self._reading_headers = False
+        self._read_timer = self.loop.call_later(seconds, self._read_timed_out, seconds)
+
+    def _cancel_read_timer(self) -> None:
+        self._reading_headers = False
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+
+    def _read_timed_out(self, seconds: float) -> None:
+        self._read_timer = None
+        if self.flow.read_paused:
+            # The application has not consumed the body yet: the client is not the slow one.
+            self._arm_read_timer(seconds)
+            return
+        log.debug("closing %s: request not received within %.0f s", self.client, seconds)
+        self.transport.close()
+
+
+class _AcceptErrorLimiter:
+    """A loop exception handler that logs accept failures for lack of descriptors once per interval
+    (with how many there were) and passes every other error to the handler it replaces."""
+
+    MESSAGE = "socket.accept() out of system resource"
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._previous = loop.get_exception_handler()
+        self._suppressed = 0
+        self._last_logged: float | None = None
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if context.get("message") != self.MESSAGE:
+            if self._previous is not None:
+                self._previous(loop, context)
+            else:
+                loop.default_exception_handler(context)
+            return
+        now = time.monotonic()
+        if self._last_logged is not None and now - self._last_logged < ACCEPT_ERROR_LOG_INTERVAL_SECONDS:
+            self._suppressed += 1
+            return
+        log.error(
+            "cannot accept connections: %s (%d more in the last %.0f s); the process is out of file "
+            "descriptors",
+            context.get("exception"),
+            self._suppressed,
+            ACCEPT_ERROR_LOG_INTERVAL_SECONDS,
+        )
+        self._suppressed = 0
+        self._last_logged = now
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        self._loop.set_exception_handler(self)
+        try:
+            yield
+        finally:
+            self._loop.set_exception_handler(self._previous)
 
 
 class _LoopOwnsSignals(uvicorn.Server):
-    """A uvicorn server that neither installs signal handlers nor re-raises a signal at the end."""
+    """A uvicorn server that neither installs signal handlers nor re-raises a signal at the end, and
+    speaks through BoundedH11Protocol."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        config.http = BoundedH11Protocol
+        super().__init__(config)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -33,7 +179,8 @@ def serve_until_signalled(config: uvicorn.Config) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, server.handle_exit, sig, None)
-        await server.serve()
+        with _AcceptErrorLimiter(loop).installed():
+            await server.serve()
 
     asyncio.run(serve())
 
@@ -42,9 +189,10 @@ async def serve_until_stopped(config: uvicorn.Config, stop: asyncio.Event) -> No
     """Serve on the running loop, whose owner handles the signals, until `stop` is set; then shut down
     gracefully."""
     server = _LoopOwnsSignals(config)
-    serving = asyncio.create_task(server.serve())
-    stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    server.should_exit = True
-    stopping.cancel()
-    await serving
+    with _AcceptErrorLimiter(asyncio.get_running_loop()).installed():
+        serving = asyncio.create_task(server.serve())
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        server.should_exit = True
+        stopping.cancel()
+        await serving
