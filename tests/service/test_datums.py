@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import tinker
 from svc import TINY, assistant, user
+from tinker_cookbook.renderers import Message
 
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server.service.datums import rl_batch
-from tinkerrpc_server.service.rendering import ChatCodec, ChatCodecs, to_cookbook_messages
+from tinkerrpc_server.service.rendering import ROLE_NAMES, ChatCodec, ChatCodecs
 
 VERSION = 3
 
@@ -28,7 +29,9 @@ def codec(service_model_dir: Path) -> ChatCodec:
 
 
 def _prompt(codec: ChatCodec, messages: list[types_pb2.Message]) -> list[int]:
-    return list(codec.renderer.build_generation_prompt(to_cookbook_messages(messages)).to_ints())
+    """The generation prompt straight from the cookbook renderer (text without control-token strings)."""
+    conversation: list[Message] = [{"role": ROLE_NAMES[m.role], "content": m.content} for m in messages]
+    return list(codec.renderer.build_generation_prompt(conversation).to_ints())
 
 
 def _completion(codec: ChatCodec, text: str) -> list[int]:

@@ -1,5 +1,6 @@
 """Train requests → Tinker Datums: staleness, group advantages, token-exact RL datums per sampled turn,
-and supervised datums from the renderer's weights. Pure CPU work that runs before the backend is touched."""
+and supervised datums from the renderer's weights. Pure CPU work that runs before the backend is touched,
+off the event loop (build_batch)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tinker_cookbook.renderers import TrainOnWhat
 
 from tinkerrpc.v1 import trainer_service_pb2, types_pb2
 from tinkerrpc_server.service.errors import STALE_POLICY_VERSION, Violations, failed_precondition
-from tinkerrpc_server.service.rendering import ChatCodec, to_cookbook_messages
+from tinkerrpc_server.service.rendering import ChatCodec, off_loop
 
 STD_EPSILON = 1e-6
 
@@ -54,10 +55,8 @@ def _turn_prompt(trajectory: types_pb2.Trajectory, turn_index: int, codec: ChatC
     if turn.prompt_token_ids:
         return list(turn.prompt_token_ids)
     assistant_positions = [i for i, m in enumerate(trajectory.messages) if m.role == types_pb2.ROLE_ASSISTANT]
-    history = to_cookbook_messages(list(trajectory.messages[: assistant_positions[turn_index]]))
-    return list(
-        codec.renderer.build_generation_prompt(codec.with_tools(history, list(trajectory.tools))).to_ints()
-    )
+    history = list(trajectory.messages[: assistant_positions[turn_index]])
+    return codec.generation_prompt(history, list(trajectory.tools))
 
 
 def _rl_datum(prompt: list[int], turn: types_pb2.SampledTurn, advantage: float) -> tinker.types.Datum:
@@ -150,18 +149,16 @@ def sft_batch(request: trainer_service_pb2.TrainRequest, codec: ChatCodec) -> Ba
     batch = Batch()
     violations = Violations()
     for e, example in enumerate(request.examples):
-        messages = codec.with_tools(to_cookbook_messages(list(example.messages)), list(example.tools))
-        for model_input, weights in codec.renderer.build_supervised_examples(
-            messages, _TRAIN_ON[example.train_on]
+        for tokens, weights in codec.supervised_examples(
+            list(example.messages), list(example.tools), _TRAIN_ON[example.train_on]
         ):
-            tokens = model_input.to_ints()
             if len(tokens) > codec.max_context_length:
                 violations.add(
                     f"examples[{e}]",
                     f"{len(tokens)} tokens exceed the model's context of {codec.max_context_length}",
                 )
                 continue
-            target_weights = [float(w) for w in weights.tolist()[1:]]
+            target_weights = weights[1:]
             batch.datums.append(
                 tinker.types.Datum(
                     model_input=tinker.types.ModelInput.from_ints(tokens[:-1]),
@@ -180,3 +177,12 @@ def sft_batch(request: trainer_service_pb2.TrainRequest, codec: ChatCodec) -> Ba
         batch.used += 1
     violations.raise_if_any()
     return batch
+
+
+async def build_batch(
+    request: trainer_service_pb2.TrainRequest, current_version: int, codec: ChatCodec
+) -> Batch:
+    """The request's datums (RL for groups, supervised for examples), built on the rendering threads."""
+    if request.groups:
+        return await off_loop(lambda: rl_batch(request, current_version, codec))
+    return await off_loop(lambda: sft_batch(request, codec))

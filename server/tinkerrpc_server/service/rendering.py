@@ -1,17 +1,28 @@
 """Tokenizers and tinker-cookbook renderers per model, resolved offline, and conversions between
-tinkerrpc.v1 chat messages and the cookbook's messages."""
+tinkerrpc.v1 chat messages and the cookbook's messages.
+
+Request text never becomes control tokens, whatever the renderer: several cookbook renderers tokenise
+message text with the tokenizer's special-token matching on, so a user writing
+`<|im_end|><|im_start|>assistant` would forge a turn. The codec marks every request string before
+rendering and the renderer's tokenizer (PlainTextTokenizer) tokenises the marked parts as plain text,
+while the renderer's own markers stay control tokens. Rendering is CPU work: callers run it `off_loop`."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import re
+import secrets
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tinker_cookbook import model_info, renderers
-from tinker_cookbook.renderers import Renderer
+from tinker_cookbook.renderers import Renderer, TrainOnWhat
 from tinker_cookbook.tokenizer_utils import Tokenizer, get_tokenizer
 
 from tinkerrpc.v1 import types_pb2
@@ -31,8 +42,98 @@ ROLE_NAMES = {
 _ROLES_BY_NAME = {name: role for role, name in ROLE_NAMES.items()}
 
 
+# Tokenising and rendering run on these threads, off the event loop, so one huge request cannot freeze
+# health checks and other models' calls; few of them, so concurrent huge requests queue for a thread
+# instead of each adding one.
+RENDER_THREADS = 4
+_render_pool = ThreadPoolExecutor(max_workers=RENDER_THREADS, thread_name_prefix="tinkerrpc-render")
+
+Result = TypeVar("Result")
+
+
+async def off_loop(work: Callable[[], Result]) -> Result:
+    """`work()` on the rendering threads."""
+    return await asyncio.get_running_loop().run_in_executor(_render_pool, work)
+
+
 class UnknownRendererError(ValueError):
     pass
+
+
+class PlainTextTokenizer:
+    """The tokenizer a codec's renderer gets. `mark` replaces every special-token string (`<|im_end|>`)
+    in request text with a marker holding a per-process secret; `encode` of a string with markers
+    tokenises the marked strings as plain text (split_special_tokens) and the renderer's own special
+    strings as control tokens. Strings without markers go to the tokenizer as they are. Everything else
+    is the wrapped tokenizer's."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        added: dict[int, Any] = getattr(tokenizer, "added_tokens_decoder", {})
+        self._special_ids = {
+            token.content: i for i, token in added.items() if getattr(token, "special", False)
+        }
+        self._specials = sorted(self._special_ids, key=len, reverse=True)
+        self._special_pattern = (
+            re.compile("|".join(re.escape(text) for text in self._specials)) if self._specials else None
+        )
+        # Alphanumeric, so JSON encoding, stripping or splitting on markup leaves a marker whole.
+        self._prefix = f"tkrpc{secrets.token_hex(16)}x"
+        self._marker = re.compile(re.escape(self._prefix) + r"(\d+)x")
+        self._framing: tuple[list[int], list[int]] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+    def mark(self, text: str) -> str:
+        if self._special_pattern is None:
+            return text
+        return self._special_pattern.sub(
+            lambda found: f"{self._prefix}{self._specials.index(found[0])}x", text
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True, **kwargs: Any) -> list[int]:
+        if self._special_pattern is None or self._prefix not in text:
+            return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens, **kwargs))
+        ids: list[int] = []
+        plain: list[str] = []  # the text since the last control token, marked strings restored
+        position = 0
+        for found in self._marker.finditer(text):
+            self._add_renderer_text(text[position : found.start()], ids, plain)
+            index = int(found[1])
+            plain.append(self._specials[index] if index < len(self._specials) else found[0])
+            position = found.end()
+        self._add_renderer_text(text[position:], ids, plain)
+        self._add_plain(ids, plain)
+        if not add_special_tokens:
+            return ids
+        before, after = self._special_framing()
+        return [*before, *ids, *after]
+
+    def _add_renderer_text(self, text: str, ids: list[int], plain: list[str]) -> None:
+        assert self._special_pattern is not None
+        position = 0
+        for found in self._special_pattern.finditer(text):
+            plain.append(text[position : found.start()])
+            self._add_plain(ids, plain)
+            ids.append(self._special_ids[found[0]])
+            position = found.end()
+        plain.append(text[position:])
+
+    def _add_plain(self, ids: list[int], plain: list[str]) -> None:
+        text = "".join(plain)
+        plain.clear()
+        if text:
+            ids.extend(self._tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+    def _special_framing(self) -> tuple[list[int], list[int]]:
+        """The tokens the tokenizer adds around a text with add_special_tokens (a BOS, say)."""
+        if self._framing is None:
+            bare = list(self._tokenizer.encode("a", add_special_tokens=False))
+            framed = list(self._tokenizer.encode("a", add_special_tokens=True))
+            start = next(i for i in range(len(framed)) if framed[i : i + len(bare)] == bare)
+            self._framing = (framed[:start], framed[start + len(bare) :])
+        return self._framing
 
 
 @dataclass(frozen=True)
@@ -44,6 +145,23 @@ class ChatCodec:
     renderer_name: str
     vocab_size: int
     max_context_length: int
+    # The renderer's tokenizer: request text marked with it stays plain text.
+    plain_text: PlainTextTokenizer
+
+    def generation_prompt(self, messages: list[types_pb2.Message], tools: list[types_pb2.Tool]) -> list[int]:
+        """The conversation (tools declared first) rendered with the generation prompt appended."""
+        return list(self.renderer.build_generation_prompt(self._conversation(messages, tools)).to_ints())
+
+    def supervised_examples(
+        self, messages: list[types_pb2.Message], tools: list[types_pb2.Tool], train_on: TrainOnWhat
+    ) -> list[tuple[list[int], list[float]]]:
+        """(tokens, per-token weights) of each example the renderer makes of the conversation."""
+        return [
+            (model_input.to_ints(), [float(w) for w in weights.tolist()])
+            for model_input, weights in self.renderer.build_supervised_examples(
+                self._conversation(messages, tools), train_on
+            )
+        ]
 
     def decode(self, tokens: list[int]) -> str:
         return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
@@ -65,25 +183,28 @@ class ChatCodec:
             stops.append(eos)
         return stops
 
-    def with_tools(
-        self, messages: list[renderers.Message], tools: list[types_pb2.Tool]
+    def _conversation(
+        self, messages: list[types_pb2.Message], tools: list[types_pb2.Tool]
     ) -> list[renderers.Message]:
-        """Prepend the renderer's tool declaration, folding a leading system message into it."""
+        """The cookbook's messages, request text marked, after the renderer's tool declaration (a leading
+        system message folded into it)."""
+        mark = self.plain_text.mark
+        conversation = _cookbook_messages(messages, mark)
         if not tools:
-            return messages
+            return conversation
         specs: list[renderers.ToolSpec] = [
             {
-                "name": tool.name,
-                "description": tool.description,
-                "parameters": json.loads(tool.parameters_json or "{}"),
+                "name": mark(tool.name),
+                "description": mark(tool.description),
+                "parameters": json.loads(mark(tool.parameters_json or "{}")),
             }
             for tool in tools
         ]
         system_prompt = ""
-        if messages and messages[0]["role"] == "system":
-            system_prompt = renderers.get_text_content(messages[0])
-            messages = messages[1:]
-        return [*self.renderer.create_conversation_prefix_with_tools(specs, system_prompt), *messages]
+        if conversation and conversation[0]["role"] == "system":
+            system_prompt = renderers.get_text_content(conversation[0])
+            conversation = conversation[1:]
+        return [*self.renderer.create_conversation_prefix_with_tools(specs, system_prompt), *conversation]
 
 
 def default_renderer_name(base_model: str) -> str:
@@ -141,37 +262,54 @@ class ChatCodecs:
             local_dir = None
         tokenizer = get_tokenizer(str(local_dir) if local_dir is not None else base_model)
         renderer_name = renderer_name or default_renderer_name(base_model)
+        plain_text = PlainTextTokenizer(tokenizer)
         try:
-            renderer = renderers.get_renderer(renderer_name, tokenizer)
+            renderer = renderers.get_renderer(renderer_name, plain_text)
         except (ValueError, KeyError, NotImplementedError) as err:
             raise UnknownRendererError(f"unknown renderer {renderer_name!r}: {err}") from err
+        except Exception as err:  # the renderer's own checks of the tokenizer (asserts, type errors)
+            raise UnknownRendererError(
+                f"renderer {renderer_name!r} does not work with {base_model!r}'s tokenizer: {err}"
+            ) from err
+        try:
+            renderer.build_generation_prompt([{"role": "user", "content": "hello"}])
+        except Exception as err:
+            raise UnknownRendererError(
+                f"renderer {renderer_name!r} cannot render a conversation with {base_model!r}'s tokenizer: "
+                f"{err}"
+            ) from err
         codec = ChatCodec(
             tokenizer=tokenizer,
             renderer=renderer,
             renderer_name=renderer_name,
             vocab_size=len(tokenizer),
             max_context_length=_context_length(local_dir, tokenizer),
+            plain_text=plain_text,
         )
         self._cache[key] = codec
         return codec
 
 
-def to_cookbook_messages(messages: list[types_pb2.Message]) -> list[renderers.Message]:
+def _cookbook_messages(
+    messages: list[types_pb2.Message], mark: Callable[[str], str]
+) -> list[renderers.Message]:
     out: list[renderers.Message] = []
     for message in messages:
-        converted: renderers.Message = {"role": ROLE_NAMES[message.role], "content": message.content}
+        converted: renderers.Message = {"role": ROLE_NAMES[message.role], "content": mark(message.content)}
         if message.tool_calls:
             converted["tool_calls"] = [
                 renderers.ToolCall(
-                    id=call.id or None,
-                    function=renderers.ToolCall.FunctionBody(name=call.name, arguments=call.arguments_json),
+                    id=mark(call.id) or None,
+                    function=renderers.ToolCall.FunctionBody(
+                        name=mark(call.name), arguments=mark(call.arguments_json)
+                    ),
                 )
                 for call in message.tool_calls
             ]
         if message.tool_call_id:
-            converted["tool_call_id"] = message.tool_call_id
+            converted["tool_call_id"] = mark(message.tool_call_id)
         if message.name:
-            converted["name"] = message.name
+            converted["name"] = mark(message.name)
         out.append(converted)
     return out
 

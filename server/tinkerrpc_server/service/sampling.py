@@ -1,6 +1,6 @@
 """Sample: the prompt (rendered chat, token ids or tokenized text), Tinker's sampling parameters, and
 the response's sequences (text, parsed message, token texts, top logprobs) at a pinned or the latest
-policy version."""
+policy version. Rendering, tokenising and decoding run off the event loop."""
 
 from __future__ import annotations
 
@@ -14,19 +14,15 @@ from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server.service import errors
 from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.models import VERSION_RESOURCE, ModelRegistry
-from tinkerrpc_server.service.rendering import ChatCodec, to_cookbook_messages, to_proto_message
+from tinkerrpc_server.service.rendering import ChatCodec, off_loop, to_proto_message
 from tinkerrpc_server.service.store import Store
 from tinkerrpc_server.service.validation import check_prompt, check_prompt_tokens, check_sampling_params
 
 
 def _prompt(request: pb.SampleRequest, codec: ChatCodec) -> list[int]:
-    check_prompt(request)
     prompt: list[int]
     if request.WhichOneof("prompt") == "chat":
-        messages = codec.with_tools(
-            to_cookbook_messages(list(request.chat.messages)), list(request.chat.tools)
-        )
-        prompt = list(codec.renderer.build_generation_prompt(messages).to_ints())
+        prompt = codec.generation_prompt(list(request.chat.messages), list(request.chat.tools))
     elif request.WhichOneof("prompt") == "tokens":
         prompt = list(request.tokens.token_ids)
     else:
@@ -94,13 +90,17 @@ async def _fill_top_logprobs(
         topk_prompt_logprobs=params.top_logprobs,
     )
     rows = scored.topk_prompt_logprobs or []
-    for position in range(len(prompt), len(prompt) + len(tokens)):
-        alternatives = rows[position] if position < len(rows) and rows[position] else []
-        top = sequence.top_logprobs.add(
-            token_ids=[t for t, _ in alternatives], logprobs=[lp for _, lp in alternatives]
-        )
-        if params.return_token_texts:
-            top.token_texts.extend(codec.token_text(t) for t, _ in alternatives)
+
+    def add_rows() -> None:
+        for position in range(len(prompt), len(prompt) + len(tokens)):
+            alternatives = rows[position] if position < len(rows) and rows[position] else []
+            top = sequence.top_logprobs.add(
+                token_ids=[t for t, _ in alternatives], logprobs=[lp for _, lp in alternatives]
+            )
+            if params.return_token_texts:
+                top.token_texts.extend(codec.token_text(t) for t, _ in alternatives)
+
+    await off_loop(add_rows)
 
 
 class Sampler:
@@ -121,7 +121,8 @@ class Sampler:
                 f"(sampleable: {self._store.sampleable_versions(row.name)})",
             )
         codec = await self._models.codec(row)
-        prompt = _prompt(request, codec)
+        check_prompt(request, codec.max_context_length)
+        prompt = await off_loop(lambda: _prompt(request, codec))
         params = request.params
         check_sampling_params(params, len(prompt), codec.vocab_size, codec.max_context_length, self._limits)
         client = await self._models.sampling_client(path)
@@ -131,7 +132,9 @@ class Sampler:
             sampling_params=_sampling_params(params, codec),
             include_prompt_logprobs=params.include_prompt_logprobs,
         )
-        sequences = [_sampled_sequence(sequence, request, version, codec) for sequence in result.sequences]
+        sequences = await off_loop(
+            lambda: [_sampled_sequence(sequence, request, version, codec) for sequence in result.sequences]
+        )
         if params.top_logprobs > 0:
             await asyncio.gather(
                 *(_fill_top_logprobs(client, prompt, seq, params, codec) for seq in sequences)

@@ -21,7 +21,7 @@ import tinker
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server.service import errors
-from tinkerrpc_server.service.datums import Batch, rl_batch, sft_batch
+from tinkerrpc_server.service.datums import Batch, build_batch
 from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.models import ModelRegistry, checkpoint_info, sampler_name, state_name
 from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE, CheckpointRow, ModelRow, Store
@@ -104,10 +104,8 @@ class Trainer:
                 return replay
             check_expected_version(row, request)
             codec = await self._models.codec(row)
-            check_train_request(request, row.policy_version, codec.vocab_size)
-            batch = (
-                rl_batch(request, row.policy_version, codec) if request.groups else sft_batch(request, codec)
-            )
+            check_train_request(request, row.policy_version, codec.vocab_size, codec.max_context_length)
+            batch = await build_batch(request, row.policy_version, codec)
             if not batch.datums:
                 raise errors.failed_precondition(
                     errors.NOTHING_TO_TRAIN,

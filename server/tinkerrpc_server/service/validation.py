@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable
 
 from tinker.types import LossFnType
 
@@ -51,6 +52,17 @@ MAX_ABS_REWARD = 1e6
 MIN_TEMPERATURE = 1e-3
 MAX_TEMPERATURE = 100.0
 
+# Caps that keep one Sample from costing the others (types.proto and the README document each one):
+# OpenAI's top_logprobs cap, the sidecar's stop-string count, and stop token ids, which become stop
+# strings when `stop` is given too.
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_BYTES = 256
+MAX_STOP_TOKEN_IDS = 128
+# Text is refused before it is tokenised when it is over this many UTF-8 bytes per token of the model's
+# context: no tokenizer packs that much ordinary text into one token, so such a text could not fit.
+MAX_TEXT_BYTES_PER_TOKEN = 32
+
 
 def _check_name(violations: Violations, field: str, name: str) -> None:
     if not NAME_PATTERN.fullmatch(name):
@@ -78,10 +90,10 @@ def _finite(value: float) -> bool:
 
 
 def check_train_request(
-    request: trainer_service_pb2.TrainRequest, current_version: int, vocab_size: int
+    request: trainer_service_pb2.TrainRequest, current_version: int, vocab_size: int, context_length: int
 ) -> None:
-    """Raises INVALID_ARGUMENT with every violation found; lengths against the context are checked
-    when datums are built (still before anything runs)."""
+    """Raises INVALID_ARGUMENT with every violation found; text over the context's byte bound is refused
+    here, token lengths against the context when datums are built (still before anything runs)."""
     v = Violations()
     if request.groups and request.examples:
         v.add("groups", "give either groups (RL) or examples (supervised), not both")
@@ -99,9 +111,12 @@ def check_train_request(
         if not group.trajectories:
             v.add(f"groups[{g}].trajectories", "a group needs at least one trajectory")
         for t, trajectory in enumerate(group.trajectories):
-            _check_trajectory(v, f"groups[{g}].trajectories[{t}]", trajectory, current_version, vocab_size)
+            field = f"groups[{g}].trajectories[{t}]"
+            _check_trajectory(v, field, trajectory, current_version, vocab_size)
+            _check_text_size(v, f"{field}.messages", trajectory.messages, trajectory.tools, context_length)
     for e, example in enumerate(request.examples):
         field = f"examples[{e}]"
+        _check_text_size(v, f"{field}.messages", example.messages, example.tools, context_length)
         _check_messages(v, list(example.messages), f"{field}.messages")
         _check_tools(v, list(example.tools), f"{field}.tools")
         if not any(m.role == types_pb2.ROLE_ASSISTANT for m in example.messages):
@@ -292,13 +307,39 @@ def check_train_tokens(total_tokens: int, limits: Limits) -> None:
         )
 
 
-def check_prompt(request: trainer_service_pb2.SampleRequest) -> None:
-    """What can be checked before the prompt is rendered or tokenized."""
+def _check_text_size(
+    v: Violations,
+    field: str,
+    messages: Iterable[types_pb2.Message],
+    tools: Iterable[types_pb2.Tool],
+    context_length: int,
+) -> None:
+    """Messages and tools whose text (their encoded size, counted without copying it) cannot fit the
+    context, refused before they are rendered."""
+    size = sum(m.ByteSize() for m in messages) + sum(t.ByteSize() for t in tools)
+    _check_bytes(v, field, size, context_length)
+
+
+def _check_bytes(v: Violations, field: str, size: int, context_length: int) -> None:
+    limit = context_length * MAX_TEXT_BYTES_PER_TOKEN
+    if size > limit:
+        v.add(
+            field,
+            f"{size} bytes of text cannot fit the model's context of {context_length} tokens "
+            f"(at most {limit} bytes, {MAX_TEXT_BYTES_PER_TOKEN} per token): refused before tokenising",
+        )
+
+
+def check_prompt(request: trainer_service_pb2.SampleRequest, context_length: int) -> None:
+    """What can be checked before the prompt is rendered or tokenized, text size included."""
     v = Violations()
     kind = request.WhichOneof("prompt")
     if kind is None:
         v.add("prompt", "give chat, tokens or text")
+    elif kind == "text":
+        _check_bytes(v, "text", len(request.text.encode()), context_length)
     elif kind == "chat":
+        _check_text_size(v, "chat.messages", request.chat.messages, request.chat.tools, context_length)
         if not request.chat.messages:
             v.add("chat.messages", "give at least one message")
         _check_messages(v, list(request.chat.messages), "chat.messages")
@@ -354,14 +395,27 @@ def check_sampling_params(
         v.add("params.top_p", "must be in (0, 1]")
     if params.top_k < 0:
         v.add("params.top_k", "must be >= 0 (0 = off)")
-    if params.top_logprobs < 0:
-        v.add("params.top_logprobs", "must be >= 0")
-    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
-    if bad:
-        v.add("params.stop_token_ids", f"token ids {bad} are outside the vocabulary [0, {vocab_size})")
-    if any(not s for s in params.stop):
-        v.add("params.stop", "stop strings must not be empty")
+    if not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
+        v.add("params.top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {params.top_logprobs}")
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        v.add("params.stop_token_ids", f"{len(params.stop_token_ids)} ids: at most {MAX_STOP_TOKEN_IDS}")
+    else:
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            v.add("params.stop_token_ids", f"token ids {bad} are outside the vocabulary [0, {vocab_size})")
+    _check_stop_strings(v, list(params.stop))
     v.raise_if_any()
+
+
+def _check_stop_strings(v: Violations, stops: list[str]) -> None:
+    if len(stops) > MAX_STOP_STRINGS:
+        v.add("params.stop", f"{len(stops)} stop strings: at most {MAX_STOP_STRINGS}")
+        return
+    if any(not s for s in stops):
+        v.add("params.stop", "stop strings must not be empty")
+    longest = max((len(s.encode()) for s in stops), default=0)
+    if longest > MAX_STOP_STRING_BYTES:
+        v.add("params.stop", f"a stop string of {longest} bytes: at most {MAX_STOP_STRING_BYTES} bytes each")
 
 
 def check_export_request(request: trainer_service_pb2.ExportWeightsRequest) -> None:
