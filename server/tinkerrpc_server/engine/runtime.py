@@ -51,6 +51,19 @@ class EngineUserError(ValueError):
     """Bad input. The message is shown to the SDK user and no state was changed."""
 
 
+# The server maps a failed optim_step whose message starts with "NON_FINITE_UPDATE:" to its ErrorReason
+# of that name (errors.proto), knowing that the model's weights and optimizer state did not change.
+NON_FINITE_UPDATE = "NON_FINITE_UPDATE"
+
+
+class NonFiniteUpdateError(EngineUserError):
+    """An optimizer step refused because the loss or gradients since the last step, or the updated
+    weights or optimizer state, were not finite: the adapter is as before the step, gradients cleared."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"{NON_FINITE_UPDATE}: {detail}")
+
+
 @dataclass
 class LoraSpec:
     rank: int
@@ -107,6 +120,8 @@ class _Adapter:
     spec: LoraSpec
     params: dict[str, torch.nn.Parameter]  # canonical (adapter-free) name -> parameter
     optimizer: torch.optim.AdamW
+    # A forward_backward since the last optimizer step had a non-finite loss: the next step is refused.
+    non_finite_loss: bool = False
 
 
 class BaseModelRuntime:
@@ -266,6 +281,8 @@ class BaseModelRuntime:
                 loss_total += float(batch_loss.detach())
                 for i, lp in zip(batch, token_lp, strict=True):
                     logprobs[i] = lp.detach().to("cpu", torch.float32).numpy()
+        if backward and not math.isfinite(loss_total):
+            adapter.non_finite_loss = True
         return ForwardResult(logprobs=logprobs, metrics={"loss:sum": loss_total})
 
     def _target_logprobs(self, model: torch.nn.Module, batch: list[_Prepared]) -> list[torch.Tensor]:
@@ -380,13 +397,37 @@ class BaseModelRuntime:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
         grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+        if adapter.non_finite_loss or not math.isfinite(grad_norm):
+            self._discard_gradients(adapter)
+            raise NonFiniteUpdateError(
+                f"the loss or gradients since the last step are not finite (gradient norm {grad_norm})"
+            )
+        before = _snapshot(adapter)
         if grad_clip_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, grad_clip_norm, torch.tensor(grad_norm))
         for group in adapter.optimizer.param_groups:
             group.update(lr=learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
-        adapter.optimizer.step()
+        try:
+            adapter.optimizer.step()
+            finite = _all_finite(adapter)
+        except RuntimeError as error:
+            # torch stops mid-step when a scaled value overflows float (some parameters already moved).
+            _restore(adapter, before)
+            self._discard_gradients(adapter)
+            if "overflow" not in str(error):
+                raise
+            raise NonFiniteUpdateError(f"the update overflows float32 ({error})") from None
+        if not finite:
+            _restore(adapter, before)
+            self._discard_gradients(adapter)
+            raise NonFiniteUpdateError("the updated weights or optimizer state are not finite")
         adapter.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm:mean": grad_norm, "learning_rate:mean": learning_rate}
+
+    @staticmethod
+    def _discard_gradients(adapter: _Adapter) -> None:
+        adapter.optimizer.zero_grad(set_to_none=True)
+        adapter.non_finite_loss = False
 
     # ---------------------------------------------------------------- state
 
@@ -597,6 +638,38 @@ class BaseModelRuntime:
             if marker in vocab:
                 ids.add(int(vocab[marker]))
         return sorted(ids)
+
+
+# What an optimizer step changes, per parameter: its value and its AdamW state (None before its first step).
+_Snapshot = list[tuple[torch.nn.Parameter, torch.Tensor, dict[str, torch.Tensor] | None]]
+
+
+def _snapshot(adapter: _Adapter) -> _Snapshot:
+    """A copy of the LoRA weights and optimizer state (small beside the base model) to undo a step."""
+    saved: _Snapshot = []
+    for param in adapter.params.values():
+        state = adapter.optimizer.state.get(param)
+        state_copy = {key: value.clone() for key, value in state.items()} if state else None
+        saved.append((param, param.detach().clone(), state_copy))
+    return saved
+
+
+def _restore(adapter: _Adapter, saved: _Snapshot) -> None:
+    with torch.no_grad():
+        for param, value, state in saved:
+            param.copy_(value)
+            if state is None:
+                adapter.optimizer.state.pop(param, None)
+            else:
+                adapter.optimizer.state[param] = state
+
+
+def _all_finite(adapter: _Adapter) -> bool:
+    tensors = [p.detach() for p in adapter.params.values()]
+    for state in adapter.optimizer.state.values():
+        tensors.extend(v for key, v in state.items() if key != "step")
+    # One device sync for all of them.
+    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
 @dataclass

@@ -66,7 +66,7 @@ MAX_TEXT_BYTES_PER_TOKEN = 32
 
 def _check_name(violations: Violations, field: str, name: str) -> None:
     if not NAME_PATTERN.fullmatch(name):
-        violations.add(field, f"{name!r}: must be {NAME_RULE}")
+        violations.add(field, f"{errors.shown(name)}: must be {NAME_RULE}")
 
 
 def clip_thresholds(loss: types_pb2.LossConfig) -> tuple[float, float]:
