@@ -1,6 +1,7 @@
 """Figures 3 and 4, on the demo's model (tiny-chat), where the stack's per-step cost shows most:
 - a Train RPC (tinkerrpc client → gRPC → service → tinker SDK → engine) vs the same datums stepped through
-  the tinker SDK directly against the same engine process (forward_backward + optim_step + sampler save);
+  the tinker SDK directly against an engine process of its own, started like serve's (same model dir,
+  same threads; serve's engine key never leaves serve) (forward_backward + optim_step + sampler save);
 - a chat completion through the openai client + sidecar vs the same Sample RPC through the tinkerrpc client.
 """
 
@@ -13,15 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import openai
-import psutil
 import tinker
 from tinker import types
 
 import tinkerrpc
 from bench.report import Figure
 from bench.workload import Settings, token_sequences
-from tinkerrpc_server.local.processes import LOCAL_API_KEY
-from tinkerrpc_server.local.stack import LocalSidecar, LocalStack
+from tinkerrpc_server.local.stack import LocalEngine, LocalSidecar, LocalStack
 from tinkerrpc_server.model_store import TINY_CHAT
 
 STACK_GOAL = 1.15
@@ -30,17 +29,6 @@ PROMPT_TOKENS = (24, 40)
 LEARNING_RATE = 1e-4
 LORA_RANK = 8
 CHAT = [{"role": "user", "content": "Respond with yes, no or maybe."}]
-
-
-def embedded_engine_url(stack: LocalStack) -> str:
-    """The engine `tinkerrpc serve` started for itself: the child of the serve process on our port."""
-    for child in psutil.Process().children():
-        if str(stack.port) in child.cmdline():
-            for grandchild in child.children():
-                command = grandchild.cmdline()
-                if "engine" in command and "--port" in command:
-                    return f"http://127.0.0.1:{command[command.index('--port') + 1]}"
-    raise RuntimeError(f"no embedded engine found under the server on port {stack.port}")
 
 
 def _groups(settings: Settings, vocab_size: int, seed: int) -> list[tinkerrpc.TrajectoryGroup]:
@@ -130,10 +118,10 @@ def _timed(call: Callable[[], object]) -> tuple[float, object]:
     return time.perf_counter() - started, value
 
 
-def stack_figure(settings: Settings, stack: LocalStack, client: tinkerrpc.Client) -> Figure:
+def stack_figure(settings: Settings, engine: LocalEngine, client: tinkerrpc.Client) -> Figure:
     model = client.create_model("bench-stack", base_model=TINY_CHAT, lora_rank=LORA_RANK, seed=0)
     vocab_size = model.info().vocab_size
-    service = tinker.ServiceClient(base_url=embedded_engine_url(stack), api_key=LOCAL_API_KEY)
+    service = engine.service_client()
     direct = DirectTrainer(service.create_lora_training_client(TINY_CHAT, rank=LORA_RANK, seed=0).result())
     rpc_seconds, direct_seconds = [], []
     first_losses: tuple[float, float] | None = None
@@ -215,9 +203,10 @@ def measure(settings: Settings, work_dir: Path, model_dir: Path) -> list[Figure]
     data_dir = work_dir / "stack"
     with (
         LocalStack(data_dir, work_dir / "stack.log", extra_args=("--model-dir", str(model_dir))) as stack,
+        LocalEngine(work_dir / "direct-engine", model_dir, work_dir / "direct-engine.log") as engine,
         tinkerrpc.Client(stack.target) as client,
     ):
-        figures = [stack_figure(settings, stack, client)]
+        figures = [stack_figure(settings, engine, client)]
         with LocalSidecar(stack.target, work_dir / "sidecar.log") as sidecar:
             figures.append(sidecar_figure(settings, client, sidecar.openai_base_url))
     return figures

@@ -114,9 +114,8 @@ def prepare_model(settings: Settings, model_dir: Path) -> BenchModel:
     """Build (once; cached under model_dir) the model of the compute-bound figures."""
     if settings.model_shape is None:
         return BenchModel(TINY_CHAT, resolve_base_model(TINY_CHAT, model_dir))
-    path = build_tiny_model(model_dir / BENCH_MODEL_NAME, settings.model_shape)
-    # A path: the engine loads any local Hugging Face directory by path.
-    return BenchModel(str(path.resolve()), path)
+    # Named under the model dir, which the bench's engines are started with (they load names only).
+    return BenchModel(BENCH_MODEL_NAME, build_tiny_model(model_dir / BENCH_MODEL_NAME, settings.model_shape))
 
 
 def token_sequences(

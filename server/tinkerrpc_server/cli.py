@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from tinkerrpc_server.service.limits import add_limit_arguments, limits_from_args
 from tinkerrpc_server.settings import (
     AUTH_TOKEN_ENV,
+    ENGINE_API_KEY_ENV,
     SIDECAR_API_KEY_ENV,
     configure_logging,
     default_log_level,
@@ -160,10 +161,56 @@ def _run_server(
 def _add_engine(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("engine", help="run the embedded Tinker-compatible engine (HTTP)")
     _add_address_and_dirs(p, 8111, "tinkerrpc-engine-data", "local models")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help=f"the key every client must send (the tinker SDK's api_key, 'tml-...'; default: "
+        f"${ENGINE_API_KEY_ENV}); without one the engine does not start",
+    )
+    key.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="serve without a key: anyone who reaches the port uses the engine (loopback --host only)",
+    )
     p.set_defaults(func=_engine)
 
 
+def _engine_api_key(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(the key the engine requires or None for --insecure-no-auth, why it cannot start or None)."""
+    from tinkerrpc_server.engine.auth import api_key_problem, is_loopback_host
+
+    # Taken out of the environment: nothing the engine starts inherits it.
+    from_env = os.environ.pop(ENGINE_API_KEY_ENV, "")
+    if args.insecure_no_auth:
+        if from_env:
+            return None, f"--insecure-no-auth contradicts ${ENGINE_API_KEY_ENV}"
+        if not is_loopback_host(args.host):
+            return None, f"--insecure-no-auth serves only a loopback --host, not {args.host}"
+        return None, None
+    if args.api_key_file is not None:
+        try:
+            key = args.api_key_file.read_text().strip()
+        except (OSError, UnicodeDecodeError) as err:
+            return None, f"cannot read --api-key-file {args.api_key_file}: {err}"
+        source = str(args.api_key_file)
+    elif from_env:
+        key, source = from_env.strip(), f"${ENGINE_API_KEY_ENV}"
+    else:
+        return None, (
+            f"no API key: give --api-key-file FILE or ${ENGINE_API_KEY_ENV} "
+            "(or --insecure-no-auth on a loopback --host)"
+        )
+    problem = api_key_problem(key)
+    return key, None if problem is None else f"{source}: {problem}"
+
+
 def _engine(args: argparse.Namespace) -> int:
+    api_key, problem = _engine_api_key(args)
+    if problem is not None:
+        print(f"tinkerrpc engine: {problem}", file=sys.stderr)
+        return 2
     from tinkerrpc_server.local.ownership import own_data_dir
 
     # Before the heavy imports: a data dir another engine owns is one line.
@@ -174,7 +221,7 @@ def _engine(args: argparse.Namespace) -> int:
     from tinkerrpc_server.engine.app import run_engine
     from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
 
-    run_engine(args.host, args.port, args.data_dir, args.model_dir or DEFAULT_MODEL_DIR)
+    run_engine(args.host, args.port, args.data_dir, args.model_dir or DEFAULT_MODEL_DIR, api_key)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Where base models come from: local Hugging Face directories, names under a model dir, or the
+"""Where base models come from: Hugging Face directories named under a model dir, or the
 built-in tiny chat models that are generated deterministically on first use (no model hub needed).
 
 Importable by the engine and the service alike; torch/transformers/tokenizers load lazily.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -54,17 +55,28 @@ CHAT_TEMPLATE = (
 )
 
 
+# `name` or `org/name`, as Hugging Face names models: never a path that leaves the model dir.
+_MODEL_NAME_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
+
+
+def is_model_name(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) <= 2 and all(_MODEL_NAME_PART.fullmatch(part) for part in parts) and ".." not in name
+
+
 class UnknownBaseModelError(ValueError):
-    """The base model name is neither a local directory, a name under the model dir, nor built in."""
+    """The base model name is neither a model under the model dir nor built in."""
 
     def __init__(self, name: str, model_dir: Path) -> None:
         self.name = name
         self.model_dir = model_dir
         builtin = ", ".join(sorted(TINY_MODEL_SHAPES))
-        super().__init__(
-            f"unknown base model {name!r}: not a local Hugging Face directory, no config.json under "
-            f"{model_dir / name}, and not a built-in model ({builtin})"
-        )
+        shown = name if len(name) <= 128 else f"{name[:128]}..."
+        if is_model_name(name):
+            where = f"no config.json under {model_dir / name}"
+        else:
+            where = "not a model name (`name` or `org/name`: letters, digits, '.', '_', '-')"
+        super().__init__(f"unknown base model {shown!r}: {where}, and not a built-in model ({builtin})")
 
 
 @dataclass(frozen=True)
@@ -85,12 +97,10 @@ TINY_MODEL_SHAPES: dict[str, TinyModelShape] = {
 
 
 def resolve_base_model(name: str, model_dir: Path) -> Path:
-    """Map a base model name to a Hugging Face directory, building a built-in model on first use."""
-    if not name:
+    """Map a base model name to its Hugging Face directory under `model_dir`, building a built-in model
+    on first use. Only names are taken: a path (absolute, or climbing out) is an unknown model."""
+    if not is_model_name(name):
         raise UnknownBaseModelError(name, model_dir)
-    direct = Path(name).expanduser()
-    if direct.is_dir() and (direct / "config.json").is_file():
-        return direct
     under_model_dir = model_dir / name
     if (under_model_dir / "config.json").is_file():
         return under_model_dir

@@ -15,6 +15,9 @@ import sys
 
 AUTH_TOKEN_ENV = "TINKERRPC_AUTH_TOKEN"
 SIDECAR_API_KEY_ENV = "TINKERRPC_SIDECAR_API_KEY"
+# The key the engine requires as X-API-Key: `serve` hands its engine child a fresh one here (never on
+# the command line, which every user of the machine can read); `tinkerrpc engine` reads it too.
+ENGINE_API_KEY_ENV = "TINKERRPC_ENGINE_API_KEY"
 LOG_LEVEL_ENV = "TINKERRPC_LOG_LEVEL"
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import shutil
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -20,7 +21,6 @@ from tinker import types
 from transformers import AutoModelForCausalLM
 
 from tinkerrpc_server.engine.signed_urls import Forbidden, check_file_signature, sign_file
-from tinkerrpc_server.local.processes import LOCAL_API_KEY
 from tinkerrpc_server.local.stack import LocalEngine
 
 DATA = [
@@ -156,7 +156,8 @@ def test_export_errors_listing_and_deletion(service: tinker.ServiceClient, engin
     # The engine refuses a non-external checkpoint on its own too (the SDK never sends one).
     sampler_urls = httpx.get(
         f"{engine.base_url}/api/v1/training_runs/{client.model_id}/checkpoints/sampler_weights/plain"
-        "/external_weights_urls"
+        "/external_weights_urls",
+        headers=engine.auth_headers,
     )
     assert sampler_urls.status_code == 404
     assert "not an external_weights checkpoint" in sampler_urls.json()["detail"]
@@ -199,10 +200,11 @@ def test_exports_survive_a_restart_and_old_urls_do_not(
     old_urls = service.create_rest_client().get_external_weights_urls(path).result().urls
     before = {name: httpx.get(url).content for name, url in old_urls.items()}
 
-    # A second engine on the same data dir (it only reads here) plays the restarted engine.
-    second = start_engine(engine.data_dir, model_dir, tmp_path / "second.log")
+    # A second engine on a copy of the data dir plays the restarted engine (a data dir has one owner).
+    shutil.copytree(engine.data_dir, tmp_path / "data")
+    second = start_engine(tmp_path / "data", model_dir, tmp_path / "second.log")
     try:
-        rest = tinker.RestClient(base_url=second.base_url, api_key=LOCAL_API_KEY)
+        rest = second.rest_client()
         listed = {c.tinker_path: c for c in rest.list_checkpoints(client.model_id).result().checkpoints}
         assert listed[path].checkpoint_type == "external"
         new_urls = rest.get_external_weights_urls(path).result().urls

@@ -6,11 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import tinker
 from engine_proc import TINY, start_engine
 from tinker import types
-
-from tinkerrpc_server.local.processes import LOCAL_API_KEY
 
 DATA = [
     types.Datum(
@@ -48,7 +45,7 @@ def test_state_survives_an_engine_restart(tmp_path: Path, model_dir: Path) -> No
     second = start_engine(tmp_path / "data", model_dir, tmp_path / "second.log")
     try:
         with second.service_client() as service:
-            rest = tinker.RestClient(base_url=second.base_url, api_key=LOCAL_API_KEY)
+            rest = second.rest_client()
             assert client.model_id in {
                 r.training_run_id for r in rest.list_training_runs().result().training_runs
             }

@@ -18,7 +18,6 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from transformers import AutoModelForCausalLM
 
-from tinkerrpc_server.local.processes import LOCAL_API_KEY
 from tinkerrpc_server.local.stack import LocalEngine
 
 ADAM = types.AdamParams(learning_rate=1e-2)
@@ -209,7 +208,7 @@ def _post_proto(engine: LocalEngine, request: types.ForwardBackwardRequest) -> s
     response = httpx.post(
         f"{engine.base_url}/api/v1/forward_backward",
         content=body,
-        headers={"Content-Type": "application/x-protobuf", "X-API-Key": LOCAL_API_KEY},
+        headers={"Content-Type": "application/x-protobuf", **engine.auth_headers},
     )
     response.raise_for_status()
     return str(response.json()["request_id"])
@@ -217,7 +216,10 @@ def _post_proto(engine: LocalEngine, request: types.ForwardBackwardRequest) -> s
 
 def _retrieve(engine: LocalEngine, request_id: str) -> httpx.Response:
     response = httpx.post(
-        f"{engine.base_url}/api/v1/retrieve_future", json={"request_id": request_id}, timeout=60
+        f"{engine.base_url}/api/v1/retrieve_future",
+        json={"request_id": request_id},
+        headers=engine.auth_headers,
+        timeout=60,
     )
     response.raise_for_status()
     return response
@@ -232,6 +234,7 @@ def test_operations_run_in_seq_order_even_when_they_arrive_out_of_order(
     optim = httpx.post(
         f"{engine.base_url}/api/v1/optim_step",
         json={"model_id": client.model_id, "seq_id": 3, "adam_params": {"learning_rate": 0.05}},
+        headers=engine.auth_headers,
     ).json()["request_id"]
     fwd_request = types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(data=PROBE + BATCH, loss_fn="cross_entropy"),
@@ -258,6 +261,7 @@ def test_malformed_bodies_fail_clearly_and_keep_the_seq_order(
     rejected = httpx.post(
         f"{engine.base_url}/api/v1/optim_step",
         json={"model_id": client.model_id, "seq_id": 2, "adam_params": {"learning_rate": None}},
+        headers=engine.auth_headers,
     )
     assert rejected.status_code == 200, rejected.text
     failure = _retrieve(engine, rejected.json()["request_id"]).json()
@@ -270,6 +274,7 @@ def test_malformed_bodies_fail_clearly_and_keep_the_seq_order(
     response = httpx.post(
         f"{engine.base_url}/api/v1/create_sampling_session",
         json={"sampling_session_seq_id": 0, "base_model": TINY},
+        headers=engine.auth_headers,
     )
     assert response.status_code == 400 and "session_id" in response.json()["detail"]
 
@@ -285,7 +290,7 @@ def probe_logprobs_raw(engine: LocalEngine, model_id: str, seq_id: int) -> np.nd
     response = httpx.post(
         f"{engine.base_url}/api/v1/forward_backward",
         content=proto.SerializeToString(),
-        headers={"Content-Type": "application/x-protobuf"},
+        headers={"Content-Type": "application/x-protobuf", **engine.auth_headers},
     )
     output = pb.ForwardBackwardOutput.FromString(_retrieve(engine, response.json()["request_id"]).content)
     return np.frombuffer(output.loss_fn_outputs[0].fields["logprobs"].data, dtype=np.float32)
@@ -352,7 +357,7 @@ def test_rest_client_lists_runs_and_deletes_checkpoints(
     client = new_model(service, seed=2)
     state = client.save_state("kept").result().path
     doomed = client.save_weights_for_sampler("doomed").result().path
-    rest = tinker.RestClient(base_url=engine.base_url, api_key=LOCAL_API_KEY)
+    rest = engine.rest_client()
 
     runs = {r.training_run_id: r for r in rest.list_training_runs(limit=100).result().training_runs}
     assert runs[client.model_id].base_model == TINY and runs[client.model_id].lora_rank == 4

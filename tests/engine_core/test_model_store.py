@@ -49,9 +49,12 @@ def test_concurrent_builders_end_with_one_complete_model(tmp_path: Path) -> None
 
 
 def test_resolution_order_and_unknown_names(tiny_model_path: Path, tmp_path: Path) -> None:
-    assert resolve_base_model(str(tiny_model_path), tmp_path / "empty") == tiny_model_path
     model_dir = tiny_model_path.parent.parent
     assert resolve_base_model(TINY_CHAT, model_dir) == tiny_model_path
+    # Only names: a path to a model directory, or one climbing out of the model dir, is unknown.
+    for path in (str(tiny_model_path), f"../{model_dir.name}/{TINY_CHAT}", "a/b/c", "..", "x\0"):
+        with pytest.raises(UnknownBaseModelError, match="not a model name"):
+            resolve_base_model(path, model_dir)
     with pytest.raises(UnknownBaseModelError) as caught:
         resolve_base_model("Qwen/Qwen3-0.6B", tmp_path / "empty")
     assert isinstance(caught.value, ValueError)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,11 +22,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from tinkerrpc_server.engine import protocol
+from tinkerrpc_server.engine.auth import ApiKeyMiddleware
 from tinkerrpc_server.engine.core import Engine, NotFound
 from tinkerrpc_server.engine.routes import models, sampling, training, weights
 from tinkerrpc_server.engine.routes.common import future
 from tinkerrpc_server.engine.signed_urls import Forbidden
-from tinkerrpc_server.engine.storage import UnknownPathError
+from tinkerrpc_server.engine.storage import InvalidNameError, UnknownPathError
 from tinkerrpc_server.local.uvicorn_serving import serve_until_signalled
 from tinkerrpc_server.model_store import UnknownBaseModelError
 
@@ -35,6 +37,7 @@ _STATUS_OF_ERROR: dict[type[Exception], int] = {
     NotFound: 404,
     Forbidden: 403,
     UnknownPathError: 404,
+    InvalidNameError: 400,
     protocol.BadRequest: 400,
     UnknownBaseModelError: 400,
 }
@@ -49,7 +52,9 @@ def describe_invalid_body(errors: Sequence[Any]) -> str:
     return "invalid request: " + "; ".join(parts)
 
 
-def create_app(data_dir: Path, model_dir: Path) -> FastAPI:
+def create_app(data_dir: Path, model_dir: Path, api_key: str | None) -> FastAPI:
+    """The engine's app; with `api_key`, every request but the health check and signed downloads needs
+    it (engine.auth), with None the engine serves anyone who reaches its port."""
     engine = Engine(data_dir, model_dir)
 
     @asynccontextmanager
@@ -59,6 +64,8 @@ def create_app(data_dir: Path, model_dir: Path) -> FastAPI:
 
     app = FastAPI(title="tinkerrpc embedded engine", lifespan=lifespan)
     app.state.engine = engine
+    if api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     async def known_error(_: Request, exc: Exception) -> JSONResponse:
         status = next(code for error, code in _STATUS_OF_ERROR.items() if isinstance(exc, error))
@@ -86,10 +93,19 @@ def create_app(data_dir: Path, model_dir: Path) -> FastAPI:
     return app
 
 
-def run_engine(host: str, port: int, data_dir: Path, model_dir: Path) -> None:
+def run_engine(host: str, port: int, data_dir: Path, model_dir: Path, api_key: str | None) -> None:
     """Serve the engine until SIGTERM/SIGINT, then return normally."""
-    app = create_app(data_dir, model_dir)
-    log.info("engine on http://%s:%d (data %s, models %s)", host, port, data_dir, model_dir)
+    # Everything the engine writes (weights, optimizer state, its index) is its owner's alone.
+    os.umask(0o077)
+    app = create_app(data_dir, model_dir, api_key)
+    log.info(
+        "engine on http://%s:%d (data %s, models %s, %s)",
+        host,
+        port,
+        data_dir,
+        model_dir,
+        "X-API-Key required" if api_key is not None else "NO AUTHENTICATION",
+    )
     # No access log: clients long-poll retrieve_future; the worker logs one line per operation.
     config = uvicorn.Config(
         app, host=host, port=port, access_log=False, log_level="warning", timeout_graceful_shutdown=3

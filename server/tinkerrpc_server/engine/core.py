@@ -29,19 +29,25 @@ from tinkerrpc_server.engine.sampler import DecodeBreaks
 from tinkerrpc_server.engine.storage import (
     CheckpointKind,
     CheckpointRecord,
+    InvalidNameError,
     RunRecord,
     Storage,
     UnknownPathError,
     directory_size,
     now_iso,
-    validate_checkpoint_name,
 )
 from tinkerrpc_server.engine.worker import ComputeWorker
 from tinkerrpc_server.model_store import TINY_CHAT, UnknownBaseModelError, resolve_base_model
 
 log = logging.getLogger("tinkerrpc.engine")
 
-_USER_ERRORS = (EngineUserError, UnknownBaseModelError, UnknownPathError, protocol.BadRequest)
+_USER_ERRORS = (
+    EngineUserError,
+    UnknownBaseModelError,
+    UnknownPathError,
+    InvalidNameError,
+    protocol.BadRequest,
+)
 
 
 class NotFound(LookupError):
@@ -186,10 +192,6 @@ class Engine:
     ) -> CheckpointRecord:
         """Save a live model's adapter (and for "training", its optimizer) as a checkpoint (compute thread)."""
         runtime = self.live_runtime(model_id)
-        try:
-            validate_checkpoint_name(name)
-        except ValueError as exc:
-            raise EngineUserError(str(exc)) from exc
         directory = self.storage.checkpoint_dir(model_id, kind, name)
         record = CheckpointRecord(model_id, kind, name, now_iso(), 0, metadata)
         if self.storage.has_checkpoint(record.tinker_path) or directory.exists():

@@ -10,6 +10,11 @@ Layout:
 `tinker://<model_id>/external_weights/<name>` resolve to those directories (checkpoint kinds "training",
 "sampler" and "external"). A new engine on the same data dir sees every run and checkpoint of the
 previous one.
+
+Every path under the data dir is built by `Storage.inside` from checked names (`check_id`,
+`validate_checkpoint_name`: no separator, no '..', bounded length, a conservative charset) and must
+resolve inside the data dir. What the engine creates there is its owner's alone (0700/0600: the
+directory's mode here, the engine process's umask for the rest).
 """
 
 from __future__ import annotations
@@ -33,12 +38,34 @@ _KIND_SEGMENT: dict[CheckpointKind, str] = {
     "external": "external_weights",
 }
 _SEGMENT_KIND: dict[str, CheckpointKind] = {v: k for k, v in _KIND_SEGMENT.items()}
-_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# Session, model and sampler ids (`<session>:train:<n>`): one path segment at most.
+_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
 _INDEX_FILE = "engine_index.json"
+# How much of a rejected name an error message repeats.
+_SHOWN_NAME_CHARS = 80
 
 
 class UnknownPathError(ValueError):
     """A tinker:// path or checkpoint this engine does not hold."""
+
+
+class InvalidNameError(ValueError):
+    """A name or id that could not be a path segment under the data dir: HTTP 400."""
+
+
+def _shown(name: str) -> str:
+    return repr(name if len(name) <= _SHOWN_NAME_CHARS else f"{name[:_SHOWN_NAME_CHARS]}...")
+
+
+def check_id(what: str, value: str) -> str:
+    """`value` when it is a valid session, model or sampler id, else InvalidNameError."""
+    if _ID_PATTERN.fullmatch(value) is None or ".." in value:
+        raise InvalidNameError(
+            f"{what} {_shown(value)} is invalid: use 1-200 letters, digits, '.', '_', ':' or '-', "
+            "starting with a letter or digit, without '..'"
+        )
+    return value
 
 
 def now_iso() -> str:
@@ -78,10 +105,10 @@ class CheckpointRecord:
 
 
 def validate_checkpoint_name(name: str) -> None:
-    if not _NAME_PATTERN.match(name):
-        raise ValueError(
-            f"checkpoint name {name!r} is invalid: use 1-128 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit"
+    if _NAME_PATTERN.fullmatch(name) is None or ".." in name:
+        raise InvalidNameError(
+            f"checkpoint name {_shown(name)} is invalid: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit, without '..'"
         )
 
 
@@ -92,10 +119,11 @@ def parse_tinker_path(path: str) -> tuple[str, CheckpointKind, str]:
     parts = path[len("tinker://") :].split("/")
     if len(parts) != 3 or parts[1] not in _SEGMENT_KIND or not parts[0] or not parts[2]:
         raise UnknownPathError(
-            f"{path!r} is not of the form tinker://<model_id>/weights/<name>, "
+            f"{_shown(path)} is not of the form tinker://<model_id>/weights/<name>, "
             ".../sampler_weights/<name> or .../external_weights/<name>"
         )
-    return parts[0], _SEGMENT_KIND[parts[1]], parts[2]
+    validate_checkpoint_name(parts[2])
+    return check_id("model_id", parts[0]), _SEGMENT_KIND[parts[1]], parts[2]
 
 
 def _write_json_atomically(path: Path, payload: Any) -> None:
@@ -158,11 +186,12 @@ class Storage:
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
-        data_dir.mkdir(parents=True, exist_ok=True)
+        data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._root = data_dir.resolve()
         self._lock = threading.Lock()
         self._runs: dict[str, RunRecord] = {}
         self._checkpoints: dict[str, CheckpointRecord] = {}
-        index_path = data_dir / _INDEX_FILE
+        index_path = self.inside(_INDEX_FILE)
         if index_path.exists():
             payload = json.loads(index_path.read_text())
             self._runs = {r["model_id"]: RunRecord(**r) for r in payload.get("runs", [])}
@@ -175,10 +204,20 @@ class Storage:
             "runs": [asdict(r) for r in self._runs.values()],
             "checkpoints": [asdict(c) for c in self._checkpoints.values()],
         }
-        _write_json_atomically(self.data_dir / _INDEX_FILE, payload)
+        _write_json_atomically(self.inside(_INDEX_FILE), payload)
+
+    def inside(self, *parts: str) -> Path:
+        """The path of `parts` under the data dir, refused (UnknownPathError) unless it resolves inside
+        it: the one way paths under the data dir are built, so no name and no symlink leads out."""
+        path = self.data_dir.joinpath(*parts)
+        if not path.resolve().is_relative_to(self._root):
+            raise UnknownPathError(f"{_shown('/'.join(parts))} is outside the engine's data dir")
+        return path
 
     def checkpoint_dir(self, model_id: str, kind: CheckpointKind, name: str) -> Path:
-        return self.data_dir / "runs" / model_id / _KIND_SEGMENT[kind] / name
+        check_id("model_id", model_id)
+        validate_checkpoint_name(name)
+        return self.inside("runs", model_id, _KIND_SEGMENT[kind], name)
 
     def put_run(self, record: RunRecord) -> None:
         with self._lock:

@@ -1,5 +1,6 @@
 """Entry point of the embedded engine child, started by `EmbeddedEngine`:
-`python -m tinkerrpc_server.local.engine_child --parent-pid PID --host H --port P --data-dir D --model-dir M`.
+`python -m tinkerrpc_server.local.engine_child --parent-pid PID --host H --port P --data-dir D --model-dir M`,
+with the API key its clients must send in $TINKERRPC_ENGINE_API_KEY (argv is readable by every user).
 
 It asks the kernel to SIGKILL it when the server dies (even by SIGKILL), then runs the engine.
 
@@ -18,7 +19,12 @@ import sys
 from pathlib import Path
 
 from tinkerrpc_server.local.ownership import own_data_dir
-from tinkerrpc_server.settings import configure_logging, default_log_level, set_process_defaults
+from tinkerrpc_server.settings import (
+    ENGINE_API_KEY_ENV,
+    configure_logging,
+    default_log_level,
+    set_process_defaults,
+)
 
 _PR_SET_PDEATHSIG = 1
 
@@ -35,6 +41,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
+    # Taken out of the environment: nothing this process starts inherits it.
+    api_key = os.environ.pop(ENGINE_API_KEY_ENV, "")
+    if not api_key:
+        print(f"engine_child: no API key in ${ENGINE_API_KEY_ENV}", file=sys.stderr)
+        return 2
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != args.parent_pid:
@@ -48,7 +59,7 @@ def main(argv: list[str]) -> int:
     configure_logging(default_log_level())
     from tinkerrpc_server.engine.app import run_engine  # after the defaults: it imports torch
 
-    run_engine(args.host, args.port, args.data_dir, args.model_dir)
+    run_engine(args.host, args.port, args.data_dir, args.model_dir, api_key)
     return 0
 
 

@@ -12,7 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-from tinkerrpc_server.local.processes import ENGINE_HEALTH_PATH, free_port, http_ok, stop_process
+from tinkerrpc_server.engine.auth import HEALTH_PATH, generate_api_key
+from tinkerrpc_server.local.processes import free_port, http_ok, stop_process
+from tinkerrpc_server.settings import ENGINE_API_KEY_ENV
 
 log = logging.getLogger("tinkerrpc.backend")
 
@@ -26,10 +28,11 @@ class BackendStartError(RuntimeError):
 
 def probe_data_dir(directory: Path) -> str | None:
     """Why `directory` cannot hold state, or None when it can: creates it, then writes, fsyncs and
-    deletes a file there, so an unwritable or full disk is reported at start, not mid-step."""
+    deletes a file there, so an unwritable or full disk is reported at start, not mid-step. A directory
+    it creates is its owner's alone (0700)."""
     probe = directory / f".write-probe-{os.getpid()}"
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             written = os.write(fd, bytes(_PROBE_BYTES))
@@ -46,7 +49,8 @@ def probe_data_dir(directory: Path) -> str | None:
 
 
 class EmbeddedEngine:
-    """The `tinkerrpc engine` child process; `respawn` replaces a dead one on a new port."""
+    """The `tinkerrpc engine` child process; `respawn` replaces a dead one on a new port, with a new
+    `api_key` (the key its clients send; handed to the child in its environment, never in argv)."""
 
     def __init__(self, data_dir: Path, model_dir: Path) -> None:
         self.data_dir = data_dir
@@ -57,6 +61,7 @@ class EmbeddedEngine:
         self.process: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.url = ""
+        self.api_key = ""
         if self.start_error is None:
             self.respawn()
 
@@ -65,6 +70,7 @@ class EmbeddedEngine:
         self.stop()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = generate_api_key()
         cmd = [
             sys.executable,
             "-m",
@@ -81,7 +87,7 @@ class EmbeddedEngine:
             str(self.model_dir),
         ]
         # Started from the main thread on purpose: the child's PDEATHSIG fires when the forking *thread* exits.
-        self.process = subprocess.Popen(cmd)
+        self.process = subprocess.Popen(cmd, env={**os.environ, ENGINE_API_KEY_ENV: self.api_key})
         log.info("embedded engine starting (pid %d) on %s", self.process.pid, self.url)
 
     @property
@@ -101,7 +107,7 @@ class EmbeddedEngine:
                 raise BackendStartError(
                     f"embedded engine exited with code {self.process.returncode} before becoming healthy"
                 )
-            if await asyncio.to_thread(http_ok, f"{self.url}{ENGINE_HEALTH_PATH}"):
+            if await asyncio.to_thread(http_ok, f"{self.url}{HEALTH_PATH}"):
                 log.info("embedded engine healthy on %s", self.url)
                 return
             await asyncio.sleep(0.1)

@@ -1,5 +1,5 @@
-"""What every local process needs, written once: a free loopback port, an HTTP readiness probe, a
-SIGTERM-then-SIGKILL stop, and the API key the embedded engine is called with."""
+"""What every local process needs, written once: a free loopback port, an HTTP readiness probe and a
+SIGTERM-then-SIGKILL stop."""
 
 from __future__ import annotations
 
@@ -9,11 +9,6 @@ import subprocess
 import urllib.request
 
 log = logging.getLogger("tinkerrpc.local")
-
-# The engine takes any key of the tinker SDK's shape; the SDK insists on one.
-LOCAL_API_KEY = "tml-local"
-
-ENGINE_HEALTH_PATH = "/api/v1/healthz"
 
 # Loopback probes must not go through an HTTP proxy from the environment.
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))

@@ -17,14 +17,9 @@ from typing import TYPE_CHECKING, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tinkerrpc_server.local.processes import (
-    ENGINE_HEALTH_PATH,
-    LOCAL_API_KEY,
-    free_port,
-    http_ok,
-    stop_process,
-)
-from tinkerrpc_server.settings import SIDECAR_API_KEY_ENV
+from tinkerrpc_server.engine.auth import HEALTH_PATH, generate_api_key
+from tinkerrpc_server.local.processes import free_port, http_ok, stop_process
+from tinkerrpc_server.settings import ENGINE_API_KEY_ENV, SIDECAR_API_KEY_ENV
 
 if TYPE_CHECKING:
     import tinker
@@ -165,7 +160,10 @@ class LocalStack(LocalProcess):
 
 
 class LocalEngine(LocalProcess):
-    """`tinkerrpc engine` (Tinker's HTTP API) on a free port; ready when its health endpoint answers."""
+    """`tinkerrpc engine` (Tinker's HTTP API) on a free port; ready when its health endpoint answers.
+
+    It requires `api_key`, fresh for each LocalEngine (handed over in its environment): clients made by
+    `service_client`/`rest_client` send it, raw HTTP requests send `auth_headers`."""
 
     def __init__(
         self, data_dir: Path, model_dir: Path, log_path: Path, startup_timeout: float = 120.0
@@ -174,22 +172,36 @@ class LocalEngine(LocalProcess):
         self.model_dir = model_dir
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
+        self.api_key = generate_api_key()
         args = ["engine", "--host", "127.0.0.1", "--port", str(self.port)]
         super().__init__(
-            [*args, "--data-dir", str(data_dir), "--model-dir", str(model_dir)], log_path, startup_timeout
+            [*args, "--data-dir", str(data_dir), "--model-dir", str(model_dir)],
+            log_path,
+            startup_timeout,
+            {ENGINE_API_KEY_ENV: self.api_key},
         )
 
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        return {"X-API-Key": self.api_key}
+
     def is_ready(self) -> bool:
-        return http_ok(f"{self.base_url}{ENGINE_HEALTH_PATH}")
+        return http_ok(f"{self.base_url}{HEALTH_PATH}")
 
     def service_client(self) -> tinker.ServiceClient:
         import tinker  # imported here: the other processes' users need no tinker SDK
 
-        return tinker.ServiceClient(base_url=self.base_url, api_key=LOCAL_API_KEY)
+        return tinker.ServiceClient(base_url=self.base_url, api_key=self.api_key)
+
+    def rest_client(self) -> tinker.RestClient:
+        import tinker
+
+        return tinker.RestClient(base_url=self.base_url, api_key=self.api_key)
 
     def stats(self) -> dict[str, int]:
         """The engine's scheduling counters (sample requests, the batches they ran in, training ops)."""
-        with urllib.request.urlopen(f"{self.base_url}/api/v1/debug/stats", timeout=10) as response:
+        request = urllib.request.Request(f"{self.base_url}/api/v1/debug/stats", headers=self.auth_headers)
+        with urllib.request.urlopen(request, timeout=10) as response:
             return dict(json.loads(response.read()))
 
 

@@ -1,5 +1,6 @@
 """Which Tinker the service talks to: Tinker itself (TINKER_API_KEY set) or the embedded engine, run as
-a child process on a free loopback port. Either way the service only ever uses the tinker SDK."""
+a child process on a free loopback port and called with the key it was started with. Either way the
+service only ever uses the tinker SDK."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from dataclasses import dataclass
 import tinker
 
 from tinkerrpc_server.local.engine_process import EmbeddedEngine
-from tinkerrpc_server.local.processes import LOCAL_API_KEY
 
 log = logging.getLogger("tinkerrpc.backend")
 
@@ -36,8 +36,8 @@ class Backend:
         dead_service = self.service
         self.engine.respawn()
         await self.engine.wait_healthy(ENGINE_STARTUP_TIMEOUT)
-        self.service = tinker.ServiceClient(base_url=self.engine.url, api_key=LOCAL_API_KEY)
-        self.rest = tinker.RestClient(base_url=self.engine.url, api_key=LOCAL_API_KEY)
+        self.service = tinker.ServiceClient(base_url=self.engine.url, api_key=self.engine.api_key)
+        self.rest = tinker.RestClient(base_url=self.engine.url, api_key=self.engine.api_key)
         self.url = self.engine.url
         # Stops the dead session's heartbeat loop; its engine is gone, so the result is not awaited.
         with contextlib.suppress(Exception):
@@ -67,8 +67,8 @@ async def connect_backend(
         )
     await engine.wait_healthy(startup_timeout)
     return Backend(
-        service=tinker.ServiceClient(base_url=engine.url, api_key=LOCAL_API_KEY),
-        rest=tinker.RestClient(base_url=engine.url, api_key=LOCAL_API_KEY),
+        service=tinker.ServiceClient(base_url=engine.url, api_key=engine.api_key),
+        rest=tinker.RestClient(base_url=engine.url, api_key=engine.api_key),
         url=engine.url,
         engine=engine,
     )

@@ -21,7 +21,7 @@ from tinkerrpc_server.engine.core import NotFound
 from tinkerrpc_server.engine.futures import FailedResult, JsonResult, Outcome, ProtoResult
 from tinkerrpc_server.engine.routes.common import EngineDep, future, sdk_checkpoint, str_metadata
 from tinkerrpc_server.engine.runtime import LoraSpec
-from tinkerrpc_server.engine.storage import CheckpointRecord, RunRecord
+from tinkerrpc_server.engine.storage import CheckpointRecord, RunRecord, check_id
 
 log = logging.getLogger("tinkerrpc.engine")
 router = APIRouter(prefix="/api/v1")
@@ -66,7 +66,7 @@ async def session_heartbeat() -> types.SessionHeartbeatResponse:
 
 @router.post("/sessions/{session_id}/finish")
 async def finish_session(session_id: str) -> dict[str, str]:
-    log.info("session %s finished", session_id)
+    log.info("session %s finished", check_id("session_id", session_id))
     return {}
 
 
@@ -127,7 +127,8 @@ async def retrieve_future(
 
 @router.post("/create_model")
 async def create_model(request: types.CreateModelRequest, engine: EngineDep) -> types.UntypedAPIFuture:
-    model_id = f"{request.session_id}:train:{request.model_seq_id}"
+    check_id("session_id", request.session_id)
+    model_id = check_id("model_id", f"{request.session_id}:train:{request.model_seq_id}")
     base_model = request.base_model
     lora = request.lora_config or types.LoraConfig(rank=DEFAULT_LORA_RANK)
     spec = LoraSpec(

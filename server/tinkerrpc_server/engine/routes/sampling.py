@@ -12,7 +12,7 @@ from tinkerrpc_server.engine import protocol
 from tinkerrpc_server.engine.core import NotFound
 from tinkerrpc_server.engine.futures import FailedResult
 from tinkerrpc_server.engine.routes.common import EngineDep
-from tinkerrpc_server.engine.storage import UnknownPathError
+from tinkerrpc_server.engine.storage import InvalidNameError, UnknownPathError, check_id
 
 log = logging.getLogger("tinkerrpc.engine")
 router = APIRouter(prefix="/api/v1")
@@ -22,7 +22,10 @@ router = APIRouter(prefix="/api/v1")
 async def create_sampling_session(
     request: types.CreateSamplingSessionRequest, engine: EngineDep
 ) -> types.CreateSamplingSessionResponse:
-    sampler_id = f"{request.session_id}:sample:{request.sampling_session_seq_id}"
+    check_id("session_id", request.session_id)
+    sampler_id = check_id(
+        "sampling_session_id", f"{request.session_id}:sample:{request.sampling_session_seq_id}"
+    )
     model_path = request.model_path or None
     if model_path is not None:
         record, _ = engine.storage.resolve(model_path)
@@ -55,7 +58,7 @@ async def asample(request: types.SampleRequest, engine: EngineDep) -> types.Unty
     try:
         sampler = engine.sampler_for(request.sampling_session_id, request.model_path, request.base_model)
         job, last_n = protocol.sample_job(request)
-    except (protocol.BadRequest, NotFound, UnknownPathError) as exc:
+    except (protocol.BadRequest, NotFound, UnknownPathError, InvalidNameError) as exc:
         result.set_result(FailedResult(str(exc), "user"))
         return response
     engine.submit_sample(sampler, job, last_n, result)

@@ -30,7 +30,13 @@ from tinkerrpc_server.engine.routes.common import (
 )
 from tinkerrpc_server.engine.runtime import EngineUserError
 from tinkerrpc_server.engine.signed_urls import EXTERNAL_URL_TTL_SECONDS, check_file_signature, sign_file
-from tinkerrpc_server.engine.storage import UnknownPathError, check_relative_path, file_inside, regular_files
+from tinkerrpc_server.engine.storage import (
+    UnknownPathError,
+    check_id,
+    check_relative_path,
+    file_inside,
+    regular_files,
+)
 
 log = logging.getLogger("tinkerrpc.engine")
 router = APIRouter(prefix="/api/v1")
@@ -125,7 +131,8 @@ async def load_weights(request: types.LoadWeightsRequest, engine: EngineDep) -> 
     if request.session_id is None or request.model_seq_id is None:
         raise protocol.BadRequest("load_weights needs model_id, or session_id and model_seq_id")
     # Create-via-load: the load is the new model's first request.
-    model_id = f"{request.session_id}:train:{request.model_seq_id}"
+    check_id("session_id", request.session_id)
+    model_id = check_id("model_id", f"{request.session_id}:train:{request.model_seq_id}")
     return future(engine.submit_training(model_id, 0, "load_weights", load_into(model_id)), model_id)
 
 
