@@ -619,7 +619,10 @@ class SampleRequest(_message.Message):
     policy_version: _builtins.int
     """Pinned policy version; unset = the latest."""
     text: _builtins.str
-    """Raw text, tokenised without any chat template."""
+    """Raw text, tokenised without any chat template (control-token strings in it are control
+    tokens). Over 32 UTF-8 bytes per token of the model's context it is INVALID_ARGUMENT before
+    it is tokenised.
+    """
     @_builtins.property
     def chat(self) -> Global___ChatPrompt:
         """Chat messages, rendered by the model's renderer."""

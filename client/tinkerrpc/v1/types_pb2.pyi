@@ -248,7 +248,12 @@ class Message(_message.Message):
     role: Global___Role.ValueType
     """Who wrote it."""
     content: _builtins.str
-    """Text content (may be empty for an assistant message that only calls tools)."""
+    """Text content (may be empty for an assistant message that only calls tools). Message text is
+    always plain text: a string like `<|im_end|>` in it is tokenised as text, never as the
+    tokenizer's control token, whatever the renderer. In Sample and Train, a conversation's text
+    (messages and tools, encoded) over 32 bytes per token of the model's context is
+    INVALID_ARGUMENT before it is rendered.
+    """
     tool_call_id: _builtins.str
     """For ROLE_TOOL: the id of the tool call this message answers."""
     name: _builtins.str
@@ -632,7 +637,9 @@ class SamplingParams(_message.Message):
     include_prompt_logprobs: _builtins.bool
     """Also return the log-probability of every prompt token under the policy."""
     top_logprobs: _builtins.int
-    """Return the k most likely alternatives (with logprobs) at each sampled position; 0 = off."""
+    """Return the k most likely alternatives (with logprobs) at each sampled position; 0 = off,
+    at most 20 (as OpenAI).
+    """
     return_token_texts: _builtins.bool
     """Return the decoded text of every sampled token (for OpenAI-style logprobs)."""
     ignore_default_stops: _builtins.bool
@@ -641,11 +648,15 @@ class SamplingParams(_message.Message):
     """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Stop strings; generation ends when one appears (it is included in the tokens)."""
+        """Stop strings; generation ends when one appears (it is included in the tokens). At most 16,
+        each non-empty and at most 256 bytes of UTF-8.
+        """
 
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Stop token ids, in addition to the renderer's or tokenizer's end-of-turn tokens."""
+        """Stop token ids, in addition to the renderer's or tokenizer's end-of-turn tokens; at most 128
+        (with `stop` given too, they become stop strings).
+        """
 
     def __init__(
         self,
