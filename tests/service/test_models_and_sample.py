@@ -48,7 +48,8 @@ def test_model_name_errors(server: Server, model: types_pb2.ModelInfo) -> None:
         server.stub.CreateModel(
             pb.CreateModelRequest(name="x", base_model="no/such-model"), timeout=CALL_TIMEOUT
         )
-    assert violated_fields(err.value) == ["base_model"]
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert resource_info(err.value).resource_name == "no/such-model"
     with pytest.raises(grpc.RpcError) as err:
         server.stub.CreateModel(
             pb.CreateModelRequest(name="y", base_model=TINY, renderer="no_such_renderer"),

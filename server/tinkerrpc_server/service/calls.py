@@ -15,7 +15,7 @@ import grpc
 import tinker
 
 from tinkerrpc_server.local.engine_process import BackendStartError
-from tinkerrpc_server.service import errors
+from tinkerrpc_server.service import deadlines, errors
 from tinkerrpc_server.service.backend import Backend
 from tinkerrpc_server.service.errors import ServiceError
 from tinkerrpc_server.service.models import ModelRegistry
@@ -27,6 +27,9 @@ ENGINE_POLL_SECONDS = 0.2
 ENGINE_RESTART_ATTEMPTS = 3
 # Longest a call waits for a restarting engine when it has no deadline of its own.
 ENGINE_RESTART_WAIT_SECONDS = 240.0
+# A call's backend futures fail DEADLINE_EXCEEDED at its deadline (deadlines.bounded); the call as a
+# whole is cut this much later, for work outside them.
+CALL_DEADLINE_GRACE_SECONDS = 1.0
 
 Request = TypeVar("Request")
 Response = TypeVar("Response")
@@ -45,9 +48,10 @@ class EngineSupervisor:
     """Calls in flight (cancelled when the engine dies), those cancelled that way, and a generation that
     counts engine restarts. With Tinker itself there is nothing to restart and calls never wait."""
 
-    def __init__(self, backend: Backend, models: ModelRegistry) -> None:
+    def __init__(self, backend: Backend, models: ModelRegistry, backend_timeout: float) -> None:
         self._backend = backend
         self._models = models
+        self._backend_timeout = backend_timeout
         self._calls: set[asyncio.Task[Any]] = set()
         self._interrupted: set[asyncio.Task[Any]] = set()
         self.generation = 0
@@ -62,8 +66,10 @@ class EngineSupervisor:
         engine = self._backend.engine
         return not self._ready.is_set() or (engine is not None and engine.exit_code() is not None)
 
-    async def enter(self, task: asyncio.Task[Any], context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        """Wait (within the call's deadline) while the engine restarts, then track the call."""
+    async def enter(self, task: asyncio.Task[Any], context: grpc.aio.ServicerContext[Any, Any]) -> float:
+        """Start the call's deadline (see deadlines), wait (within it) while the engine restarts, then
+        track the call. The seconds the call has."""
+        seconds = deadlines.start_call(context.time_remaining(), self._backend_timeout)
         if not self._ready.is_set():
             remaining = context.time_remaining()
             wait = (
@@ -78,6 +84,7 @@ class EngineSupervisor:
                     grpc.StatusCode.UNAVAILABLE, "the embedded engine is restarting; retry shortly"
                 ) from None
         self._calls.add(task)
+        return seconds
 
     def leave(self, task: asyncio.Task[Any]) -> None:
         self._calls.discard(task)
@@ -152,9 +159,11 @@ def rpc(
         task = asyncio.current_task()
         assert task is not None
         generation = supervisor.generation
+        call_time: asyncio.Timeout | None = None
         try:
-            await supervisor.enter(task, context)
-            return await method(self, request, context)
+            seconds = await supervisor.enter(task, context)
+            async with asyncio.timeout(seconds + CALL_DEADLINE_GRACE_SECONDS) as call_time:
+                return await method(self, request, context)
         except ServiceError as err:
             error = err
         except asyncio.CancelledError:
@@ -163,7 +172,12 @@ def rpc(
             task.uncancel()
             error = _engine_lost()
         except Exception as err:
-            if supervisor.generation != generation or supervisor.engine_down():
+            if isinstance(err, TimeoutError) and call_time is not None and call_time.expired():
+                error = errors.deadline_exceeded(
+                    f"{method.__name__} did not finish before its deadline (its gRPC deadline, or "
+                    "--backend-timeout when it set none)"
+                )
+            elif supervisor.generation != generation or supervisor.engine_down():
                 error = _engine_lost()
             elif isinstance(err, tinker.TinkerError):
                 error = errors.from_tinker(err) or ServiceError(

@@ -21,6 +21,8 @@ class Limits:
     max_sample_n: int = 128
     # max_tokens of one Sample request (the model's context bounds prompt + max_tokens as well).
     max_sample_tokens: int = 16_384
+    # Seconds a call without a gRPC deadline may wait on the backend (see service/deadlines.py).
+    backend_timeout: int = 3600
 
 
 # (flag, attribute, help) for each limit: the flag names appear in the error messages.
@@ -29,6 +31,7 @@ LIMIT_FLAGS = (
     ("--max-train-tokens", "max_train_tokens", "tokens per Train step, prompts and completions"),
     ("--max-sample-n", "max_sample_n", "completions per Sample (n)"),
     ("--max-sample-tokens", "max_sample_tokens", "max_tokens per Sample"),
+    ("--backend-timeout", "backend_timeout", "seconds a call without a deadline waits on the backend"),
 )
 
 

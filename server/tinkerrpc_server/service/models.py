@@ -18,6 +18,7 @@ from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server import model_store
 from tinkerrpc_server.service import errors
 from tinkerrpc_server.service.backend import Backend
+from tinkerrpc_server.service.deadlines import bounded
 from tinkerrpc_server.service.rendering import ChatCodec, ChatCodecs, UnknownRendererError
 from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE, CheckpointRow, ModelRow, Store
 
@@ -27,6 +28,7 @@ DEFAULT_LORA_RANK = 32
 MODEL_RESOURCE = "tinkerrpc.v1.Model"
 CHECKPOINT_RESOURCE = "tinkerrpc.v1.Checkpoint"
 VERSION_RESOURCE = "tinkerrpc.v1.PolicyVersion"
+BASE_MODEL_RESOURCE = "tinkerrpc.v1.BaseModel"
 
 
 def sampler_name(version: int) -> str:
@@ -163,8 +165,9 @@ class ModelRegistry:
             await self.roll_back(name, runtime)
         if runtime.training_client is None:
             row = self.row(name)
-            client = await self._backend.service.create_training_client_from_state_with_optimizer(
-                row.recovery_path
+            client = await bounded(
+                self._backend.service.create_training_client_from_state_with_optimizer(row.recovery_path),
+                "loading the training client",
             )
             self._store.set_run_id(name, str(client.model_id))
             runtime.training_client = client
@@ -210,7 +213,7 @@ class ModelRegistry:
         try:
             codec = await asyncio.to_thread(self._codecs.get, request.base_model, request.renderer)
         except model_store.UnknownBaseModelError as err:
-            raise errors.invalid_argument([("base_model", str(err))]) from err
+            raise errors.not_found(BASE_MODEL_RESOURCE, request.base_model, str(err)) from err
         except UnknownRendererError as err:
             raise errors.invalid_argument([("renderer", str(err))]) from err
         lora = request.lora

@@ -49,7 +49,7 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
         step_hooks: StepHooks,
     ) -> None:
         self._models = ModelRegistry(store, backend, codecs)
-        self._supervisor = EngineSupervisor(backend, self._models)
+        self._supervisor = EngineSupervisor(backend, self._models, limits.backend_timeout)
         self._trainer = Trainer(store, self._models, checkpoint_every, limits, step_hooks)
         self._checkpoints = Checkpoints(store, backend, self._models)
         self._sampler = Sampler(store, self._models, limits)

@@ -3,9 +3,12 @@
   every --checkpoint-every steps, save_state("step_NNNNNN"), all submitted at once (the SDK orders
   them by sequence id) → ONE transaction commits version N+1, the checkpoint rows, the metrics and
   the idempotency record → respond.
-A step that fails or is cancelled after it submitted work marks the model dirty; the next call that
-trains first rolls back to the recovery point (the last committed state checkpoint) and reloads the
-training client from it."""
+A step that fails, is cancelled or passes its deadline (service/deadlines.py bounds each future) after it
+submitted work marks the model dirty; the next call that trains first rolls back to the recovery point (the
+last committed state checkpoint) and reloads the training client from it. A step the engine refused as
+non-finite (NON_FINITE_UPDATE) changed nothing there: the model stays clean and only the saves submitted
+after it are deleted. A step that came back with a non-finite loss or metric from a backend without that
+guard fails NON_FINITE_UPDATE too, and rolls back."""
 
 from __future__ import annotations
 
@@ -22,8 +25,15 @@ from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server.service import errors
 from tinkerrpc_server.service.datums import Batch, build_batch
+from tinkerrpc_server.service.deadlines import bounded
 from tinkerrpc_server.service.limits import Limits
-from tinkerrpc_server.service.models import ModelRegistry, checkpoint_info, sampler_name, state_name
+from tinkerrpc_server.service.models import (
+    ModelRegistry,
+    ModelRuntime,
+    checkpoint_info,
+    sampler_name,
+    state_name,
+)
 from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE, CheckpointRow, ModelRow, Store
 from tinkerrpc_server.service.validation import (
     check_expected_version,
@@ -121,7 +131,7 @@ class Trainer:
             client = await self._models.training_client(request.model, runtime)
             runtime.dirty = True
             try:
-                response = await self._step(request, hashed, row, client, batch, started)
+                response = await self._step(request, hashed, row, runtime, client, batch, started)
             except asyncio.CancelledError:
                 log.warning(
                     "model %s: Train cancelled mid-step (deadline, client or engine loss); nothing committed, "
@@ -144,7 +154,7 @@ class Trainer:
         if record.request_hash != hashed:
             raise errors.failed_precondition(
                 errors.IDEMPOTENCY_KEY_REUSED,
-                f"idempotency key {request.idempotency_key!r} was used for a different request",
+                f"idempotency key {errors.shown(request.idempotency_key)} was used for a different request",
                 {"idempotency_key": request.idempotency_key, "policy_version": record.policy_version},
             )
         replay = pb.TrainResponse.FromString(record.response)
@@ -156,6 +166,7 @@ class Trainer:
         request: pb.TrainRequest,
         hashed: str,
         row: ModelRow,
+        runtime: ModelRuntime,
         client: tinker.TrainingClient,
         batch: Batch,
         started: float,
@@ -168,15 +179,30 @@ class Trainer:
         optim_step = client.optim_step(_adam(request.adam))
         sampler_save = client.save_weights_for_sampler(sampler_name(version))
         state_save = client.save_state(state_name(version)) if save_state else None
-        fb_output = await forward_backward
-        optim_output = await optim_step
+        fb_output = await bounded(forward_backward, "forward_backward")
+        try:
+            optim_output = await bounded(optim_step, "optim_step")
+        except tinker.RequestFailedError as err:
+            if not errors.is_non_finite_update(err):
+                raise
+            # The engine kept the weights and optimizer state: the training client is as before.
+            await self._discard_saves(sampler_save, state_save)
+            runtime.dirty = False
+            refused = errors.from_tinker(err)
+            assert refused is not None
+            raise refused from None
+        trainer_metrics = {**fb_output.metrics, **(optim_output.metrics or {})}
+        non_finite = sorted(key for key, value in trainer_metrics.items() if not math.isfinite(value))
+        if non_finite:
+            # A backend without the engine's guard applied it: the model rolls back (it stays dirty).
+            await self._discard_saves(sampler_save, state_save)
+            raise errors.non_finite_update(f"the step's {', '.join(non_finite)} came out non-finite")
         self._hooks.reached("after_optim")
-        sampler_path = (await sampler_save).path
+        sampler_path = (await bounded(sampler_save, "save_weights_for_sampler")).path
         self._hooks.reached("after_sampler_save")
-        state_path = (await state_save).path if state_save is not None else None
+        state_path = (await bounded(state_save, "save_state")).path if state_save is not None else None
         step_seconds = time.monotonic() - started
 
-        trainer_metrics = {**fb_output.metrics, **(optim_output.metrics or {})}
         metrics = types_pb2.TrainMetrics(
             loss=float(trainer_metrics.get("loss:sum", math.nan)),
             mean_reward=batch.mean_reward,
@@ -233,3 +259,18 @@ class Trainer:
             step_seconds,
         )
         return response
+
+    async def _discard_saves(
+        self,
+        sampler_save: tinker.APIFuture[tinker.types.SaveWeightsForSamplerResponse],
+        state_save: tinker.APIFuture[tinker.types.SaveWeightsResponse] | None,
+    ) -> None:
+        """A step that is not committed: the saves submitted after it still run (the SDK sent them at
+        once); their files are deleted so the next step can save under the same names."""
+        saves = [bounded(sampler_save, "save_weights_for_sampler")]
+        if state_save is not None:
+            saves.append(bounded(state_save, "save_state"))
+        saved = await asyncio.gather(*saves, return_exceptions=True)
+        await self._models.delete_tinker_paths(
+            [result.path for result in saved if not isinstance(result, BaseException)]
+        )
