@@ -1,0 +1,144 @@
+"""Slow and departed clients cannot starve the server (issue 16, item 5), against real processes.
+
+HTTP: half-sent requests to the hosted sidecar are closed by the server within its header timeout while
+normal requests still succeed, and connections beyond the cap are answered 503 and closed at once while
+gRPC keeps answering. Engine: a sample whose caller gave up is dropped instead of run, and a Train of
+another model queued behind a long sample completes before that sample does (order, not timings)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import tinker
+from hardening_support import SIDECAR_KEY, HostedServer
+from service.svc import CALL_TIMEOUT, TINY, create_model, rl_request, sample_chat
+
+from tinkerrpc_server.local.stack import LocalEngine
+from tinkerrpc_server.local.uvicorn_serving import HEADER_READ_TIMEOUT_SECONDS, MAX_CONNECTIONS
+
+HALF_REQUEST = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: appl"
+# How long past the header timeout a half-sent connection may stay open (a loaded 2-core machine).
+CLOSE_SLACK_SECONDS = 15.0
+
+
+def _half_sent(url: str, count: int) -> list[socket.socket]:
+    host, port = url.removeprefix("http://").split(":")
+    sockets = []
+    for _ in range(count):
+        sock = socket.create_connection((host, int(port)), timeout=10)
+        sock.sendall(HALF_REQUEST)
+        sockets.append(sock)
+    return sockets
+
+
+def _closed_by_server(sock: socket.socket, deadline: float) -> bytes | None:
+    """What the server sent before closing the connection, or None if it is still open at `deadline`."""
+    received = b""
+    while (remaining := deadline - time.monotonic()) > 0:
+        sock.settimeout(remaining)
+        try:
+            chunk = sock.recv(4096)
+        except TimeoutError:
+            return None
+        except ConnectionResetError:
+            return received
+        if not chunk:
+            return received
+        received += chunk
+    return None
+
+
+def _models(url: str) -> int:
+    request = urllib.request.Request(f"{url}/v1/models", headers={"Authorization": f"Bearer {SIDECAR_KEY}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return int(response.status)
+
+
+def test_half_sent_headers_are_closed_within_the_timeout(hosted_server: HostedServer) -> None:
+    slow = _half_sent(hosted_server.sidecar_url, 60)
+    try:
+        assert _models(hosted_server.sidecar_url) == 200
+        deadline = time.monotonic() + HEADER_READ_TIMEOUT_SECONDS + CLOSE_SLACK_SECONDS
+        still_open = [sock for sock in slow if _closed_by_server(sock, deadline) is None]
+        assert not still_open, f"{len(still_open)} of {len(slow)} half-sent connections still open"
+        assert _models(hosted_server.sidecar_url) == 200
+    finally:
+        for sock in slow:
+            sock.close()
+
+
+def test_connections_beyond_the_cap_are_refused_while_grpc_answers(hosted_server: HostedServer) -> None:
+    server = hosted_server.server
+    create_model(server.stub, "slow-clients")
+    slow = _half_sent(hosted_server.sidecar_url, MAX_CONNECTIONS + 20)
+    try:
+        # The server closes the newest ones at once (they are beyond the cap), with a 503.
+        soon = time.monotonic() + 5
+        refused = [reply for sock in slow[-20:] if (reply := _closed_by_server(sock, soon)) is not None]
+        assert len(refused) == 20, f"only {len(refused)} of the 20 over-cap connections were refused"
+        assert all(reply.startswith(b"HTTP/1.1 503") for reply in refused)
+        # gRPC is another server: Sample and Train still answer while the sidecar is at its cap.
+        sample = sample_chat(server.stub, "slow-clients", "respond with yes", n=2, max_tokens=4, seed=3)
+        trained = server.stub.Train(rl_request("slow-clients", sample, [1.0, 0.0]), timeout=CALL_TIMEOUT)
+        assert trained.policy_version == 1
+        # The capped connections are still closed by the header timeout, and the sidecar serves again.
+        deadline = time.monotonic() + HEADER_READ_TIMEOUT_SECONDS + CLOSE_SLACK_SECONDS
+        still_open = [sock for sock in slow[:-20] if _closed_by_server(sock, deadline) is None]
+        assert not still_open, f"{len(still_open)} capped connections still open"
+        assert _models(hosted_server.sidecar_url) == 200
+    finally:
+        for sock in slow:
+            sock.close()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEngine]:
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    work: Path = tmp_path_factory.mktemp("slow-engine")
+    with LocalEngine(work / "data", work / "models", work / "engine.log").start() as running:
+        yield running
+
+
+def test_abandoned_sample_is_dropped_and_train_runs_between_decode_steps(engine: LocalEngine) -> None:
+    with engine.service_client() as service:
+        trainer = service.create_lora_training_client(TINY, rank=8).result()
+        sampler = service.create_sampling_client(base_model=TINY).result()
+        prompt = tinker.types.ModelInput.from_ints([5, 6, 7, 8])
+        before = engine.stats()
+        # A long sample (sampling until the context is full, 8 rows) keeps the compute thread busy...
+        long_sample = sampler.sample(
+            prompt,
+            num_samples=8,
+            sampling_params=tinker.types.SamplingParams(max_tokens=1500, seed=1, stop=[]),
+        ).future()
+        time.sleep(1.0)
+        # ...a sample queued behind it whose caller gives up (its SDK call is cancelled)...
+        given_up = sampler.sample(
+            prompt, num_samples=1, sampling_params=tinker.types.SamplingParams(max_tokens=8, seed=2)
+        ).future()
+        time.sleep(1.0)
+        assert given_up.cancel()
+        # ...and a training step of another model, which must not wait for the long sample.
+        datum = tinker.types.Datum(
+            model_input=tinker.types.ModelInput.from_ints([5, 6, 7]),
+            loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]},
+        )
+        trainer.forward_backward([datum], "cross_entropy").result(timeout=120)
+        trainer.optim_step(tinker.types.AdamParams(learning_rate=1e-4)).result(timeout=120)
+        assert not long_sample.done(), "the Train finished only after the long sample"
+        assert len(long_sample.result(timeout=120).sequences) == 8
+        deadline = time.monotonic() + 30
+        while engine.stats()["abandoned_sample_requests"] == before["abandoned_sample_requests"]:
+            assert time.monotonic() < deadline, "the abandoned sample was never dropped"
+            time.sleep(0.2)
+        after = engine.stats()
+    assert after["abandoned_sample_requests"] - before["abandoned_sample_requests"] == 1
+    # Only the long sample ran: the abandoned one was dropped before it started.
+    assert after["sample_requests"] - before["sample_requests"] == 1
+    assert after["training_ops_between_decode_steps"] - before["training_ops_between_decode_steps"] >= 2
