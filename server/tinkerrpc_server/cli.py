@@ -81,7 +81,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 def _auth_token(args: argparse.Namespace) -> str | None:
     if args.auth_token_file is not None:
-        token: str = args.auth_token_file.read_text().strip()
+        try:
+            token: str = args.auth_token_file.read_text().strip()
+        except OSError as err:
+            raise SystemExit(
+                f"tinkerrpc serve: cannot read {args.auth_token_file}: {err.strerror or err}"
+            ) from err
         if not token:
             raise SystemExit(f"tinkerrpc serve: {args.auth_token_file} is empty")
         return token
