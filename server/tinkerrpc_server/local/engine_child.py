@@ -27,6 +27,7 @@ from tinkerrpc_server.settings import (
 )
 
 _PR_SET_PDEATHSIG = 1
+_PREDECESSOR_EXIT_SECONDS = 15.0
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -50,8 +51,9 @@ def main(argv: list[str]) -> int:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != args.parent_pid:
         return 1  # the server died before the signal was armed
-    # A standalone engine on this data dir (or a second serve's child) owns it already.
-    problem = own_data_dir(args.data_dir)
+    # A standalone engine may own this data dir. Patience: the child of a server killed just before
+    # this one started may still be exiting (a large model takes seconds to unmap), lock still held.
+    problem = own_data_dir(args.data_dir, patience=_PREDECESSOR_EXIT_SECONDS)
     if problem is not None:
         print(f"tinkerrpc engine: cannot start: {problem}", file=sys.stderr)
         return 1

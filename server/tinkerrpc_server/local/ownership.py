@@ -22,10 +22,10 @@ _HOLDER_PID_WAIT = 1.0
 _owned: dict[Path, int] = {}
 
 
-def own_data_dir(directory: Path) -> str | None:
+def own_data_dir(directory: Path, patience: float = 0.0) -> str | None:
     """Why this process cannot own `directory`, or None once it does (also when it already did):
     an exclusive flock on its lock file, held until the process exits, with our PID written there
-    for a refused process to name."""
+    for a refused process to name. A lock still held after `patience` seconds is refused."""
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         key = directory.resolve()
@@ -35,15 +35,21 @@ def own_data_dir(directory: Path) -> str | None:
         fd = os.open(directory / LOCK_FILE_NAME, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as err:
         return f"data dir {directory} is not writable: {err.strerror or err}"
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _holder_pid(fd)
-        os.close(fd)
-        return f"data dir {directory} is in use by another tinkerrpc process (pid {holder})"
-    except OSError as err:
-        os.close(fd)
-        return f"data dir {directory} cannot be locked: {err.strerror or err}"
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(0.1)
+                continue
+            holder = _holder_pid(fd)
+            os.close(fd)
+            return f"data dir {directory} is in use by another tinkerrpc process (pid {holder})"
+        except OSError as err:
+            os.close(fd)
+            return f"data dir {directory} cannot be locked: {err.strerror or err}"
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _owned[key] = fd
