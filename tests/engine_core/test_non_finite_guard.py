@@ -9,7 +9,10 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from tinker import types
 
+from tinkerrpc_server.engine.core import classify_error
+from tinkerrpc_server.engine.futures import FailedResult, JsonResult
 from tinkerrpc_server.engine.runtime import (
     NON_FINITE_UPDATE,
     BaseModelRuntime,
@@ -145,3 +148,14 @@ def test_a_first_step_that_overflows_leaves_no_optimizer_state(runtime: BaseMode
     for model_id in (poisoned, twin):
         train_step(runtime, model_id)
     assert_same(state_of(runtime, poisoned), state_of(runtime, twin))
+
+
+def test_a_result_json_cannot_carry_fails_its_request() -> None:
+    """A non-finite metric used to break retrieve_future's JSON encoding (HTTP 500, retried by the SDK
+    forever); now the operation fails where it runs, as a server error the SDK reports."""
+    assert JsonResult(types.OptimStepResponse(metrics={"grad_norm:mean": 1.5}))
+    with pytest.raises(ValueError, match="JSON cannot carry") as raised:
+        JsonResult(types.OptimStepResponse(metrics={"grad_norm:mean": float("nan")}))
+    outcome = classify_error(raised.value)
+    assert isinstance(outcome, FailedResult) and outcome.category == "server"
+    assert "OptimStepResponse holds a value JSON cannot carry" in outcome.message

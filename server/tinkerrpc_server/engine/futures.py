@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import json
 import threading
 import uuid
 from collections import OrderedDict
@@ -20,6 +21,20 @@ ErrorCategory = Literal["user", "server"]
 @dataclass
 class JsonResult:
     payload: pydantic.BaseModel  # one of the SDK's response types, sent as JSON
+
+    def __post_init__(self) -> None:
+        # Checked where the work runs: a value JSON cannot carry (NaN, infinity) fails the request, which
+        # the SDK reports, instead of an HTTP 500 from retrieve_future, which the SDK retries without end.
+        try:
+            json.dumps(self.payload.model_dump(mode="json"), allow_nan=False)
+        except ValueError as error:
+            raise UnencodableResultError(
+                f"{type(self.payload).__name__} holds a value JSON cannot carry ({error})"
+            ) from None
+
+
+class UnencodableResultError(ValueError):
+    """An operation's result holds a non-finite number; the request fails as a server error."""
 
 
 @dataclass
