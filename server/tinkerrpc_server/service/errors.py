@@ -3,6 +3,7 @@ and turned into the call's status in one place (see `abort_with`)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 import grpc
@@ -140,14 +141,26 @@ def _wire_reason(reason: ErrorReason.ValueType) -> str:
     return ErrorReason.Name(reason).removeprefix("ERROR_REASON_")
 
 
-def is_non_finite_update(error: Exception) -> bool:
-    """The embedded engine refused an optimizer step whose gradients or updated weights were not finite,
-    keeping its weights and optimizer state: its message starts with the reason's wire name."""
-    return (
+# The embedded engine's message for an optimizer step it refused because its loss, gradients or updated
+# weights were not finite (it kept its weights and optimizer state) starts with the reason's wire name;
+# the SDK wraps it in "Request failed: <message> for self.request_id=...".
+_NON_FINITE_UPDATE_MESSAGE = re.compile(
+    rf"\b{_wire_reason(NON_FINITE_UPDATE)}: (?P<detail>.*?)(?: for self\.request_id=.*)?$", re.DOTALL
+)
+
+
+def _non_finite_detail(error: Exception) -> str | None:
+    if not (
         isinstance(error, tinker.RequestFailedError)
         and error.category == tinker.types.RequestErrorCategory.User
-        and error.message.startswith(f"{_wire_reason(NON_FINITE_UPDATE)}:")
-    )
+    ):
+        return None
+    match = _NON_FINITE_UPDATE_MESSAGE.search(error.message)
+    return match.group("detail") if match else None
+
+
+def is_non_finite_update(error: Exception) -> bool:
+    return _non_finite_detail(error) is not None
 
 
 def non_finite_update(detail: str) -> ServiceError:
@@ -162,9 +175,9 @@ def from_tinker(error: Exception) -> ServiceError | None:
     """Map a tinker SDK error to a status: the caller's fault → INVALID_ARGUMENT, unreachable → UNAVAILABLE."""
     if isinstance(error, tinker.APIConnectionError):
         return ServiceError(grpc.StatusCode.UNAVAILABLE, f"Tinker backend unreachable: {error}")
-    if is_non_finite_update(error):
-        assert isinstance(error, tinker.RequestFailedError)
-        return non_finite_update(error.message.split(":", 1)[1].strip())
+    non_finite = _non_finite_detail(error)
+    if non_finite is not None:
+        return non_finite_update(non_finite)
     if isinstance(error, tinker.RequestFailedError):
         if error.category == tinker.types.RequestErrorCategory.User:
             return ServiceError(
