@@ -84,13 +84,13 @@ class ModelRegistry:
     def row(self, name: str) -> ModelRow:
         row = self._store.get_model(name)
         if row is None:
-            raise errors.not_found(MODEL_RESOURCE, name, f"model {name!r} not found")
+            raise errors.not_found(MODEL_RESOURCE, name, f"model {errors.shown(name)} not found")
         return row
 
     def runtime(self, name: str) -> ModelRuntime:
         runtime = self._runtimes.get(name)
         if runtime is None:
-            raise errors.not_found(MODEL_RESOURCE, name, f"model {name!r} not found")
+            raise errors.not_found(MODEL_RESOURCE, name, f"model {errors.shown(name)} not found")
         return runtime
 
     async def codec(self, row: ModelRow) -> ChatCodec:
