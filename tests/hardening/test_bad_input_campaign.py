@@ -149,6 +149,11 @@ def grpc_rows(s: Setup) -> list[GrpcRow]:
         GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model=TINY, lora=types_pb2.LoraConfig(rank=-1)), Code.INVALID_ARGUMENT, "lora.rank"),
         GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model=TINY, renderer="no-such-renderer"), Code.INVALID_ARGUMENT, "renderer"),
         GrpcRow("CreateModel", pb.CreateModelRequest(name=MODEL, base_model=TINY), Code.ALREADY_EXISTS, MODEL),
+        # base_model is a model name, never a path: the model store knows none (issue 16: any folder
+        # holding a config.json was loaded)
+        GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model="../x"), Code.NOT_FOUND, "not a model name"),
+        GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model=str(s.server.proc.data_dir.parent / "models" / TINY)), Code.NOT_FOUND, "not a model name"),
+        GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model=f"{TINY}/../../{TINY}"), Code.NOT_FOUND, "not a model name"),
         # GetModel, DeleteModel
         GrpcRow("GetModel", pb.GetModelRequest(name="ghost"), Code.NOT_FOUND, "ghost"),
         GrpcRow("GetModel", pb.GetModelRequest(name=""), Code.NOT_FOUND, "model '' not found"),
