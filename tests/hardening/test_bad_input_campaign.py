@@ -250,6 +250,23 @@ def grpc_rows(s: Setup) -> list[GrpcRow]:
         GrpcRow("Sample", pb.SampleRequest(model=MODEL, text="x", params=_params(), policy_version=42), Code.NOT_FOUND, "no sampleable version 42"),
         # Over --max-message-mb 1: grpc's own "Received message larger than max (N vs. 1048576)".
         GrpcRow("Sample", _sample(text="x" * (2 * 1024 * 1024)), Code.RESOURCE_EXHAUSTED, "1048576"),
+        # Starvation caps and control tokens (issue 16 items 5-6): text over 32 bytes per context token
+        # (tiny-chat: 2048 x 32 = 65536) is refused before tokenising; top_logprobs, stop strings and stop
+        # token ids are capped; renderers that cannot render with the model's tokenizer are refused.
+        GrpcRow("Sample", _sample(text="x" * 100_000), Code.INVALID_ARGUMENT, "text: 100000 bytes of text cannot fit"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("x" * 100_000)])), Code.INVALID_ARGUMENT, "chat.messages: 1000"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[types_pb2.Tool(name="f", description="d" * 100_000)])), Code.INVALID_ARGUMENT, "chat.messages: 1000"),
+        GrpcRow("Sample", _sample(_params(top_logprobs=21)), Code.INVALID_ARGUMENT, "params.top_logprobs: must be in [0, 20]"),
+        GrpcRow("Sample", _sample(_params(top_logprobs=2_000_000)), Code.INVALID_ARGUMENT, "params.top_logprobs"),
+        GrpcRow("Sample", _sample(_params(stop=["a"] * 17)), Code.INVALID_ARGUMENT, "params.stop: 17 stop strings: at most 16"),
+        GrpcRow("Sample", _sample(_params(stop=[f"s{i}" for i in range(10_000)])), Code.INVALID_ARGUMENT, "params.stop: 10000 stop strings"),
+        GrpcRow("Sample", _sample(_params(stop=["x" * 257])), Code.INVALID_ARGUMENT, "params.stop: a stop string of 257 bytes"),
+        GrpcRow("Sample", _sample(_params(stop=["\u20ac" * 100])), Code.INVALID_ARGUMENT, "params.stop: a stop string of 300 bytes"),
+        GrpcRow("Sample", _sample(_params(stop_token_ids=[1] * 129)), Code.INVALID_ARGUMENT, "params.stop_token_ids: 129 ids"),
+        GrpcRow("Train", _sft([user("x" * 100_000), assistant("a")]), Code.INVALID_ARGUMENT, "examples[0].messages: 1000"),
+        GrpcRow("Train", _train(s, lambda r: r.groups[0].trajectories[0].messages.append(user("x" * 100_000))), Code.INVALID_ARGUMENT, "groups[0].trajectories[0].messages: 1000"),
+        GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model=TINY, renderer="deepseekv3"), Code.INVALID_ARGUMENT, "renderer: renderer 'deepseekv3' cannot render"),
+        GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model=TINY, renderer="glm5_3_max_reasoning"), Code.INVALID_ARGUMENT, "renderer: renderer 'glm5_3_max_reasoning' does not work"),
     ]  # fmt: skip
 
 

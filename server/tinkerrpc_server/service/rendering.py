@@ -272,7 +272,10 @@ class ChatCodecs:
                 f"renderer {renderer_name!r} does not work with {base_model!r}'s tokenizer: {err}"
             ) from err
         try:
+            # What every Sample does: render, stop at the end of a turn, parse the reply.
             renderer.build_generation_prompt([{"role": "user", "content": "hello"}])
+            renderer.get_stop_sequences()
+            renderer.parse_response(list(tokenizer.encode("hello", add_special_tokens=False)))
         except Exception as err:
             raise UnknownRendererError(
                 f"renderer {renderer_name!r} cannot render a conversation with {base_model!r}'s tokenizer: "
