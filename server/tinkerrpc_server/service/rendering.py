@@ -257,7 +257,8 @@ class ChatCodecs:
         try:
             local_dir = model_store.resolve_base_model(base_model, self._model_dir)
         except model_store.UnknownBaseModelError:
-            if not self._allow_remote:
+            # Only a model name goes to the hub: a path would load a tokenizer from any local folder.
+            if not self._allow_remote or not model_store.is_model_name(base_model):
                 raise
             local_dir = None
         tokenizer = get_tokenizer(str(local_dir) if local_dir is not None else base_model)
