@@ -1,7 +1,7 @@
 """One request must not starve the others (issue 16, item 5). Before the fix a 16 MiB text prompt was
 tokenised on the server's event loop (every RPC, health included, froze ~21 s), and gRPC took unbounded
 top_logprobs and stop-string lists. Now text over 32 UTF-8 bytes per token of the model's context is
-INVALID_ARGUMENT naming its field before anything tokenises it, rendering runs on worker threads, and
+INVALID_ARGUMENT naming its field before anything tokenises it, rendering runs off the event loop, and
 top_logprobs (<= 20), stop strings (<= 16, <= 256 bytes each) and stop token ids (<= 128) are capped.
 
 Outcomes, not timings: huge requests are sent first, then a health check and a Sample on another model

@@ -19,7 +19,7 @@ from tinkerrpc_server import model_store
 from tinkerrpc_server.service import errors
 from tinkerrpc_server.service.backend import Backend
 from tinkerrpc_server.service.deadlines import bounded
-from tinkerrpc_server.service.rendering import ChatCodec, ChatCodecs, UnknownRendererError
+from tinkerrpc_server.service.rendering import ChatCodec, ChatCodecs, UnknownRendererError, off_loop
 from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE, CheckpointRow, ModelRow, Store
 
 log = logging.getLogger("tinkerrpc.service")
@@ -94,7 +94,7 @@ class ModelRegistry:
         return runtime
 
     async def codec(self, row: ModelRow) -> ChatCodec:
-        return await asyncio.to_thread(self._codecs.get, row.base_model, row.renderer)
+        return await off_loop(lambda: self._codecs.get(row.base_model, row.renderer))
 
     def info(self, row: ModelRow) -> types_pb2.ModelInfo:
         return types_pb2.ModelInfo(
@@ -211,7 +211,7 @@ class ModelRegistry:
 
     async def _create(self, request: pb.CreateModelRequest, runtime: ModelRuntime) -> types_pb2.ModelInfo:
         try:
-            codec = await asyncio.to_thread(self._codecs.get, request.base_model, request.renderer)
+            codec = await off_loop(lambda: self._codecs.get(request.base_model, request.renderer))
         except model_store.UnknownBaseModelError as err:
             raise errors.not_found(BASE_MODEL_RESOURCE, request.base_model, str(err)) from err
         except UnknownRendererError as err:

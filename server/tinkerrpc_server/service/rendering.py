@@ -42,17 +42,18 @@ ROLE_NAMES = {
 _ROLES_BY_NAME = {name: role for role, name in ROLE_NAMES.items()}
 
 
-# Tokenising and rendering run on these threads, off the event loop, so one huge request cannot freeze
-# health checks and other models' calls; few of them, so concurrent huge requests queue for a thread
-# instead of each adding one.
-RENDER_THREADS = 4
-_render_pool = ThreadPoolExecutor(max_workers=RENDER_THREADS, thread_name_prefix="tinkerrpc-render")
+# Every use of a tokenizer (loading codecs, rendering, tokenising, decoding) runs on this one thread, off
+# the event loop, so a huge request cannot freeze health checks and other calls, and concurrent huge
+# requests queue instead of adding threads. One thread, because a Hugging Face tokenizer is shared by
+# the codecs of a base model and keeps per-call settings (split_special_tokens) in shared state:
+# concurrent calls fail ("Already borrowed") or, worse, tokenise with another call's setting.
+_render_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinkerrpc-render")
 
 Result = TypeVar("Result")
 
 
 async def off_loop(work: Callable[[], Result]) -> Result:
-    """`work()` on the rendering threads."""
+    """`work()` on the rendering thread."""
     return await asyncio.get_running_loop().run_in_executor(_render_pool, work)
 
 

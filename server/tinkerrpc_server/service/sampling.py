@@ -129,7 +129,7 @@ class Sampler:
         result = await client.sample(
             tinker.types.ModelInput.from_ints(prompt),
             num_samples=params.n or 1,
-            sampling_params=_sampling_params(params, codec),
+            sampling_params=await off_loop(lambda: _sampling_params(params, codec)),
             include_prompt_logprobs=params.include_prompt_logprobs,
         )
         sequences = await off_loop(
