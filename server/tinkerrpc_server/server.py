@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tinkerrpc.v1 import trainer_service_pb2, trainer_service_pb2_grpc
-from tinkerrpc_server.auth import BearerTokenInterceptor
+from tinkerrpc_server.interceptors import BearerTokenInterceptor, RequestDecodingInterceptor
 from tinkerrpc_server.local.engine_process import BackendStartError, EmbeddedEngine, probe_data_dir
 from tinkerrpc_server.local.ownership import own_data_dir
 from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
@@ -104,7 +104,10 @@ async def _serve(config: ServerConfig, service: TrainerService) -> int:
         # gRPC's default would let a second server bind the same port and take half the calls.
         ("grpc.so_reuseport", 0),
     ]
-    interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+    interceptors: list[grpc.aio.ServerInterceptor] = [RequestDecodingInterceptor()]  # type: ignore[type-arg]
+    if config.auth_token:
+        # First: a caller without the token learns nothing, not even whether its request decodes.
+        interceptors.insert(0, BearerTokenInterceptor(config.auth_token))
     server = grpc.aio.server(options=options, interceptors=interceptors)
     trainer_service_pb2_grpc.add_TrainerServiceServicer_to_server(service, server)
     # grpc-stubs' grpc_health stubs lack grpcio-health-checking's `aio` (grpc_health.v1._async).

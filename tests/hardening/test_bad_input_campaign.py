@@ -59,7 +59,7 @@ def setup(hosted_server: HostedServer) -> Setup:
 @dataclass(frozen=True)
 class GrpcRow:
     rpc: str
-    request: ProtoMessage
+    request: ProtoMessage | bytes  # bytes: sent as they are, for requests no valid message encodes
     code: grpc.StatusCode
     needle: str
 
@@ -90,6 +90,25 @@ def _sample(params: types_pb2.SamplingParams | None = None, **prompt: Any) -> pb
     if not prompt:
         prompt = {"text": "hello"}
     return pb.SampleRequest(model=MODEL, params=params or types_pb2.SamplingParams(max_tokens=2), **prompt)
+
+
+def _bad_utf8(request: ProtoMessage, text: str) -> bytes:
+    """`request` encoded, with `text` in one of its string fields replaced by bytes that are not UTF-8."""
+    encoded = request.SerializeToString()
+    assert encoded.count(text.encode()) == 1
+    return encoded.replace(text.encode(), b"\xff" * len(text.encode()))
+
+
+def _tool(parameters_json: str) -> types_pb2.Tool:
+    return types_pb2.Tool(name="f", parameters_json=parameters_json)
+
+
+def _call(arguments_json: str) -> types_pb2.Message:
+    """An assistant message calling tool f with `arguments_json`."""
+    return types_pb2.Message(
+        role=types_pb2.ROLE_ASSISTANT,
+        tool_calls=[types_pb2.ToolCall(id="c1", name="f", arguments_json=arguments_json)],
+    )
 
 
 def _params(**fields: Any) -> types_pb2.SamplingParams:
@@ -267,6 +286,21 @@ def grpc_rows(s: Setup) -> list[GrpcRow]:
         GrpcRow("Train", _train(s, lambda r: r.groups[0].trajectories[0].messages.append(user("x" * 100_000))), Code.INVALID_ARGUMENT, "groups[0].trajectories[0].messages: 1000"),
         GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model=TINY, renderer="deepseekv3"), Code.INVALID_ARGUMENT, "renderer: renderer 'deepseekv3' cannot render"),
         GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model=TINY, renderer="glm5_3_max_reasoning"), Code.INVALID_ARGUMENT, "renderer: renderer 'glm5_3_max_reasoning' does not work"),
+        # JSON carried in strings: malformed, nested past the parser, or not an object
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool("{")])), Code.INVALID_ARGUMENT, "chat.tools[0].parameters_json: must be a JSON Schema object (invalid JSON"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool("[" * 20_000)])), Code.INVALID_ARGUMENT, "(nested too deeply)"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool("[1, 2]")])), Code.INVALID_ARGUMENT, "(got an array)"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool('"text"')])), Code.INVALID_ARGUMENT, "(got a string)"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi"), _call('{"a": ')])), Code.INVALID_ARGUMENT, "chat.messages[1].tool_calls[0].arguments_json: must be a JSON object (invalid JSON"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi"), _call("{\"a\": " * 5_000)])), Code.INVALID_ARGUMENT, "(nested too deeply)"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi"), _call("null")])), Code.INVALID_ARGUMENT, "(got null)"),
+        GrpcRow("Train", _sft([user("hi"), _call("7"), assistant("a")]), Code.INVALID_ARGUMENT, "examples[0].messages[1].tool_calls[0].arguments_json: must be a JSON object (got a number)"),
+        # Bytes no valid message encodes: invalid UTF-8 in a string field, a truncated field
+        GrpcRow("GetModel", _bad_utf8(pb.GetModelRequest(name=MODEL), MODEL), Code.INVALID_ARGUMENT, "request: not a valid /tinkerrpc.v1.TrainerService/GetModel request"),
+        GrpcRow("Sample", _bad_utf8(_sample(text="say hello"), "hello"), Code.INVALID_ARGUMENT, "bad UTF-8"),
+        GrpcRow("Train", _bad_utf8(_sft([user("pick one"), assistant("a")]), "pick"), Code.INVALID_ARGUMENT, "request: not a valid"),
+        GrpcRow("ExportWeights", _bad_utf8(pb.ExportWeightsRequest(model=MODEL), MODEL), Code.INVALID_ARGUMENT, "request: not a valid"),
+        GrpcRow("ListCheckpoints", pb.ListCheckpointsRequest(model=MODEL).SerializeToString()[:-3], Code.INVALID_ARGUMENT, "request: not a valid"),
     ]  # fmt: skip
 
 
@@ -340,8 +374,13 @@ def _state(s: Setup, probe: list[int]) -> dict[str, Any]:
 
 def _grpc_outcome(s: Setup, row: GrpcRow) -> tuple[grpc.StatusCode, str]:
     streams = pb.DESCRIPTOR.services_by_name["TrainerService"].methods_by_name[row.rpc].server_streaming
+    if isinstance(row.request, bytes):
+        path = f"/tinkerrpc.v1.TrainerService/{row.rpc}"
+        call = s.server.channel.unary_stream(path) if streams else s.server.channel.unary_unary(path)
+    else:
+        call = getattr(s.server.stub, row.rpc)
     try:
-        answer = getattr(s.server.stub, row.rpc)(row.request, timeout=CALL_TIMEOUT)
+        answer = call(row.request, timeout=CALL_TIMEOUT)
         if streams:
             list(answer)
     except grpc.RpcError as err:

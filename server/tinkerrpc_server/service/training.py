@@ -17,8 +17,10 @@ import hashlib
 import logging
 import math
 import time
+from collections.abc import Awaitable
 from typing import Literal, Protocol
 
+import grpc
 import tinker
 
 from tinkerrpc.v1 import trainer_service_pb2 as pb
@@ -132,13 +134,17 @@ class Trainer:
             runtime.dirty = True
             try:
                 response = await self._step(request, hashed, row, runtime, client, batch, started)
-            except asyncio.CancelledError:
-                log.warning(
-                    "model %s: Train cancelled mid-step (deadline, client or engine loss); nothing committed, "
-                    "the model rolls back to version %d before its next step",
-                    row.name,
-                    row.policy_version,
-                )
+            except (asyncio.CancelledError, errors.ServiceError) as ended:
+                if (
+                    isinstance(ended, asyncio.CancelledError)
+                    or ended.code == grpc.StatusCode.DEADLINE_EXCEEDED
+                ):
+                    log.warning(
+                        "model %s: Train cancelled mid-step (deadline, client or engine loss); nothing "
+                        "committed, the model rolls back to version %d before its next step",
+                        row.name,
+                        row.policy_version,
+                    )
                 raise
             runtime.dirty = False
             self._hooks.reached("after_commit")
@@ -171,14 +177,44 @@ class Trainer:
         batch: Batch,
         started: float,
     ) -> pb.TrainResponse:
-        name = row.name
         version = row.policy_version + 1
         loss = loss_name(request)
         save_state = version % self._checkpoint_every == 0
-        forward_backward = client.forward_backward(batch.datums, loss, _loss_config(request.loss, loss))
-        optim_step = client.optim_step(_adam(request.adam))
-        sampler_save = client.save_weights_for_sampler(sampler_name(version))
-        state_save = client.save_state(state_name(version)) if save_state else None
+        # The SDK sends all four at once; each waits for its result in a task of its own, so a step that
+        # ends early (cancelled, past its deadline, failed) cancels the waits it no longer needs and the
+        # engine drops those operations instead of running them for nobody.
+        forward_backward = asyncio.ensure_future(
+            client.forward_backward(batch.datums, loss, _loss_config(request.loss, loss))
+        )
+        optim_step = asyncio.ensure_future(client.optim_step(_adam(request.adam)))
+        sampler_save = asyncio.ensure_future(client.save_weights_for_sampler(sampler_name(version)))
+        state_save = asyncio.ensure_future(client.save_state(state_name(version))) if save_state else None
+        try:
+            return await self._finish_step(
+                request, hashed, row, runtime, client, batch, started,
+                forward_backward, optim_step, sampler_save, state_save,
+            )  # fmt: skip
+        finally:
+            for operation in (forward_backward, optim_step, sampler_save, state_save):
+                if operation is not None:
+                    operation.cancel()  # a no-op for those already done
+
+    async def _finish_step(
+        self,
+        request: pb.TrainRequest,
+        hashed: str,
+        row: ModelRow,
+        runtime: ModelRuntime,
+        client: tinker.TrainingClient,
+        batch: Batch,
+        started: float,
+        forward_backward: asyncio.Future[tinker.types.ForwardBackwardOutput],
+        optim_step: asyncio.Future[tinker.types.OptimStepResponse],
+        sampler_save: asyncio.Future[tinker.types.SaveWeightsForSamplerResponse],
+        state_save: asyncio.Future[tinker.types.SaveWeightsResponse] | None,
+    ) -> pb.TrainResponse:
+        name = row.name
+        version = row.policy_version + 1
         fb_output = await bounded(forward_backward, "forward_backward")
         try:
             optim_output = await bounded(optim_step, "optim_step")
@@ -262,11 +298,12 @@ class Trainer:
 
     async def _discard_saves(
         self,
-        sampler_save: tinker.APIFuture[tinker.types.SaveWeightsForSamplerResponse],
-        state_save: tinker.APIFuture[tinker.types.SaveWeightsResponse] | None,
+        sampler_save: asyncio.Future[tinker.types.SaveWeightsForSamplerResponse],
+        state_save: asyncio.Future[tinker.types.SaveWeightsResponse] | None,
     ) -> None:
         """A step that is not committed: the saves submitted after it still run (the SDK sent them at
         once); their files are deleted so the next step can save under the same names."""
+        saves: list[Awaitable[tinker.types.SaveWeightsForSamplerResponse | tinker.types.SaveWeightsResponse]]
         saves = [bounded(sampler_save, "save_weights_for_sampler")]
         if state_save is not None:
             saves.append(bounded(state_save, "save_state"))

@@ -229,26 +229,39 @@ def _check_trajectory(
             )
 
 
+def _json_object_problem(text: str) -> str:
+    """Why `text` (empty means {}) is not a JSON object, or "" when it is. A nesting too deep for the parser
+    is a client error like any other malformed JSON, not an internal one."""
+    try:
+        value = json.loads(text or "{}")
+    except json.JSONDecodeError as error:
+        return f"invalid JSON at character {error.pos}"
+    except RecursionError:
+        return "nested too deeply"
+    if isinstance(value, dict):
+        return ""
+    kinds = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return f"got {kinds.get(type(value), 'null')}"
+
+
 def _check_messages(v: Violations, messages: list[types_pb2.Message], field: str) -> None:
     """Messages a renderer cannot take."""
     for i, message in enumerate(messages):
         if message.role not in ROLE_NAMES:
             v.add(f"{field}[{i}].role", "role must be system, user, assistant or tool")
         for j, call in enumerate(message.tool_calls):
-            try:
-                json.loads(call.arguments_json or "{}")
-            except json.JSONDecodeError:
-                v.add(f"{field}[{i}].tool_calls[{j}].arguments_json", "must be a JSON object")
+            problem = _json_object_problem(call.arguments_json)
+            if problem:
+                v.add(f"{field}[{i}].tool_calls[{j}].arguments_json", f"must be a JSON object ({problem})")
 
 
 def _check_tools(v: Violations, tools: list[types_pb2.Tool], field: str) -> None:
     for i, tool in enumerate(tools):
         if not tool.name:
             v.add(f"{field}[{i}].name", "tool name is required")
-        try:
-            json.loads(tool.parameters_json or "{}")
-        except json.JSONDecodeError:
-            v.add(f"{field}[{i}].parameters_json", "must be a JSON Schema object")
+        problem = _json_object_problem(tool.parameters_json)
+        if problem:
+            v.add(f"{field}[{i}].parameters_json", f"must be a JSON Schema object ({problem})")
 
 
 def check_create_model(request: trainer_service_pb2.CreateModelRequest) -> None:
