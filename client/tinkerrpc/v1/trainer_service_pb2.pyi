@@ -22,6 +22,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from tinkerrpc.v1 import types_pb2 as _types_pb2
 import builtins as _builtins
 import sys
@@ -34,6 +35,30 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _BackendKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _BackendKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BackendKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    BACKEND_KIND_UNSPECIFIED: _BackendKind.ValueType  # 0
+    """Not set."""
+    BACKEND_KIND_EMBEDDED_ENGINE: _BackendKind.ValueType  # 1
+    """The embedded engine: a Tinker-compatible HTTP engine (PyTorch + PEFT) the server runs as a child."""
+    BACKEND_KIND_TINKER: _BackendKind.ValueType  # 2
+    """Tinker itself (the server was started with TINKER_API_KEY)."""
+
+class BackendKind(_BackendKind, metaclass=_BackendKindEnumTypeWrapper):
+    """Where the server trains."""
+
+BACKEND_KIND_UNSPECIFIED: BackendKind.ValueType  # 0
+"""Not set."""
+BACKEND_KIND_EMBEDDED_ENGINE: BackendKind.ValueType  # 1
+"""The embedded engine: a Tinker-compatible HTTP engine (PyTorch + PEFT) the server runs as a child."""
+BACKEND_KIND_TINKER: BackendKind.ValueType  # 2
+"""Tinker itself (the server was started with TINKER_API_KEY)."""
+Global___BackendKind: _TypeAlias = BackendKind  # noqa: Y015
+
 @_typing.final
 class CreateModelRequest(_message.Message):
     """CreateModel input."""
@@ -45,6 +70,7 @@ class CreateModelRequest(_message.Message):
     LORA_FIELD_NUMBER: _builtins.int
     RENDERER_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    EXIST_OK_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Unique name: 1-64 characters of [A-Za-z0-9._-], starting with a letter or digit."""
     base_model: _builtins.str
@@ -53,6 +79,13 @@ class CreateModelRequest(_message.Message):
     """tinker-cookbook renderer name; empty = the recommended renderer for the base model."""
     seed: _builtins.int
     """Seed for the adapter initialisation (default 0)."""
+    exist_ok: _builtins.bool
+    """Get-or-create: when a model of this name exists with the same base model, LoRA shape (rank,
+    train_mlp, train_attn, train_unembed) and renderer (empty = the base model's recommended one),
+    return it as it is (at its current policy version) instead of failing ALREADY_EXISTS. A model
+    that differs in any of those is still ALREADY_EXISTS, and the message names each difference.
+    The seed is not compared: it only chose the initial adapter.
+    """
     @_builtins.property
     def lora(self) -> _types_pb2.LoraConfig:
         """Adapter shape; defaults as documented on LoraConfig."""
@@ -65,10 +98,11 @@ class CreateModelRequest(_message.Message):
         lora: _types_pb2.LoraConfig | None = ...,
         renderer: _builtins.str = ...,
         seed: _builtins.int | None = ...,
+        exist_ok: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "lora", b"lora", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "base_model", b"base_model", "lora", b"lora", "name", b"name", "renderer", b"renderer", "seed", b"seed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "base_model", b"base_model", "exist_ok", b"exist_ok", "lora", b"lora", "name", b"name", "renderer", b"renderer", "seed", b"seed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
@@ -85,7 +119,7 @@ class CreateModelResponse(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def model(self) -> _types_pb2.ModelInfo:
-        """The new model, at policy version 0."""
+        """The new model, at policy version 0 (with exist_ok, the existing model as it is)."""
 
     def __init__(
         self,
@@ -778,3 +812,123 @@ class ExportWeightsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
 
 Global___ExportWeightsResponse: _TypeAlias = ExportWeightsResponse  # noqa: Y015
+
+@_typing.final
+class GetServerInfoRequest(_message.Message):
+    """GetServerInfo input."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetServerInfoRequest: _TypeAlias = GetServerInfoRequest  # noqa: Y015
+
+@_typing.final
+class ServerLimits(_message.Message):
+    """The limits a request must stay within; a request over one is refused (INVALID_ARGUMENT naming the
+    field, or RESOURCE_EXHAUSTED naming the server flag for Train batches and message sizes).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_SAMPLE_N_FIELD_NUMBER: _builtins.int
+    MAX_SAMPLE_TOKENS_FIELD_NUMBER: _builtins.int
+    MAX_TRAIN_TRAJECTORIES_FIELD_NUMBER: _builtins.int
+    MAX_TRAIN_TOKENS_FIELD_NUMBER: _builtins.int
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _builtins.int
+    MAX_TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    MAX_STOP_STRINGS_FIELD_NUMBER: _builtins.int
+    MAX_STOP_STRING_BYTES_FIELD_NUMBER: _builtins.int
+    MAX_STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    BACKEND_TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    max_sample_n: _builtins.int
+    """Completions per Sample (SamplingParams.n)."""
+    max_sample_tokens: _builtins.int
+    """SamplingParams.max_tokens (the model's context also bounds prompt + max_tokens)."""
+    max_train_trajectories: _builtins.int
+    """Trajectories (RL) or examples (SFT) in one Train request."""
+    max_train_tokens: _builtins.int
+    """Tokens of all datums of one Train step (prompts and completions, after rendering)."""
+    max_message_bytes: _builtins.int
+    """Bytes of one gRPC message, sent or received."""
+    max_top_logprobs: _builtins.int
+    """SamplingParams.top_logprobs."""
+    max_stop_strings: _builtins.int
+    """Strings in SamplingParams.stop."""
+    max_stop_string_bytes: _builtins.int
+    """UTF-8 bytes of one stop string."""
+    max_stop_token_ids: _builtins.int
+    """Ids in SamplingParams.stop_token_ids."""
+    backend_timeout_seconds: _builtins.int
+    """Seconds a call without a gRPC deadline may wait on the backend."""
+    def __init__(
+        self,
+        *,
+        max_sample_n: _builtins.int = ...,
+        max_sample_tokens: _builtins.int = ...,
+        max_train_trajectories: _builtins.int = ...,
+        max_train_tokens: _builtins.int = ...,
+        max_message_bytes: _builtins.int = ...,
+        max_top_logprobs: _builtins.int = ...,
+        max_stop_strings: _builtins.int = ...,
+        max_stop_string_bytes: _builtins.int = ...,
+        max_stop_token_ids: _builtins.int = ...,
+        backend_timeout_seconds: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend_timeout_seconds", b"backend_timeout_seconds", "max_message_bytes", b"max_message_bytes", "max_sample_n", b"max_sample_n", "max_sample_tokens", b"max_sample_tokens", "max_stop_string_bytes", b"max_stop_string_bytes", "max_stop_strings", b"max_stop_strings", "max_stop_token_ids", b"max_stop_token_ids", "max_top_logprobs", b"max_top_logprobs", "max_train_tokens", b"max_train_tokens", "max_train_trajectories", b"max_train_trajectories"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ServerLimits: _TypeAlias = ServerLimits  # noqa: Y015
+
+@_typing.final
+class GetServerInfoResponse(_message.Message):
+    """GetServerInfo output."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVER_VERSION_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    SIDECAR_URL_FIELD_NUMBER: _builtins.int
+    SIDECAR_REQUIRES_API_KEY_FIELD_NUMBER: _builtins.int
+    LIMITS_FIELD_NUMBER: _builtins.int
+    server_version: _builtins.str
+    """The tinkerrpc server's version (its Python package version, e.g. "0.1.0")."""
+    backend: Global___BackendKind.ValueType
+    """Where models train and sample."""
+    sidecar_url: _builtins.str
+    """The OpenAI-compatible sidecar this server hosts (`serve --sidecar-port`), as the URL it listens
+    on, e.g. "http://127.0.0.1:8000/v1" (its host may be a wildcard such as 0.0.0.0 when the server
+    listens on every interface: dial the host you reached this server at). Empty when it hosts none.
+    """
+    sidecar_requires_api_key: _builtins.bool
+    """Whether that sidecar requires an API key (`authorization: Bearer KEY`)."""
+    @_builtins.property
+    def limits(self) -> Global___ServerLimits:
+        """The request limits."""
+
+    def __init__(
+        self,
+        *,
+        server_version: _builtins.str = ...,
+        backend: Global___BackendKind.ValueType = ...,
+        sidecar_url: _builtins.str = ...,
+        sidecar_requires_api_key: _builtins.bool = ...,
+        limits: Global___ServerLimits | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "limits", b"limits", "server_version", b"server_version", "sidecar_requires_api_key", b"sidecar_requires_api_key", "sidecar_url", b"sidecar_url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetServerInfoResponse: _TypeAlias = GetServerInfoResponse  # noqa: Y015

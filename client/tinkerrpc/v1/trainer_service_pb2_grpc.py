@@ -91,6 +91,11 @@ class TrainerServiceStub:
                 request_serializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.ExportWeightsRequest.SerializeToString,
                 response_deserializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.ExportWeightsResponse.FromString,
                 _registered_method=True)
+        self.GetServerInfo = channel.unary_unary(
+                '/tinkerrpc.v1.TrainerService/GetServerInfo',
+                request_serializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.GetServerInfoRequest.SerializeToString,
+                response_deserializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.GetServerInfoResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer:
@@ -184,6 +189,14 @@ class TrainerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetServerInfo(self, request, context):
+        """Describes the server: its version, backend, the OpenAI sidecar it hosts (if any) and the
+        limits its requests must stay within. Needs the bearer token like every other RPC.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -241,6 +254,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.ExportWeights,
                     request_deserializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.ExportWeightsRequest.FromString,
                     response_serializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.ExportWeightsResponse.SerializeToString,
+            ),
+            'GetServerInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServerInfo,
+                    request_deserializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.GetServerInfoRequest.FromString,
+                    response_serializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.GetServerInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -542,6 +560,33 @@ class TrainerService:
             '/tinkerrpc.v1.TrainerService/ExportWeights',
             tinkerrpc_dot_v1_dot_trainer__service__pb2.ExportWeightsRequest.SerializeToString,
             tinkerrpc_dot_v1_dot_trainer__service__pb2.ExportWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetServerInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tinkerrpc.v1.TrainerService/GetServerInfo',
+            tinkerrpc_dot_v1_dot_trainer__service__pb2.GetServerInfoRequest.SerializeToString,
+            tinkerrpc_dot_v1_dot_trainer__service__pb2.GetServerInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -85,6 +85,10 @@ class TrainerServiceStub:
     elsewhere (e.g. vLLM --lora-modules, PeftModel.from_pretrained). The first response describes
     the export; the file chunks follow. The model itself does not change.
     """
+    GetServerInfo: _grpc.UnaryUnaryMultiCallable[_trainer_service_pb2.GetServerInfoRequest, _trainer_service_pb2.GetServerInfoResponse]
+    """Describes the server: its version, backend, the OpenAI sidecar it hosts (if any) and the
+    limits its requests must stay within. Needs the bearer token like every other RPC.
+    """
 
 @_typing.type_check_only
 class TrainerServiceAsyncStub(TrainerServiceStub):
@@ -127,6 +131,10 @@ class TrainerServiceAsyncStub(TrainerServiceStub):
     adapter directory (adapter_config.json, adapter_model.safetensors, ...), to serve or merge
     elsewhere (e.g. vLLM --lora-modules, PeftModel.from_pretrained). The first response describes
     the export; the file chunks follow. The model itself does not change.
+    """
+    GetServerInfo: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.GetServerInfoRequest, _trainer_service_pb2.GetServerInfoResponse]  # type: ignore[assignment]
+    """Describes the server: its version, backend, the OpenAI sidecar it hosts (if any) and the
+    limits its requests must stay within. Needs the bearer token like every other RPC.
     """
 
 class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -233,6 +241,16 @@ class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
         adapter directory (adapter_config.json, adapter_model.safetensors, ...), to serve or merge
         elsewhere (e.g. vLLM --lora-modules, PeftModel.from_pretrained). The first response describes
         the export; the file chunks follow. The model itself does not change.
+        """
+
+    @_abc_1.abstractmethod
+    def GetServerInfo(
+        self,
+        request: _trainer_service_pb2.GetServerInfoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_trainer_service_pb2.GetServerInfoResponse, _abc.Awaitable[_trainer_service_pb2.GetServerInfoResponse]]:
+        """Describes the server: its version, backend, the OpenAI sidecar it hosts (if any) and the
+        limits its requests must stay within. Needs the bearer token like every other RPC.
         """
 
 def add_TrainerServiceServicer_to_server(servicer: TrainerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
