@@ -22,72 +22,81 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 from tinkerrpc.v1 import types_pb2 as tinkerrpc_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tinkerrpc/v1/trainer_service.proto\x12\x0ctinkerrpc.v1\x1a\x18tinkerrpc/v1/types.proto\"\x9e\x01\n\x12\x43reateModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12&\n\x04lora\x18\x03 \x01(\x0b\x32\x18.tinkerrpc.v1.LoraConfig\x12\x10\n\x08renderer\x18\x04 \x01(\t\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x10\n\x08\x65xist_ok\x18\x06 \x01(\x08\x42\x07\n\x05_seed\"=\n\x13\x43reateModelResponse\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.tinkerrpc.v1.ModelInfo\"\x1f\n\x0fGetModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\":\n\x10GetModelResponse\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.tinkerrpc.v1.ModelInfo\"\x13\n\x11ListModelsRequest\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.tinkerrpc.v1.ModelInfo\"\"\n\x12\x44\x65leteModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13\x44\x65leteModelResponse\"\xa6\x03\n\x0cTrainRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12-\n\x06groups\x18\x02 \x03(\x0b\x32\x1d.tinkerrpc.v1.TrajectoryGroup\x12\x31\n\x08\x65xamples\x18\x03 \x03(\x0b\x32\x1f.tinkerrpc.v1.SupervisedExample\x12&\n\x04loss\x18\x04 \x01(\x0b\x32\x18.tinkerrpc.v1.LossConfig\x12&\n\x04\x61\x64\x61m\x18\x05 \x01(\x0b\x32\x18.tinkerrpc.v1.AdamParams\x12\x32\n\nadvantages\x18\x06 \x01(\x0b\x32\x1e.tinkerrpc.v1.AdvantageOptions\x12\x1a\n\rmax_staleness\x18\x07 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10strict_staleness\x18\x08 \x01(\x08\x12\x17\n\x0fidempotency_key\x18\t \x01(\t\x12$\n\x17\x65xpected_policy_version\x18\n \x01(\x03H\x01\x88\x01\x01\x42\x10\n\x0e_max_stalenessB\x1a\n\x18_expected_policy_version\"\xd8\x01\n\rTrainResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12+\n\x07metrics\x18\x02 \x01(\x0b\x32\x1a.tinkerrpc.v1.TrainMetrics\x12\x38\n\x12sampler_checkpoint\x18\x03 \x01(\x0b\x32\x1c.tinkerrpc.v1.CheckpointInfo\x12\x36\n\x10state_checkpoint\x18\x04 \x01(\x0b\x32\x1c.tinkerrpc.v1.CheckpointInfo\x12\x10\n\x08replayed\x18\x05 \x01(\x08\"4\n\x15SaveCheckpointRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"J\n\x16SaveCheckpointResponse\x12\x30\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x1c.tinkerrpc.v1.CheckpointInfo\"\'\n\x16ListCheckpointsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"L\n\x17ListCheckpointsResponse\x12\x31\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x1c.tinkerrpc.v1.CheckpointInfo\"=\n\x18RestoreCheckpointRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\ncheckpoint\x18\x02 \x01(\t\"C\n\x19RestoreCheckpointResponse\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.tinkerrpc.v1.ModelInfo\"h\n\x17\x44\x65leteCheckpointRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\ncheckpoint\x18\x02 \x01(\t\x12*\n\x04kind\x18\x03 \x01(\x0e\x32\x1c.tinkerrpc.v1.CheckpointKind\"\x1a\n\x18\x44\x65leteCheckpointResponse\"X\n\nChatPrompt\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.tinkerrpc.v1.Message\x12!\n\x05tools\x18\x02 \x03(\x0b\x32\x12.tinkerrpc.v1.Tool\" \n\x0bTokenPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xed\x01\n\rSampleRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1b\n\x0epolicy_version\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.tinkerrpc.v1.ChatPromptH\x00\x12+\n\x06tokens\x18\x04 \x01(\x0b\x32\x19.tinkerrpc.v1.TokenPromptH\x00\x12\x0e\n\x04text\x18\x05 \x01(\tH\x00\x12,\n\x06params\x18\x06 \x01(\x0b\x32\x1c.tinkerrpc.v1.SamplingParamsB\x08\n\x06promptB\x11\n\x0f_policy_version\"\x9c\x01\n\x0eSampleResponse\x12\x30\n\tsequences\x18\x01 \x03(\x0b\x32\x1d.tinkerrpc.v1.SampledSequence\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x17\n\x0fprompt_logprobs\x18\x03 \x03(\x02\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\r\n\x05model\x18\x05 \x01(\t\"\x97\x01\n\x14\x45xportWeightsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12$\n\x17\x65xpected_policy_version\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x1b\n\x0epolicy_version\x18\x03 \x01(\x03H\x01\x88\x01\x01\x42\x1a\n\x18_expected_policy_versionB\x11\n\x0f_policy_version\"{\n\x15\x45xportWeightsResponse\x12\x30\n\x07weights\x18\x01 \x01(\x0b\x32\x1d.tinkerrpc.v1.ExportedWeightsH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.tinkerrpc.v1.FileChunkH\x00\x42\x06\n\x04part\"\x16\n\x14GetServerInfoRequest\"\xa4\x02\n\x0cServerLimits\x12\x14\n\x0cmax_sample_n\x18\x01 \x01(\x05\x12\x19\n\x11max_sample_tokens\x18\x02 \x01(\x05\x12\x1e\n\x16max_train_trajectories\x18\x03 \x01(\x05\x12\x18\n\x10max_train_tokens\x18\x04 \x01(\x03\x12\x19\n\x11max_message_bytes\x18\x05 \x01(\x03\x12\x18\n\x10max_top_logprobs\x18\x06 \x01(\x05\x12\x18\n\x10max_stop_strings\x18\x07 \x01(\x05\x12\x1d\n\x15max_stop_string_bytes\x18\x08 \x01(\x05\x12\x1a\n\x12max_stop_token_ids\x18\t \x01(\x05\x12\x1f\n\x17\x62\x61\x63kend_timeout_seconds\x18\n \x01(\x05\"\xbe\x01\n\x15GetServerInfoResponse\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12*\n\x07\x62\x61\x63kend\x18\x02 \x01(\x0e\x32\x19.tinkerrpc.v1.BackendKind\x12\x13\n\x0bsidecar_url\x18\x03 \x01(\t\x12 \n\x18sidecar_requires_api_key\x18\x04 \x01(\x08\x12*\n\x06limits\x18\x05 \x01(\x0b\x32\x1a.tinkerrpc.v1.ServerLimits*f\n\x0b\x42\x61\x63kendKind\x12\x1c\n\x18\x42\x41\x43KEND_KIND_UNSPECIFIED\x10\x00\x12 \n\x1c\x42\x41\x43KEND_KIND_EMBEDDED_ENGINE\x10\x01\x12\x17\n\x13\x42\x41\x43KEND_KIND_TINKER\x10\x02\x32\x97\x08\n\x0eTrainerService\x12R\n\x0b\x43reateModel\x12 .tinkerrpc.v1.CreateModelRequest\x1a!.tinkerrpc.v1.CreateModelResponse\x12I\n\x08GetModel\x12\x1d.tinkerrpc.v1.GetModelRequest\x1a\x1e.tinkerrpc.v1.GetModelResponse\x12O\n\nListModels\x12\x1f.tinkerrpc.v1.ListModelsRequest\x1a .tinkerrpc.v1.ListModelsResponse\x12R\n\x0b\x44\x65leteModel\x12 .tinkerrpc.v1.DeleteModelRequest\x1a!.tinkerrpc.v1.DeleteModelResponse\x12@\n\x05Train\x12\x1a.tinkerrpc.v1.TrainRequest\x1a\x1b.tinkerrpc.v1.TrainResponse\x12[\n\x0eSaveCheckpoint\x12#.tinkerrpc.v1.SaveCheckpointRequest\x1a$.tinkerrpc.v1.SaveCheckpointResponse\x12^\n\x0fListCheckpoints\x12$.tinkerrpc.v1.ListCheckpointsRequest\x1a%.tinkerrpc.v1.ListCheckpointsResponse\x12\x64\n\x11RestoreCheckpoint\x12&.tinkerrpc.v1.RestoreCheckpointRequest\x1a\'.tinkerrpc.v1.RestoreCheckpointResponse\x12\x61\n\x10\x44\x65leteCheckpoint\x12%.tinkerrpc.v1.DeleteCheckpointRequest\x1a&.tinkerrpc.v1.DeleteCheckpointResponse\x12\x43\n\x06Sample\x12\x1b.tinkerrpc.v1.SampleRequest\x1a\x1c.tinkerrpc.v1.SampleResponse\x12Z\n\rExportWeights\x12\".tinkerrpc.v1.ExportWeightsRequest\x1a#.tinkerrpc.v1.ExportWeightsResponse0\x01\x12X\n\rGetServerInfo\x12\".tinkerrpc.v1.GetServerInfoRequest\x1a#.tinkerrpc.v1.GetServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tinkerrpc/v1/trainer_service.proto\x12\x0ctinkerrpc.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x18tinkerrpc/v1/types.proto\"\x9e\x01\n\x12\x43reateModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12&\n\x04lora\x18\x03 \x01(\x0b\x32\x18.tinkerrpc.v1.LoraConfig\x12\x10\n\x08renderer\x18\x04 \x01(\t\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x10\n\x08\x65xist_ok\x18\x06 \x01(\x08\x42\x07\n\x05_seed\"=\n\x13\x43reateModelResponse\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.tinkerrpc.v1.ModelInfo\"\x1f\n\x0fGetModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\":\n\x10GetModelResponse\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.tinkerrpc.v1.ModelInfo\"\x13\n\x11ListModelsRequest\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.tinkerrpc.v1.ModelInfo\"\"\n\x12\x44\x65leteModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13\x44\x65leteModelResponse\"\xa6\x03\n\x0cTrainRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12-\n\x06groups\x18\x02 \x03(\x0b\x32\x1d.tinkerrpc.v1.TrajectoryGroup\x12\x31\n\x08\x65xamples\x18\x03 \x03(\x0b\x32\x1f.tinkerrpc.v1.SupervisedExample\x12&\n\x04loss\x18\x04 \x01(\x0b\x32\x18.tinkerrpc.v1.LossConfig\x12&\n\x04\x61\x64\x61m\x18\x05 \x01(\x0b\x32\x18.tinkerrpc.v1.AdamParams\x12\x32\n\nadvantages\x18\x06 \x01(\x0b\x32\x1e.tinkerrpc.v1.AdvantageOptions\x12\x1a\n\rmax_staleness\x18\x07 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10strict_staleness\x18\x08 \x01(\x08\x12\x17\n\x0fidempotency_key\x18\t \x01(\t\x12$\n\x17\x65xpected_policy_version\x18\n \x01(\x03H\x01\x88\x01\x01\x42\x10\n\x0e_max_stalenessB\x1a\n\x18_expected_policy_version\"\xd8\x01\n\rTrainResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12+\n\x07metrics\x18\x02 \x01(\x0b\x32\x1a.tinkerrpc.v1.TrainMetrics\x12\x38\n\x12sampler_checkpoint\x18\x03 \x01(\x0b\x32\x1c.tinkerrpc.v1.CheckpointInfo\x12\x36\n\x10state_checkpoint\x18\x04 \x01(\x0b\x32\x1c.tinkerrpc.v1.CheckpointInfo\x12\x10\n\x08replayed\x18\x05 \x01(\x08\"4\n\x15SaveCheckpointRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"J\n\x16SaveCheckpointResponse\x12\x30\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x1c.tinkerrpc.v1.CheckpointInfo\"\'\n\x16ListCheckpointsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"L\n\x17ListCheckpointsResponse\x12\x31\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x1c.tinkerrpc.v1.CheckpointInfo\"=\n\x18RestoreCheckpointRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\ncheckpoint\x18\x02 \x01(\t\"C\n\x19RestoreCheckpointResponse\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.tinkerrpc.v1.ModelInfo\"h\n\x17\x44\x65leteCheckpointRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\ncheckpoint\x18\x02 \x01(\t\x12*\n\x04kind\x18\x03 \x01(\x0e\x32\x1c.tinkerrpc.v1.CheckpointKind\"\x1a\n\x18\x44\x65leteCheckpointResponse\"X\n\nChatPrompt\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.tinkerrpc.v1.Message\x12!\n\x05tools\x18\x02 \x03(\x0b\x32\x12.tinkerrpc.v1.Tool\" \n\x0bTokenPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xed\x01\n\rSampleRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1b\n\x0epolicy_version\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.tinkerrpc.v1.ChatPromptH\x00\x12+\n\x06tokens\x18\x04 \x01(\x0b\x32\x19.tinkerrpc.v1.TokenPromptH\x00\x12\x0e\n\x04text\x18\x05 \x01(\tH\x00\x12,\n\x06params\x18\x06 \x01(\x0b\x32\x1c.tinkerrpc.v1.SamplingParamsB\x08\n\x06promptB\x11\n\x0f_policy_version\"\x9c\x01\n\x0eSampleResponse\x12\x30\n\tsequences\x18\x01 \x03(\x0b\x32\x1d.tinkerrpc.v1.SampledSequence\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x17\n\x0fprompt_logprobs\x18\x03 \x03(\x02\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\r\n\x05model\x18\x05 \x01(\t\"\x97\x01\n\x14\x45xportWeightsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12$\n\x17\x65xpected_policy_version\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x1b\n\x0epolicy_version\x18\x03 \x01(\x03H\x01\x88\x01\x01\x42\x1a\n\x18_expected_policy_versionB\x11\n\x0f_policy_version\"{\n\x15\x45xportWeightsResponse\x12\x30\n\x07weights\x18\x01 \x01(\x0b\x32\x1d.tinkerrpc.v1.ExportedWeightsH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.tinkerrpc.v1.FileChunkH\x00\x42\x06\n\x04part\"\x16\n\x14GetServerInfoRequest\"\xa4\x02\n\x0cServerLimits\x12\x14\n\x0cmax_sample_n\x18\x01 \x01(\x05\x12\x19\n\x11max_sample_tokens\x18\x02 \x01(\x05\x12\x1e\n\x16max_train_trajectories\x18\x03 \x01(\x05\x12\x18\n\x10max_train_tokens\x18\x04 \x01(\x03\x12\x19\n\x11max_message_bytes\x18\x05 \x01(\x03\x12\x18\n\x10max_top_logprobs\x18\x06 \x01(\x05\x12\x18\n\x10max_stop_strings\x18\x07 \x01(\x05\x12\x1d\n\x15max_stop_string_bytes\x18\x08 \x01(\x05\x12\x1a\n\x12max_stop_token_ids\x18\t \x01(\x05\x12\x1f\n\x17\x62\x61\x63kend_timeout_seconds\x18\n \x01(\x05\"\xbe\x01\n\x15GetServerInfoResponse\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12*\n\x07\x62\x61\x63kend\x18\x02 \x01(\x0e\x32\x19.tinkerrpc.v1.BackendKind\x12\x13\n\x0bsidecar_url\x18\x03 \x01(\t\x12 \n\x18sidecar_requires_api_key\x18\x04 \x01(\x08\x12*\n\x06limits\x18\x05 \x01(\x0b\x32\x1a.tinkerrpc.v1.ServerLimits\"\xa0\x01\n\x14GetRunHistoryRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x19\n\x0c\x66rom_version\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\nto_version\x18\x03 \x01(\x03H\x01\x88\x01\x01\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x12\n\npage_token\x18\x05 \x01(\tB\x0f\n\r_from_versionB\r\n\x0b_to_version\"V\n\x15GetRunHistoryResponse\x12$\n\x05steps\x18\x01 \x03(\x0b\x32\x15.tinkerrpc.v1.RunStep\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"N\n\x11WatchModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x19\n\x0c\x66rom_version\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x0f\n\r_from_version\"\xc8\x02\n\x12WatchModelResponse\x12(\n\x07version\x18\x01 \x01(\x0b\x32\x15.tinkerrpc.v1.RunStepH\x00\x12\x38\n\x10\x63heckpoint_saved\x18\x02 \x01(\x0b\x32\x1c.tinkerrpc.v1.CheckpointInfoH\x00\x12:\n\x12\x63heckpoint_deleted\x18\x03 \x01(\x0b\x32\x1c.tinkerrpc.v1.CheckpointInfoH\x00\x12/\n\x08restored\x18\x04 \x01(\x0b\x32\x1b.tinkerrpc.v1.ModelRestoredH\x00\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12.\n\nevent_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08replayed\x18\x07 \x01(\x08\x42\x07\n\x05\x65vent*f\n\x0b\x42\x61\x63kendKind\x12\x1c\n\x18\x42\x41\x43KEND_KIND_UNSPECIFIED\x10\x00\x12 \n\x1c\x42\x41\x43KEND_KIND_EMBEDDED_ENGINE\x10\x01\x12\x17\n\x13\x42\x41\x43KEND_KIND_TINKER\x10\x02\x32\xc4\t\n\x0eTrainerService\x12R\n\x0b\x43reateModel\x12 .tinkerrpc.v1.CreateModelRequest\x1a!.tinkerrpc.v1.CreateModelResponse\x12I\n\x08GetModel\x12\x1d.tinkerrpc.v1.GetModelRequest\x1a\x1e.tinkerrpc.v1.GetModelResponse\x12O\n\nListModels\x12\x1f.tinkerrpc.v1.ListModelsRequest\x1a .tinkerrpc.v1.ListModelsResponse\x12R\n\x0b\x44\x65leteModel\x12 .tinkerrpc.v1.DeleteModelRequest\x1a!.tinkerrpc.v1.DeleteModelResponse\x12@\n\x05Train\x12\x1a.tinkerrpc.v1.TrainRequest\x1a\x1b.tinkerrpc.v1.TrainResponse\x12[\n\x0eSaveCheckpoint\x12#.tinkerrpc.v1.SaveCheckpointRequest\x1a$.tinkerrpc.v1.SaveCheckpointResponse\x12^\n\x0fListCheckpoints\x12$.tinkerrpc.v1.ListCheckpointsRequest\x1a%.tinkerrpc.v1.ListCheckpointsResponse\x12\x64\n\x11RestoreCheckpoint\x12&.tinkerrpc.v1.RestoreCheckpointRequest\x1a\'.tinkerrpc.v1.RestoreCheckpointResponse\x12\x61\n\x10\x44\x65leteCheckpoint\x12%.tinkerrpc.v1.DeleteCheckpointRequest\x1a&.tinkerrpc.v1.DeleteCheckpointResponse\x12\x43\n\x06Sample\x12\x1b.tinkerrpc.v1.SampleRequest\x1a\x1c.tinkerrpc.v1.SampleResponse\x12Z\n\rExportWeights\x12\".tinkerrpc.v1.ExportWeightsRequest\x1a#.tinkerrpc.v1.ExportWeightsResponse0\x01\x12X\n\rGetServerInfo\x12\".tinkerrpc.v1.GetServerInfoRequest\x1a#.tinkerrpc.v1.GetServerInfoResponse\x12X\n\rGetRunHistory\x12\".tinkerrpc.v1.GetRunHistoryRequest\x1a#.tinkerrpc.v1.GetRunHistoryResponse\x12Q\n\nWatchModel\x12\x1f.tinkerrpc.v1.WatchModelRequest\x1a .tinkerrpc.v1.WatchModelResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tinkerrpc.v1.trainer_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_BACKENDKIND']._serialized_start=3011
-  _globals['_BACKENDKIND']._serialized_end=3113
-  _globals['_CREATEMODELREQUEST']._serialized_start=79
-  _globals['_CREATEMODELREQUEST']._serialized_end=237
-  _globals['_CREATEMODELRESPONSE']._serialized_start=239
-  _globals['_CREATEMODELRESPONSE']._serialized_end=300
-  _globals['_GETMODELREQUEST']._serialized_start=302
-  _globals['_GETMODELREQUEST']._serialized_end=333
-  _globals['_GETMODELRESPONSE']._serialized_start=335
-  _globals['_GETMODELRESPONSE']._serialized_end=393
-  _globals['_LISTMODELSREQUEST']._serialized_start=395
-  _globals['_LISTMODELSREQUEST']._serialized_end=414
-  _globals['_LISTMODELSRESPONSE']._serialized_start=416
-  _globals['_LISTMODELSRESPONSE']._serialized_end=477
-  _globals['_DELETEMODELREQUEST']._serialized_start=479
-  _globals['_DELETEMODELREQUEST']._serialized_end=513
-  _globals['_DELETEMODELRESPONSE']._serialized_start=515
-  _globals['_DELETEMODELRESPONSE']._serialized_end=536
-  _globals['_TRAINREQUEST']._serialized_start=539
-  _globals['_TRAINREQUEST']._serialized_end=961
-  _globals['_TRAINRESPONSE']._serialized_start=964
-  _globals['_TRAINRESPONSE']._serialized_end=1180
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1182
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1234
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1236
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1310
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=1312
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=1351
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=1353
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=1429
-  _globals['_RESTORECHECKPOINTREQUEST']._serialized_start=1431
-  _globals['_RESTORECHECKPOINTREQUEST']._serialized_end=1492
-  _globals['_RESTORECHECKPOINTRESPONSE']._serialized_start=1494
-  _globals['_RESTORECHECKPOINTRESPONSE']._serialized_end=1561
-  _globals['_DELETECHECKPOINTREQUEST']._serialized_start=1563
-  _globals['_DELETECHECKPOINTREQUEST']._serialized_end=1667
-  _globals['_DELETECHECKPOINTRESPONSE']._serialized_start=1669
-  _globals['_DELETECHECKPOINTRESPONSE']._serialized_end=1695
-  _globals['_CHATPROMPT']._serialized_start=1697
-  _globals['_CHATPROMPT']._serialized_end=1785
-  _globals['_TOKENPROMPT']._serialized_start=1787
-  _globals['_TOKENPROMPT']._serialized_end=1819
-  _globals['_SAMPLEREQUEST']._serialized_start=1822
-  _globals['_SAMPLEREQUEST']._serialized_end=2059
-  _globals['_SAMPLERESPONSE']._serialized_start=2062
-  _globals['_SAMPLERESPONSE']._serialized_end=2218
-  _globals['_EXPORTWEIGHTSREQUEST']._serialized_start=2221
-  _globals['_EXPORTWEIGHTSREQUEST']._serialized_end=2372
-  _globals['_EXPORTWEIGHTSRESPONSE']._serialized_start=2374
-  _globals['_EXPORTWEIGHTSRESPONSE']._serialized_end=2497
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=2499
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=2521
-  _globals['_SERVERLIMITS']._serialized_start=2524
-  _globals['_SERVERLIMITS']._serialized_end=2816
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=2819
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=3009
-  _globals['_TRAINERSERVICE']._serialized_start=3116
-  _globals['_TRAINERSERVICE']._serialized_end=4163
+  _globals['_BACKENDKIND']._serialized_start=3706
+  _globals['_BACKENDKIND']._serialized_end=3808
+  _globals['_CREATEMODELREQUEST']._serialized_start=112
+  _globals['_CREATEMODELREQUEST']._serialized_end=270
+  _globals['_CREATEMODELRESPONSE']._serialized_start=272
+  _globals['_CREATEMODELRESPONSE']._serialized_end=333
+  _globals['_GETMODELREQUEST']._serialized_start=335
+  _globals['_GETMODELREQUEST']._serialized_end=366
+  _globals['_GETMODELRESPONSE']._serialized_start=368
+  _globals['_GETMODELRESPONSE']._serialized_end=426
+  _globals['_LISTMODELSREQUEST']._serialized_start=428
+  _globals['_LISTMODELSREQUEST']._serialized_end=447
+  _globals['_LISTMODELSRESPONSE']._serialized_start=449
+  _globals['_LISTMODELSRESPONSE']._serialized_end=510
+  _globals['_DELETEMODELREQUEST']._serialized_start=512
+  _globals['_DELETEMODELREQUEST']._serialized_end=546
+  _globals['_DELETEMODELRESPONSE']._serialized_start=548
+  _globals['_DELETEMODELRESPONSE']._serialized_end=569
+  _globals['_TRAINREQUEST']._serialized_start=572
+  _globals['_TRAINREQUEST']._serialized_end=994
+  _globals['_TRAINRESPONSE']._serialized_start=997
+  _globals['_TRAINRESPONSE']._serialized_end=1213
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1215
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1267
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1269
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1343
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=1345
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=1384
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=1386
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=1462
+  _globals['_RESTORECHECKPOINTREQUEST']._serialized_start=1464
+  _globals['_RESTORECHECKPOINTREQUEST']._serialized_end=1525
+  _globals['_RESTORECHECKPOINTRESPONSE']._serialized_start=1527
+  _globals['_RESTORECHECKPOINTRESPONSE']._serialized_end=1594
+  _globals['_DELETECHECKPOINTREQUEST']._serialized_start=1596
+  _globals['_DELETECHECKPOINTREQUEST']._serialized_end=1700
+  _globals['_DELETECHECKPOINTRESPONSE']._serialized_start=1702
+  _globals['_DELETECHECKPOINTRESPONSE']._serialized_end=1728
+  _globals['_CHATPROMPT']._serialized_start=1730
+  _globals['_CHATPROMPT']._serialized_end=1818
+  _globals['_TOKENPROMPT']._serialized_start=1820
+  _globals['_TOKENPROMPT']._serialized_end=1852
+  _globals['_SAMPLEREQUEST']._serialized_start=1855
+  _globals['_SAMPLEREQUEST']._serialized_end=2092
+  _globals['_SAMPLERESPONSE']._serialized_start=2095
+  _globals['_SAMPLERESPONSE']._serialized_end=2251
+  _globals['_EXPORTWEIGHTSREQUEST']._serialized_start=2254
+  _globals['_EXPORTWEIGHTSREQUEST']._serialized_end=2405
+  _globals['_EXPORTWEIGHTSRESPONSE']._serialized_start=2407
+  _globals['_EXPORTWEIGHTSRESPONSE']._serialized_end=2530
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=2532
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=2554
+  _globals['_SERVERLIMITS']._serialized_start=2557
+  _globals['_SERVERLIMITS']._serialized_end=2849
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=2852
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=3042
+  _globals['_GETRUNHISTORYREQUEST']._serialized_start=3045
+  _globals['_GETRUNHISTORYREQUEST']._serialized_end=3205
+  _globals['_GETRUNHISTORYRESPONSE']._serialized_start=3207
+  _globals['_GETRUNHISTORYRESPONSE']._serialized_end=3293
+  _globals['_WATCHMODELREQUEST']._serialized_start=3295
+  _globals['_WATCHMODELREQUEST']._serialized_end=3373
+  _globals['_WATCHMODELRESPONSE']._serialized_start=3376
+  _globals['_WATCHMODELRESPONSE']._serialized_end=3704
+  _globals['_TRAINERSERVICE']._serialized_start=3811
+  _globals['_TRAINERSERVICE']._serialized_end=5031
 # @@protoc_insertion_point(module_scope)

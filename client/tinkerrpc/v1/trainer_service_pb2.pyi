@@ -21,6 +21,7 @@ are served alongside.
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from tinkerrpc.v1 import types_pb2 as _types_pb2
@@ -932,3 +933,166 @@ class GetServerInfoResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetServerInfoResponse: _TypeAlias = GetServerInfoResponse  # noqa: Y015
+
+@_typing.final
+class GetRunHistoryRequest(_message.Message):
+    """GetRunHistory input."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    FROM_VERSION_FIELD_NUMBER: _builtins.int
+    TO_VERSION_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Model name."""
+    from_version: _builtins.int
+    """First version to return (inclusive, >= 0); unset = from the start."""
+    to_version: _builtins.int
+    """Last version to return (inclusive, >= from_version); unset = up to the current one."""
+    page_size: _builtins.int
+    """Most steps in one response: 0 = 100; in [0, 1000]."""
+    page_token: _builtins.str
+    """next_page_token of the previous response, sent with the same other fields; empty = the first
+    page. Opaque.
+    """
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        from_version: _builtins.int | None = ...,
+        to_version: _builtins.int | None = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_from_version", b"_from_version", "_to_version", b"_to_version", "from_version", b"from_version", "to_version", b"to_version"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_from_version", b"_from_version", "_to_version", b"_to_version", "from_version", b"from_version", "model", b"model", "page_size", b"page_size", "page_token", b"page_token", "to_version", b"to_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__from_version: _TypeAlias = _typing.Literal["from_version"]  # noqa: Y015
+    _WhichOneofArgType__from_version: _TypeAlias = _typing.Literal["_from_version", b"_from_version"]  # noqa: Y015
+    _WhichOneofReturnType__to_version: _TypeAlias = _typing.Literal["to_version"]  # noqa: Y015
+    _WhichOneofArgType__to_version: _TypeAlias = _typing.Literal["_to_version", b"_to_version"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__from_version) -> _WhichOneofReturnType__from_version | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__to_version) -> _WhichOneofReturnType__to_version | None: ...
+
+Global___GetRunHistoryRequest: _TypeAlias = GetRunHistoryRequest  # noqa: Y015
+
+@_typing.final
+class GetRunHistoryResponse(_message.Message):
+    """GetRunHistory output."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEPS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Pass as page_token for the next page; empty when this is the last one."""
+    @_builtins.property
+    def steps(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.RunStep]:
+        """Steps in version order."""
+
+    def __init__(
+        self,
+        *,
+        steps: _abc.Iterable[_types_pb2.RunStep] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "steps", b"steps"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetRunHistoryResponse: _TypeAlias = GetRunHistoryResponse  # noqa: Y015
+
+@_typing.final
+class WatchModelRequest(_message.Message):
+    """WatchModel input."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    FROM_VERSION_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Model name."""
+    from_version: _builtins.int
+    """Replay the history from this version (inclusive, >= 0) before live events; unset = live
+    events only.
+    """
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        from_version: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_from_version", b"_from_version", "from_version", b"from_version"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_from_version", b"_from_version", "from_version", b"from_version", "model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__from_version: _TypeAlias = _typing.Literal["from_version"]  # noqa: Y015
+    _WhichOneofArgType__from_version: _TypeAlias = _typing.Literal["_from_version", b"_from_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__from_version) -> _WhichOneofReturnType__from_version | None: ...
+
+Global___WatchModelRequest: _TypeAlias = WatchModelRequest  # noqa: Y015
+
+@_typing.final
+class WatchModelResponse(_message.Message):
+    """WatchModel output: one event."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_SAVED_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_DELETED_FIELD_NUMBER: _builtins.int
+    RESTORED_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    EVENT_TIME_FIELD_NUMBER: _builtins.int
+    REPLAYED_FIELD_NUMBER: _builtins.int
+    policy_version: _builtins.int
+    """The model's policy version after the event."""
+    replayed: _builtins.bool
+    """True for versions replayed from the history, false for live events."""
+    @_builtins.property
+    def version(self) -> _types_pb2.RunStep:
+        """A new policy version: a Train step committed."""
+
+    @_builtins.property
+    def checkpoint_saved(self) -> _types_pb2.CheckpointInfo:
+        """A named state checkpoint was saved (SaveCheckpoint)."""
+
+    @_builtins.property
+    def checkpoint_deleted(self) -> _types_pb2.CheckpointInfo:
+        """A checkpoint was deleted."""
+
+    @_builtins.property
+    def restored(self) -> _types_pb2.ModelRestored:
+        """The model was moved to a state checkpoint (RestoreCheckpoint)."""
+
+    @_builtins.property
+    def event_time(self) -> _timestamp_pb2.Timestamp:
+        """When it happened (for a replayed version: when it committed)."""
+
+    def __init__(
+        self,
+        *,
+        version: _types_pb2.RunStep | None = ...,
+        checkpoint_saved: _types_pb2.CheckpointInfo | None = ...,
+        checkpoint_deleted: _types_pb2.CheckpointInfo | None = ...,
+        restored: _types_pb2.ModelRestored | None = ...,
+        policy_version: _builtins.int = ...,
+        event_time: _timestamp_pb2.Timestamp | None = ...,
+        replayed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint_deleted", b"checkpoint_deleted", "checkpoint_saved", b"checkpoint_saved", "event", b"event", "event_time", b"event_time", "restored", b"restored", "version", b"version"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_deleted", b"checkpoint_deleted", "checkpoint_saved", b"checkpoint_saved", "event", b"event", "event_time", b"event_time", "policy_version", b"policy_version", "replayed", b"replayed", "restored", b"restored", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["version", "checkpoint_saved", "checkpoint_deleted", "restored"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___WatchModelResponse: _TypeAlias = WatchModelResponse  # noqa: Y015

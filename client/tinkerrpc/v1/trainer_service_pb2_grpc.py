@@ -96,6 +96,16 @@ class TrainerServiceStub:
                 request_serializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.GetServerInfoResponse.FromString,
                 _registered_method=True)
+        self.GetRunHistory = channel.unary_unary(
+                '/tinkerrpc.v1.TrainerService/GetRunHistory',
+                request_serializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.GetRunHistoryRequest.SerializeToString,
+                response_deserializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.GetRunHistoryResponse.FromString,
+                _registered_method=True)
+        self.WatchModel = channel.unary_stream(
+                '/tinkerrpc.v1.TrainerService/WatchModel',
+                request_serializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.WatchModelRequest.SerializeToString,
+                response_deserializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.WatchModelResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer:
@@ -197,6 +207,26 @@ class TrainerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetRunHistory(self, request, context):
+        """The model's run, one RunStep per policy version (metrics, checkpoints), ascending, in pages.
+        Versions undone by RestoreCheckpoint (or a restart's rollback) are no longer in it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchModel(self, request, context):
+        """Streams the model's events: each new policy version with its metrics, checkpoints saved and
+        deleted, restores. With from_version, the versions from it on that the history holds are sent
+        first (replayed = true), then live events follow without a gap or a repeat. The stream lasts
+        until the client cancels it or its deadline passes, or the model is deleted (it then ends with
+        NOT_FOUND); a watcher more than 1024 events behind is ended with ABORTED and resumes with
+        from_version = the last version it saw + 1.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -259,6 +289,16 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.GetServerInfoRequest.FromString,
                     response_serializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.GetServerInfoResponse.SerializeToString,
+            ),
+            'GetRunHistory': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRunHistory,
+                    request_deserializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.GetRunHistoryRequest.FromString,
+                    response_serializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.GetRunHistoryResponse.SerializeToString,
+            ),
+            'WatchModel': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchModel,
+                    request_deserializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.WatchModelRequest.FromString,
+                    response_serializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.WatchModelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -587,6 +627,60 @@ class TrainerService:
             '/tinkerrpc.v1.TrainerService/GetServerInfo',
             tinkerrpc_dot_v1_dot_trainer__service__pb2.GetServerInfoRequest.SerializeToString,
             tinkerrpc_dot_v1_dot_trainer__service__pb2.GetServerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRunHistory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tinkerrpc.v1.TrainerService/GetRunHistory',
+            tinkerrpc_dot_v1_dot_trainer__service__pb2.GetRunHistoryRequest.SerializeToString,
+            tinkerrpc_dot_v1_dot_trainer__service__pb2.GetRunHistoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tinkerrpc.v1.TrainerService/WatchModel',
+            tinkerrpc_dot_v1_dot_trainer__service__pb2.WatchModelRequest.SerializeToString,
+            tinkerrpc_dot_v1_dot_trainer__service__pb2.WatchModelResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -89,6 +89,18 @@ class TrainerServiceStub:
     """Describes the server: its version, backend, the OpenAI sidecar it hosts (if any) and the
     limits its requests must stay within. Needs the bearer token like every other RPC.
     """
+    GetRunHistory: _grpc.UnaryUnaryMultiCallable[_trainer_service_pb2.GetRunHistoryRequest, _trainer_service_pb2.GetRunHistoryResponse]
+    """The model's run, one RunStep per policy version (metrics, checkpoints), ascending, in pages.
+    Versions undone by RestoreCheckpoint (or a restart's rollback) are no longer in it.
+    """
+    WatchModel: _grpc.UnaryStreamMultiCallable[_trainer_service_pb2.WatchModelRequest, _trainer_service_pb2.WatchModelResponse]
+    """Streams the model's events: each new policy version with its metrics, checkpoints saved and
+    deleted, restores. With from_version, the versions from it on that the history holds are sent
+    first (replayed = true), then live events follow without a gap or a repeat. The stream lasts
+    until the client cancels it or its deadline passes, or the model is deleted (it then ends with
+    NOT_FOUND); a watcher more than 1024 events behind is ended with ABORTED and resumes with
+    from_version = the last version it saw + 1.
+    """
 
 @_typing.type_check_only
 class TrainerServiceAsyncStub(TrainerServiceStub):
@@ -135,6 +147,18 @@ class TrainerServiceAsyncStub(TrainerServiceStub):
     GetServerInfo: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.GetServerInfoRequest, _trainer_service_pb2.GetServerInfoResponse]  # type: ignore[assignment]
     """Describes the server: its version, backend, the OpenAI sidecar it hosts (if any) and the
     limits its requests must stay within. Needs the bearer token like every other RPC.
+    """
+    GetRunHistory: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.GetRunHistoryRequest, _trainer_service_pb2.GetRunHistoryResponse]  # type: ignore[assignment]
+    """The model's run, one RunStep per policy version (metrics, checkpoints), ascending, in pages.
+    Versions undone by RestoreCheckpoint (or a restart's rollback) are no longer in it.
+    """
+    WatchModel: _aio.UnaryStreamMultiCallable[_trainer_service_pb2.WatchModelRequest, _trainer_service_pb2.WatchModelResponse]  # type: ignore[assignment]
+    """Streams the model's events: each new policy version with its metrics, checkpoints saved and
+    deleted, restores. With from_version, the versions from it on that the history holds are sent
+    first (replayed = true), then live events follow without a gap or a repeat. The stream lasts
+    until the client cancels it or its deadline passes, or the model is deleted (it then ends with
+    NOT_FOUND); a watcher more than 1024 events behind is ended with ABORTED and resumes with
+    from_version = the last version it saw + 1.
     """
 
 class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -251,6 +275,30 @@ class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_trainer_service_pb2.GetServerInfoResponse, _abc.Awaitable[_trainer_service_pb2.GetServerInfoResponse]]:
         """Describes the server: its version, backend, the OpenAI sidecar it hosts (if any) and the
         limits its requests must stay within. Needs the bearer token like every other RPC.
+        """
+
+    @_abc_1.abstractmethod
+    def GetRunHistory(
+        self,
+        request: _trainer_service_pb2.GetRunHistoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_trainer_service_pb2.GetRunHistoryResponse, _abc.Awaitable[_trainer_service_pb2.GetRunHistoryResponse]]:
+        """The model's run, one RunStep per policy version (metrics, checkpoints), ascending, in pages.
+        Versions undone by RestoreCheckpoint (or a restart's rollback) are no longer in it.
+        """
+
+    @_abc_1.abstractmethod
+    def WatchModel(
+        self,
+        request: _trainer_service_pb2.WatchModelRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_trainer_service_pb2.WatchModelResponse], _abc.AsyncIterator[_trainer_service_pb2.WatchModelResponse]]:
+        """Streams the model's events: each new policy version with its metrics, checkpoints saved and
+        deleted, restores. With from_version, the versions from it on that the history holds are sent
+        first (replayed = true), then live events follow without a gap or a repeat. The stream lasts
+        until the client cancels it or its deadline passes, or the model is deleted (it then ends with
+        NOT_FOUND); a watcher more than 1024 events behind is ended with ABORTED and resumes with
+        from_version = the last version it saw + 1.
         """
 
 def add_TrainerServiceServicer_to_server(servicer: TrainerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

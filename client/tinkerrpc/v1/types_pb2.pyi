@@ -1102,6 +1102,8 @@ class TrainMetrics(_message.Message):
     STEP_SECONDS_FIELD_NUMBER: _builtins.int
     TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
     EXTRA_FIELD_NUMBER: _builtins.int
+    STD_REWARD_FIELD_NUMBER: _builtins.int
+    LEARNING_RATE_FIELD_NUMBER: _builtins.int
     loss: _builtins.float
     """Summed loss over all trained tokens (Tinker's `loss:sum`)."""
     mean_reward: _builtins.float
@@ -1122,6 +1124,12 @@ class TrainMetrics(_message.Message):
     """Wall-clock seconds of the step (validation to new sampler weights)."""
     tokens_per_second: _builtins.float
     """total_tokens / step_seconds."""
+    std_reward: _builtins.float
+    """Population standard deviation (ddof = 0) of the rewards of the trajectories received (0 for
+    supervised steps).
+    """
+    learning_rate: _builtins.float
+    """The step's AdamParams.learning_rate."""
     @_builtins.property
     def staleness_histogram(self) -> _containers.ScalarMap[_builtins.int, _builtins.int]:
         """Staleness (current version - sampled version) -> number of trajectories."""
@@ -1145,11 +1153,79 @@ class TrainMetrics(_message.Message):
         step_seconds: _builtins.float = ...,
         tokens_per_second: _builtins.float = ...,
         extra: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        std_reward: _builtins.float = ...,
+        learning_rate: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped_stale", b"dropped_stale", "dropped_zero_variance", b"dropped_zero_variance", "extra", b"extra", "loss", b"loss", "mean_reward", b"mean_reward", "staleness_histogram", b"staleness_histogram", "step_seconds", b"step_seconds", "tokens_per_second", b"tokens_per_second", "total_tokens", b"total_tokens", "trained_tokens", b"trained_tokens", "trajectories_used", b"trajectories_used", "zero_variance_groups", b"zero_variance_groups"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped_stale", b"dropped_stale", "dropped_zero_variance", b"dropped_zero_variance", "extra", b"extra", "learning_rate", b"learning_rate", "loss", b"loss", "mean_reward", b"mean_reward", "staleness_histogram", b"staleness_histogram", "std_reward", b"std_reward", "step_seconds", b"step_seconds", "tokens_per_second", b"tokens_per_second", "total_tokens", b"total_tokens", "trained_tokens", b"trained_tokens", "trajectories_used", b"trajectories_used", "zero_variance_groups", b"zero_variance_groups"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TrainMetrics: _TypeAlias = TrainMetrics  # noqa: Y015
+
+@_typing.final
+class RunStep(_message.Message):
+    """One policy version of a model's run: the Train step that made it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    METRICS_FIELD_NUMBER: _builtins.int
+    COMMIT_TIME_FIELD_NUMBER: _builtins.int
+    CHECKPOINTS_FIELD_NUMBER: _builtins.int
+    policy_version: _builtins.int
+    """The version the step made (N + 1)."""
+    @_builtins.property
+    def metrics(self) -> Global___TrainMetrics:
+        """The step's figures, as its TrainResponse reported them."""
+
+    @_builtins.property
+    def commit_time(self) -> _timestamp_pb2.Timestamp:
+        """When the step committed."""
+
+    @_builtins.property
+    def checkpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___CheckpointInfo]:
+        """The checkpoints of this version that still exist (the step's sampler weights and, every
+        --checkpoint-every steps, its state; later named saves of the same version too).
+        """
+
+    def __init__(
+        self,
+        *,
+        policy_version: _builtins.int = ...,
+        metrics: Global___TrainMetrics | None = ...,
+        commit_time: _timestamp_pb2.Timestamp | None = ...,
+        checkpoints: _abc.Iterable[Global___CheckpointInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["commit_time", b"commit_time", "metrics", b"metrics"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoints", b"checkpoints", "commit_time", b"commit_time", "metrics", b"metrics", "policy_version", b"policy_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunStep: _TypeAlias = RunStep  # noqa: Y015
+
+@_typing.final
+class ModelRestored(_message.Message):
+    """The state checkpoint a model was moved to by RestoreCheckpoint."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def checkpoint(self) -> Global___CheckpointInfo:
+        """The checkpoint restored; the model's policy version became its policy_version."""
+
+    def __init__(
+        self,
+        *,
+        checkpoint: Global___CheckpointInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelRestored: _TypeAlias = ModelRestored  # noqa: Y015
