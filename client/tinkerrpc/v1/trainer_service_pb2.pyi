@@ -72,6 +72,8 @@ class CreateModelRequest(_message.Message):
     RENDERER_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     EXIST_OK_FIELD_NUMBER: _builtins.int
+    KEEP_SAMPLER_VERSIONS_FIELD_NUMBER: _builtins.int
+    KEEP_STATE_CHECKPOINTS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Unique name: 1-64 characters of [A-Za-z0-9._-], starting with a letter or digit."""
     base_model: _builtins.str
@@ -87,6 +89,17 @@ class CreateModelRequest(_message.Message):
     that differs in any of those is still ALREADY_EXISTS, and the message names each difference.
     The seed is not compared: it only chose the initial adapter.
     """
+    keep_sampler_versions: _builtins.int
+    """Retention: how many of the latest policy versions stay sampleable (their sampler checkpoints
+    are kept); older ones are deleted after the step that makes them superfluous commits, except a
+    version a named state checkpoint holds or a Sample in flight pins. Unset = the server's
+    --keep-sampler-versions (default 16); at least 1.
+    """
+    keep_state_checkpoints: _builtins.int
+    """Retention: how many of the latest automatic state checkpoints (step_NNNNNN) are kept besides
+    the named ones and the recovery point (always kept). Unset = the server's
+    --keep-state-checkpoints (default 2); at least 1.
+    """
     @_builtins.property
     def lora(self) -> _types_pb2.LoraConfig:
         """Adapter shape; defaults as documented on LoraConfig."""
@@ -100,13 +113,24 @@ class CreateModelRequest(_message.Message):
         renderer: _builtins.str = ...,
         seed: _builtins.int | None = ...,
         exist_ok: _builtins.bool = ...,
+        keep_sampler_versions: _builtins.int | None = ...,
+        keep_state_checkpoints: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "lora", b"lora", "seed", b"seed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_keep_sampler_versions", b"_keep_sampler_versions", "_keep_state_checkpoints", b"_keep_state_checkpoints", "_seed", b"_seed", "keep_sampler_versions", b"keep_sampler_versions", "keep_state_checkpoints", b"keep_state_checkpoints", "lora", b"lora", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "base_model", b"base_model", "exist_ok", b"exist_ok", "lora", b"lora", "name", b"name", "renderer", b"renderer", "seed", b"seed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_keep_sampler_versions", b"_keep_sampler_versions", "_keep_state_checkpoints", b"_keep_state_checkpoints", "_seed", b"_seed", "base_model", b"base_model", "exist_ok", b"exist_ok", "keep_sampler_versions", b"keep_sampler_versions", "keep_state_checkpoints", b"keep_state_checkpoints", "lora", b"lora", "name", b"name", "renderer", b"renderer", "seed", b"seed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__keep_sampler_versions: _TypeAlias = _typing.Literal["keep_sampler_versions"]  # noqa: Y015
+    _WhichOneofArgType__keep_sampler_versions: _TypeAlias = _typing.Literal["_keep_sampler_versions", b"_keep_sampler_versions"]  # noqa: Y015
+    _WhichOneofReturnType__keep_state_checkpoints: _TypeAlias = _typing.Literal["keep_state_checkpoints"]  # noqa: Y015
+    _WhichOneofArgType__keep_state_checkpoints: _TypeAlias = _typing.Literal["_keep_state_checkpoints", b"_keep_state_checkpoints"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__keep_sampler_versions) -> _WhichOneofReturnType__keep_sampler_versions | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__keep_state_checkpoints) -> _WhichOneofReturnType__keep_state_checkpoints | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
 
 Global___CreateModelRequest: _TypeAlias = CreateModelRequest  # noqa: Y015

@@ -853,6 +853,9 @@ class ModelInfo(_message.Message):
     TINKER_RUN_ID_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _builtins.int
+    KEEP_SAMPLER_VERSIONS_FIELD_NUMBER: _builtins.int
+    KEEP_STATE_CHECKPOINTS_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_BYTES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Unique model name, e.g. "my-run"."""
     base_model: _builtins.str
@@ -869,6 +872,18 @@ class ModelInfo(_message.Message):
     """Size of the tokenizer's vocabulary; token ids must be below it."""
     max_context_length: _builtins.int
     """Longest sequence (prompt + completion) the model accepts, in tokens."""
+    keep_sampler_versions: _builtins.int
+    """Retention policy in force: the latest versions kept sampleable (see
+    CreateModelRequest.keep_sampler_versions).
+    """
+    keep_state_checkpoints: _builtins.int
+    """Retention policy in force: the latest automatic state checkpoints kept (see
+    CreateModelRequest.keep_state_checkpoints).
+    """
+    checkpoint_bytes: _builtins.int
+    """Bytes the model's checkpoints (sampler and state) occupy in the backend, as the backend reported
+    their sizes after saving them (checkpoints whose size it did not report count 0).
+    """
     @_builtins.property
     def lora(self) -> Global___LoraConfig:
         """The adapter's shape."""
@@ -895,10 +910,13 @@ class ModelInfo(_message.Message):
         tinker_run_id: _builtins.str = ...,
         vocab_size: _builtins.int = ...,
         max_context_length: _builtins.int = ...,
+        keep_sampler_versions: _builtins.int = ...,
+        keep_state_checkpoints: _builtins.int = ...,
+        checkpoint_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "lora", b"lora"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model", "create_time", b"create_time", "lora", b"lora", "max_context_length", b"max_context_length", "name", b"name", "policy_version", b"policy_version", "renderer", b"renderer", "sampleable_versions", b"sampleable_versions", "seed", b"seed", "tinker_run_id", b"tinker_run_id", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model", "checkpoint_bytes", b"checkpoint_bytes", "create_time", b"create_time", "keep_sampler_versions", b"keep_sampler_versions", "keep_state_checkpoints", b"keep_state_checkpoints", "lora", b"lora", "max_context_length", b"max_context_length", "name", b"name", "policy_version", b"policy_version", "renderer", b"renderer", "sampleable_versions", b"sampleable_versions", "seed", b"seed", "tinker_run_id", b"tinker_run_id", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
