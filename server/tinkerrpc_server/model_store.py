@@ -1,11 +1,18 @@
 """Where base models come from: Hugging Face directories named under a model dir, or the
 built-in tiny chat models that are generated deterministically on first use (no model hub needed).
 
+A built-in model is also laid out in the Hugging Face hub cache (`$HF_HUB_CACHE`, by default
+`$HF_HOME/hub`) under its name, so Hugging Face's own loaders find it by name offline:
+`AutoTokenizer.from_pretrained("tinkerrpc/tiny-chat")` with HF_HUB_OFFLINE=1, as tinker-cookbook's
+`get_tokenizer(model_name)` calls it. The engine does this at start for the default model.
+
 Importable by the engine and the service alike; torch/transformers/tokenizers load lazily.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import random
 import re
@@ -14,6 +21,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("tinkerrpc.models")
 
 DEFAULT_MODEL_DIR = Path(os.environ.get("TINKERRPC_MODEL_DIR", "~/.cache/tinkerrpc/models")).expanduser()
 
@@ -98,16 +107,108 @@ TINY_MODEL_SHAPES: dict[str, TinyModelShape] = {
 
 def resolve_base_model(name: str, model_dir: Path) -> Path:
     """Map a base model name to its Hugging Face directory under `model_dir`, building a built-in model
-    on first use. Only names are taken: a path (absolute, or climbing out) is an unknown model."""
+    on first use (and laying it out in the hub cache). Only names are taken: a path (absolute, or
+    climbing out) is an unknown model."""
     if not is_model_name(name):
         raise UnknownBaseModelError(name, model_dir)
     under_model_dir = model_dir / name
-    if (under_model_dir / "config.json").is_file():
-        return under_model_dir
     shape = TINY_MODEL_SHAPES.get(name)
     if shape is None:
+        if (under_model_dir / "config.json").is_file():
+            return under_model_dir
         raise UnknownBaseModelError(name, model_dir)
-    return build_tiny_model(under_model_dir, shape)
+    path = build_tiny_model(under_model_dir, shape)
+    _offer_to_hf_cache(name, path)
+    return path
+
+
+def prepare_builtin_models(model_dir: Path) -> None:
+    """At a server's start: build the default built-in model, and lay out every built-in model
+    already built in the Hugging Face cache, so clients can load them by name from then on."""
+    resolve_base_model(TINY_CHAT, model_dir)
+    for name in TINY_MODEL_SHAPES:
+        if (model_dir / name / "config.json").is_file():
+            resolve_base_model(name, model_dir)
+
+
+def hf_hub_cache() -> Path:
+    """The hub cache Hugging Face's loaders read: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+# (name, model directory, cache) triples already laid out by this process: the check hashes every file.
+_published: set[tuple[str, Path, Path]] = set()
+
+
+def _offer_to_hf_cache(name: str, path: Path) -> None:
+    """Lay out a built-in model in the hub cache once per process; a cache that cannot be written (a
+    read-only home) costs loading by name, not the model."""
+    cache = hf_hub_cache()
+    key = (name, path, cache)
+    if key in _published:
+        return
+    try:
+        publish_to_hf_cache(name, path, cache)
+    except OSError as err:
+        log.warning("cannot lay out %s in the Hugging Face cache %s: %s", name, cache, err)
+    _published.add(key)
+
+
+def publish_to_hf_cache(name: str, model_path: Path, cache: Path) -> Path:
+    """Lay out the files of `model_path` as the hub cache entry of the repository `name`, as `hf download`
+    would: blobs/<sha256>, snapshots/<revision>/<file> -> ../../blobs/<sha256>, refs/main = revision.
+
+    The revision is a hash of the content, so this is idempotent; every piece is written aside and
+    renamed into place, so a loader never sees a half-written entry and racing writers agree.
+    Returns the snapshot directory."""
+    repo = cache / f"models--{name.replace('/', '--')}"
+    digests = {f.name: _sha256(f) for f in sorted(model_path.iterdir()) if f.is_file()}
+    revision = hashlib.sha1("".join(f"{n}\0{d}\n" for n, d in digests.items()).encode()).hexdigest()
+    snapshot = repo / "snapshots" / revision
+    for directory in (repo / "blobs", repo / "snapshots", repo / "refs"):
+        directory.mkdir(parents=True, exist_ok=True)
+    for file, digest in digests.items():
+        blob = repo / "blobs" / digest
+        if not blob.is_file():
+            staged = repo / "blobs" / f".{digest}.{os.getpid()}.incomplete"
+            _link_or_copy(model_path / file, staged)
+            os.replace(staged, blob)
+    if not snapshot.is_dir():
+        staging = Path(tempfile.mkdtemp(prefix=f".{revision}.", dir=repo))
+        try:
+            for file, digest in digests.items():
+                (staging / file).symlink_to(Path("..", "..", "blobs", digest))
+            os.rename(staging, snapshot)
+        except OSError:
+            if not snapshot.is_dir():  # else another writer finished first, with the same content
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    ref = repo / "refs" / "main"
+    if not ref.is_file() or ref.read_text() != revision:
+        staged_ref = ref.with_name(f".main.{os.getpid()}")
+        staged_ref.write_text(revision)
+        os.replace(staged_ref, ref)
+    return snapshot
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """A hard link when on the same file system (no second copy), else a copy; either way the cache
+    entry survives the model dir's removal."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
 
 
 def build_tiny_model(

@@ -29,7 +29,7 @@ from tinkerrpc_server.engine.routes.common import future
 from tinkerrpc_server.engine.signed_urls import Forbidden
 from tinkerrpc_server.engine.storage import InvalidNameError, UnknownPathError
 from tinkerrpc_server.local.uvicorn_serving import serve_until_signalled
-from tinkerrpc_server.model_store import UnknownBaseModelError
+from tinkerrpc_server.model_store import UnknownBaseModelError, prepare_builtin_models
 
 log = logging.getLogger("tinkerrpc.engine")
 
@@ -60,7 +60,7 @@ def create_app(data_dir: Path, model_dir: Path, api_key: str | None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        engine.worker.stop()
+        engine.close()
 
     app = FastAPI(title="tinkerrpc embedded engine", lifespan=lifespan)
     app.state.engine = engine
@@ -97,6 +97,8 @@ def run_engine(host: str, port: int, data_dir: Path, model_dir: Path, api_key: s
     """Serve the engine until SIGTERM/SIGINT, then return normally."""
     # Everything the engine writes (weights, optimizer state, its index) is its owner's alone.
     os.umask(0o077)
+    # Before listening: once the engine answers, clients can load the built-in models by name.
+    prepare_builtin_models(model_dir)
     app = create_app(data_dir, model_dir, api_key)
     log.info(
         "engine on http://%s:%d (data %s, models %s, %s)",
