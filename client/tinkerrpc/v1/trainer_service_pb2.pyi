@@ -615,6 +615,18 @@ class ChatPrompt(_message.Message):
 
     MESSAGES_FIELD_NUMBER: _builtins.int
     TOOLS_FIELD_NUMBER: _builtins.int
+    ENABLE_THINKING_FIELD_NUMBER: _builtins.int
+    FORCED_TOOL_CALL_FIELD_NUMBER: _builtins.int
+    SINGLE_TOOL_CALL_FIELD_NUMBER: _builtins.int
+    enable_thinking: _builtins.bool
+    """Render with the model's renderer's thinking variant (true) or its thinking-disabled variant
+    (false), e.g. qwen3 / qwen3_disable_thinking, for this request only; unset = the model's
+    renderer. INVALID_ARGUMENT when the renderer has no such variant.
+    """
+    single_tool_call: _builtins.bool
+    """Keep only the first tool call of each parsed message (OpenAI's parallel_tool_calls false);
+    the sampled tokens are returned as drawn.
+    """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Message]:
         """The conversation so far."""
@@ -623,19 +635,57 @@ class ChatPrompt(_message.Message):
     def tools(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Tool]:
         """Tools offered to the model."""
 
+    @_builtins.property
+    def forced_tool_call(self) -> Global___ForcedToolCall:
+        """When set, the reply is a tool call: the renderer's tool-call opening (with a function
+        name, the call up to its arguments) is appended to the prompt, so the model continues
+        inside the call. Those tokens are prompt tokens: they end SampleResponse.prompt_token_ids,
+        are not sampled, have no logprob and train as prompt. Each sequence's `message` is parsed
+        from them plus the sampled tokens; `text` is the sampled tokens' only. Needs `tools`.
+        """
+
     def __init__(
         self,
         *,
         messages: _abc.Iterable[_types_pb2.Message] | None = ...,
         tools: _abc.Iterable[_types_pb2.Tool] | None = ...,
+        enable_thinking: _builtins.bool | None = ...,
+        forced_tool_call: Global___ForcedToolCall | None = ...,
+        single_tool_call: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_enable_thinking", b"_enable_thinking", "enable_thinking", b"enable_thinking", "forced_tool_call", b"forced_tool_call"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_enable_thinking", b"_enable_thinking", "enable_thinking", b"enable_thinking", "forced_tool_call", b"forced_tool_call", "messages", b"messages", "single_tool_call", b"single_tool_call", "tools", b"tools"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__enable_thinking: _TypeAlias = _typing.Literal["enable_thinking"]  # noqa: Y015
+    _WhichOneofArgType__enable_thinking: _TypeAlias = _typing.Literal["_enable_thinking", b"_enable_thinking"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__enable_thinking) -> _WhichOneofReturnType__enable_thinking | None: ...
+
+Global___ChatPrompt: _TypeAlias = ChatPrompt  # noqa: Y015
+
+@_typing.final
+class ForcedToolCall(_message.Message):
+    """The tool call a chat reply must open with."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FUNCTION_NAME_FIELD_NUMBER: _builtins.int
+    function_name: _builtins.str
+    """The function to call, one of the prompt's tools; empty = any of them (OpenAI's
+    tool_choice "required").
+    """
+    def __init__(
+        self,
+        *,
+        function_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["function_name", b"function_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___ChatPrompt: _TypeAlias = ChatPrompt  # noqa: Y015
+Global___ForcedToolCall: _TypeAlias = ForcedToolCall  # noqa: Y015
 
 @_typing.final
 class TokenPrompt(_message.Message):
@@ -730,10 +780,13 @@ class SampleResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    PROMPT_TEXT_FIELD_NUMBER: _builtins.int
     policy_version: _builtins.int
     """The policy version that produced every sequence."""
     model: _builtins.str
     """Model name."""
+    prompt_text: _builtins.str
+    """The prompt decoded as text, when params.return_prompt_text (decoded as `text` is)."""
     @_builtins.property
     def sequences(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.SampledSequence]:
         """The completions, params.n of them."""
@@ -754,10 +807,11 @@ class SampleResponse(_message.Message):
         prompt_logprobs: _abc.Iterable[_builtins.float] | None = ...,
         policy_version: _builtins.int = ...,
         model: _builtins.str = ...,
+        prompt_text: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "policy_version", b"policy_version", "prompt_logprobs", b"prompt_logprobs", "prompt_token_ids", b"prompt_token_ids", "sequences", b"sequences"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "policy_version", b"policy_version", "prompt_logprobs", b"prompt_logprobs", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "sequences", b"sequences"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -620,6 +620,10 @@ class SamplingParams(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     RETURN_TOKEN_TEXTS_FIELD_NUMBER: _builtins.int
     IGNORE_DEFAULT_STOPS_FIELD_NUMBER: _builtins.int
+    MIN_TOKENS_FIELD_NUMBER: _builtins.int
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    SPACES_BETWEEN_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    RETURN_PROMPT_TEXT_FIELD_NUMBER: _builtins.int
     n: _builtins.int
     """Number of completions for the prompt (default 1)."""
     temperature: _builtins.float
@@ -646,6 +650,25 @@ class SamplingParams(_message.Message):
     """Do not add the renderer's (or tokenizer's) end-of-turn stop tokens; only `stop` and
     `stop_token_ids` end a completion before max_tokens.
     """
+    min_tokens: _builtins.int
+    """No stop before this many tokens (vLLM's min_tokens; 0 = off, at most max_tokens): stop
+    strings are not looked for in them, and a stop token drawn among them is rejected and its
+    position drawn again, which samples from the policy with stop tokens masked out (Tinker's
+    sampler has no such knob, so the server samples in pieces; with temperature 0 the best
+    token that is not a stop is taken). Returned logprobs stay the policy's own. A model that
+    keeps drawing stop tokens (64 rejections) fails with FAILED_PRECONDITION.
+    """
+    skip_special_tokens: _builtins.bool
+    """Decode `text` (and `prompt_text`) without special tokens such as `<|im_end|>` (default
+    true); false keeps them in the text. Token ids, token texts and parsed messages do not
+    change.
+    """
+    spaces_between_special_tokens: _builtins.bool
+    """With special tokens kept in the text, separate them from neighbouring text with a space
+    (default true, as Hugging Face's decode).
+    """
+    return_prompt_text: _builtins.bool
+    """Also return the prompt decoded as text (SampleResponse.prompt_text), for echoing it."""
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Stop strings; generation ends when one appears (it is included in the tokens). At most 16,
@@ -673,19 +696,31 @@ class SamplingParams(_message.Message):
         top_logprobs: _builtins.int = ...,
         return_token_texts: _builtins.bool = ...,
         ignore_default_stops: _builtins.bool = ...,
+        min_tokens: _builtins.int = ...,
+        skip_special_tokens: _builtins.bool | None = ...,
+        spaces_between_special_tokens: _builtins.bool | None = ...,
+        return_prompt_text: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "_temperature", b"_temperature", "_top_p", b"_top_p", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "ignore_default_stops", b"ignore_default_stops", "include_prompt_logprobs", b"include_prompt_logprobs", "max_tokens", b"max_tokens", "n", b"n", "return_token_texts", b"return_token_texts", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "_temperature", b"_temperature", "_top_p", b"_top_p", "ignore_default_stops", b"ignore_default_stops", "include_prompt_logprobs", b"include_prompt_logprobs", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "n", b"n", "return_prompt_text", b"return_prompt_text", "return_token_texts", b"return_token_texts", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__skip_special_tokens: _TypeAlias = _typing.Literal["skip_special_tokens"]  # noqa: Y015
+    _WhichOneofArgType__skip_special_tokens: _TypeAlias = _typing.Literal["_skip_special_tokens", b"_skip_special_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__spaces_between_special_tokens: _TypeAlias = _typing.Literal["spaces_between_special_tokens"]  # noqa: Y015
+    _WhichOneofArgType__spaces_between_special_tokens: _TypeAlias = _typing.Literal["_spaces_between_special_tokens", b"_spaces_between_special_tokens"]  # noqa: Y015
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
     _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__skip_special_tokens) -> _WhichOneofReturnType__skip_special_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__spaces_between_special_tokens) -> _WhichOneofReturnType__spaces_between_special_tokens | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
     @_typing.overload
