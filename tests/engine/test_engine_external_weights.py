@@ -119,14 +119,14 @@ def test_file_urls_are_signed_and_never_leave_the_export(
 
     prefix = f"{engine.base_url}{FILES_ROUTE}/{client.model_id}/guarded"
     query = f"expires={expires}&signature={signature}"
-    for escape in ("..%2F..%2F..%2F..%2Fengine_index.json", "%2Fetc%2Fpasswd", ".%2Fadapter_config.json"):
+    for escape in ("..%2F..%2F..%2F..%2Fengine_index.jsonl", "%2Fetc%2Fpasswd", ".%2Fadapter_config.json"):
         response = httpx.get(f"{prefix}/{escape}?{query}")
         assert response.status_code == 404, (escape, response.text)
         assert "no file" in response.json()["detail"]
     # A client that sends '..' literally (no URL normalisation) gets the same answer.
     connection = http.client.HTTPConnection("127.0.0.1", engine.port, timeout=30)
     connection.request(
-        "GET", f"{FILES_ROUTE}/{client.model_id}/guarded/../../../../engine_index.json?{query}"
+        "GET", f"{FILES_ROUTE}/{client.model_id}/guarded/../../../../engine_index.jsonl?{query}"
     )
     raw = connection.getresponse()
     assert raw.status == 404 and b"checkpoints" not in raw.read()
@@ -135,7 +135,7 @@ def test_file_urls_are_signed_and_never_leave_the_export(
     # A symlink planted in the export is never followed, not even through a validly signed URL.
     export_dir = engine.data_dir / "runs" / client.model_id / "external_weights" / "guarded"
     (export_dir / "adapter_config.json").unlink()
-    (export_dir / "adapter_config.json").symlink_to(engine.data_dir / "engine_index.json")
+    (export_dir / "adapter_config.json").symlink_to(engine.data_dir / "engine_index.jsonl")
     leaked = httpx.get(config_url)
     assert leaked.status_code == 404 and "checkpoints" not in leaked.text
     assert "adapter_config.json" not in rest.get_external_weights_urls(path).result().urls

@@ -14,14 +14,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import stat
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ import pytest
 import tinker
 
 import tinkerrpc
+from tinkerrpc_server.engine.storage import read_index
 from tinkerrpc_server.local.stack import LocalEngine, LocalStack, tinkerrpc_command
 from tinkerrpc_server.settings import ENGINE_API_KEY_ENV
 
@@ -84,7 +84,8 @@ def _engine_child(data_dir: Path) -> psutil.Process:
 
 
 def _engine_index(data_dir: Path) -> dict[str, Any]:
-    return dict(json.loads((data_dir / "engine" / "engine_index.json").read_text()))
+    runs, checkpoints = read_index(data_dir / "engine")
+    return {"runs": [asdict(r) for r in runs], "checkpoints": [asdict(c) for c in checkpoints]}
 
 
 def test_the_serve_engine_refuses_callers_without_its_key(victim: Victim) -> None:
@@ -171,7 +172,7 @@ def test_everything_under_the_data_dir_is_private(victim: Victim) -> None:
     assert {
         "tinkerrpc.sqlite3",
         "tinkerrpc.sqlite3-wal",
-        "engine_index.json",
+        "engine_index.jsonl",
         "optimizer.safetensors",
     } <= names
 

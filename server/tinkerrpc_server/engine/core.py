@@ -3,10 +3,18 @@
 Routes reach the one `Engine` of an app through a FastAPI dependency; they read its state and change it
 only through its methods. Runtime objects are only touched on the compute worker's thread: the methods
 documented "compute thread" run inside work submitted to the worker.
+
+Bounded by what clients are still using: a training client's adapter and optimizer state are freed when
+it is unloaded (`unload_model`, which the service sends when it drops a training client: restore,
+rollback, cancelled step, DeleteModel) or when the session that created it finishes. An unnamed
+`save_weights_for_sampler` snapshot is ephemeral: the next unnamed snapshot of the same training client,
+its unload, or an engine restart deletes it. Checkpoints saved with `ttl_seconds` are deleted by a sweep
+every SWEEP_INTERVAL_SECONDS once it has passed (and are unknown from that moment on).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import threading
@@ -35,11 +43,15 @@ from tinkerrpc_server.engine.storage import (
     UnknownPathError,
     directory_size,
     now_iso,
+    parse_tinker_path,
 )
 from tinkerrpc_server.engine.worker import ComputeWorker
 from tinkerrpc_server.model_store import TINY_CHAT, UnknownBaseModelError, resolve_base_model
 
 log = logging.getLogger("tinkerrpc.engine")
+
+# How often expired checkpoints are deleted from disk.
+SWEEP_INTERVAL_SECONDS = 30.0
 
 _USER_ERRORS = (
     EngineUserError,
@@ -80,6 +92,24 @@ class Engine:
         self._runtimes: dict[Path, BaseModelRuntime] = {}
         self._live_models: dict[str, str] = {}  # model_id -> base model, adapters present in a runtime
         self._samplers: dict[str, Sampler] = {}
+        # model_id -> tinker path of its latest unnamed sampler snapshot, deleted when superseded.
+        self._unnamed_snapshots: dict[str, str] = {}
+        self._stopped = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep_expired, name="checkpoint-ttl", daemon=True)
+        self._sweeper.start()
+
+    def close(self) -> None:
+        self._stopped.set()
+        self.worker.stop()
+        self.storage.close()
+
+    def _sweep_expired(self) -> None:
+        while not self._stopped.wait(SWEEP_INTERVAL_SECONDS):
+            try:
+                for record in self.storage.delete_expired(time.time()):
+                    log.info("checkpoint %s expired and was deleted", record.tinker_path)
+            except Exception:
+                log.exception("deleting expired checkpoints failed")
 
     # ---- models ----
 
@@ -108,6 +138,28 @@ class Engine:
 
     def is_live(self, model_id: str) -> bool:
         return model_id in self._live_models
+
+    def live_model_count(self) -> int:
+        return len(self._live_models)
+
+    def unload_model(self, model_id: str) -> None:
+        """Free a training client's adapter and optimizer state; its checkpoints stay, but its unnamed
+        sampler snapshot goes with it (compute thread)."""
+        runtime = self.live_runtime(model_id)
+        runtime.delete_adapter(model_id)
+        del self._live_models[model_id]
+        self._drop_unnamed_snapshot(model_id)
+        log.info("model %s unloaded", model_id)
+
+    def session_models(self, session_id: str) -> list[str]:
+        """The live training clients a session created."""
+        prefix = f"{session_id}:train:"
+        return [model_id for model_id in self._live_models if model_id.startswith(prefix)]
+
+    def forget_session_samplers(self, session_id: str) -> None:
+        prefix = f"{session_id}:sample:"
+        for sampler_id in [s for s in self._samplers if s.startswith(prefix)]:
+            del self._samplers[sampler_id]
 
     def supported_models(self) -> list[str]:
         """The built-in model plus every `<org>/<name>` or `<name>` HF directory under --model-dir."""
@@ -188,12 +240,23 @@ class Engine:
     # ---- checkpoints ----
 
     def save_checkpoint(
-        self, model_id: str, kind: CheckpointKind, name: str, overwrite: bool, metadata: dict[str, str]
+        self,
+        model_id: str,
+        kind: CheckpointKind,
+        name: str,
+        overwrite: bool,
+        metadata: dict[str, str],
+        ttl_seconds: int | None,
+        ephemeral: bool = False,
     ) -> CheckpointRecord:
-        """Save a live model's adapter (and for "training", its optimizer) as a checkpoint (compute thread)."""
+        """Save a live model's adapter (and for "training", its optimizer) as a checkpoint, deleted
+        `ttl_seconds` from now if set; an ephemeral one does not outlive this engine (compute thread)."""
         runtime = self.live_runtime(model_id)
         directory = self.storage.checkpoint_dir(model_id, kind, name)
-        record = CheckpointRecord(model_id, kind, name, now_iso(), 0, metadata)
+        if ttl_seconds is not None and ttl_seconds < 1:
+            raise EngineUserError(f"ttl_seconds must be at least 1, got {ttl_seconds}")
+        expires_at = time.time() + ttl_seconds if ttl_seconds is not None else None
+        record = CheckpointRecord(model_id, kind, name, now_iso(), 0, metadata, expires_at, ephemeral)
         if self.storage.has_checkpoint(record.tinker_path) or directory.exists():
             if not overwrite:
                 raise EngineUserError(f"checkpoint {record.tinker_path} already exists")
@@ -203,6 +266,25 @@ class Engine:
         record.size_bytes = directory_size(directory)
         self.storage.add_checkpoint(record)
         return record
+
+    def save_unnamed_snapshot(
+        self, model_id: str, name: str, metadata: dict[str, str], ttl_seconds: int | None
+    ) -> CheckpointRecord:
+        """An ephemeral sampler snapshot: it replaces the model's previous unnamed one (compute thread)."""
+        record = self.save_checkpoint(model_id, "sampler", name, False, metadata, ttl_seconds, ephemeral=True)
+        self._drop_unnamed_snapshot(model_id)
+        self._unnamed_snapshots[model_id] = record.tinker_path
+        return record
+
+    def _drop_unnamed_snapshot(self, model_id: str) -> None:
+        path = self._unnamed_snapshots.pop(model_id, None)
+        if path is None:
+            return
+        for sampler_id in [s.sampler_id for s in self._samplers.values() if s.model_path == path]:
+            del self._samplers[sampler_id]
+        _, _, name = parse_tinker_path(path)
+        with contextlib.suppress(UnknownPathError):  # its owner may have deleted it already
+            self.storage.delete_checkpoint(model_id, f"sampler_weights/{name}")
 
     # ---- sampling ----
 

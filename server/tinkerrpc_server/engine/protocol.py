@@ -219,3 +219,9 @@ class WeightsInfoRequest(pydantic.BaseModel):
     """The body of weights_info, which the SDK sends as a plain dict."""
 
     tinker_path: str
+
+
+class CheckpointTtlRequest(pydantic.BaseModel):
+    """The body of set_checkpoint_ttl, which the SDK sends as a plain dict."""
+
+    ttl_seconds: int | None

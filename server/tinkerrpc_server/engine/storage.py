@@ -1,7 +1,7 @@
-"""The engine's on-disk state: training runs and checkpoints under --data-dir, indexed in one JSON file.
+"""The engine's on-disk state: training runs and checkpoints under --data-dir, indexed in a journal.
 
 Layout:
-    <data-dir>/engine_index.json                      runs and checkpoints (written atomically)
+    <data-dir>/engine_index.jsonl                     runs and checkpoints: an append-only journal
     <data-dir>/runs/<model_id>/weights/<name>/        save_state (adapter + optimizer)
     <data-dir>/runs/<model_id>/sampler_weights/<name>/ save_weights_for_sampler (adapter only)
     <data-dir>/runs/<model_id>/external_weights/<name>/ save_weights_external (plain PEFT adapter dir)
@@ -10,6 +10,11 @@ Layout:
 `tinker://<model_id>/external_weights/<name>` resolve to those directories (checkpoint kinds "training",
 "sampler" and "external"). A new engine on the same data dir sees every run and checkpoint of the
 previous one.
+
+The index is a JSON-lines journal: each change appends one fsynced line (a run, a checkpoint, a
+deletion), so a step costs the same at step 5 000 as at step 5. At start the journal is replayed (a torn
+last line from a crash is ignored) and compacted into one line per live record; checkpoints whose
+expiry passed are dropped then, and by the engine's periodic sweep (`expired_checkpoints`).
 
 Every path under the data dir is built by `Storage.inside` from checked names (`check_id`,
 `validate_checkpoint_name`: no separator, no '..', bounded length, a conservative charset) and must
@@ -25,6 +30,7 @@ import re
 import shutil
 import tempfile
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -41,7 +47,9 @@ _SEGMENT_KIND: dict[str, CheckpointKind] = {v: k for k, v in _KIND_SEGMENT.items
 _NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # Session, model and sampler ids (`<session>:train:<n>`): one path segment at most.
 _ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
-_INDEX_FILE = "engine_index.json"
+_INDEX_FILE = "engine_index.jsonl"
+# The whole-file index of earlier versions, read once and replaced by the journal.
+_LEGACY_INDEX_FILE = "engine_index.json"
 # How much of a rejected name an error message repeats.
 _SHOWN_NAME_CHARS = 80
 
@@ -94,6 +102,11 @@ class CheckpointRecord:
     created_at: str
     size_bytes: int
     user_metadata: dict[str, str] = field(default_factory=dict)
+    # POSIX seconds after which the checkpoint is deleted (the SDK's ttl_seconds); None: kept.
+    expires_at: float | None = None
+    # An unnamed sampler snapshot: its training client and sampling sessions die with the engine, so a
+    # new engine deletes it at start.
+    ephemeral: bool = False
 
     @property
     def checkpoint_id(self) -> str:
@@ -126,22 +139,41 @@ def parse_tinker_path(path: str) -> tuple[str, CheckpointKind, str]:
     return check_id("model_id", parts[0]), _SEGMENT_KIND[parts[1]], parts[2]
 
 
-def _write_json_atomically(path: Path, payload: Any) -> None:
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(payload, handle, indent=1, sort_keys=True)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+def _fsync_directory(directory: Path) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _replay(index_path: Path) -> tuple[dict[str, RunRecord], dict[str, CheckpointRecord]]:
+    """The runs and checkpoints a journal describes; a line that does not parse (the torn last write
+    of a killed engine) is skipped."""
+    runs: dict[str, RunRecord] = {}
+    checkpoints: dict[str, CheckpointRecord] = {}
+    if not index_path.exists():
+        return runs, checkpoints
+    with index_path.open() as journal:
+        for line in journal:
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "run" in entry:
+                runs[entry["run"]["model_id"]] = RunRecord(**entry["run"])
+            elif "checkpoint" in entry:
+                record = CheckpointRecord(**entry["checkpoint"])
+                checkpoints[record.tinker_path] = record
+            elif "deleted" in entry:
+                checkpoints.pop(entry["deleted"], None)
+    return runs, checkpoints
+
+
+def read_index(data_dir: Path) -> tuple[list[RunRecord], list[CheckpointRecord]]:
+    """The runs and checkpoints recorded under an engine's data dir, read without changing anything."""
+    runs, checkpoints = _replay(data_dir / _INDEX_FILE)
+    return list(runs.values()), list(checkpoints.values())
 
 
 def directory_size(path: Path) -> int:
@@ -182,29 +214,63 @@ def file_inside(directory: Path, relative: str) -> Path:
 
 
 class Storage:
-    """Thread-safe index of runs and checkpoints; every change is persisted before it returns."""
+    """Thread-safe index of runs and checkpoints; every change is in the journal before it returns."""
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
         data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._root = data_dir.resolve()
         self._lock = threading.Lock()
-        self._runs: dict[str, RunRecord] = {}
-        self._checkpoints: dict[str, CheckpointRecord] = {}
         index_path = self.inside(_INDEX_FILE)
-        if index_path.exists():
-            payload = json.loads(index_path.read_text())
-            self._runs = {r["model_id"]: RunRecord(**r) for r in payload.get("runs", [])}
-            for c in payload.get("checkpoints", []):
-                record = CheckpointRecord(**c)
-                self._checkpoints[record.tinker_path] = record
+        self._runs, self._checkpoints = _replay(index_path)
+        legacy_index = self.inside(_LEGACY_INDEX_FILE)
+        if legacy_index.exists():
+            self._read_legacy_index(legacy_index)
+        expired = self._pop_expired(time.time())
+        ephemeral = [c for c in self._checkpoints.values() if c.ephemeral]
+        for record in ephemeral:
+            del self._checkpoints[record.tinker_path]
+        self._compact(index_path)
+        legacy_index.unlink(missing_ok=True)
+        self._journal = index_path.open("a")
+        for record in [*expired, *ephemeral]:
+            self._remove_files(record)
 
-    def _persist(self) -> None:
-        payload = {
-            "runs": [asdict(r) for r in self._runs.values()],
-            "checkpoints": [asdict(c) for c in self._checkpoints.values()],
-        }
-        _write_json_atomically(self.inside(_INDEX_FILE), payload)
+    def _read_legacy_index(self, path: Path) -> None:
+        """A data dir of an engine before the journal: its whole-file index, taken over once."""
+        payload = json.loads(path.read_text())
+        for run in payload.get("runs", []):
+            self._runs.setdefault(run["model_id"], RunRecord(**run))
+        for checkpoint in payload.get("checkpoints", []):
+            record = CheckpointRecord(**checkpoint)
+            self._checkpoints.setdefault(record.tinker_path, record)
+
+    def _compact(self, index_path: Path) -> None:
+        """Rewrite the journal as one line per live record (at start only), atomically."""
+        fd, tmp_name = tempfile.mkstemp(dir=index_path.parent, prefix=index_path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as handle:
+                for run in self._runs.values():
+                    handle.write(json.dumps({"run": asdict(run)}) + "\n")
+                for checkpoint in self._checkpoints.values():
+                    handle.write(json.dumps({"checkpoint": asdict(checkpoint)}) + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp_name, index_path)
+        except BaseException:
+            Path(tmp_name).unlink(missing_ok=True)
+            raise
+        _fsync_directory(index_path.parent)
+
+    def _append(self, entry: dict[str, Any]) -> None:
+        """One journal line, on disk before the change is acknowledged (caller holds the lock)."""
+        self._journal.write(json.dumps(entry) + "\n")
+        self._journal.flush()
+        os.fsync(self._journal.fileno())
+
+    def close(self) -> None:
+        with self._lock:
+            self._journal.close()
 
     def inside(self, *parts: str) -> Path:
         """The path of `parts` under the data dir, refused (UnknownPathError) unless it resolves inside
@@ -222,7 +288,7 @@ class Storage:
     def put_run(self, record: RunRecord) -> None:
         with self._lock:
             self._runs[record.model_id] = record
-            self._persist()
+            self._append({"run": asdict(record)})
 
     def touch_run(self, model_id: str) -> None:
         """Record activity in memory; persisted with the next change (no disk write per step)."""
@@ -248,7 +314,7 @@ class Storage:
             run = self._runs.get(record.model_id)
             if run is not None:
                 run.last_request_time = record.created_at
-            self._persist()
+            self._append({"checkpoint": asdict(record)})
 
     def has_checkpoint(self, tinker_path: str) -> bool:
         with self._lock:
@@ -260,7 +326,8 @@ class Storage:
         with self._lock:
             record = self._checkpoints.get(tinker_path)
         directory = self.checkpoint_dir(model_id, kind, name)
-        if record is None or not directory.is_dir():
+        expired = record is not None and record.expires_at is not None and record.expires_at <= time.time()
+        if record is None or expired or not directory.is_dir():
             raise UnknownPathError(f"no checkpoint at {tinker_path}")
         return record, directory
 
@@ -276,6 +343,36 @@ class Storage:
             record = self._checkpoints.pop(tinker_path, None)
             if record is None:
                 raise UnknownPathError(f"no checkpoint at {tinker_path}")
-            self._persist()
-        shutil.rmtree(self.checkpoint_dir(model_id, record.kind, record.name), ignore_errors=True)
+            self._append({"deleted": tinker_path})
+        self._remove_files(record)
         return record
+
+    def set_expiry(self, tinker_path: str, expires_at: float | None) -> CheckpointRecord:
+        """Give a checkpoint an expiry (None: it is kept until deleted)."""
+        parse_tinker_path(tinker_path)
+        with self._lock:
+            record = self._checkpoints.get(tinker_path)
+            if record is None:
+                raise UnknownPathError(f"no checkpoint at {tinker_path}")
+            record.expires_at = expires_at
+            self._append({"checkpoint": asdict(record)})
+        return record
+
+    def delete_expired(self, now: float) -> list[CheckpointRecord]:
+        """Delete every checkpoint whose expiry has passed; the deleted records."""
+        with self._lock:
+            expired = self._pop_expired(now)
+            for record in expired:
+                self._append({"deleted": record.tinker_path})
+        for record in expired:
+            self._remove_files(record)
+        return expired
+
+    def _pop_expired(self, now: float) -> list[CheckpointRecord]:
+        expired = [c for c in self._checkpoints.values() if c.expires_at is not None and c.expires_at <= now]
+        for record in expired:
+            del self._checkpoints[record.tinker_path]
+        return expired
+
+    def _remove_files(self, record: CheckpointRecord) -> None:
+        shutil.rmtree(self.checkpoint_dir(record.model_id, record.kind, record.name), ignore_errors=True)

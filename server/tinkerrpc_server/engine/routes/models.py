@@ -17,7 +17,7 @@ from tinker import types
 from tinker.types.try_again_response import TryAgainResponse
 
 from tinkerrpc_server.engine import protocol
-from tinkerrpc_server.engine.core import NotFound
+from tinkerrpc_server.engine.core import Engine, NotFound
 from tinkerrpc_server.engine.futures import FailedResult, JsonResult, Outcome, ProtoResult
 from tinkerrpc_server.engine.routes.common import EngineDep, future, sdk_checkpoint, str_metadata
 from tinkerrpc_server.engine.runtime import LoraSpec
@@ -65,8 +65,14 @@ async def session_heartbeat() -> types.SessionHeartbeatResponse:
 
 
 @router.post("/sessions/{session_id}/finish")
-async def finish_session(session_id: str) -> dict[str, str]:
-    log.info("session %s finished", check_id("session_id", session_id))
+async def finish_session(session_id: str, engine: EngineDep) -> dict[str, str]:
+    """The session's training clients are unloaded (after the work they have queued) and its sampling
+    sessions forgotten: nothing it made stays in memory."""
+    check_id("session_id", session_id)
+    for model_id in engine.session_models(session_id):
+        _queue_unload(engine, model_id)
+    engine.forget_session_samplers(session_id)
+    log.info("session %s finished", session_id)
     return {}
 
 
@@ -87,7 +93,7 @@ async def server_capabilities(engine: EngineDep) -> types.GetServerCapabilitiesR
 
 @router.get("/debug/stats")
 async def debug_stats(engine: EngineDep) -> dict[str, int]:
-    return dataclasses.asdict(engine.worker.stats)
+    return {**dataclasses.asdict(engine.worker.stats), "live_models": engine.live_model_count()}
 
 
 # ---- futures ----
@@ -147,6 +153,24 @@ async def create_model(request: types.CreateModelRequest, engine: EngineDep) -> 
         return JsonResult(types.CreateModelResponse(model_id=model_id))
 
     return future(engine.submit_training(model_id, 0, "create_model", work), model_id)
+
+
+def _queue_unload(engine: Engine, model_id: str) -> str:
+    def work() -> Outcome:
+        engine.unload_model(model_id)
+        return JsonResult(types.UnloadModelResponse(model_id=model_id, type="unload_model"))
+
+    # After everything already queued for the model: its last operations still run.
+    return engine.submit_training(model_id, None, "unload_model", work)
+
+
+@router.post("/unload_model")
+async def unload_model(request: types.UnloadModelRequest, engine: EngineDep) -> types.UntypedAPIFuture:
+    """Free a training client's adapter and optimizer state (the service sends it when it drops one)."""
+    model_id = request.model_id
+    if not engine.is_live(model_id):
+        return future(engine.futures.failed(f"unknown model {model_id!r}"), model_id)
+    return future(_queue_unload(engine, model_id), model_id)
 
 
 @router.post("/get_info")

@@ -51,7 +51,12 @@ async def save_weights(request: types.SaveWeightsRequest, engine: EngineDep) -> 
 
     def work() -> Outcome:
         record = engine.save_checkpoint(
-            model_id, "training", name, request.overwrite, str_metadata(request.user_metadata)
+            model_id,
+            "training",
+            name,
+            request.overwrite,
+            str_metadata(request.user_metadata),
+            request.ttl_seconds,
         )
         return JsonResult(types.SaveWeightsResponse(path=record.tinker_path, type="save_weights"))
 
@@ -65,8 +70,14 @@ async def save_weights_for_sampler(
     model_id = request.model_id
 
     def work() -> Outcome:
-        name = request.path or f"sampler-{request.seq_id}-{secrets.token_hex(3)}"
-        record = engine.save_checkpoint(model_id, "sampler", name, False, str_metadata(request.user_metadata))
+        metadata = str_metadata(request.user_metadata)
+        if request.path:
+            record = engine.save_checkpoint(
+                model_id, "sampler", request.path, False, metadata, request.ttl_seconds
+            )
+        else:
+            name = f"sampler-{request.seq_id}-{secrets.token_hex(3)}"
+            record = engine.save_unnamed_snapshot(model_id, name, metadata, request.ttl_seconds)
         sampling_session_id = None
         if not request.path:
             # The no-name variant hands back a sampling session over the weights just saved.
@@ -92,7 +103,6 @@ async def save_weights_for_sampler(
 async def save_weights_external(
     request: types.SaveWeightsExternalRequest, engine: EngineDep
 ) -> types.UntypedAPIFuture:
-    # ttl_seconds is accepted and ignored: local exports stay until delete_checkpoint removes them.
     model_id = request.model_id
 
     def work() -> Outcome:
@@ -102,7 +112,7 @@ async def save_weights_external(
                 "age_encryption_recipients: encrypting exported weights is not supported by the local "
                 "engine (its exports never leave this machine); export without recipients"
             )
-        record = engine.save_checkpoint(model_id, "external", request.path, False, {})
+        record = engine.save_checkpoint(model_id, "external", request.path, False, {}, request.ttl_seconds)
         return JsonResult(
             types.SaveWeightsExternalResponseInternal(
                 path=record.tinker_path, size_bytes=record.size_bytes, type="save_weights_external"
@@ -165,6 +175,19 @@ async def list_checkpoints(model_id: str, engine: EngineDep) -> types.Checkpoint
 async def delete_checkpoint(model_id: str, checkpoint_id: str, engine: EngineDep) -> dict[str, str]:
     record = await run_in_threadpool(engine.storage.delete_checkpoint, model_id, checkpoint_id)
     log.info("deleted checkpoint %s", record.tinker_path)
+    return {}
+
+
+@router.put("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl")
+async def set_checkpoint_ttl(
+    model_id: str, checkpoint_id: str, request: protocol.CheckpointTtlRequest, engine: EngineDep
+) -> dict[str, str]:
+    """The SDK's set_checkpoint_ttl_from_tinker_path: expire `ttl_seconds` from now, or never (None)."""
+    ttl = request.ttl_seconds
+    if ttl is not None and ttl < 1:
+        raise protocol.BadRequest(f"ttl_seconds must be at least 1, got {ttl}")
+    expires_at = time.time() + ttl if ttl is not None else None
+    engine.storage.set_expiry(f"tinker://{model_id}/{checkpoint_id}", expires_at)
     return {}
 
 
