@@ -98,7 +98,7 @@ class CreateModelRequest(_message.Message):
     keep_state_checkpoints: _builtins.int
     """Retention: how many of the latest automatic state checkpoints (step_NNNNNN) are kept besides
     the named ones and the recovery point (always kept). Unset = the server's
-    --keep-state-checkpoints (default 2); at least 1.
+    --keep-state-checkpoints (default 4); at least 1.
     """
     @_builtins.property
     def lora(self) -> _types_pb2.LoraConfig:
