@@ -332,8 +332,13 @@ class Storage:
         return record, directory
 
     def list_checkpoints(self, model_id: str) -> list[CheckpointRecord]:
+        now = time.time()
         with self._lock:
-            found = [c for c in self._checkpoints.values() if c.model_id == model_id]
+            found = [
+                c
+                for c in self._checkpoints.values()
+                if c.model_id == model_id and (c.expires_at is None or c.expires_at > now)
+            ]
         return sorted(found, key=lambda c: c.created_at)
 
     def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> CheckpointRecord:

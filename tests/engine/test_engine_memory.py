@@ -1,0 +1,59 @@
+"""The engine keeps only what is in use: a finished session's training clients are freed (adapter and
+optimizer state; tests/service/test_retention.py covers those the service drops), an unnamed sampler
+snapshot lasts until the next one, and a checkpoint saved with ttl_seconds is gone once it passes."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tinkerrpc_server.local.stack import LocalEngine
+
+
+def _live_models(engine: LocalEngine) -> int:
+    stats = httpx.get(f"{engine.base_url}/api/v1/debug/stats", headers=engine.auth_headers(), timeout=30)
+    stats.raise_for_status()
+    return int(stats.json()["live_models"])
+
+
+def test_a_finished_session_frees_its_training_clients(engine: LocalEngine) -> None:
+    baseline = _live_models(engine)
+    service = engine.service_client()
+    for _ in range(3):
+        service.create_lora_training_client(base_model="tinkerrpc/tiny-chat", rank=2)
+    assert _live_models(engine) == baseline + 3
+    service.close("success").result(timeout=30)
+    deadline = time.monotonic() + 30
+    while _live_models(engine) != baseline and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _live_models(engine) == baseline
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_unnamed_sampler_snapshots_are_ephemeral(engine: LocalEngine, named: bool) -> None:
+    with engine.service_client() as service:
+        client = service.create_lora_training_client(base_model="tinkerrpc/tiny-chat", rank=2)
+        rest = engine.rest_client()
+        for step in range(3):
+            if named:
+                client.save_weights_for_sampler(f"kept-{step}").result()
+            else:
+                client.save_weights_and_get_sampling_client().result()
+        listed = rest.list_checkpoints(client.model_id).result().checkpoints
+        samplers = [c for c in listed if c.checkpoint_type == "sampler"]
+        # Named ones stay; an unnamed one lasts until the next unnamed one replaces it.
+        assert len(samplers) == (3 if named else 1)
+
+
+def test_ttl_seconds_expire_checkpoints(engine: LocalEngine) -> None:
+    with engine.service_client() as service:
+        client = service.create_lora_training_client(base_model="tinkerrpc/tiny-chat", rank=2)
+        short = client.save_state("short-lived", ttl_seconds=1).result().path
+        kept = client.save_state("kept").result().path
+        listed = engine.rest_client().list_checkpoints(client.model_id).result().checkpoints
+        assert {short, kept} <= {c.tinker_path for c in listed}
+        time.sleep(1.5)
+        listed = engine.rest_client().list_checkpoints(client.model_id).result().checkpoints
+        assert kept in {c.tinker_path for c in listed} and short not in {c.tinker_path for c in listed}
