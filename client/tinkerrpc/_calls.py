@@ -185,9 +185,23 @@ def sample(
     include_prompt_logprobs: bool = False,
     return_token_texts: bool = False,
     ignore_default_stops: bool = False,
+    min_tokens: int = 0,
+    skip_special_tokens: bool = True,
+    spaces_between_special_tokens: bool = True,
+    return_prompt_text: bool = False,
+    enable_thinking: bool | None = None,
+    force_tool_call: bool | str = False,
+    parallel_tool_calls: bool = True,
     timeout: float | None = None,
 ) -> Call[list[Sample]]:
-    """Sample `n` completions of a chat prompt (messages), token ids or raw text."""
+    """Sample `n` completions of a chat prompt (messages), token ids or raw text.
+
+    `min_tokens`: no stop before that many tokens. `skip_special_tokens` / `spaces_between_special_tokens`:
+    how `text` is decoded. `return_prompt_text`: `Sample.prompt_text` holds the prompt as text. Chat
+    prompts only: `enable_thinking` renders with the renderer's thinking (True) or thinking-disabled
+    (False) variant; `force_tool_call` (True: any of `tools`, or a function's name) makes the reply a
+    tool call, its opening appended to the prompt as prompt tokens; `parallel_tool_calls=False` keeps
+    the first call of each reply."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if max_tokens < 1:
@@ -207,19 +221,31 @@ def sample(
         top_logprobs=top_logprobs,
         return_token_texts=return_token_texts,
         ignore_default_stops=ignore_default_stops,
+        min_tokens=min_tokens,
+        skip_special_tokens=skip_special_tokens,
+        spaces_between_special_tokens=spaces_between_special_tokens,
+        return_prompt_text=return_prompt_text,
     )
     request = service_pb.SampleRequest(model=model, policy_version=policy_version, params=params)
+    chat_only = tools or enable_thinking is not None or force_tool_call or not parallel_tool_calls
     if isinstance(prompt, str):
-        if tools:
-            raise ValueError("tools need a chat prompt (a list of messages), not text")
+        if chat_only:
+            raise ValueError("tools and chat options need a chat prompt (a list of messages), not text")
         request.text = prompt
     elif not prompt:
         raise ValueError("the prompt is empty: give messages, token ids or text")
     elif all(isinstance(t, int) for t in prompt):
-        if tools:
-            raise ValueError("tools need a chat prompt (a list of messages), not token ids")
+        if chat_only:
+            raise ValueError("tools and chat options need a chat prompt (a list of messages), not token ids")
         request.tokens.token_ids.extend(prompt)  # type: ignore[arg-type]
     else:
+        if enable_thinking is not None:
+            request.chat.enable_thinking = enable_thinking
+        if force_tool_call:
+            request.chat.forced_tool_call.function_name = (
+                force_tool_call if isinstance(force_tool_call, str) else ""
+            )
+        request.chat.single_tool_call = not parallel_tool_calls
         messages = as_messages(prompt)  # type: ignore[arg-type]
         request.chat.messages.extend(convert.message_to_proto(m) for m in messages)
         request.chat.tools.extend(

@@ -356,6 +356,7 @@ def samples_from_proto(msg: service_pb.SampleResponse) -> list[Sample]:
             ),
             token_texts=tuple(seq.token_texts),
             prompt_logprobs=prompt_logprobs,
+            prompt_text=msg.prompt_text,
         )
         for seq in msg.sequences
     ]

@@ -178,6 +178,8 @@ class Sample:
     top_logprobs: tuple[tuple[TopLogprob, ...], ...] = ()
     token_texts: tuple[str, ...] = ()
     prompt_logprobs: tuple[float, ...] = ()
+    # The prompt as text, when asked with return_prompt_text.
+    prompt_text: str = ""
 
     def to_turn(self) -> SampledTurn:
         return SampledTurn(self.prompt_token_ids, self.tokens, self.logprobs, self.policy_version)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from sidecar_support import Sidecar, Stack, start_sidecar
+from sidecar_support import MAX_STEPS, Sidecar, Stack, start_sidecar, teach_the_weather_tool
 
 import tinkerrpc
 from tinkerrpc_server.local.processes import free_port
@@ -29,3 +29,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield Stack(server.target, sidecar, client)
         client.close()
         assert sidecar.stop() == 0, sidecar.log()[-2000:]
+
+
+@pytest.fixture(scope="session")
+def tool_agent(stack: Stack) -> str:
+    """`tool-agent@N`: a model version that calls the weather tool and then answers from its result
+    (see sidecar_support's lesson); taught once for every module that needs it."""
+    version = teach_the_weather_tool(stack.client)
+    if version is None:
+        pytest.fail(
+            f"greedy decoding did not reproduce the weather-tool conversation after {MAX_STEPS} steps"
+        )
+    return version

@@ -1,9 +1,9 @@
 """A tool call the model itself produces, through the official `openai` client.
 
-The random tiny model never emits a well-formed tool call, so the module first teaches one through the
-public API (supervised steps on a single conversation: call get_weather for Paris, then answer from the
-tool's result) until greedy decoding reproduces both turns. Greedy decoding of that policy version is
-then deterministic, so the sidecar's answers at temperature 0 are known.
+The random tiny model never emits a well-formed tool call, so the `tool_agent` fixture first teaches one
+through the public API (supervised steps on a single conversation: call get_weather for Paris, then answer
+from the tool's result) until greedy decoding reproduces both turns. Greedy decoding of that policy
+version is then deterministic, so the sidecar's answers at temperature 0 are known.
 """
 
 from __future__ import annotations
@@ -12,65 +12,10 @@ import json
 from typing import Any
 
 import openai
-import pytest
 from openai.types.chat import ChatCompletion
-from sidecar_support import Stack
+from sidecar_support import ANSWER, ARGUMENTS, QUESTION, TOOL_RESULT, WEATHER_TOOL, Stack
 
 import tinkerrpc
-
-WEATHER_TOOL: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
-QUESTION = {"role": "user", "content": "What is the weather in Paris?"}
-ARGUMENTS = {"city": "Paris"}
-TOOL_RESULT = "sunny"
-ANSWER = "It is sunny."
-# Measured on a quiet 2-core machine: greedy decoding gets both turns right after 50-70 steps (~50 s).
-MAX_STEPS = 200
-CHECK_EVERY = 5
-
-
-def lesson() -> tinkerrpc.SupervisedExample:
-    call = tinkerrpc.ToolCall(id="call_0", name="get_weather", arguments=json.dumps(ARGUMENTS))
-    conversation = (
-        tinkerrpc.Message.from_openai(QUESTION),
-        tinkerrpc.Message.assistant(tool_calls=[call]),
-        tinkerrpc.Message.tool(TOOL_RESULT, tool_call_id="call_0", name="get_weather"),
-        tinkerrpc.Message.assistant(ANSWER),
-    )
-    return tinkerrpc.SupervisedExample(conversation, tools=(tinkerrpc.Tool.from_openai(WEATHER_TOOL),))
-
-
-def greedy_reply(model: tinkerrpc.Model, messages: tuple[tinkerrpc.Message, ...]) -> tinkerrpc.Message:
-    (sample,) = model.sample(messages, tools=[WEATHER_TOOL], max_tokens=40, temperature=0.0)
-    return sample.to_message()
-
-
-def knows_the_lesson(model: tinkerrpc.Model) -> bool:
-    conversation = lesson().messages
-    first = greedy_reply(model, conversation[:1])
-    calls = [(call.name, call.parsed_arguments()) for call in first.tool_calls]
-    return calls == [("get_weather", ARGUMENTS)] and greedy_reply(model, conversation[:3]).content == ANSWER
-
-
-@pytest.fixture(scope="module")
-def tool_agent(stack: Stack) -> str:
-    """`tool-agent@N`: the first version of a model that calls the weather tool and then answers."""
-    model = stack.client.create_model(
-        "tool-agent", "tinkerrpc/tiny-chat", lora_rank=8, renderer="qwen3_disable_thinking", seed=0
-    )
-    example = lesson()
-    for step in range(1, MAX_STEPS + 1):
-        version = model.train_supervised([example] * 8, learning_rate=5e-3).policy_version
-        if step % CHECK_EVERY == 0 and knows_the_lesson(model):
-            print(f"tool-call lesson learned after {step} steps")
-            return f"tool-agent@{version}"
-    pytest.fail(f"greedy decoding did not reproduce the tool-call conversation after {MAX_STEPS} steps")
 
 
 def extra(response: Any, name: str) -> Any:

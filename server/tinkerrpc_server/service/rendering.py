@@ -17,7 +17,7 @@ import secrets
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -59,6 +59,57 @@ async def off_loop(work: Callable[[], Result]) -> Result:
 
 class UnknownRendererError(ValueError):
     pass
+
+
+class RendererVariantError(ValueError):
+    """A per-request rendering option the model's renderer cannot give (a thinking variant, a
+    forced tool call); the message says why."""
+
+
+# Renderers with a thinking and a thinking-disabled variant, as (thinking, not thinking) pairs, so
+# that chat_template_kwargs' enable_thinking picks one. A name in several pairs maps by its first.
+_THINKING_PAIRS = (
+    ("qwen3", "qwen3_disable_thinking"),
+    ("qwen3_5", "qwen3_5_disable_thinking"),
+    ("qwen3_5_preserve_thinking", "qwen3_5_disable_thinking"),
+    ("qwen3_8_xhigh_reasoning", "qwen3_8_disable_thinking"),
+    ("qwen3_8_medium_reasoning", "qwen3_8_disable_thinking"),
+    ("qwen3_8_low_reasoning", "qwen3_8_disable_thinking"),
+    ("deepseekv3_thinking", "deepseekv3"),
+    ("deepseekv3_thinking", "deepseekv3_disable_thinking"),
+    ("deepseekv4_1", "deepseekv4_1_disable_thinking"),
+    ("deepseekv4_1_low_reasoning", "deepseekv4_1_disable_thinking"),
+    ("deepseekv4_1_max_reasoning", "deepseekv4_1_disable_thinking"),
+    ("deepseekv4_1_preserve_thinking", "deepseekv4_1_disable_thinking"),
+    ("kimi_k25", "kimi_k25_disable_thinking"),
+    ("kimi_k26", "kimi_k26_disable_thinking"),
+    ("kimi_k26_preserve_thinking", "kimi_k26_disable_thinking"),
+    ("nemotron3", "nemotron3_disable_thinking"),
+    ("nemotron3_low_thinking", "nemotron3_disable_thinking"),
+    ("nemotron3_preserve_thinking", "nemotron3_disable_thinking"),
+    ("nemotron3_ultra", "nemotron3_ultra_disable_thinking"),
+    ("nemotron3_ultra_medium_thinking", "nemotron3_ultra_disable_thinking"),
+    ("nemotron3_ultra_preserve_thinking", "nemotron3_ultra_disable_thinking"),
+)
+# Renderers of models that never think: thinking is already off.
+_NON_THINKING = frozenset({"role_colon", "llama3", "qwen3_instruct", "qwen3_vl_instruct"})
+
+
+def thinking_variant(renderer_name: str, enable_thinking: bool) -> str:
+    """The renderer to use for a request asking for thinking on or off."""
+    for thinking, plain in _THINKING_PAIRS:
+        if renderer_name in (thinking, plain):
+            return thinking if enable_thinking else plain
+    if renderer_name in _NON_THINKING and not enable_thinking:
+        return renderer_name
+    raise RendererVariantError(
+        f"renderer {renderer_name!r} has no variant with thinking {'enabled' if enable_thinking else 'disabled'}"
+    )
+
+
+# A tool call rendered with these is searched for the renderer's tool-call opening.
+_SENTINEL_NAME = "tkrpcsentinelfunction"
+_SENTINEL_ARGUMENT = "tkrpcsentinelargument"
 
 
 class PlainTextTokenizer:
@@ -148,10 +199,73 @@ class ChatCodec:
     max_context_length: int
     # The renderer's tokenizer: request text marked with it stays plain text.
     plain_text: PlainTextTokenizer
+    base_model: str
+    # Other renderers of this tokenizer (per-request variants) and each renderer's tool-call framing,
+    # made on first use.
+    _variants: dict[str, ChatCodec] = field(default_factory=dict, compare=False, repr=False)
+    _tool_call_framing: list[tuple[str, str]] = field(default_factory=list, compare=False, repr=False)
+
+    def with_renderer(self, renderer_name: str) -> ChatCodec:
+        """This tokenizer with another renderer (RendererVariantError when it cannot render)."""
+        if renderer_name == self.renderer_name:
+            return self
+        variant = self._variants.get(renderer_name)
+        if variant is None:
+            try:
+                renderer = _load_renderer(renderer_name, self.plain_text, self.tokenizer, self.base_model)
+            except UnknownRendererError as err:
+                raise RendererVariantError(str(err)) from err
+            variant = ChatCodec(
+                tokenizer=self.tokenizer,
+                renderer=renderer,
+                renderer_name=renderer_name,
+                vocab_size=self.vocab_size,
+                max_context_length=self.max_context_length,
+                plain_text=self.plain_text,
+                base_model=self.base_model,
+            )
+            self._variants[renderer_name] = variant
+        return variant
 
     def generation_prompt(self, messages: list[types_pb2.Message], tools: list[types_pb2.Tool]) -> list[int]:
         """The conversation (tools declared first) rendered with the generation prompt appended."""
         return list(self.renderer.build_generation_prompt(self._conversation(messages, tools)).to_ints())
+
+    def tool_call_opening(self, function_name: str) -> list[int]:
+        """The tokens that open an assistant reply with a tool call, as the renderer renders one: up to
+        the function's name (any function when empty), or with a name, up to its arguments."""
+        opening, after_name = self._framing()
+        text = opening
+        if function_name:
+            text += self.plain_text.mark(function_name) + after_name
+        return self.plain_text.encode(text, add_special_tokens=False)
+
+    def _framing(self) -> tuple[str, str]:
+        """(text before a call's name, text between the name and its arguments) in this renderer's
+        reply to a user, found by rendering a sentinel call."""
+        if self._tool_call_framing:
+            return self._tool_call_framing[0]
+        asked: list[renderers.Message] = [{"role": "user", "content": "hello"}]
+        call = renderers.ToolCall(
+            function=renderers.ToolCall.FunctionBody(
+                name=_SENTINEL_NAME, arguments=json.dumps({_SENTINEL_ARGUMENT: 1})
+            )
+        )
+        prompt = self.renderer.build_generation_prompt(asked).to_ints()
+        full, _weights = self.renderer.build_supervised_example(
+            [*asked, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        )
+        tokens = full.to_ints()
+        reply = str(self.tokenizer.decode(tokens[len(prompt) :], skip_special_tokens=False))
+        name_at, argument_at = reply.find(_SENTINEL_NAME), reply.find(_SENTINEL_ARGUMENT)
+        arguments_at = reply.rfind("{", 0, argument_at)
+        if tokens[: len(prompt)] != prompt or name_at < 0 or arguments_at < name_at + len(_SENTINEL_NAME):
+            raise RendererVariantError(
+                f"renderer {self.renderer_name!r} has no tool-call format to force a call with"
+            )
+        framing = (reply[:name_at], reply[name_at + len(_SENTINEL_NAME) : arguments_at])
+        self._tool_call_framing.append(framing)
+        return framing
 
     def supervised_examples(
         self, messages: list[types_pb2.Message], tools: list[types_pb2.Tool], train_on: TrainOnWhat
@@ -164,8 +278,28 @@ class ChatCodec:
             )
         ]
 
-    def decode(self, tokens: list[int]) -> str:
-        return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
+    def decode(
+        self, tokens: list[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    ) -> str:
+        """The tokens as text; with special tokens kept, each added token is its own piece, joined to
+        the decoded text around it with a space or not (Hugging Face's slow-tokenizer rule, which its
+        fast tokenizers ignore)."""
+        if skip_special_tokens:
+            return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
+        added: dict[int, Any] = getattr(self.tokenizer, "added_tokens_decoder", {})
+        pieces: list[str] = []
+        run: list[int] = []
+        for token in tokens:
+            if token not in added:
+                run.append(token)
+                continue
+            if run:
+                pieces.append(str(self.tokenizer.decode(run, skip_special_tokens=False)))
+                run = []
+            pieces.append(str(added[token].content))
+        if run:
+            pieces.append(str(self.tokenizer.decode(run, skip_special_tokens=False)))
+        return (" " if spaces_between_special_tokens else "").join(pieces)
 
     def token_text(self, token: int) -> str:
         return str(self.tokenizer.decode([token], skip_special_tokens=False))
@@ -265,34 +399,41 @@ class ChatCodecs:
         tokenizer = get_tokenizer(str(local_dir) if local_dir is not None else base_model)
         renderer_name = renderer_name or default_renderer_name(base_model)
         plain_text = PlainTextTokenizer(tokenizer)
-        try:
-            renderer = renderers.get_renderer(renderer_name, plain_text)
-        except (ValueError, KeyError, NotImplementedError) as err:
-            raise UnknownRendererError(f"unknown renderer {renderer_name!r}: {err}") from err
-        except Exception as err:  # the renderer's own checks of the tokenizer (asserts, type errors)
-            raise UnknownRendererError(
-                f"renderer {renderer_name!r} does not work with {base_model!r}'s tokenizer: {err}"
-            ) from err
-        try:
-            # What every Sample does: render, stop at the end of a turn, parse the reply.
-            renderer.build_generation_prompt([{"role": "user", "content": "hello"}])
-            renderer.get_stop_sequences()
-            renderer.parse_response(list(tokenizer.encode("hello", add_special_tokens=False)))
-        except Exception as err:
-            raise UnknownRendererError(
-                f"renderer {renderer_name!r} cannot render a conversation with {base_model!r}'s tokenizer: "
-                f"{err}"
-            ) from err
         codec = ChatCodec(
             tokenizer=tokenizer,
-            renderer=renderer,
+            renderer=_load_renderer(renderer_name, plain_text, tokenizer, base_model),
             renderer_name=renderer_name,
             vocab_size=len(tokenizer),
             max_context_length=_context_length(local_dir, tokenizer),
             plain_text=plain_text,
+            base_model=base_model,
         )
         self._cache[key] = codec
         return codec
+
+
+def _load_renderer(
+    renderer_name: str, plain_text: PlainTextTokenizer, tokenizer: Tokenizer, base_model: str
+) -> Renderer:
+    """The named renderer over `plain_text`, once it has shown it can do what every Sample does."""
+    try:
+        renderer = renderers.get_renderer(renderer_name, plain_text)
+    except (ValueError, KeyError, NotImplementedError) as err:
+        raise UnknownRendererError(f"unknown renderer {renderer_name!r}: {err}") from err
+    except Exception as err:  # the renderer's own checks of the tokenizer (asserts, type errors)
+        raise UnknownRendererError(
+            f"renderer {renderer_name!r} does not work with {base_model!r}'s tokenizer: {err}"
+        ) from err
+    try:
+        # What every Sample does: render, stop at the end of a turn, parse the reply.
+        renderer.build_generation_prompt([{"role": "user", "content": "hello"}])
+        renderer.get_stop_sequences()
+        renderer.parse_response(list(tokenizer.encode("hello", add_special_tokens=False)))
+    except Exception as err:
+        raise UnknownRendererError(
+            f"renderer {renderer_name!r} cannot render a conversation with {base_model!r}'s tokenizer: {err}"
+        ) from err
+    return renderer
 
 
 def _cookbook_messages(

@@ -1,12 +1,17 @@
 """Sample: the prompt (rendered chat, token ids or tokenized text), Tinker's sampling parameters, and
 the response's sequences (text, parsed message, token texts, top logprobs) at a pinned or the latest
-policy version. Rendering, tokenising and decoding run off the event loop."""
+policy version. Rendering, tokenising and decoding run off the event loop.
+
+Per request, a chat prompt may switch to its renderer's thinking variant and force a tool call (the
+call's opening appended as prompt tokens); min_tokens is sampled in pieces (see `_draw_min_tokens`)."""
 
 from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import dataclass
 
+import grpc
 import tinker
 
 from tinkerrpc.v1 import trainer_service_pb2 as pb
@@ -14,15 +19,53 @@ from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server.service import errors
 from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.models import VERSION_RESOURCE, ModelRegistry
-from tinkerrpc_server.service.rendering import ChatCodec, off_loop, to_proto_message
+from tinkerrpc_server.service.rendering import (
+    ChatCodec,
+    RendererVariantError,
+    off_loop,
+    thinking_variant,
+    to_proto_message,
+)
 from tinkerrpc_server.service.store import Store
 from tinkerrpc_server.service.validation import check_prompt, check_prompt_tokens, check_sampling_params
 
+# A model that keeps drawing stop tokens before min_tokens is not sampled forever.
+MAX_MIN_TOKENS_REJECTIONS = 64
 
-def _prompt(request: pb.SampleRequest, codec: ChatCodec) -> list[int]:
+
+@dataclass
+class _Drawn:
+    """One sampled sequence, however it was drawn."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stopped: bool  # by a stop token or string (else max_tokens)
+
+
+def _request_codec(request: pb.SampleRequest, codec: ChatCodec) -> ChatCodec:
+    """The model's codec, or its thinking variant when the chat prompt asks for one."""
+    if request.WhichOneof("prompt") != "chat" or not request.chat.HasField("enable_thinking"):
+        return codec
+    try:
+        return codec.with_renderer(thinking_variant(codec.renderer_name, request.chat.enable_thinking))
+    except RendererVariantError as err:
+        raise errors.invalid_argument([("chat.enable_thinking", str(err))]) from err
+
+
+def _forced_opening(request: pb.SampleRequest, codec: ChatCodec) -> list[int]:
+    """The tool-call opening a chat prompt forces (prompt tokens), or nothing."""
+    if request.WhichOneof("prompt") != "chat" or not request.chat.HasField("forced_tool_call"):
+        return []
+    try:
+        return codec.tool_call_opening(request.chat.forced_tool_call.function_name)
+    except RendererVariantError as err:
+        raise errors.invalid_argument([("chat.forced_tool_call", str(err))]) from err
+
+
+def _prompt(request: pb.SampleRequest, codec: ChatCodec, forced: list[int]) -> list[int]:
     prompt: list[int]
     if request.WhichOneof("prompt") == "chat":
-        prompt = codec.generation_prompt(list(request.chat.messages), list(request.chat.tools))
+        prompt = codec.generation_prompt(list(request.chat.messages), list(request.chat.tools)) + forced
     elif request.WhichOneof("prompt") == "tokens":
         prompt = list(request.tokens.token_ids)
     else:
@@ -32,9 +75,7 @@ def _prompt(request: pb.SampleRequest, codec: ChatCodec) -> list[int]:
 
 
 def _sampling_params(params: types_pb2.SamplingParams, codec: ChatCodec) -> tinker.types.SamplingParams:
-    stop_tokens = list(params.stop_token_ids)
-    if not params.ignore_default_stops:
-        stop_tokens += [t for t in codec.default_stop_tokens() if t not in stop_tokens]
+    stop_tokens = _stop_token_ids(params, codec)
     # Tinker takes either stop strings or stop token ids: with both, tokens become their texts.
     stop: list[str] | list[int] = (
         [*params.stop, *(codec.token_text(t) for t in stop_tokens)] if params.stop else stop_tokens
@@ -49,21 +90,32 @@ def _sampling_params(params: types_pb2.SamplingParams, codec: ChatCodec) -> tink
     )
 
 
+def _decode(tokens: list[int], params: types_pb2.SamplingParams, codec: ChatCodec) -> str:
+    return codec.decode(
+        tokens,
+        skip_special_tokens=params.skip_special_tokens if params.HasField("skip_special_tokens") else True,
+        spaces_between_special_tokens=params.spaces_between_special_tokens
+        if params.HasField("spaces_between_special_tokens")
+        else True,
+    )
+
+
 def _sampled_sequence(
-    sequence: tinker.types.SampledSequence, request: pb.SampleRequest, version: int, codec: ChatCodec
+    sequence: _Drawn, request: pb.SampleRequest, version: int, codec: ChatCodec, forced: list[int]
 ) -> types_pb2.SampledSequence:
     tokens = sequence.tokens
     sampled = types_pb2.SampledSequence(
         token_ids=tokens,
-        logprobs=sequence.logprobs or [],
-        text=codec.decode(tokens),
-        stop_reason=types_pb2.STOP_REASON_LENGTH
-        if sequence.stop_reason == "length"
-        else types_pb2.STOP_REASON_STOP,
+        logprobs=sequence.logprobs,
+        text=_decode(tokens, request.params, codec),
+        stop_reason=types_pb2.STOP_REASON_STOP if sequence.stopped else types_pb2.STOP_REASON_LENGTH,
         policy_version=version,
     )
     if request.WhichOneof("prompt") == "chat":
-        message, _termination = codec.renderer.parse_response(tokens)
+        # A forced tool-call opening is the reply's start: parsed with it, the reply is the call.
+        message, _termination = codec.renderer.parse_response(forced + tokens)
+        if request.chat.single_tool_call:
+            del message.get("tool_calls", [])[1:]
         sampled.message.CopyFrom(to_proto_message(message))
     if request.params.return_token_texts:
         sampled.token_texts.extend(codec.token_text(t) for t in tokens)
@@ -103,6 +155,116 @@ async def _fill_top_logprobs(
     await off_loop(add_rows)
 
 
+def _stop_token_ids(params: types_pb2.SamplingParams, codec: ChatCodec) -> list[int]:
+    stop_tokens = list(params.stop_token_ids)
+    if not params.ignore_default_stops:
+        stop_tokens += [t for t in codec.default_stop_tokens() if t not in stop_tokens]
+    return stop_tokens
+
+
+def _piece_seed(params: types_pb2.SamplingParams, sequence: int, piece: int) -> int | None:
+    """A seeded request's pieces get seeds of their own, the same on every run."""
+    if not params.HasField("seed"):
+        return None
+    return (params.seed + sequence + piece * max(params.n, 1) * 7919) % 2**63
+
+
+async def _draw_min_tokens(
+    client: tinker.SamplingClient,
+    prompt: list[int],
+    params: types_pb2.SamplingParams,
+    full: tinker.types.SamplingParams,
+    stop_tokens: list[int],
+    sequence: int,
+) -> _Drawn:
+    """One sequence with no stop before params.min_tokens, over plain Tinker sampling: the first
+    min_tokens are drawn with only the stop tokens as stops and no stop strings; a stop token drawn
+    there is rejected and its position drawn again (so it is drawn from the policy with the stop tokens
+    masked out; greedy takes the best other token); the rest is drawn with every stop from there."""
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    first_part = min(params.min_tokens, params.max_tokens)
+    rejections = 0
+    piece = 0
+    while len(tokens) < first_part:
+        drawn = (
+            await client.sample(
+                tinker.types.ModelInput.from_ints(prompt + tokens),
+                num_samples=1,
+                sampling_params=full.model_copy(
+                    update={
+                        "max_tokens": first_part - len(tokens),
+                        "stop": stop_tokens,
+                        "seed": _piece_seed(params, sequence, piece),
+                    }
+                ),
+            )
+        ).sequences[0]
+        piece += 1
+        kept = list(drawn.tokens)
+        kept_logprobs = list(drawn.logprobs or [])
+        rejected = bool(kept) and kept[-1] in stop_tokens
+        if rejected:
+            kept, kept_logprobs = kept[:-1], kept_logprobs[:-1]
+            rejections += 1
+            if rejections > MAX_MIN_TOKENS_REJECTIONS:
+                raise errors.ServiceError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"the model drew a stop token {rejections} times before min_tokens={params.min_tokens} "
+                    f"(after {len(tokens) + len(kept)} tokens); lower min_tokens",
+                )
+        tokens += kept
+        logprobs += kept_logprobs
+        if rejected and full.temperature == 0:
+            # Greedy would draw the same stop again.
+            token, logprob = await _best_non_stop(client, prompt + tokens, stop_tokens)
+            tokens.append(token)
+            logprobs.append(logprob)
+    if len(tokens) >= params.max_tokens:
+        return _Drawn(tokens, logprobs, stopped=False)
+    rest = (
+        await client.sample(
+            tinker.types.ModelInput.from_ints(prompt + tokens),
+            num_samples=1,
+            sampling_params=full.model_copy(
+                update={
+                    "max_tokens": params.max_tokens - len(tokens),
+                    "seed": _piece_seed(params, sequence, piece),
+                }
+            ),
+        )
+    ).sequences[0]
+    return _Drawn(
+        tokens + list(rest.tokens), logprobs + list(rest.logprobs or []), rest.stop_reason != "length"
+    )
+
+
+async def _prompt_logprobs(client: tinker.SamplingClient, prompt: list[int]) -> list[float | None] | None:
+    scored = await client.sample(
+        tinker.types.ModelInput.from_ints(prompt),
+        num_samples=1,
+        sampling_params=tinker.types.SamplingParams(max_tokens=1),
+        include_prompt_logprobs=True,
+    )
+    logprobs: list[float | None] | None = scored.prompt_logprobs
+    return logprobs
+
+
+async def _best_non_stop(
+    client: tinker.SamplingClient, context: list[int], stop_tokens: list[int]
+) -> tuple[int, float]:
+    """Greedy decoding's next token with the stop tokens masked out, from a top-k prompt-logprobs pass."""
+    scored = await client.sample(
+        tinker.types.ModelInput.from_ints([*context, 0]),
+        num_samples=1,
+        sampling_params=tinker.types.SamplingParams(max_tokens=1),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=len(stop_tokens) + 1,
+    )
+    alternatives = (scored.topk_prompt_logprobs or [])[len(context)] or []
+    return next((t, lp) for t, lp in alternatives if t not in stop_tokens)
+
+
 class Sampler:
     def __init__(self, store: Store, models: ModelRegistry, limits: Limits) -> None:
         self._store = store
@@ -120,20 +282,43 @@ class Sampler:
                 f"model {row.name!r} has no sampleable version {version} "
                 f"(sampleable: {self._store.sampleable_versions(row.name)})",
             )
-        codec = await self._models.codec(row)
-        check_prompt(request, codec.max_context_length)
-        prompt = await off_loop(lambda: _prompt(request, codec))
+        model_codec = await self._models.codec(row)
+        check_prompt(request, model_codec.max_context_length)
+        codec = await off_loop(lambda: _request_codec(request, model_codec))
+        forced = await off_loop(lambda: _forced_opening(request, codec))
+        prompt = await off_loop(lambda: _prompt(request, codec, forced))
         params = request.params
         check_sampling_params(params, len(prompt), codec.vocab_size, codec.max_context_length, self._limits)
         client = await self._models.sampling_client(path)
-        result = await client.sample(
-            tinker.types.ModelInput.from_ints(prompt),
-            num_samples=params.n or 1,
-            sampling_params=await off_loop(lambda: _sampling_params(params, codec)),
-            include_prompt_logprobs=params.include_prompt_logprobs,
-        )
+        sampling_params = await off_loop(lambda: _sampling_params(params, codec))
+        prompt_logprobs: list[float | None] | None
+        if params.min_tokens:
+            stop_tokens = await off_loop(lambda: _stop_token_ids(params, codec))
+            drawn = list(
+                await asyncio.gather(
+                    *(
+                        _draw_min_tokens(client, prompt, params, sampling_params, stop_tokens, i)
+                        for i in range(params.n or 1)
+                    )
+                )
+            )
+            prompt_logprobs = (
+                await _prompt_logprobs(client, prompt) if params.include_prompt_logprobs else None
+            )
+        else:
+            result = await client.sample(
+                tinker.types.ModelInput.from_ints(prompt),
+                num_samples=params.n or 1,
+                sampling_params=sampling_params,
+                include_prompt_logprobs=params.include_prompt_logprobs,
+            )
+            drawn = [
+                _Drawn(list(s.tokens), list(s.logprobs or []), s.stop_reason != "length")
+                for s in result.sequences
+            ]
+            prompt_logprobs = result.prompt_logprobs
         sequences = await off_loop(
-            lambda: [_sampled_sequence(sequence, request, version, codec) for sequence in result.sequences]
+            lambda: [_sampled_sequence(sequence, request, version, codec, forced) for sequence in drawn]
         )
         if params.top_logprobs > 0:
             await asyncio.gather(
@@ -142,8 +327,10 @@ class Sampler:
         response = pb.SampleResponse(
             sequences=sequences, prompt_token_ids=prompt, policy_version=version, model=row.name
         )
+        if params.return_prompt_text:
+            response.prompt_text = await off_loop(lambda: _decode(prompt, params, codec))
         if params.include_prompt_logprobs:
             response.prompt_logprobs.extend(
-                math.nan if lp is None else lp for lp in (result.prompt_logprobs or [None] * len(prompt))
+                math.nan if lp is None else lp for lp in (prompt_logprobs or [None] * len(prompt))
             )
         return response

@@ -357,7 +357,22 @@ def check_prompt(request: trainer_service_pb2.SampleRequest, context_length: int
             v.add("chat.messages", "give at least one message")
         _check_messages(v, list(request.chat.messages), "chat.messages")
         _check_tools(v, list(request.chat.tools), "chat.tools")
+        _check_forced_tool_call(v, request.chat)
     v.raise_if_any()
+
+
+def _check_forced_tool_call(v: Violations, chat: trainer_service_pb2.ChatPrompt) -> None:
+    if not chat.HasField("forced_tool_call"):
+        return
+    if not chat.tools:
+        v.add("chat.forced_tool_call", "forcing a tool call needs chat.tools")
+        return
+    name = chat.forced_tool_call.function_name
+    if name and name not in {tool.name for tool in chat.tools}:
+        v.add(
+            "chat.forced_tool_call.function_name",
+            f"{errors.shown(name)} is not the name of one of chat.tools",
+        )
 
 
 def check_prompt_tokens(
@@ -417,6 +432,10 @@ def check_sampling_params(
         if bad:
             v.add("params.stop_token_ids", f"token ids {bad} are outside the vocabulary [0, {vocab_size})")
     _check_stop_strings(v, list(params.stop))
+    if params.min_tokens < 0:
+        v.add("params.min_tokens", "must be >= 0 (0 = off)")
+    elif params.min_tokens > params.max_tokens > 0:
+        v.add("params.min_tokens", f"{params.min_tokens} is over max_tokens ({params.max_tokens})")
     v.raise_if_any()
 
 
