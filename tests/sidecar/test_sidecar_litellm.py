@@ -43,3 +43,50 @@ def test_litellm_openai_prefix_rollout_trains_token_exact(stack: Stack) -> None:
     other = tinkerrpc.Trajectory.from_openai(USER, litellm.completion(**request, logprobs=True, seed=2))
     result = model.train([tinkerrpc.TrajectoryGroup([trajectory, other])], learning_rate=1e-3)
     assert result.policy_version == 1 and result.metrics.trajectories_used == 2
+
+
+def test_litellm_hosted_vllm_prefix_rollout_trains_token_exact(stack: Stack) -> None:
+    """With `hosted_vllm/`, litellm moves each choice's unknown fields (`token_ids`, `policy_version`)
+    into `choice.provider_specific_fields` and keeps the response's `prompt_token_ids`: a trajectory
+    needs the choice's fields put back. (litellm's streams keep none of the RL fields, either prefix.)"""
+    model = stack.client.create_model("litellm-vllm", base_model="tinkerrpc/tiny-chat", lora_rank=8)
+    request: dict[str, Any] = {
+        "model": "hosted_vllm/litellm-vllm",
+        "messages": USER,
+        "max_tokens": 5,
+        "api_base": stack.sidecar.openai_base_url,
+        "api_key": API_KEY,
+        "logprobs": True,
+        # vLLM's own flag reaches the sidecar through extra_body.
+        "extra_body": {"return_token_ids": True},
+    }
+    trajectories = []
+    for seed in (1, 2):
+        plain = stack.openai().chat.completions.create(
+            model="litellm-vllm",
+            messages=USER,  # type: ignore[arg-type]
+            max_tokens=5,
+            seed=seed,
+            logprobs=True,
+        )
+        response = litellm.completion(**request, seed=seed)
+        (choice,) = response.choices
+        assert choice.message.content == plain.choices[0].message.content
+        fields = choice.provider_specific_fields
+        assert fields["token_ids"] == (plain.choices[0].model_extra or {})["token_ids"]
+        assert fields["policy_version"] == 0
+        completion = response.model_dump()
+        completion["choices"] = [
+            {**c, **(c.get("provider_specific_fields") or {})} for c in completion["choices"]
+        ]
+        trajectory = tinkerrpc.Trajectory.from_openai(USER, completion, reward=float(seed))
+        (turn,) = trajectory.turns
+        assert list(turn.completion_token_ids) == fields["token_ids"]
+        assert list(turn.prompt_token_ids) == (plain.model_extra or {})["prompt_token_ids"]
+        trajectories.append(trajectory)
+    streamed = "".join(
+        chunk.choices[0].delta.content or "" for chunk in litellm.completion(**request, seed=2, stream=True)
+    )
+    assert streamed == trajectories[1].messages[-1].content
+    result = model.train([tinkerrpc.TrajectoryGroup(trajectories)], learning_rate=1e-3)
+    assert result.policy_version == 1 and result.metrics.trajectories_used == 2
