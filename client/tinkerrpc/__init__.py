@@ -28,6 +28,7 @@ from tinkerrpc._gather import (
 )
 from tinkerrpc._openai import messages_from_response_input
 from tinkerrpc._retry import RetryPolicy
+from tinkerrpc._server_info import ServerInfo, ServerLimits
 from tinkerrpc._types import (
     CheckpointInfo,
     ExportedWeights,
@@ -77,6 +78,8 @@ __all__ = [
     "TrainMetrics",
     "TrainResult",
     "Trajectory",
+    "ServerInfo",
+    "ServerLimits",
     "TrajectoryGroup",
     "UnauthenticatedError",
     "UnavailableError",

@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
-from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
 
 import grpc
 from google.protobuf.message import Message as ProtoMessage
@@ -23,13 +23,22 @@ from tinkerrpc._channel import (
     channel_credentials,
     channel_options,
     check_serving,
+    check_target,
+    first_contact_problem,
+    remaining,
     unreachable,
 )
+from tinkerrpc._errors import UnavailableError
+from tinkerrpc._openai_client import import_openai, sidecar_connection
 from tinkerrpc._retry import RetryPolicy, call_with_retry_async
+from tinkerrpc._server_info import ServerInfo
 from tinkerrpc._types import ModelInfo
 from tinkerrpc.v1 import trainer_service_pb2_grpc as service_grpc
 
 Req = TypeVar("Req", bound=ProtoMessage)
+if TYPE_CHECKING:
+    import openai
+
 Resp = TypeVar("Resp", bound=ProtoMessage)
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -57,12 +66,14 @@ class AsyncClient:
         interceptors: Sequence[grpc.aio.UnaryUnaryClientInterceptor[Any, Any]] = (),
     ) -> None:
         self.target = target
+        check_target(target)
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
         self.connect_timeout = connect_timeout
         self._metadata = auth_metadata(token)
         credentials = channel_credentials(tls)
         options = channel_options(max_message_bytes, tls_server_name)
+        self._tls = credentials is not None
         # grpc-stubs leaves aio's interceptor type as a placeholder that must be cast.
         aio_interceptors = cast("list[grpc.aio.ClientInterceptor]", list(interceptors))
         self.channel: grpc.aio.Channel = (
@@ -90,12 +101,7 @@ class AsyncClient:
         last_error: grpc.RpcError | None = None
         for service in HEALTH_SERVICE_NAMES:
             try:
-                response = await health.Check(
-                    health_pb2.HealthCheckRequest(service=service),
-                    timeout=max(deadline - time.monotonic(), 0.0),
-                    metadata=self._metadata,
-                    wait_for_ready=True,
-                )
+                response = await self._check_health(health, service, deadline)
             except grpc.RpcError as error:
                 last_error = error
                 if error.code() == grpc.StatusCode.NOT_FOUND:
@@ -107,6 +113,25 @@ class AsyncClient:
         raise unreachable(self.target, timeout, last_error) from last_error
 
     async def close(self) -> None:
+    async def _check_health(
+        self, health: health_pb2_grpc.HealthStub, service: str, deadline: float
+    ) -> health_pb2.HealthCheckResponse:
+        """One health check, failing fast with the reason when the connection does (see Client)."""
+        request = health_pb2.HealthCheckRequest(service=service)
+        try:
+            return await health.Check(
+                request, timeout=remaining(deadline), metadata=self._metadata, wait_for_ready=False
+            )
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            problem = await asyncio.to_thread(first_contact_problem, self.target, self._tls)
+            if problem is not None:
+                raise UnavailableError(grpc.StatusCode.UNAVAILABLE, problem) from error
+        return await health.Check(
+            request, timeout=remaining(deadline), metadata=self._metadata, wait_for_ready=True
+        )
+
         await self.channel.close(None)
 
     async def __aenter__(self) -> AsyncClient:
@@ -177,13 +202,16 @@ class AsyncClient:
         train_unembed: bool = True,
         timeout: float | None = None,
     ) -> AsyncModel:
-        """Create a model (a fresh LoRA run at policy version 0) and return its handle."""
+        """Create a model (a fresh LoRA run at policy version 0) and return its handle; with
+        `exist_ok=True`, the existing model of that name when its base model, LoRA shape and renderer
+        match (AlreadyExistsError naming the differences otherwise)."""
         await self._send(
             calls.create_model(
                 name,
                 base_model,
                 lora_rank=lora_rank,
                 renderer=renderer,
+        exist_ok: bool = False,
                 seed=seed,
                 train_mlp=train_mlp,
                 train_attn=train_attn,
@@ -197,6 +225,7 @@ class AsyncClient:
         """A handle on an existing model; no network call."""
         if not name:
             raise ValueError("model name must not be empty")
+                exist_ok=exist_ok,
         return AsyncModel(self, name)
 
     async def get_model(self, name: str, *, timeout: float | None = None) -> ModelInfo:
@@ -211,6 +240,10 @@ class AsyncClient:
 
 def _sends(
     prepare: Callable[Concatenate[str, P], calls.Call[T]],
+    async def server_info(self, *, timeout: float | None = None) -> ServerInfo:
+        """The server's version, backend, hosted OpenAI sidecar URL and request limits."""
+        return await self._send(calls.server_info(self.target, timeout=timeout))
+
 ) -> Callable[Concatenate[AsyncModel, P], Coroutine[Any, Any, T]]:
     """The AsyncModel method that sends what `prepare` builds for the handle's model."""
 
@@ -247,3 +280,24 @@ class AsyncModel(calls.ModelHandle[AsyncClient]):
     restore = _sends(calls.restore)
     delete_checkpoint = _sends(calls.delete_checkpoint)
     export_weights = _receives(calls.export_weights)
+    async def openai_client(
+        self, *, api_key: str | None = None, sidecar_url: str | None = None, **openai_options: Any
+    ) -> openai.OpenAI:
+        """As `Model.openai_client`: an `openai.OpenAI` on the sidecar (awaited: it asks the server
+        for the sidecar's URL unless `sidecar_url=` is given). Requests pass `model=model.name`."""
+        info = None if sidecar_url else await self.client.server_info()
+        base_url, key = sidecar_connection(info, sidecar_url, api_key)
+        client: openai.OpenAI = import_openai().OpenAI(base_url=base_url, api_key=key, **openai_options)
+        return client
+
+    async def async_openai_client(
+        self, *, api_key: str | None = None, sidecar_url: str | None = None, **openai_options: Any
+    ) -> openai.AsyncOpenAI:
+        """As `Model.async_openai_client`: an `openai.AsyncOpenAI` on the sidecar."""
+        info = None if sidecar_url else await self.client.server_info()
+        base_url, key = sidecar_connection(info, sidecar_url, api_key)
+        client: openai.AsyncOpenAI = import_openai().AsyncOpenAI(
+            base_url=base_url, api_key=key, **openai_options
+        )
+        return client
+

@@ -19,6 +19,7 @@ from google.protobuf.message import Message as ProtoMessage
 
 from tinkerrpc import _convert as convert
 from tinkerrpc._export import WeightsWriter, check_export_target
+from tinkerrpc._server_info import ServerInfo, server_info_from_proto
 from tinkerrpc._types import (
     CheckpointInfo,
     CheckpointKind,
@@ -124,7 +125,11 @@ def create_model(
     train_unembed: bool = True,
     timeout: float | None = None,
 ) -> Call[None]:
-    """Create a model (a fresh LoRA run at policy version 0) and return its handle."""
+    """Create a model (a fresh LoRA run at policy version 0) and return its handle.
+
+    With `exist_ok=True` an existing model of that name is returned as it is (at its current version)
+    when its base model, LoRA shape (rank, train_mlp/attn/unembed) and renderer match; one that differs
+    raises AlreadyExistsError naming each difference. The seed is not compared."""
     if not name:
         raise ValueError("model name must not be empty")
     if not base_model:
@@ -140,8 +145,7 @@ def create_model(
         renderer=renderer or "",
         seed=seed,
     )
-    # Not safe to repeat on a deadline: a second attempt could hit ALREADY_EXISTS for our own model.
-    return Call("CreateModel", request, _nothing, safe_to_repeat=False, timeout=timeout)
+    exist_ok: bool = False,
 
 
 def get_model(name: str, *, timeout: float | None = None) -> Call[ModelInfo]:
@@ -157,6 +161,21 @@ def list_models(*, timeout: float | None = None) -> Call[list[ModelInfo]]:
         service_pb.ListModelsRequest(),
         lambda response: [convert.model_info_from_proto(m) for m in response.models],
         safe_to_repeat=True,
+        exist_ok=exist_ok,
+    )
+    # Without exist_ok not safe to repeat on a deadline: a second attempt could hit ALREADY_EXISTS for
+    # our own model. With it a repeat returns the model the first attempt made.
+    return Call("CreateModel", request, _nothing, safe_to_repeat=exist_ok, timeout=timeout)
+
+
+def server_info(target: str, *, timeout: float | None = None) -> Call[ServerInfo]:
+    """The server's version, backend, hosted sidecar URL and request limits."""
+    return Call(
+        "GetServerInfo",
+        service_pb.GetServerInfoRequest(),
+        lambda response: server_info_from_proto(response, target),
+        safe_to_repeat=True,
+        timeout=timeout,
         timeout=timeout,
     )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import grpc
 from google.protobuf.message import Message as ProtoMessage
@@ -22,13 +22,22 @@ from tinkerrpc._channel import (
     channel_credentials,
     channel_options,
     check_serving,
+    check_target,
+    first_contact_problem,
+    remaining,
     unreachable,
 )
+from tinkerrpc._errors import UnavailableError
+from tinkerrpc._openai_client import import_openai, sidecar_connection
 from tinkerrpc._retry import RetryPolicy, call_with_retry
+from tinkerrpc._server_info import ServerInfo
 from tinkerrpc._types import ModelInfo
 from tinkerrpc.v1 import trainer_service_pb2_grpc as service_grpc
 
 Req = TypeVar("Req", bound=ProtoMessage)
+if TYPE_CHECKING:
+    import openai
+
 Resp = TypeVar("Resp", bound=ProtoMessage)
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -60,11 +69,13 @@ class Client:
         interceptors: Sequence[grpc.UnaryUnaryClientInterceptor[Any, Any]] = (),
     ) -> None:
         self.target = target
+        check_target(target)
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
         self._metadata = auth_metadata(token)
         credentials = channel_credentials(tls)
         options = channel_options(max_message_bytes, tls_server_name)
+        self._tls = credentials is not None
         channel = (
             grpc.secure_channel(target, credentials, options)
             if credentials is not None
@@ -89,12 +100,7 @@ class Client:
         last_error: grpc.RpcError | None = None
         for service in HEALTH_SERVICE_NAMES:
             try:
-                response = health.Check(
-                    health_pb2.HealthCheckRequest(service=service),
-                    timeout=max(deadline - time.monotonic(), 0.0),
-                    metadata=self._metadata,
-                    wait_for_ready=True,
-                )
+                response = self._check_health(health, service, deadline)
             except grpc.RpcError as error:
                 last_error = error
                 if error.code() == grpc.StatusCode.NOT_FOUND:
@@ -106,6 +112,26 @@ class Client:
         raise unreachable(self.target, timeout, last_error) from last_error
 
     def close(self) -> None:
+    def _check_health(
+        self, health: health_pb2_grpc.HealthStub, service: str, deadline: float
+    ) -> health_pb2.HealthCheckResponse:
+        """One health check. It first fails fast when the connection does, so that a refused port or an
+        HTTP server is named at once; only a server the probe cannot explain is waited for."""
+        request = health_pb2.HealthCheckRequest(service=service)
+        try:
+            return health.Check(
+                request, timeout=remaining(deadline), metadata=self._metadata, wait_for_ready=False
+            )
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            problem = first_contact_problem(self.target, self._tls)
+            if problem is not None:
+                raise UnavailableError(grpc.StatusCode.UNAVAILABLE, problem) from error
+        return health.Check(
+            request, timeout=remaining(deadline), metadata=self._metadata, wait_for_ready=True
+        )
+
         self.channel.close()
 
     def __enter__(self) -> Client:
@@ -170,9 +196,12 @@ class Client:
         train_unembed: bool = True,
         timeout: float | None = None,
     ) -> Model:
-        """Create a model (a fresh LoRA run at policy version 0) and return its handle."""
+        """Create a model (a fresh LoRA run at policy version 0) and return its handle; with
+        `exist_ok=True`, the existing model of that name when its base model, LoRA shape and renderer
+        match (AlreadyExistsError naming the differences otherwise)."""
         self._send(
             calls.create_model(
+        exist_ok: bool = False,
                 name,
                 base_model,
                 lora_rank=lora_rank,
@@ -186,6 +215,7 @@ class Client:
         )
         return Model(self, name)
 
+                exist_ok=exist_ok,
     def model(self, name: str) -> Model:
         """A handle on an existing model; no network call."""
         if not name:
@@ -200,6 +230,10 @@ class Client:
 
     def delete_model(self, name: str, *, timeout: float | None = None) -> None:
         self._send(calls.delete_model(name, timeout=timeout))
+    def server_info(self, *, timeout: float | None = None) -> ServerInfo:
+        """The server's version, backend, hosted OpenAI sidecar URL and request limits."""
+        return self._send(calls.server_info(self.target, timeout=timeout))
+
 
 
 def _sends(prepare: Callable[Concatenate[str, P], calls.Call[T]]) -> Callable[Concatenate[Model, P], T]:
@@ -238,3 +272,26 @@ class Model(calls.ModelHandle[Client]):
     restore = _sends(calls.restore)
     delete_checkpoint = _sends(calls.delete_checkpoint)
     export_weights = _receives(calls.export_weights)
+    def openai_client(
+        self, *, api_key: str | None = None, sidecar_url: str | None = None, **openai_options: Any
+    ) -> openai.OpenAI:
+        """An `openai.OpenAI` client on the server's hosted sidecar (the URL from GetServerInfo, or
+        `sidecar_url=` for a standalone one), with `api_key=` or $TINKERRPC_SIDECAR_API_KEY. Requests
+        pass `model=model.name`: the openai client has no default model. `openai_options` go to
+        `openai.OpenAI` (timeout, max_retries, ...). Needs `pip install 'tinkerrpc[openai]'`."""
+        info = None if sidecar_url else self.client.server_info()
+        base_url, key = sidecar_connection(info, sidecar_url, api_key)
+        client: openai.OpenAI = import_openai().OpenAI(base_url=base_url, api_key=key, **openai_options)
+        return client
+
+    def async_openai_client(
+        self, *, api_key: str | None = None, sidecar_url: str | None = None, **openai_options: Any
+    ) -> openai.AsyncOpenAI:
+        """As `openai_client`, an `openai.AsyncOpenAI`."""
+        info = None if sidecar_url else self.client.server_info()
+        base_url, key = sidecar_connection(info, sidecar_url, api_key)
+        client: openai.AsyncOpenAI = import_openai().AsyncOpenAI(
+            base_url=base_url, api_key=key, **openai_options
+        )
+        return client
+
