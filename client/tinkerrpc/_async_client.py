@@ -35,10 +35,10 @@ from tinkerrpc._server_info import ServerInfo
 from tinkerrpc._types import ModelInfo
 from tinkerrpc.v1 import trainer_service_pb2_grpc as service_grpc
 
-Req = TypeVar("Req", bound=ProtoMessage)
 if TYPE_CHECKING:
     import openai
 
+Req = TypeVar("Req", bound=ProtoMessage)
 Resp = TypeVar("Resp", bound=ProtoMessage)
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -65,15 +65,15 @@ class AsyncClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         interceptors: Sequence[grpc.aio.UnaryUnaryClientInterceptor[Any, Any]] = (),
     ) -> None:
-        self.target = target
         check_target(target)
+        self.target = target
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
         self.connect_timeout = connect_timeout
         self._metadata = auth_metadata(token)
         credentials = channel_credentials(tls)
-        options = channel_options(max_message_bytes, tls_server_name)
         self._tls = credentials is not None
+        options = channel_options(max_message_bytes, tls_server_name)
         # grpc-stubs leaves aio's interceptor type as a placeholder that must be cast.
         aio_interceptors = cast("list[grpc.aio.ClientInterceptor]", list(interceptors))
         self.channel: grpc.aio.Channel = (
@@ -112,7 +112,6 @@ class AsyncClient:
         assert last_error is not None
         raise unreachable(self.target, timeout, last_error) from last_error
 
-    async def close(self) -> None:
     async def _check_health(
         self, health: health_pb2_grpc.HealthStub, service: str, deadline: float
     ) -> health_pb2.HealthCheckResponse:
@@ -132,6 +131,7 @@ class AsyncClient:
             request, timeout=remaining(deadline), metadata=self._metadata, wait_for_ready=True
         )
 
+    async def close(self) -> None:
         await self.channel.close(None)
 
     async def __aenter__(self) -> AsyncClient:
@@ -200,6 +200,7 @@ class AsyncClient:
         train_mlp: bool = True,
         train_attn: bool = True,
         train_unembed: bool = True,
+        exist_ok: bool = False,
         timeout: float | None = None,
     ) -> AsyncModel:
         """Create a model (a fresh LoRA run at policy version 0) and return its handle; with
@@ -211,11 +212,11 @@ class AsyncClient:
                 base_model,
                 lora_rank=lora_rank,
                 renderer=renderer,
-        exist_ok: bool = False,
                 seed=seed,
                 train_mlp=train_mlp,
                 train_attn=train_attn,
                 train_unembed=train_unembed,
+                exist_ok=exist_ok,
                 timeout=timeout,
             )
         )
@@ -225,11 +226,14 @@ class AsyncClient:
         """A handle on an existing model; no network call."""
         if not name:
             raise ValueError("model name must not be empty")
-                exist_ok=exist_ok,
         return AsyncModel(self, name)
 
     async def get_model(self, name: str, *, timeout: float | None = None) -> ModelInfo:
         return await self._send(calls.get_model(name, timeout=timeout))
+
+    async def server_info(self, *, timeout: float | None = None) -> ServerInfo:
+        """The server's version, backend, hosted OpenAI sidecar URL and request limits."""
+        return await self._send(calls.server_info(self.target, timeout=timeout))
 
     async def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
         return await self._send(calls.list_models(timeout=timeout))
@@ -240,10 +244,6 @@ class AsyncClient:
 
 def _sends(
     prepare: Callable[Concatenate[str, P], calls.Call[T]],
-    async def server_info(self, *, timeout: float | None = None) -> ServerInfo:
-        """The server's version, backend, hosted OpenAI sidecar URL and request limits."""
-        return await self._send(calls.server_info(self.target, timeout=timeout))
-
 ) -> Callable[Concatenate[AsyncModel, P], Coroutine[Any, Any, T]]:
     """The AsyncModel method that sends what `prepare` builds for the handle's model."""
 
@@ -272,14 +272,6 @@ class AsyncModel(calls.ModelHandle[AsyncClient]):
     async def info(self, *, timeout: float | None = None) -> ModelInfo:
         return await self.client.get_model(self.name, timeout=timeout)
 
-    sample = _sends(calls.sample)
-    train = _sends(calls.train)
-    train_supervised = _sends(calls.train_supervised)
-    save_checkpoint = _sends(calls.save_checkpoint)
-    checkpoints = _sends(calls.checkpoints)
-    restore = _sends(calls.restore)
-    delete_checkpoint = _sends(calls.delete_checkpoint)
-    export_weights = _receives(calls.export_weights)
     async def openai_client(
         self, *, api_key: str | None = None, sidecar_url: str | None = None, **openai_options: Any
     ) -> openai.OpenAI:
@@ -301,3 +293,11 @@ class AsyncModel(calls.ModelHandle[AsyncClient]):
         )
         return client
 
+    sample = _sends(calls.sample)
+    train = _sends(calls.train)
+    train_supervised = _sends(calls.train_supervised)
+    save_checkpoint = _sends(calls.save_checkpoint)
+    checkpoints = _sends(calls.checkpoints)
+    restore = _sends(calls.restore)
+    delete_checkpoint = _sends(calls.delete_checkpoint)
+    export_weights = _receives(calls.export_weights)

@@ -123,6 +123,7 @@ def create_model(
     train_mlp: bool = True,
     train_attn: bool = True,
     train_unembed: bool = True,
+    exist_ok: bool = False,
     timeout: float | None = None,
 ) -> Call[None]:
     """Create a model (a fresh LoRA run at policy version 0) and return its handle.
@@ -144,23 +145,6 @@ def create_model(
         ),
         renderer=renderer or "",
         seed=seed,
-    )
-    exist_ok: bool = False,
-
-
-def get_model(name: str, *, timeout: float | None = None) -> Call[ModelInfo]:
-    """The model's current state: policy version, sampleable versions, LoRA settings."""
-    request = service_pb.GetModelRequest(name=name)
-    return Call("GetModel", request, _model_info, safe_to_repeat=True, timeout=timeout)
-
-
-def list_models(*, timeout: float | None = None) -> Call[list[ModelInfo]]:
-    """Every model on the server."""
-    return Call(
-        "ListModels",
-        service_pb.ListModelsRequest(),
-        lambda response: [convert.model_info_from_proto(m) for m in response.models],
-        safe_to_repeat=True,
         exist_ok=exist_ok,
     )
     # Without exist_ok not safe to repeat on a deadline: a second attempt could hit ALREADY_EXISTS for
@@ -176,6 +160,22 @@ def server_info(target: str, *, timeout: float | None = None) -> Call[ServerInfo
         lambda response: server_info_from_proto(response, target),
         safe_to_repeat=True,
         timeout=timeout,
+    )
+
+
+def get_model(name: str, *, timeout: float | None = None) -> Call[ModelInfo]:
+    """The model's current state: policy version, sampleable versions, LoRA settings."""
+    request = service_pb.GetModelRequest(name=name)
+    return Call("GetModel", request, _model_info, safe_to_repeat=True, timeout=timeout)
+
+
+def list_models(*, timeout: float | None = None) -> Call[list[ModelInfo]]:
+    """Every model on the server."""
+    return Call(
+        "ListModels",
+        service_pb.ListModelsRequest(),
+        lambda response: [convert.model_info_from_proto(m) for m in response.models],
+        safe_to_repeat=True,
         timeout=timeout,
     )
 

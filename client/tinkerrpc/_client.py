@@ -34,10 +34,10 @@ from tinkerrpc._server_info import ServerInfo
 from tinkerrpc._types import ModelInfo
 from tinkerrpc.v1 import trainer_service_pb2_grpc as service_grpc
 
-Req = TypeVar("Req", bound=ProtoMessage)
 if TYPE_CHECKING:
     import openai
 
+Req = TypeVar("Req", bound=ProtoMessage)
 Resp = TypeVar("Resp", bound=ProtoMessage)
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -68,14 +68,14 @@ class Client:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         interceptors: Sequence[grpc.UnaryUnaryClientInterceptor[Any, Any]] = (),
     ) -> None:
-        self.target = target
         check_target(target)
+        self.target = target
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
         self._metadata = auth_metadata(token)
         credentials = channel_credentials(tls)
-        options = channel_options(max_message_bytes, tls_server_name)
         self._tls = credentials is not None
+        options = channel_options(max_message_bytes, tls_server_name)
         channel = (
             grpc.secure_channel(target, credentials, options)
             if credentials is not None
@@ -111,7 +111,6 @@ class Client:
         assert last_error is not None
         raise unreachable(self.target, timeout, last_error) from last_error
 
-    def close(self) -> None:
     def _check_health(
         self, health: health_pb2_grpc.HealthStub, service: str, deadline: float
     ) -> health_pb2.HealthCheckResponse:
@@ -132,6 +131,7 @@ class Client:
             request, timeout=remaining(deadline), metadata=self._metadata, wait_for_ready=True
         )
 
+    def close(self) -> None:
         self.channel.close()
 
     def __enter__(self) -> Client:
@@ -194,6 +194,7 @@ class Client:
         train_mlp: bool = True,
         train_attn: bool = True,
         train_unembed: bool = True,
+        exist_ok: bool = False,
         timeout: float | None = None,
     ) -> Model:
         """Create a model (a fresh LoRA run at policy version 0) and return its handle; with
@@ -201,7 +202,6 @@ class Client:
         match (AlreadyExistsError naming the differences otherwise)."""
         self._send(
             calls.create_model(
-        exist_ok: bool = False,
                 name,
                 base_model,
                 lora_rank=lora_rank,
@@ -210,12 +210,12 @@ class Client:
                 train_mlp=train_mlp,
                 train_attn=train_attn,
                 train_unembed=train_unembed,
+                exist_ok=exist_ok,
                 timeout=timeout,
             )
         )
         return Model(self, name)
 
-                exist_ok=exist_ok,
     def model(self, name: str) -> Model:
         """A handle on an existing model; no network call."""
         if not name:
@@ -225,15 +225,15 @@ class Client:
     def get_model(self, name: str, *, timeout: float | None = None) -> ModelInfo:
         return self._send(calls.get_model(name, timeout=timeout))
 
+    def server_info(self, *, timeout: float | None = None) -> ServerInfo:
+        """The server's version, backend, hosted OpenAI sidecar URL and request limits."""
+        return self._send(calls.server_info(self.target, timeout=timeout))
+
     def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
         return self._send(calls.list_models(timeout=timeout))
 
     def delete_model(self, name: str, *, timeout: float | None = None) -> None:
         self._send(calls.delete_model(name, timeout=timeout))
-    def server_info(self, *, timeout: float | None = None) -> ServerInfo:
-        """The server's version, backend, hosted OpenAI sidecar URL and request limits."""
-        return self._send(calls.server_info(self.target, timeout=timeout))
-
 
 
 def _sends(prepare: Callable[Concatenate[str, P], calls.Call[T]]) -> Callable[Concatenate[Model, P], T]:
@@ -264,14 +264,6 @@ class Model(calls.ModelHandle[Client]):
     def info(self, *, timeout: float | None = None) -> ModelInfo:
         return self.client.get_model(self.name, timeout=timeout)
 
-    sample = _sends(calls.sample)
-    train = _sends(calls.train)
-    train_supervised = _sends(calls.train_supervised)
-    save_checkpoint = _sends(calls.save_checkpoint)
-    checkpoints = _sends(calls.checkpoints)
-    restore = _sends(calls.restore)
-    delete_checkpoint = _sends(calls.delete_checkpoint)
-    export_weights = _receives(calls.export_weights)
     def openai_client(
         self, *, api_key: str | None = None, sidecar_url: str | None = None, **openai_options: Any
     ) -> openai.OpenAI:
@@ -295,3 +287,11 @@ class Model(calls.ModelHandle[Client]):
         )
         return client
 
+    sample = _sends(calls.sample)
+    train = _sends(calls.train)
+    train_supervised = _sends(calls.train_supervised)
+    save_checkpoint = _sends(calls.save_checkpoint)
+    checkpoints = _sends(calls.checkpoints)
+    restore = _sends(calls.restore)
+    delete_checkpoint = _sends(calls.delete_checkpoint)
+    export_weights = _receives(calls.export_weights)

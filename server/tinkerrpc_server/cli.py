@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -109,7 +110,48 @@ def _serve_usage_error(args: argparse.Namespace, auth_token: str | None) -> str 
     return None
 
 
+# Import names of the `server` extra's packages that `serve` needs (see pyproject.toml).
+SERVER_EXTRA_MODULES = (
+    "tinker",
+    "tinker_cookbook",
+    "torch",
+    "transformers",
+    "peft",
+    "safetensors",
+    "tokenizers",
+    "numpy",
+    "fastapi",
+    "uvicorn",
+    "httpx",
+    "grpc_reflection",
+    "grpc_status",
+    "prometheus_client",
+)
+
+
+def _missing_server_extra() -> str | None:
+    """The first module of the server extra this install lacks (a light `pip install tinkerrpc`)."""
+    for module in SERVER_EXTRA_MODULES:
+        try:
+            if importlib.util.find_spec(module) is None:
+                return module
+        except (ImportError, ValueError):
+            return module
+    return None
+
+
+def _server_extra_message(module: str | None) -> str:
+    return (
+        f"tinkerrpc serve needs the server extra (no module {module!r} here): pip install 'tinkerrpc[server]'"
+    )
+
+
 def _serve(args: argparse.Namespace) -> int:
+    # Before anything starts: the light client install has no server, and that is one line.
+    missing = _missing_server_extra()
+    if missing is not None:
+        print(_server_extra_message(missing), file=sys.stderr)
+        return 1
     from tinkerrpc_server.local.engine_process import EmbeddedEngine, probe_data_dir
     from tinkerrpc_server.local.ownership import own_data_dir, port_taken
     from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
@@ -135,6 +177,9 @@ def _serve(args: argparse.Namespace) -> int:
     engine = None if os.environ.get("TINKER_API_KEY") else EmbeddedEngine(args.data_dir / "engine", model_dir)
     try:
         return _run_server(args, auth_token, model_dir, engine)
+    except ModuleNotFoundError as err:  # a dependency of the extra's packages that the check missed
+        print(_server_extra_message(err.name), file=sys.stderr)
+        return 1
     finally:
         if engine is not None:
             engine.stop()

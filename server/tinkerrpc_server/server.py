@@ -23,7 +23,7 @@ from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
 from tinkerrpc_server.service.backend import connect_backend
 from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.rendering import ChatCodecs
-from tinkerrpc_server.service.servicer import TrainerService
+from tinkerrpc_server.service.servicer import Hosting, TrainerService
 from tinkerrpc_server.service.store import Store
 from tinkerrpc_server.service.training import NoStepHooks, StepHooks
 
@@ -89,7 +89,14 @@ async def serve(config: ServerConfig, engine: EmbeddedEngine | None) -> int:
         checkpoint_every = config.checkpoint_every or (
             DEFAULT_CHECKPOINT_EVERY_EMBEDDED if backend.embedded else DEFAULT_CHECKPOINT_EVERY_TINKER
         )
-        service = TrainerService(store, backend, codecs, checkpoint_every, config.limits, config.step_hooks)
+        hosting = Hosting(
+            max_message_bytes=config.max_message_bytes,
+            sidecar_url=sidecar_url(config.host, config.sidecar_port),
+            sidecar_requires_api_key=bool(config.sidecar_api_key),
+        )
+        service = TrainerService(
+            store, backend, codecs, checkpoint_every, config.limits, config.step_hooks, hosting
+        )
         return await _serve(config, service)
     finally:
         backend.close()
@@ -201,6 +208,13 @@ async def _serve(config: ServerConfig, service: TrainerService) -> int:
     await server.stop(config.shutdown_grace_seconds)
     log.info("stopped")
     return exit_code
+
+
+def sidecar_url(host: str, port: int | None) -> str | None:
+    """The hosted sidecar's base URL for OpenAI clients, on the address it listens on."""
+    if port is None:
+        return None
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
 
 
 def certificate_name(cert_file: Path) -> str | None:

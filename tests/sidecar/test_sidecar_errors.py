@@ -55,7 +55,7 @@ def test_bad_parameters_are_400_naming_the_parameter(orphan_sidecar: Sidecar) ->
         assert caught.value.body["param"] == param, (fields, caught.value.body)  # type: ignore[index]
         assert caught.value.response.headers["x-should-retry"] == "false"
     with pytest.raises(openai.BadRequestError) as caught:
-        api.completions.create(model="m", prompt="x", echo=True)
+        api.completions.create(model="m", prompt="x", echo=True, logprobs=1)
     assert caught.value.body["param"] == "echo"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as caught:
         api.completions.create(model="m", prompt=["one", "two"])

@@ -108,6 +108,13 @@ def test_chat_parameters_map_onto_sample_arguments() -> None:
         "top_logprobs": 2,
         "return_token_texts": True,
         "ignore_default_stops": True,
+        "min_tokens": 0,
+        "skip_special_tokens": True,
+        "spaces_between_special_tokens": True,
+        "return_prompt_text": False,
+        "enable_thinking": None,
+        "force_tool_call": False,
+        "parallel_tool_calls": True,
     }
     assert translate.chat_sample_args(chat_request(), translate.parse_model_id("run")).max_tokens == (
         translate.DEFAULT_CHAT_MAX_TOKENS
@@ -217,7 +224,12 @@ def test_completion_prompts_accept_one_text_or_token_prompt() -> None:
         with pytest.raises(OpenAIError) as caught:
             prompt_of(bad)
         assert caught.value.param == "prompt"
-    for fields, param in (({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of")):
+    refused: tuple[tuple[dict[str, Any], str], ...] = (
+        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"suffix": "x"}, "suffix"),
+        ({"best_of": 3}, "best_of"),
+    )
+    for fields, param in refused:
         with pytest.raises(OpenAIError) as caught:
             translate.completion_sample_args(
                 CompletionRequest(model="run", prompt="p", **fields), translate.parse_model_id("run")

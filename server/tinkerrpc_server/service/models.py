@@ -19,7 +19,13 @@ from tinkerrpc_server import model_store
 from tinkerrpc_server.service import errors
 from tinkerrpc_server.service.backend import Backend
 from tinkerrpc_server.service.deadlines import bounded
-from tinkerrpc_server.service.rendering import ChatCodec, ChatCodecs, UnknownRendererError, off_loop
+from tinkerrpc_server.service.rendering import (
+    ChatCodec,
+    ChatCodecs,
+    UnknownRendererError,
+    default_renderer_name,
+    off_loop,
+)
 from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE, CheckpointRow, ModelRow, Store
 
 log = logging.getLogger("tinkerrpc.service")
@@ -61,6 +67,19 @@ class _LoraFlags(TypedDict):
     train_mlp: bool
     train_attn: bool
     train_unembed: bool
+
+
+def lora_flags(lora: types_pb2.LoraConfig) -> _LoraFlags:
+    """Which modules the adapter trains; an unset flag means True."""
+    return {
+        "train_mlp": lora.train_mlp if lora.HasField("train_mlp") else True,
+        "train_attn": lora.train_attn if lora.HasField("train_attn") else True,
+        "train_unembed": lora.train_unembed if lora.HasField("train_unembed") else True,
+    }
+
+
+def _shown(value: str | int | bool) -> str:
+    return errors.shown(value) if isinstance(value, str) else str(value)
 
 
 @dataclass
@@ -195,11 +214,25 @@ class ModelRegistry:
         return len(self._runtimes)
 
     async def create(self, request: pb.CreateModelRequest) -> types_pb2.ModelInfo:
-        """A validated request's model at version 0 (sampleable and recoverable from the start)."""
-        if request.name in self._runtimes:
-            raise errors.already_exists(
-                MODEL_RESOURCE, request.name, f"model {request.name!r} already exists"
-            )
+        """A validated request's model at version 0 (sampleable and recoverable from the start); with
+        exist_ok, the model of that name as it is when it has the requested shape."""
+        existing = self._runtimes.get(request.name)
+        if existing is not None:
+            if not request.exist_ok:
+                raise errors.already_exists(
+                    MODEL_RESOURCE, request.name, f"model {request.name!r} already exists"
+                )
+            row = self._store.get_model(request.name)
+            if row is None:
+                # Being created: wait until that settles (it may fail, and then the name is free).
+                async with existing.lock:
+                    row = self._store.get_model(request.name)
+            if row is not None:
+                return await self._existing(request, row)
+            if request.name in self._runtimes:
+                raise errors.already_exists(
+                    MODEL_RESOURCE, request.name, f"model {request.name!r} is being created or deleted"
+                )
         runtime = ModelRuntime()
         self._runtimes[request.name] = runtime
         try:
@@ -208,6 +241,45 @@ class ModelRegistry:
         except BaseException:
             self._runtimes.pop(request.name, None)
             raise
+
+    async def _existing(self, request: pb.CreateModelRequest, row: ModelRow) -> types_pb2.ModelInfo:
+        """exist_ok: the existing model when it matches the request's base model, LoRA shape and
+        renderer; ALREADY_EXISTS naming every difference otherwise."""
+        wanted_renderer = request.renderer
+        if not wanted_renderer and request.base_model == row.base_model:
+            try:
+                wanted_renderer = await off_loop(lambda: default_renderer_name(row.base_model))
+            except UnknownRendererError as err:
+                raise errors.invalid_argument([("renderer", str(err))]) from err
+        flags = lora_flags(request.lora)
+        requested: dict[str, str | int | bool] = {
+            "base_model": request.base_model,
+            "lora.rank": request.lora.rank or DEFAULT_LORA_RANK,
+            "lora.train_mlp": flags["train_mlp"],
+            "lora.train_attn": flags["train_attn"],
+            "lora.train_unembed": flags["train_unembed"],
+            "renderer": wanted_renderer or row.renderer,
+        }
+        existing: dict[str, str | int | bool] = {
+            "base_model": row.base_model,
+            "lora.rank": row.lora_rank,
+            "lora.train_mlp": row.train_mlp,
+            "lora.train_attn": row.train_attn,
+            "lora.train_unembed": row.train_unembed,
+            "renderer": row.renderer,
+        }
+        differences = [
+            f"{key} is {_shown(existing[key])}, not {_shown(value)}"
+            for key, value in requested.items()
+            if existing[key] != value
+        ]
+        if differences:
+            raise errors.already_exists(
+                MODEL_RESOURCE,
+                request.name,
+                f"model {request.name!r} already exists with a different shape: " + "; ".join(differences),
+            )
+        return self.info(row)
 
     async def _create(self, request: pb.CreateModelRequest, runtime: ModelRuntime) -> types_pb2.ModelInfo:
         try:
@@ -219,11 +291,7 @@ class ModelRegistry:
         lora = request.lora
         rank = lora.rank or DEFAULT_LORA_RANK
         seed = request.seed if request.HasField("seed") else 0
-        flags: _LoraFlags = {
-            "train_mlp": lora.train_mlp if lora.HasField("train_mlp") else True,
-            "train_attn": lora.train_attn if lora.HasField("train_attn") else True,
-            "train_unembed": lora.train_unembed if lora.HasField("train_unembed") else True,
-        }
+        flags = lora_flags(lora)
         client = await self._backend.service.create_lora_training_client(
             request.base_model, rank=rank, seed=seed, user_metadata={"tinkerrpc_model": request.name}, **flags
         )

@@ -20,6 +20,8 @@ use; sampling clients are made anew from the same tinker:// paths, as the engine
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from importlib import metadata
 
 import grpc
 
@@ -35,7 +37,23 @@ from tinkerrpc_server.service.rendering import ChatCodecs
 from tinkerrpc_server.service.sampling import Sampler
 from tinkerrpc_server.service.store import Store
 from tinkerrpc_server.service.training import StepHooks, Trainer
-from tinkerrpc_server.service.validation import check_create_model
+from tinkerrpc_server.service.validation import (
+    MAX_STOP_STRING_BYTES,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+    check_create_model,
+)
+
+
+@dataclass(frozen=True)
+class Hosting:
+    """What the server process, not the service, decides and GetServerInfo reports."""
+
+    max_message_bytes: int
+    # The URL the hosted sidecar listens on (serve --sidecar-port), e.g. "http://127.0.0.1:8000/v1".
+    sidecar_url: str | None = None
+    sidecar_requires_api_key: bool = False
 
 
 class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
@@ -47,7 +65,9 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
         checkpoint_every: int,
         limits: Limits,
         step_hooks: StepHooks,
+        hosting: Hosting,
     ) -> None:
+        self._server_info = _server_info(backend, limits, hosting)
         self._models = ModelRegistry(store, backend, codecs)
         self._supervisor = EngineSupervisor(backend, self._models, limits.backend_timeout)
         self._trainer = Trainer(store, self._models, checkpoint_every, limits, step_hooks)
@@ -158,6 +178,16 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
     ) -> pb.SampleResponse:
         return await self._sampler.sample(request)
 
+    # ---- the server
+
+    async def GetServerInfo(
+        self,
+        request: pb.GetServerInfoRequest,
+        context: grpc.aio.ServicerContext[pb.GetServerInfoRequest, pb.GetServerInfoResponse],
+    ) -> pb.GetServerInfoResponse:
+        # Fixed at start and needs no backend: answered even while the engine restarts.
+        return self._server_info
+
     # ---- export
 
     async def ExportWeights(
@@ -178,3 +208,24 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
     ) -> Export:
         """ExportWeights' preparation, under `rpc`: the files are local before the stream starts."""
         return await self._exporter.fetch(request)
+
+
+def _server_info(backend: Backend, limits: Limits, hosting: Hosting) -> pb.GetServerInfoResponse:
+    return pb.GetServerInfoResponse(
+        server_version=metadata.version("tinkerrpc"),
+        backend=pb.BACKEND_KIND_EMBEDDED_ENGINE if backend.embedded else pb.BACKEND_KIND_TINKER,
+        sidecar_url=hosting.sidecar_url or "",
+        sidecar_requires_api_key=hosting.sidecar_requires_api_key,
+        limits=pb.ServerLimits(
+            max_sample_n=limits.max_sample_n,
+            max_sample_tokens=limits.max_sample_tokens,
+            max_train_trajectories=limits.max_train_trajectories,
+            max_train_tokens=limits.max_train_tokens,
+            max_message_bytes=hosting.max_message_bytes,
+            max_top_logprobs=MAX_TOP_LOGPROBS,
+            max_stop_strings=MAX_STOP_STRINGS,
+            max_stop_string_bytes=MAX_STOP_STRING_BYTES,
+            max_stop_token_ids=MAX_STOP_TOKEN_IDS,
+            backend_timeout_seconds=limits.backend_timeout,
+        ),
+    )

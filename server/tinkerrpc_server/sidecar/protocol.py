@@ -99,6 +99,13 @@ class SamplingFields(_Request):
     # vLLM: true returns `token_ids`/`prompt_token_ids`/`policy_version` (also on a stream's last
     # chunk), false leaves them out; unset keeps them on plain responses.
     return_token_ids: bool | None = None
+    # vLLM: no stop (stop token or stop string) before this many tokens.
+    min_tokens: int = Field(0, ge=0)
+    # vLLM: how the returned text is decoded from the tokens (special tokens dropped or kept, and
+    # kept ones spaced from their neighbours), and whether the matched stop string stays in it.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     # Accepted and ignored: they do not change what is sampled.
     user: str | None = None
 
@@ -112,6 +119,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: dict[str, Any] | None = None
+    # vLLM: keyword arguments of the chat template; only enable_thinking, which picks the renderer's
+    # thinking or thinking-disabled variant.
+    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM: the reply's content starts with the last message's when that message is the assistant's.
+    echo: bool = False
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None
@@ -120,10 +132,11 @@ class ChatCompletionRequest(SamplingFields):
     web_search_options: dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
+    # False keeps only the first tool call of each reply.
+    parallel_tool_calls: bool | None = None
     # Accepted and ignored.
     metadata: dict[str, str] | None = None
     store: bool | None = None
-    parallel_tool_calls: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None

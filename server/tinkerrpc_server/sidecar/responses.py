@@ -148,9 +148,11 @@ def _check_request(request: ResponseRequest) -> None:
             raise bad_request(f"{param} is not supported by the tinkerrpc sidecar", param)
     text_format = (request.text or {}).get("format") or {"type": "text"}
     if text_format.get("type") != "text":
-        raise bad_request("only text.format {'type': 'text'} is supported", "text.format")
-    if request.tool_choice not in (None, "auto", "none"):
-        raise bad_request("tool_choice must be 'auto' or 'none'", "tool_choice")
+        raise bad_request(
+            "only text.format {'type': 'text'} is supported: Tinker's sampler has no constrained "
+            "decoding to hold a reply to a JSON schema",
+            "text.format",
+        )
 
 
 def function_tools(request: ResponseRequest) -> list[FunctionTool]:
@@ -206,6 +208,8 @@ def sample_args(request: ResponseRequest, ref: translate.ModelRef) -> translate.
         top_logprobs=(request.top_logprobs or 0) if request.logprobs_asked else 0,
         return_token_texts=True,
         ignore_default_stops=False,
+        force_tool_call=translate.forced_tool_call(request.tool_choice, [t.name for t in tools]),
+        parallel_tool_calls=request.parallel_tool_calls is not False,
     )
 
 
@@ -262,7 +266,7 @@ class ResponseObject(BaseModel):
     instructions: str | None
     output: list[OutputMessage | OutputFunctionCall]
     parallel_tool_calls: bool
-    tool_choice: str
+    tool_choice: str | dict[str, Any]
     tools: list[FunctionTool]
     temperature: float | None
     top_p: float | None
@@ -319,7 +323,7 @@ def build_response(
         instructions=request.instructions,
         output=output,
         parallel_tool_calls=request.parallel_tool_calls is not False,
-        tool_choice=str(request.tool_choice or "auto"),
+        tool_choice=request.tool_choice or "auto",
         tools=function_tools(request),
         temperature=request.temperature,
         top_p=request.top_p,

@@ -87,6 +87,14 @@ class SampleArgs:
     # Always on: stream deltas and OpenAI logprob tokens are built from the tokens' texts.
     return_token_texts: bool
     ignore_default_stops: bool
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    return_prompt_text: bool = False
+    enable_thinking: bool | None = None
+    # True: a call to any of the tools; a name: a call to that function.
+    force_tool_call: bool | str = False
+    parallel_tool_calls: bool = True
 
     def sdk_kwargs(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -135,7 +143,12 @@ def _common_args(
     max_tokens: int,
     top_logprobs: int,
     tools: list[dict[str, Any]] | None,
+    **chat_options: Any,
 ) -> SampleArgs:
+    if request.min_tokens > max_tokens:
+        raise bad_request(
+            f"min_tokens ({request.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens"
+        )
     return SampleArgs(
         n=request.n,
         max_tokens=max_tokens,
@@ -150,7 +163,57 @@ def _common_args(
         top_logprobs=top_logprobs,
         return_token_texts=True,
         ignore_default_stops=request.ignore_eos,
+        min_tokens=request.min_tokens,
+        skip_special_tokens=request.skip_special_tokens,
+        spaces_between_special_tokens=request.spaces_between_special_tokens,
+        **chat_options,
     )
+
+
+def forced_tool_call(tool_choice: str | dict[str, Any] | None, tool_names: Sequence[str]) -> bool | str:
+    """What a tool_choice forces: nothing (False), a call to any tool (True) or to the named function.
+    A named choice is `{"type": "function", "function": {"name": N}}` (chat) or `{"type": "function",
+    "name": N}` (Responses)."""
+    if tool_choice in (None, "auto", "none"):
+        return False
+    if tool_choice == "required":
+        if not tool_names:
+            raise bad_request("tool_choice 'required' needs tools", "tool_choice")
+        return True
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else tool_choice.get("name")
+        if not isinstance(name, str) or name not in tool_names:
+            raise bad_request(
+                f"tool_choice names function {name!r}, which is not one of the tools", "tool_choice"
+            )
+        return name
+    raise bad_request(
+        "tool_choice must be 'auto', 'none', 'required' or a function ({'type': 'function', ...})",
+        "tool_choice",
+    )
+
+
+# chat_template_kwargs keys that mean something here: each maps to a renderer option.
+CHAT_TEMPLATE_KWARGS = ("enable_thinking",)
+
+
+def enable_thinking(kwargs: dict[str, Any] | None) -> bool | None:
+    """chat_template_kwargs' enable_thinking (None when unset), after refusing keys the renderer cannot
+    honour: a chat template's variables are not ours to render, only the renderer's variants are."""
+    for key in kwargs or {}:
+        if key not in CHAT_TEMPLATE_KWARGS:
+            raise bad_request(
+                f"chat_template_kwargs key {key!r} is not supported: the model's renderer takes only "
+                f"{', '.join(CHAT_TEMPLATE_KWARGS)} (its thinking or thinking-disabled variant)",
+                f"chat_template_kwargs.{key}",
+            )
+    value = (kwargs or {}).get("enable_thinking")
+    if value is not None and not isinstance(value, bool):
+        raise bad_request(
+            "chat_template_kwargs.enable_thinking must be a boolean", "chat_template_kwargs.enable_thinking"
+        )
+    return value
 
 
 def _check_unsupported_chat(request: ChatCompletionRequest) -> None:
@@ -172,9 +235,11 @@ def _check_unsupported_chat(request: ChatCompletionRequest) -> None:
         if is_set:
             raise bad_request(f"{param} is not supported by the tinkerrpc sidecar", param)
     if request.response_format is not None and request.response_format.get("type") != "text":
-        raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
-    if request.tool_choice not in (None, "auto", "none"):
-        raise bad_request("tool_choice must be 'auto' or 'none'", "tool_choice")
+        raise bad_request(
+            "only response_format {'type': 'text'} is supported: Tinker's sampler has no constrained "
+            "decoding to hold a reply to a JSON schema",
+            "response_format",
+        )
     if request.top_logprobs and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     if (
@@ -238,7 +303,16 @@ def chat_sample_args(request: ChatCompletionRequest, ref: ModelRef) -> SampleArg
         else []
     )
     top_logprobs = (request.top_logprobs or 0) if request.logprobs else 0
-    return _common_args(request, ref, max_tokens, top_logprobs, tools or None)
+    return _common_args(
+        request,
+        ref,
+        max_tokens,
+        top_logprobs,
+        tools or None,
+        enable_thinking=enable_thinking(request.chat_template_kwargs),
+        force_tool_call=forced_tool_call(request.tool_choice, [t.function.name for t in request.tools or ()]),
+        parallel_tool_calls=request.parallel_tool_calls is not False,
+    )
 
 
 def completion_prompt(request: CompletionRequest) -> str | list[int]:
@@ -262,23 +336,47 @@ def completion_prompt(request: CompletionRequest) -> str | list[int]:
 
 def completion_sample_args(request: CompletionRequest, ref: ModelRef) -> SampleArgs:
     _check_unsupported_sampling(request)
-    if request.echo:
-        raise bad_request("echo is not supported", "echo")
+    if request.echo and request.logprobs is not None:
+        raise bad_request(
+            "echo with logprobs is not supported (the prompt's logprobs are not returned here)", "echo"
+        )
     if request.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if request.best_of is not None and request.best_of != request.n:
         raise bad_request("best_of is not supported (only best_of == n)", "best_of")
     max_tokens = request.max_tokens if request.max_tokens is not None else 16
-    return _common_args(request, ref, max_tokens, request.logprobs or 0, None)
+    return _common_args(
+        request, ref, max_tokens, request.logprobs or 0, None, return_prompt_text=request.echo
+    )
 
 
 # ---------------------------------------------------------------- responses
 
 
-def truncate_at_stop(text: str, stops: Sequence[str]) -> str:
-    """OpenAI leaves stop sequences out of the returned text; the token ids keep them."""
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
-    return text[:cut]
+def truncate_at_stop(text: str, stops: Sequence[str], keep_stop: bool = False, start: int = 0) -> str:
+    """OpenAI leaves stop sequences out of the returned text (vLLM's include_stop_str_in_output keeps
+    the matched one); the token ids keep them. Matches start at `start` (after min_tokens' text)."""
+    found = [(i, len(s)) for i, s in ((text.find(s, start), s) for s in stops) if i >= 0]
+    if not found:
+        return text
+    at, length = min(found)
+    return text[: at + length] if keep_stop else text[:at]
+
+
+def stop_search_start(text: str, sample: Sample, min_tokens: int) -> int:
+    """Where the stop that ended `text` may start: after the text of the first min_tokens tokens, in
+    which stop strings were not looked for (measured from the end, as `text` may be a parsed message's
+    content)."""
+    if min_tokens <= 0:
+        return 0
+    return max(0, len(text) - len("".join(sample.token_texts[min_tokens:])))
+
+
+def _stop_truncated(text: str, sample: Sample, stops: Sequence[str], request: SamplingFields) -> str:
+    if sample.stop_reason != "stop":
+        return text
+    start = stop_search_start(text, sample, request.min_tokens)
+    return truncate_at_stop(text, stops, request.include_stop_str_in_output, start)
 
 
 def split_by_tokens(content: str, token_texts: Sequence[str], token_count: int) -> list[str]:
@@ -346,11 +444,17 @@ class ParsedChoice:
     finish_reason: FinishReason
 
 
-def parse_chat_choice(sample: Sample, stops: Sequence[str]) -> ParsedChoice:
+def parse_chat_choice(
+    sample: Sample, stops: Sequence[str], request: SamplingFields | None = None, echo: str = ""
+) -> ParsedChoice:
+    """A sample as a chat reply: stop strings cut as `request` asks, `echo` put before the content."""
     message = sample.message
     content = message.content if message is not None else sample.text
-    if sample.stop_reason == "stop":
+    if request is not None:
+        content = _stop_truncated(content, sample, stops, request)
+    elif sample.stop_reason == "stop":
         content = truncate_at_stop(content, stops)
+    content = echo + content
     tool_calls = [
         ToolCall(
             id=call.id,
@@ -403,13 +507,19 @@ def stream_carries_rl_fields(request: ChatCompletionRequest | CompletionRequest)
     return bool(request.return_token_ids) or (asked_logprobs and request.return_token_ids is not False)
 
 
+def chat_echo(request: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's text when it is the assistant's (the reply continues it)."""
+    last = request.messages[-1]
+    return _message_text(last, len(request.messages) - 1) if request.echo and last.role == "assistant" else ""
+
+
 def build_chat_completion(
     request: ChatCompletionRequest, ref: ModelRef, args: SampleArgs, samples: Sequence[Sample], created: int
 ) -> ChatCompletion:
     version = produced_version(samples, ref)
     choices: list[ChatChoice] = []
     for index, sample in enumerate(samples):
-        parsed = parse_chat_choice(sample, args.stop)
+        parsed = parse_chat_choice(sample, args.stop, request, chat_echo(request))
         logprobs = (
             ChoiceLogprobs(
                 content=[
@@ -461,13 +571,14 @@ def chat_stream_chunks(
     def chunk(choices: list[ChatChunkChoice], **extra: Any) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=chunk_id, created=created, model=model, choices=choices, **extra)
 
-    parsed = [parse_chat_choice(s, args.stop) for s in samples]
+    echo = chat_echo(request)
+    parsed = [parse_chat_choice(s, args.stop, request, echo) for s in samples]
     pieces = [
-        split_by_tokens(p.content or "", s.token_texts, len(s.tokens))
+        split_by_tokens((p.content or "")[len(echo) :], s.token_texts, len(s.tokens))
         for p, s in zip(parsed, samples, strict=True)
     ]
     for index, sample in enumerate(samples):
-        first = ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))
+        first = ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=echo))
         if not rl_fields:
             yield chunk([first])
             continue
@@ -528,8 +639,15 @@ def _legacy_logprobs(sample: Sample, positions: range, text_start: int, as_token
     )
 
 
-def completion_text(sample: Sample, stops: Sequence[str]) -> str:
-    return truncate_at_stop(sample.text, stops) if sample.stop_reason == "stop" else sample.text
+def completion_text(sample: Sample, stops: Sequence[str], request: CompletionRequest) -> str:
+    """The sampled text, stop strings cut as asked (the prompt's text before it when echoed)."""
+    return _stop_truncated(sample.text, sample, stops, request)
+
+
+def completion_echo(request: CompletionRequest, sample: Sample) -> str:
+    if not request.echo:
+        return ""
+    return request.prompt if isinstance(request.prompt, str) else sample.prompt_text
 
 
 def _finish(sample: Sample) -> Literal["stop", "length"]:
@@ -543,7 +661,7 @@ def build_completion(
     choices = [
         CompletionChoice(
             index=index,
-            text=completion_text(sample, args.stop),
+            text=completion_echo(request, sample) + completion_text(sample, args.stop, request),
             finish_reason=_finish(sample),
             logprobs=_legacy_logprobs(
                 sample, range(len(sample.tokens)), 0, request.return_tokens_as_token_ids
@@ -582,9 +700,13 @@ def completion_stream_chunks(
     def chunk(choices: list[CompletionChoice], **extra: Any) -> Completion:
         return Completion(id=chunk_id, created=created, model=model, choices=choices, **extra)
 
-    texts = [completion_text(s, args.stop) for s in samples]
+    texts = [completion_text(s, args.stop, request) for s in samples]
     pieces = [split_by_tokens(t, s.token_texts, len(s.tokens)) for t, s in zip(texts, samples, strict=True)]
-    offsets = [0] * len(samples)
+    echoes = [completion_echo(request, s) for s in samples]
+    for index, echo in enumerate(echoes):
+        if echo:
+            yield chunk([CompletionChoice(index=index, text=echo, finish_reason=None, logprobs=None)])
+    offsets = [len(echo) for echo in echoes]
     for position in range(max((len(p) for p in pieces), default=0)):
         for index, sample in enumerate(samples):
             if position >= len(pieces[index]):
