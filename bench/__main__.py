@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from bench import machine, memory, overhead, report, sampling, serialization, training
+from bench import machine, memory, overhead, report, retention, sampling, serialization, training
 from bench.workload import FULL, SHORT, BenchModel, Settings, prepare_model
 from tinkerrpc_server.local.stack import LocalEngine
 from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
@@ -75,12 +75,17 @@ def _memory(ctx: Context) -> list[report.Figure]:
     return memory.measure(ctx.settings, ctx.work_dir, ctx.model_dir)
 
 
+def _retention(ctx: Context) -> list[report.Figure]:
+    return retention.measure(ctx.settings, ctx.work_dir, ctx.model_dir)
+
+
 COMPARISONS: dict[str, Callable[[Context], list[report.Figure]]] = {
     "training": _training,
     "sampling": _sampling,
     "overhead": _overhead,
     "serialization": _serialization,
     "memory": _memory,
+    "retention": _retention,
 }
 
 

@@ -13,7 +13,7 @@ from tinkerrpc_server.local.stack import LocalEngine
 
 
 def _live_models(engine: LocalEngine) -> int:
-    stats = httpx.get(f"{engine.base_url}/api/v1/debug/stats", headers=engine.auth_headers(), timeout=30)
+    stats = httpx.get(f"{engine.base_url}/api/v1/debug/stats", headers=engine.auth_headers, timeout=30)
     stats.raise_for_status()
     return int(stats.json()["live_models"])
 
@@ -22,7 +22,7 @@ def test_a_finished_session_frees_its_training_clients(engine: LocalEngine) -> N
     baseline = _live_models(engine)
     service = engine.service_client()
     for _ in range(3):
-        service.create_lora_training_client(base_model="tinkerrpc/tiny-chat", rank=2)
+        service.create_lora_training_client(base_model="tinkerrpc/tiny-chat", rank=2).result()
     assert _live_models(engine) == baseline + 3
     service.close("success").result(timeout=30)
     deadline = time.monotonic() + 30
@@ -34,7 +34,7 @@ def test_a_finished_session_frees_its_training_clients(engine: LocalEngine) -> N
 @pytest.mark.parametrize("named", [False, True])
 def test_unnamed_sampler_snapshots_are_ephemeral(engine: LocalEngine, named: bool) -> None:
     with engine.service_client() as service:
-        client = service.create_lora_training_client(base_model="tinkerrpc/tiny-chat", rank=2)
+        client = service.create_lora_training_client(base_model="tinkerrpc/tiny-chat", rank=2).result()
         rest = engine.rest_client()
         for step in range(3):
             if named:
@@ -49,7 +49,7 @@ def test_unnamed_sampler_snapshots_are_ephemeral(engine: LocalEngine, named: boo
 
 def test_ttl_seconds_expire_checkpoints(engine: LocalEngine) -> None:
     with engine.service_client() as service:
-        client = service.create_lora_training_client(base_model="tinkerrpc/tiny-chat", rank=2)
+        client = service.create_lora_training_client(base_model="tinkerrpc/tiny-chat", rank=2).result()
         short = client.save_state("short-lived", ttl_seconds=1).result().path
         kept = client.save_state("kept").result().path
         listed = engine.rest_client().list_checkpoints(client.model_id).result().checkpoints

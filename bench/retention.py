@@ -1,0 +1,64 @@
+"""Figure: a long run stays flat. One model on `tinkerrpc serve` (embedded engine, default retention, a full
+state every step) trains 500 supervised steps; disk under --data-dir and the step time at the end are
+compared with those at step 50 (short mode: 120 vs 20). Ratios within one run, so the machine cancels out."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+
+import tinkerrpc
+from bench.report import Figure
+from bench.workload import Settings
+from tinkerrpc_server.local.stack import LocalStack
+
+DISK_GOAL = 1.2
+STEP_TIME_GOAL = 1.5
+# Steps whose median is the step time at a point: the last WINDOW before it.
+WINDOW = 10
+
+
+def _disk(directory: Path) -> int:
+    return sum(os.path.getsize(Path(root) / f) for root, _, files in os.walk(directory) for f in files)
+
+
+def measure(settings: Settings, work_dir: Path, model_dir: Path) -> list[Figure]:
+    early, late = (20, 120) if settings.mode == "short" else (50, 500)
+    data_dir = work_dir / "retention-data"
+    stack = LocalStack(data_dir, work_dir / "retention-serve.log", ("--model-dir", str(model_dir)), 240.0)
+    times: list[float] = []
+    with stack, tinkerrpc.Client(stack.target) as client:
+        model = client.create_model("long-run", base_model="tinkerrpc/tiny-chat", lora_rank=1)
+        example = [tinkerrpc.Message.user("respond with yes"), tinkerrpc.Message.assistant("yes")]
+        for step in range(1, late + 1):
+            started = time.perf_counter()
+            model.train_supervised([example], learning_rate=1e-3)
+            times.append(time.perf_counter() - started)
+            if step == early:
+                disk_early = _disk(data_dir)
+        disk_late = _disk(data_dir)
+    time_early = statistics.median(times[early - WINDOW : early])
+    time_late = statistics.median(times[late - WINDOW : late])
+    policy = "default retention (16 sampler versions, 4 automatic state checkpoints), LoRA rank 1"
+    return [
+        Figure(
+            name=f"retention: disk after {late} steps vs after {early}",
+            ours=disk_late / 2**20,
+            baseline=disk_early / 2**20,
+            unit="MiB",
+            goal=DISK_GOAL,
+            direction="<=",
+            detail=f"bytes under serve's --data-dir (server SQLite + engine files), {policy}",
+        ),
+        Figure(
+            name=f"retention: step time at step {late} vs step {early}",
+            ours=time_late * 1000,
+            baseline=time_early * 1000,
+            unit="ms",
+            goal=STEP_TIME_GOAL,
+            direction="<=",
+            detail=f"median Train latency of the {WINDOW} steps before each point, {policy}",
+        ),
+    ]

@@ -1,0 +1,154 @@
+"""Retention: disk and memory stay bounded on a long run. The service runs as on Tinker cloud (`serve
+--tinker-url` at this module's engine, a full state every step as on the embedded engine) so the tests
+see the engine's files and its count of live training clients (debug/stats, behind its key).
+
+Figures within one run only (ratios, never absolute times): the disk after 100 steps is within a constant
+of the disk after 25 under the default policy, and so is the step time; bench/retention.py shows 50 vs 500.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from svc import CALL_TIMEOUT, TINY, Server, assistant, create_model, sample_chat, user
+
+from tinkerrpc.v1 import trainer_service_pb2 as pb
+from tinkerrpc.v1 import types_pb2
+from tinkerrpc_server.local.stack import LocalEngine
+
+STATE = types_pb2.CHECKPOINT_KIND_STATE
+SAMPLER = types_pb2.CHECKPOINT_KIND_SAMPLER
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory, service_model_dir: Path) -> Iterator[LocalEngine]:
+    tmp = tmp_path_factory.mktemp("retention-engine")
+    with LocalEngine(tmp / "data", service_model_dir, tmp / "engine.log", startup_timeout=240) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def remote(
+    tmp_path_factory: pytest.TempPathFactory, service_model_dir: Path, engine: LocalEngine
+) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("retention-serve")
+    env = {"TINKER_API_KEY": engine.api_key, "HF_HUB_OFFLINE": "1"}
+    server = Server(
+        tmp / "data", service_model_dir, tmp / "serve.log", env,
+        "--tinker-url", engine.base_url, "--checkpoint-every", "1",
+    )  # fmt: skip
+    yield server
+    assert server.close() == 0, server.proc.log()[-3000:]
+
+
+def _train(server: Server, model: str) -> float:
+    request = pb.TrainRequest(model=model, adam=types_pb2.AdamParams(learning_rate=1e-3))
+    request.examples.add(messages=[user("respond with yes"), assistant("yes")])
+    started = time.perf_counter()
+    server.stub.Train(request, timeout=CALL_TIMEOUT)
+    return time.perf_counter() - started
+
+
+def _disk(directory: Path) -> int:
+    return sum(os.path.getsize(Path(root) / f) for root, _, files in os.walk(directory) for f in files)
+
+
+def _live_models(engine: LocalEngine) -> int:
+    stats = httpx.get(f"{engine.base_url}/api/v1/debug/stats", headers=engine.auth_headers, timeout=30)
+    stats.raise_for_status()
+    return int(stats.json()["live_models"])
+
+
+def _eventually(condition: object, seconds: float = 30) -> bool:
+    assert callable(condition)
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return bool(condition())
+
+
+def test_disk_and_step_time_stay_flat(remote: Server, engine: LocalEngine) -> None:
+    model = "long-run"
+    created = create_model(remote.stub, model, rank=1)
+    assert (created.keep_sampler_versions, created.keep_state_checkpoints) == (16, 4)
+    times = [_train(remote, model) for _ in range(25)]
+    disk_at_25 = _disk(engine.data_dir)
+    times += [_train(remote, model) for _ in range(75)]
+    disk_at_100 = _disk(engine.data_dir)
+    assert disk_at_100 <= 1.2 * disk_at_25, (disk_at_25, disk_at_100)
+    early, late = statistics.median(times[15:25]), statistics.median(times[90:100])
+    assert late <= 2.0 * early, (early, late)
+
+    info = remote.stub.GetModel(pb.GetModelRequest(name=model)).model
+    assert list(info.sampleable_versions) == list(range(85, 101))
+    states = [
+        c.name
+        for c in remote.stub.ListCheckpoints(pb.ListCheckpointsRequest(model=model)).checkpoints
+        if c.kind == STATE
+    ]
+    assert sorted(states) == [f"step_{v:06d}" for v in range(97, 101)]
+    assert info.checkpoint_bytes > 0
+    remote.stub.DeleteModel(pb.DeleteModelRequest(name=model), timeout=CALL_TIMEOUT)
+
+
+def test_per_model_policy_keeps_named_versions(remote: Server) -> None:
+    model = "short-memory"
+    remote.stub.CreateModel(
+        pb.CreateModelRequest(
+            name=model, base_model=TINY, lora=types_pb2.LoraConfig(rank=1),
+            keep_sampler_versions=2, keep_state_checkpoints=1,
+        ),
+        timeout=CALL_TIMEOUT,
+    )  # fmt: skip
+    _train(remote, model)
+    remote.stub.SaveCheckpoint(pb.SaveCheckpointRequest(model=model, name="mark"), timeout=CALL_TIMEOUT)
+    sizes = [remote.stub.GetModel(pb.GetModelRequest(name=model)).model.checkpoint_bytes]
+    for _ in range(4):
+        _train(remote, model)
+        sizes.append(remote.stub.GetModel(pb.GetModelRequest(name=model)).model.checkpoint_bytes)
+    info = remote.stub.GetModel(pb.GetModelRequest(name=model)).model
+    assert (info.keep_sampler_versions, info.keep_state_checkpoints) == (2, 1)
+    # The named checkpoint's version stays sampleable besides the latest two.
+    assert list(info.sampleable_versions) == [1, 4, 5]
+    listed = remote.stub.ListCheckpoints(pb.ListCheckpointsRequest(model=model)).checkpoints
+    assert sorted((c.name, c.kind) for c in listed) == [
+        ("mark", STATE), ("step_000005", STATE), ("v000001", SAMPLER), ("v000004", SAMPLER),
+        ("v000005", SAMPLER),
+    ]  # fmt: skip
+    assert max(sizes[2:]) <= 1.5 * min(sizes[2:]), sizes
+    with pytest.raises(grpc.RpcError) as err:
+        sample_chat(remote.stub, model, "hi", n=1, max_tokens=1, version=2)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as err:
+        remote.stub.CreateModel(
+            pb.CreateModelRequest(name="zero-keep", base_model=TINY, keep_sampler_versions=0),
+            timeout=CALL_TIMEOUT,
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    remote.stub.DeleteModel(pb.DeleteModelRequest(name=model), timeout=CALL_TIMEOUT)
+
+
+def test_restores_free_their_training_clients(remote: Server, engine: LocalEngine) -> None:
+    model = "memory"
+    baseline = _live_models(engine)
+    create_model(remote.stub, model, rank=4)
+    _train(remote, model)
+    remote.stub.SaveCheckpoint(pb.SaveCheckpointRequest(model=model, name="base"), timeout=CALL_TIMEOUT)
+    before = statistics.median(_train(remote, model) for _ in range(10))
+    for _ in range(50):
+        remote.stub.RestoreCheckpoint(
+            pb.RestoreCheckpointRequest(model=model, checkpoint="base"), timeout=CALL_TIMEOUT
+        )
+    after = statistics.median(_train(remote, model) for _ in range(10))
+    # Each unload runs after its client's queued work: the count settles within moments.
+    assert _eventually(lambda: _live_models(engine) == baseline + 1), "the model's current client only"
+    assert after <= 1.5 * before, (before, after)
+    remote.stub.DeleteModel(pb.DeleteModelRequest(name=model), timeout=CALL_TIMEOUT)
+    assert _eventually(lambda: _live_models(engine) == baseline)
