@@ -240,7 +240,10 @@ def test_health_check_on_connect() -> None:
         unchecked.close()
     finally:
         not_serving.stop()
-    with pytest.raises(tinkerrpc.UnavailableError, match="no healthy tinkerrpc server"):
+    # Nothing listening is said at once (issue 13), not after connect_timeout.
+    with pytest.raises(
+        tinkerrpc.UnavailableError, match=r"cannot connect to 127\.0\.0\.1:\d+ \(connection refused\)"
+    ):
         tinkerrpc.Client(f"127.0.0.1:{free_port()}", connect_timeout=0.5)
 
 
