@@ -33,6 +33,7 @@ from tinkerrpc._openai_client import import_openai, sidecar_connection
 from tinkerrpc._retry import RetryPolicy, call_with_retry_async
 from tinkerrpc._server_info import ServerInfo
 from tinkerrpc._types import ModelInfo
+from tinkerrpc._watch import AsyncEventStream
 from tinkerrpc.v1 import trainer_service_pb2_grpc as service_grpc
 
 if TYPE_CHECKING:
@@ -180,6 +181,14 @@ class AsyncClient:
 
         return await call_with_retry_async(self.retry, True, attempt)
 
+    def _watch(self, call: calls.WatchCall[T]) -> AsyncEventStream[T]:
+        async def start(started: calls.WatchCall[T]) -> Any:
+            await self.connect()
+            method = getattr(self.stub, started.rpc)
+            return method(started.request, timeout=started.timeout, metadata=self._metadata)
+
+        return AsyncEventStream(call, start)
+
     async def _send(self, call: calls.Call[T]) -> T:
         response = await self.call(
             getattr(self.stub, call.rpc),
@@ -266,6 +275,19 @@ def _receives(
     return method
 
 
+def _watches(
+    prepare: Callable[Concatenate[str, P], calls.WatchCall[T]],
+) -> Callable[Concatenate[AsyncModel, P], AsyncEventStream[T]]:
+    """The AsyncModel method that opens (on its first event) the stream `prepare` builds for the handle's
+    model; not a coroutine: `async for event in model.watch(...)`."""
+
+    def method(self: AsyncModel, /, *args: P.args, **kwargs: P.kwargs) -> AsyncEventStream[T]:
+        return self.client._watch(prepare(self.name, *args, **kwargs))
+
+    calls.handle_method(method, prepare, "AsyncModel")
+    return method
+
+
 class AsyncModel(calls.ModelHandle[AsyncClient]):
     """A handle on one model of an AsyncClient; every method is one awaitable RPC."""
 
@@ -301,3 +323,5 @@ class AsyncModel(calls.ModelHandle[AsyncClient]):
     restore = _sends(calls.restore)
     delete_checkpoint = _sends(calls.delete_checkpoint)
     export_weights = _receives(calls.export_weights)
+    history = _sends(calls.history)
+    watch = _watches(calls.watch)

@@ -25,7 +25,9 @@ from tinkerrpc._types import (
     CheckpointKind,
     ExportedWeights,
     MessageLike,
+    ModelEvent,
     ModelInfo,
+    RunHistory,
     Sample,
     SupervisedExample,
     Tool,
@@ -81,6 +83,17 @@ class StreamCall(Generic[T]):
     timeout: float | None  # for the whole stream; None: the client's default deadline
 
 
+@dataclass(frozen=True)
+class WatchCall(Generic[T]):
+    """A server stream of events that lasts until closed, each response read into one event as it
+    arrives; never retried (see _watch.py)."""
+
+    rpc: str
+    request: ProtoMessage
+    read: Callable[[Any], T]
+    timeout: float | None  # None: no deadline (NOT the client's default: a watch has no end of its own)
+
+
 class ModelHandle(Generic[ClientT]):
     """What the sync and async model handles share: a client and a model name. Cheap; no I/O here."""
 
@@ -93,7 +106,9 @@ class ModelHandle(Generic[ClientT]):
 
 
 def handle_method(
-    method: Callable[..., Any], prepare: Callable[..., Call[Any] | StreamCall[Any]], owner: str
+    method: Callable[..., Any],
+    prepare: Callable[..., Call[Any] | StreamCall[Any] | WatchCall[Any]],
+    owner: str,
 ) -> None:
     """Give `owner.<name>`, which sends what `prepare` builds for its model, `prepare`'s name, docstring
     and signature (the model name becomes `self`, `Call[T]` becomes `T`), so help() shows the real API."""
@@ -101,15 +116,18 @@ def handle_method(
     model_name, *options = signature.parameters.values()
     # With postponed annotations the return annotation is the source text, e.g. "Call[list[Sample]]".
     returns = str(signature.return_annotation)
-    wrapper = next((w for w in ("Call[", "StreamCall[") if returns.startswith(w)), None)
+    wrapper = next((w for w in ("Call[", "StreamCall[", "WatchCall[") if returns.startswith(w)), None)
     if wrapper is None or not returns.endswith("]"):
         raise TypeError(f"{prepare.__name__} must be annotated as returning Call[...], not {returns!r}")
+    returned = returns.removeprefix(wrapper).removesuffix("]")
+    if wrapper == "WatchCall[":
+        returned = f"{'AsyncEventStream' if owner.startswith('Async') else 'EventStream'}[{returned}]"
     method.__name__ = prepare.__name__
     method.__qualname__ = f"{owner}.{prepare.__name__}"
     method.__doc__ = prepare.__doc__
     method.__signature__ = signature.replace(  # type: ignore[attr-defined]
         parameters=[model_name.replace(name="self", annotation=inspect.Parameter.empty), *options],
-        return_annotation=returns.removeprefix(wrapper).removesuffix("]"),
+        return_annotation=returned,
     )
 
 
@@ -433,6 +451,52 @@ def export_weights(
         model=model, policy_version=policy_version, expected_policy_version=expected_policy_version
     )
     return StreamCall("ExportWeights", request, lambda: WeightsWriter(target, progress), timeout=timeout)
+
+
+def history(
+    model: str,
+    *,
+    from_version: int | None = None,
+    to_version: int | None = None,
+    page_size: int = 0,
+    page_token: str | None = None,
+    timeout: float | None = None,
+) -> Call[RunHistory]:
+    """One page of the model's run: a RunStep (metrics, commit time, checkpoints) per policy version from
+    `from_version` to `to_version` (inclusive; None: from the start, up to the current one), ascending.
+    `page_size` steps at most (0: the server's 100, at most 1000); pass the returned `next_page_token`
+    as `page_token`, with the same other arguments, for the next page."""
+    for label, value in (("from_version", from_version), ("to_version", to_version)):
+        if value is not None and value < 0:
+            raise ValueError(f"{label} must be >= 0, got {value}")
+    if from_version is not None and to_version is not None and to_version < from_version:
+        raise ValueError(f"to_version ({to_version}) must be >= from_version ({from_version})")
+    if not 0 <= page_size <= 1000:
+        raise ValueError(f"page_size must be in [0, 1000], got {page_size}")
+    request = service_pb.GetRunHistoryRequest(
+        model=model,
+        from_version=from_version,
+        to_version=to_version,
+        page_size=page_size,
+        page_token=page_token or "",
+    )
+    return Call(
+        "GetRunHistory", request, convert.run_history_from_proto, safe_to_repeat=True, timeout=timeout
+    )
+
+
+def watch(
+    model: str, *, from_version: int | None = None, timeout: float | None = None
+) -> WatchCall[ModelEvent]:
+    """The model's events as they happen: new versions with their metrics, checkpoints saved and deleted,
+    restores. With `from_version`, the history's versions from it on come first (`replayed=True`), then
+    live events, none missed or repeated; to resume after losing the stream, watch again with
+    from_version = the last version seen + 1. It lasts until closed, or `timeout` seconds (None: no
+    deadline); NotFoundError when the model is deleted."""
+    if from_version is not None and from_version < 0:
+        raise ValueError(f"from_version must be >= 0, got {from_version}")
+    request = service_pb.WatchModelRequest(model=model, from_version=from_version)
+    return WatchCall("WatchModel", request, convert.model_event_from_proto, timeout=timeout)
 
 
 def _adam(

@@ -32,6 +32,7 @@ from tinkerrpc._openai_client import import_openai, sidecar_connection
 from tinkerrpc._retry import RetryPolicy, call_with_retry
 from tinkerrpc._server_info import ServerInfo
 from tinkerrpc._types import ModelInfo
+from tinkerrpc._watch import EventStream
 from tinkerrpc.v1 import trainer_service_pb2_grpc as service_grpc
 
 if TYPE_CHECKING:
@@ -174,6 +175,10 @@ class Client:
 
         return call_with_retry(self.retry, True, attempt)
 
+    def _watch(self, call: calls.WatchCall[T]) -> EventStream[T]:
+        method = getattr(self.stub, call.rpc)
+        return EventStream(call, lambda c: method(c.request, timeout=c.timeout, metadata=self._metadata))
+
     def _send(self, call: calls.Call[T]) -> T:
         response = self.call(
             getattr(self.stub, call.rpc),
@@ -258,6 +263,18 @@ def _receives(
     return method
 
 
+def _watches(
+    prepare: Callable[Concatenate[str, P], calls.WatchCall[T]],
+) -> Callable[Concatenate[Model, P], EventStream[T]]:
+    """The Model method that opens the event stream `prepare` builds for the handle's model."""
+
+    def method(self: Model, /, *args: P.args, **kwargs: P.kwargs) -> EventStream[T]:
+        return self.client._watch(prepare(self.name, *args, **kwargs))
+
+    calls.handle_method(method, prepare, "Model")
+    return method
+
+
 class Model(calls.ModelHandle[Client]):
     """A handle on one model of a Client. Cheap to create; every method is one RPC."""
 
@@ -295,3 +312,5 @@ class Model(calls.ModelHandle[Client]):
     restore = _sends(calls.restore)
     delete_checkpoint = _sends(calls.delete_checkpoint)
     export_weights = _receives(calls.export_weights)
+    history = _sends(calls.history)
+    watch = _watches(calls.watch)

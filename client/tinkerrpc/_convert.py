@@ -11,8 +11,12 @@ from tinkerrpc._types import (
     CheckpointInfo,
     CheckpointKind,
     Message,
+    ModelEvent,
+    ModelEventKind,
     ModelInfo,
     Role,
+    RunHistory,
+    RunStep,
     Sample,
     SampledTurn,
     StopReason,
@@ -79,6 +83,15 @@ def train_on_to_proto(train_on: TrainOn) -> pb.TrainOn.ValueType:
     if train_on not in _TRAIN_ON_TO_PB:
         raise ValueError(f"train_on must be one of {tuple(_TRAIN_ON_TO_PB)}, got {train_on!r}")
     return _TRAIN_ON_TO_PB[train_on]
+
+
+# WatchModelResponse's `event` oneof -> ModelEvent.kind.
+EVENT_KINDS: dict[str, ModelEventKind] = {
+    "version": "version",
+    "checkpoint_saved": "checkpoint_saved",
+    "checkpoint_deleted": "checkpoint_deleted",
+    "restored": "restored",
+}
 
 
 def _time_to_proto(value: datetime | None) -> timestamp_pb2.Timestamp | None:
@@ -288,6 +301,8 @@ def metrics_to_proto(metrics: TrainMetrics) -> pb.TrainMetrics:
         step_seconds=metrics.step_seconds,
         tokens_per_second=metrics.tokens_per_second,
         extra=metrics.extra,
+        std_reward=metrics.std_reward,
+        learning_rate=metrics.learning_rate,
     )
 
 
@@ -305,6 +320,42 @@ def metrics_from_proto(msg: pb.TrainMetrics) -> TrainMetrics:
         step_seconds=msg.step_seconds,
         tokens_per_second=msg.tokens_per_second,
         extra=dict(msg.extra),
+        std_reward=msg.std_reward,
+        learning_rate=msg.learning_rate,
+    )
+
+
+def run_step_from_proto(msg: pb.RunStep) -> RunStep:
+    return RunStep(
+        policy_version=msg.policy_version,
+        metrics=metrics_from_proto(msg.metrics),
+        commit_time=_time_from_proto(msg.commit_time, msg.HasField("commit_time")),
+        checkpoints=tuple(checkpoint_from_proto(c) for c in msg.checkpoints),
+    )
+
+
+def run_history_from_proto(msg: service_pb.GetRunHistoryResponse) -> RunHistory:
+    return RunHistory(
+        steps=tuple(run_step_from_proto(s) for s in msg.steps), next_page_token=msg.next_page_token or None
+    )
+
+
+def model_event_from_proto(msg: service_pb.WatchModelResponse) -> ModelEvent:
+    kind = msg.WhichOneof("event")
+    if kind is None or kind not in EVENT_KINDS:
+        raise ValueError(f"WatchModel sent an event this SDK does not know ({kind!r}): upgrade tinkerrpc")
+    checkpoint = {
+        "checkpoint_saved": msg.checkpoint_saved,
+        "checkpoint_deleted": msg.checkpoint_deleted,
+        "restored": msg.restored.checkpoint,
+    }.get(kind)
+    return ModelEvent(
+        kind=EVENT_KINDS[kind],
+        policy_version=msg.policy_version,
+        time=_time_from_proto(msg.event_time, msg.HasField("event_time")),
+        step=run_step_from_proto(msg.version) if kind == "version" else None,
+        checkpoint=checkpoint_from_proto(checkpoint) if checkpoint is not None else None,
+        replayed=msg.replayed,
     )
 
 

@@ -403,6 +403,8 @@ class TrainMetrics:
     step_seconds: float = 0.0
     tokens_per_second: float = 0.0
     extra: Mapping[str, float] = field(default_factory=dict)
+    std_reward: float = 0.0
+    learning_rate: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -413,6 +415,42 @@ class TrainResult:
     metrics: TrainMetrics
     sampler_checkpoint: CheckpointInfo | None = None
     state_checkpoint: CheckpointInfo | None = None
+    replayed: bool = False
+
+
+@dataclass(frozen=True)
+class RunStep:
+    """One policy version of a model's run: the Train step that made it."""
+
+    policy_version: int
+    metrics: TrainMetrics
+    commit_time: datetime | None = None
+    # The checkpoints of this version that still exist.
+    checkpoints: tuple[CheckpointInfo, ...] = ()
+
+
+@dataclass(frozen=True)
+class RunHistory:
+    """One page of a model's run; pass `next_page_token` to `history()` for the next (None: the last)."""
+
+    steps: tuple[RunStep, ...]
+    next_page_token: str | None = None
+
+
+ModelEventKind = Literal["version", "checkpoint_saved", "checkpoint_deleted", "restored"]
+
+
+@dataclass(frozen=True)
+class ModelEvent:
+    """One event of `watch()`: a new version (`step`), a checkpoint saved or deleted, or a restore
+    (`checkpoint` is the state checkpoint restored); `policy_version` is the model's after it."""
+
+    kind: ModelEventKind
+    policy_version: int
+    time: datetime | None = None
+    step: RunStep | None = None
+    checkpoint: CheckpointInfo | None = None
+    # True for versions replayed from the history, False for live events.
     replayed: bool = False
 
 

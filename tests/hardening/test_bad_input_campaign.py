@@ -301,6 +301,11 @@ def grpc_rows(s: Setup) -> list[GrpcRow]:
         GrpcRow("Train", _bad_utf8(_sft([user("pick one"), assistant("a")]), "pick"), Code.INVALID_ARGUMENT, "request: not a valid"),
         GrpcRow("ExportWeights", _bad_utf8(pb.ExportWeightsRequest(model=MODEL), MODEL), Code.INVALID_ARGUMENT, "request: not a valid"),
         GrpcRow("ListCheckpoints", pb.ListCheckpointsRequest(model=MODEL).SerializeToString()[:-3], Code.INVALID_ARGUMENT, "request: not a valid"),
+        # vLLM's extras and forced tool calls on Sample (issue 13)
+        GrpcRow("Sample", _sample(_params(min_tokens=-1), text="x"), Code.INVALID_ARGUMENT, "params.min_tokens: must be >= 0"),
+        GrpcRow("Sample", _sample(_params(min_tokens=3), text="x"), Code.INVALID_ARGUMENT, "params.min_tokens: 3 is over max_tokens (2)"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], forced_tool_call=pb.ForcedToolCall())), Code.INVALID_ARGUMENT, "chat.forced_tool_call: forcing a tool call needs chat.tools"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool("{}")], forced_tool_call=pb.ForcedToolCall(function_name="g"))), Code.INVALID_ARGUMENT, "chat.forced_tool_call.function_name: 'g' is not the name of one of chat.tools"),
     ]  # fmt: skip
 
 
@@ -346,11 +351,19 @@ def http_rows() -> list[HttpRow]:
         HttpRow("tool_choice required", CHAT, {"model": MODEL, "messages": HI, "tool_choice": "required"}, 400, "tool_choice"),
         HttpRow("stop empty", CHAT, {"model": MODEL, "messages": HI, "stop": [""]}, 400, "stop"),
         HttpRow("completions: no prompt", COMPLETIONS, {"model": MODEL}, 400, "prompt"),
-        HttpRow("completions: echo", COMPLETIONS, {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
+        HttpRow("completions: echo with logprobs", COMPLETIONS, {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
         HttpRow("completions: logprobs 99", COMPLETIONS, {"model": MODEL, "prompt": "x", "logprobs": 99}, 400, "logprobs"),
         HttpRow("completions: foreign token", COMPLETIONS, {"model": MODEL, "prompt": [1, BIG_TOKEN]}, 400, "vocabulary"),
         HttpRow("completions: unknown model", COMPLETIONS, {"model": "ghost", "prompt": "x"}, 404, "ghost"),
         HttpRow("unknown model card", "/v1/models/ghost", None, 404, "ghost", method="GET"),
+        # vLLM's extras and forced tool calls (issue 13)
+        HttpRow("chat_template_kwargs: unknown key", CHAT, {"model": MODEL, "messages": HI, "chat_template_kwargs": {"add_vision_id": True}}, 400, "chat_template_kwargs key 'add_vision_id' is not supported"),
+        HttpRow("chat_template_kwargs: enable_thinking not a bool", CHAT, {"model": MODEL, "messages": HI, "chat_template_kwargs": {"enable_thinking": "no"}}, 400, "[param chat_template_kwargs.enable_thinking]"),
+        HttpRow("tool_choice: unknown function", CHAT, {"model": MODEL, "messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "names function 'g', which is not one of the tools"),
+        HttpRow("tool_choice: unknown form", CHAT, {"model": MODEL, "messages": HI, "tool_choice": "always"}, 400, "tool_choice must be"),
+        HttpRow("response_format json", CHAT, {"model": MODEL, "messages": HI, "response_format": {"type": "json_object"}}, 400, "no constrained decoding"),
+        HttpRow("min_tokens over max_tokens", CHAT, {"model": MODEL, "messages": HI, "max_tokens": 2, "min_tokens": 3}, 400, "[param min_tokens]"),
+        HttpRow("min_tokens negative", COMPLETIONS, {"model": MODEL, "prompt": "x", "min_tokens": -1}, 400, "[param min_tokens]"),
     ]  # fmt: skip
 
 

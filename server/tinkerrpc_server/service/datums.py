@@ -29,6 +29,7 @@ class Batch:
     zero_variance_groups: int = 0
     staleness_histogram: dict[int, int] = field(default_factory=dict)
     mean_reward: float = 0.0
+    std_reward: float = 0.0
     env_metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -85,6 +86,7 @@ def rl_batch(request: trainer_service_pb2.TrainRequest, current_version: int, co
     batch = Batch()
     rewards = [t.reward for g in request.groups for t in g.trajectories]
     batch.mean_reward = sum(rewards) / len(rewards)
+    batch.std_reward = math.sqrt(sum((r - batch.mean_reward) ** 2 for r in rewards) / len(rewards))
     metric_sums: defaultdict[str, float] = defaultdict(float)
     metric_counts: Counter[str] = Counter()
     for group in request.groups:
