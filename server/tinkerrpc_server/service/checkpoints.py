@@ -17,6 +17,7 @@ from tinkerrpc_server.service.models import (
     sampler_name,
     state_name,
 )
+from tinkerrpc_server.service.retention import unload_training_client
 from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE, CheckpointRow, Store
 from tinkerrpc_server.service.validation import check_checkpoint_kind, check_checkpoint_name
 
@@ -55,7 +56,6 @@ class Checkpoints:
             with self._store.transaction() as tx:
                 self._store.put_checkpoint(tx, checkpoint)
                 self._store.set_version(tx, row.name, row.policy_version, (row.policy_version, path))
-            self._models.events.checkpoint_saved(checkpoint_info(checkpoint), row.policy_version)
             return checkpoint_info(checkpoint)
 
     def infos(self, model: str) -> list[types_pb2.CheckpointInfo]:
@@ -98,9 +98,10 @@ class Checkpoints:
                 )
                 self._store.set_version(tx, request.model, version, (version, checkpoint.tinker_path))
                 self._store.set_run_id(request.model, str(client.model_id), tx)
-            self._models.events.restored(checkpoint_info(checkpoint))
-            runtime.training_client = client
+            dropped, runtime.training_client = runtime.training_client, client
             runtime.dirty = False
+        if dropped is not None:
+            await unload_training_client(dropped)
         await self._models.delete_tinker_paths([*stale_paths, *([old_sampler] if old_sampler else [])])
         log.info("model %s restored to %s (version %d)", request.model, request.checkpoint, version)
         return self._models.info(self._models.row(request.model))
@@ -134,5 +135,4 @@ class Checkpoints:
                 )
             # Row first: a crash in between leaves an unreferenced file, never a dangling row.
             self._store.delete_checkpoint(request.model, kind, request.checkpoint)
-            self._models.events.checkpoint_deleted(checkpoint_info(checkpoint), row.policy_version)
         await self._models.delete_tinker_paths([checkpoint.tinker_path])

@@ -23,6 +23,10 @@ class Limits:
     max_sample_tokens: int = 16_384
     # Seconds a call without a gRPC deadline may wait on the backend (see service/deadlines.py).
     backend_timeout: int = 3600
+    # Retention per model, unless its CreateModel asked otherwise (see service/retention.py): the latest
+    # versions kept sampleable, and the latest automatic state checkpoints kept.
+    keep_sampler_versions: int = 16
+    keep_state_checkpoints: int = 4
 
 
 # (flag, attribute, help) for each limit: the flag names appear in the error messages.
@@ -32,6 +36,8 @@ LIMIT_FLAGS = (
     ("--max-sample-n", "max_sample_n", "completions per Sample (n)"),
     ("--max-sample-tokens", "max_sample_tokens", "max_tokens per Sample"),
     ("--backend-timeout", "backend_timeout", "seconds a call without a deadline waits on the backend"),
+    ("--keep-sampler-versions", "keep_sampler_versions", "latest versions kept sampleable per model"),
+    ("--keep-state-checkpoints", "keep_state_checkpoints", "latest automatic state checkpoints per model"),
 )
 
 

@@ -19,7 +19,7 @@ from tinkerrpc_server import model_store
 from tinkerrpc_server.service import errors
 from tinkerrpc_server.service.backend import Backend
 from tinkerrpc_server.service.deadlines import bounded
-from tinkerrpc_server.service.events import ModelEvents
+from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.rendering import (
     ChatCodec,
     ChatCodecs,
@@ -27,6 +27,7 @@ from tinkerrpc_server.service.rendering import (
     default_renderer_name,
     off_loop,
 )
+from tinkerrpc_server.service.retention import Retention, unload_training_client
 from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE, CheckpointRow, ModelRow, Store
 
 log = logging.getLogger("tinkerrpc.service")
@@ -94,14 +95,13 @@ class ModelRuntime:
 
 
 class ModelRegistry:
-    def __init__(self, store: Store, backend: Backend, codecs: ChatCodecs) -> None:
+    def __init__(self, store: Store, backend: Backend, codecs: ChatCodecs, limits: Limits) -> None:
         self._store = store
         self._backend = backend
         self._codecs = codecs
+        self.retention = Retention(store, backend, limits)
         self._runtimes: dict[str, ModelRuntime] = {row.name: ModelRuntime() for row in store.list_models()}
         self._sampling_clients: dict[str, asyncio.Task[tinker.SamplingClient]] = {}
-        # What WatchModel streams: the rooms that change a model publish to it after their commit.
-        self.events = ModelEvents()
 
     def row(self, name: str) -> ModelRow:
         row = self._store.get_model(name)
@@ -119,6 +119,7 @@ class ModelRegistry:
         return await off_loop(lambda: self._codecs.get(row.base_model, row.renderer))
 
     def info(self, row: ModelRow) -> types_pb2.ModelInfo:
+        keep_samplers, keep_states = self.retention.policy(row)
         return types_pb2.ModelInfo(
             name=row.name,
             base_model=row.base_model,
@@ -136,6 +137,9 @@ class ModelRegistry:
             tinker_run_id=row.tinker_run_id,
             vocab_size=row.vocab_size,
             max_context_length=row.max_context_length,
+            keep_sampler_versions=keep_samplers,
+            keep_state_checkpoints=keep_states,
+            checkpoint_bytes=self._store.checkpoint_bytes(row.name),
         )
 
     def infos(self) -> list[types_pb2.ModelInfo]:
@@ -178,8 +182,10 @@ class ModelRegistry:
                 row.policy_version,
                 row.recovery_version,
             )
-        runtime.training_client = None
+        dropped, runtime.training_client = runtime.training_client, None
         runtime.dirty = False
+        if dropped is not None:
+            await unload_training_client(dropped)
         await self.delete_tinker_paths(stale_paths)
 
     async def training_client(self, name: str, runtime: ModelRuntime) -> tinker.TrainingClient:
@@ -197,9 +203,18 @@ class ModelRegistry:
         return runtime.training_client
 
     async def recover(self) -> None:
-        """At start-up: every model goes to its recovery point (a no-op when each step saved state)."""
+        """At start-up: every model goes to its recovery point (a no-op when each step saved state), and
+        the checkpoint files no row references (steps that never committed) are deleted."""
         for name, runtime in self._runtimes.items():
             await self.roll_back(name, runtime)
+        known = {
+            c.tinker_path for row in self._store.list_models() for c in self._store.list_checkpoints(row.name)
+        }
+        for row in self._store.list_models():
+            orphans = await self.retention.orphans(row, known)
+            if orphans:
+                log.info("model %s: deleting %d checkpoints of uncommitted steps", row.name, len(orphans))
+                await self.delete_tinker_paths(orphans)
 
     def drop_sampling_clients(self) -> None:
         """The engine died: its sampling clients (and those being made) are useless."""
@@ -316,6 +331,12 @@ class ModelRegistry:
             policy_version=0,
             recovery_version=0,
             recovery_path=state_path,
+            keep_sampler_versions=(
+                request.keep_sampler_versions if request.HasField("keep_sampler_versions") else None
+            ),
+            keep_state_checkpoints=(
+                request.keep_state_checkpoints if request.HasField("keep_state_checkpoints") else None
+            ),
             **flags,
         )
         with self._store.transaction() as tx:
@@ -337,5 +358,7 @@ class ModelRegistry:
             paths = [row.tinker_path for row in self._store.list_checkpoints(name)]
             self._store.delete_model(name)
             self._runtimes.pop(name, None)
+        if runtime.training_client is not None:
+            await unload_training_client(runtime.training_client)
         await self.delete_tinker_paths(paths)
         log.info("deleted model %s", name)

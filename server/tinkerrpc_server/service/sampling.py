@@ -26,7 +26,7 @@ from tinkerrpc_server.service.rendering import (
     thinking_variant,
     to_proto_message,
 )
-from tinkerrpc_server.service.store import Store
+from tinkerrpc_server.service.store import ModelRow, Store
 from tinkerrpc_server.service.validation import check_prompt, check_prompt_tokens, check_sampling_params
 
 # A model that keeps drawing stop tokens before min_tokens is not sampled forever.
@@ -274,6 +274,11 @@ class Sampler:
     async def sample(self, request: pb.SampleRequest) -> pb.SampleResponse:
         row = self._models.row(request.model)
         version = request.policy_version if request.HasField("policy_version") else row.policy_version
+        # Pinned: retention keeps this version's sampler weights until the call ends.
+        with self._models.retention.pinned(row.name, version):
+            return await self._sample(request, row, version)
+
+    async def _sample(self, request: pb.SampleRequest, row: ModelRow, version: int) -> pb.SampleResponse:
         path = self._store.sampler_path(row.name, version)
         if path is None:
             raise errors.not_found(

@@ -31,7 +31,6 @@ from tinkerrpc_server.service.backend import Backend
 from tinkerrpc_server.service.calls import EngineSupervisor, rpc
 from tinkerrpc_server.service.checkpoints import Checkpoints
 from tinkerrpc_server.service.exporting import Export, Exporter
-from tinkerrpc_server.service.history import History, Watch
 from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.models import ModelRegistry
 from tinkerrpc_server.service.rendering import ChatCodecs
@@ -69,13 +68,12 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
         hosting: Hosting,
     ) -> None:
         self._server_info = _server_info(backend, limits, hosting)
-        self._models = ModelRegistry(store, backend, codecs)
+        self._models = ModelRegistry(store, backend, codecs, limits)
         self._supervisor = EngineSupervisor(backend, self._models, limits.backend_timeout)
         self._trainer = Trainer(store, self._models, checkpoint_every, limits, step_hooks)
         self._checkpoints = Checkpoints(store, backend, self._models)
         self._sampler = Sampler(store, self._models, limits)
         self._exporter = Exporter(store, backend, self._models)
-        self._history = History(store, self._models)
 
     @property
     def supervisor(self) -> EngineSupervisor:
@@ -210,34 +208,6 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
     ) -> Export:
         """ExportWeights' preparation, under `rpc`: the files are local before the stream starts."""
         return await self._exporter.fetch(request)
-
-    # ---- run history
-
-    @rpc
-    async def GetRunHistory(
-        self,
-        request: pb.GetRunHistoryRequest,
-        context: grpc.aio.ServicerContext[pb.GetRunHistoryRequest, pb.GetRunHistoryResponse],
-    ) -> pb.GetRunHistoryResponse:
-        return self._history.page(request)
-
-    async def WatchModel(
-        self,
-        request: pb.WatchModelRequest,
-        context: grpc.aio.ServicerContext[pb.WatchModelRequest, pb.WatchModelResponse],
-    ) -> AsyncIterator[pb.WatchModelResponse]:
-        watch = await self._start_watch(request, context)
-        async for response in watch.responses(context):
-            yield response
-
-    @rpc
-    async def _start_watch(
-        self,
-        request: pb.WatchModelRequest,
-        context: grpc.aio.ServicerContext[pb.WatchModelRequest, pb.WatchModelResponse],
-    ) -> Watch:
-        """WatchModel's start, under `rpc`: checks, the subscription and the replay's read."""
-        return self._history.watch(request)
 
 
 def _server_info(backend: Backend, limits: Limits, hosting: Hosting) -> pb.GetServerInfoResponse:

@@ -35,7 +35,10 @@ CREATE TABLE IF NOT EXISTS models (
     -- The full-state checkpoint training resumes from (restart, cancelled step): its version is
     -- the recovery point; versions after it are rolled back on restart.
     recovery_version INTEGER NOT NULL,
-    recovery_path TEXT NOT NULL
+    recovery_path TEXT NOT NULL,
+    -- Retention asked for at CreateModel; NULL: the server's --keep-* flag.
+    keep_sampler_versions INTEGER,
+    keep_state_checkpoints INTEGER
 );
 CREATE TABLE IF NOT EXISTS checkpoints (
     model TEXT NOT NULL REFERENCES models(name) ON DELETE CASCADE,
@@ -45,6 +48,8 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     tinker_path TEXT NOT NULL,
     create_time REAL NOT NULL,
     automatic INTEGER NOT NULL,
+    -- As the backend reported it after the save; NULL until then (or if it never does).
+    size_bytes INTEGER,
     PRIMARY KEY (model, kind, name)
 );
 CREATE TABLE IF NOT EXISTS idempotency (
@@ -63,6 +68,13 @@ CREATE TABLE IF NOT EXISTS step_metrics (
     PRIMARY KEY (model, policy_version)
 );
 """
+
+# Columns added after the first release: (table, column, type), added to older databases at open.
+_ADDED_COLUMNS = (
+    ("models", "keep_sampler_versions", "INTEGER"),
+    ("models", "keep_state_checkpoints", "INTEGER"),
+    ("checkpoints", "size_bytes", "INTEGER"),
+)
 
 # Values of the `kind` column, equal to tinkerrpc.v1.CheckpointKind numbers.
 KIND_STATE = 1
@@ -86,6 +98,8 @@ class ModelRow:
     policy_version: int
     recovery_version: int
     recovery_path: str
+    keep_sampler_versions: int | None = None
+    keep_state_checkpoints: int | None = None
 
 
 @dataclass(frozen=True)
@@ -97,13 +111,7 @@ class CheckpointRow:
     tinker_path: str
     create_time: float
     automatic: bool
-
-
-@dataclass(frozen=True)
-class MetricsRow:
-    policy_version: int
-    metrics: bytes  # a serialized tinkerrpc.v1.TrainMetrics
-    create_time: float
+    size_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +133,10 @@ class Store:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(SCHEMA)
+        for table, column, column_type in _ADDED_COLUMNS:
+            present = {str(r[1]) for r in self._db.execute(f"PRAGMA table_info({table})")}
+            if column not in present:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {column_type}")
 
     def close(self) -> None:
         self._db.close()
@@ -145,7 +157,7 @@ class Store:
         tx.execute(
             "INSERT INTO models VALUES (:name, :base_model, :lora_rank, :train_mlp, :train_attn, :train_unembed,"
             " :renderer, :seed, :vocab_size, :max_context_length, :create_time, :tinker_run_id, :policy_version,"
-            " :recovery_version, :recovery_path)",
+            " :recovery_version, :recovery_path, :keep_sampler_versions, :keep_state_checkpoints)",
             row.__dict__,
         )
 
@@ -176,7 +188,9 @@ class Store:
 
     def put_checkpoint(self, tx: sqlite3.Connection, row: CheckpointRow) -> None:
         """Insert, replacing an automatic checkpoint of the same name left by an abandoned timeline."""
-        tx.execute("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?)", _checkpoint_values(row))
+        tx.execute(
+            "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?)", _checkpoint_values(row)
+        )
 
     def get_checkpoint(self, model: str, kind: int, name: str) -> CheckpointRow | None:
         row = self._db.execute(
@@ -209,6 +223,72 @@ class Store:
             tx.execute(
                 "DELETE FROM checkpoints WHERE model = ? AND kind = ? AND name = ?", (model, kind, name)
             )
+
+    def prune(
+        self,
+        tx: sqlite3.Connection,
+        model: str,
+        keep_sampler_versions: int,
+        keep_state_checkpoints: int,
+        pinned_versions: set[int],
+    ) -> list[str]:
+        """Forget the checkpoints the retention policy no longer keeps; returns their paths to delete.
+        Kept: sampler checkpoints of the latest `keep_sampler_versions` versions, of versions a named
+        state checkpoint holds and of `pinned_versions`; the latest `keep_state_checkpoints` automatic
+        state checkpoints, every named one and the recovery point."""
+        samplers = tx.execute(
+            "SELECT name, policy_version, tinker_path FROM checkpoints WHERE model = ? AND kind = ?"
+            " ORDER BY policy_version DESC",
+            (model, KIND_SAMPLER),
+        ).fetchall()
+        held = pinned_versions | {
+            int(r[0])
+            for r in tx.execute(
+                "SELECT policy_version FROM checkpoints WHERE model = ? AND kind = ? AND automatic = 0",
+                (model, KIND_STATE),
+            )
+        }
+        doomed = [
+            (KIND_SAMPLER, str(r[0]), str(r[2]))
+            for r in samplers[keep_sampler_versions:]
+            if int(r[1]) not in held
+        ]
+        recovery_path = tx.execute("SELECT recovery_path FROM models WHERE name = ?", (model,)).fetchone()
+        states = tx.execute(
+            "SELECT name, tinker_path FROM checkpoints WHERE model = ? AND kind = ? AND automatic = 1"
+            " ORDER BY create_time DESC, policy_version DESC",
+            (model, KIND_STATE),
+        ).fetchall()
+        doomed += [
+            (KIND_STATE, str(r[0]), str(r[1]))
+            for r in states[keep_state_checkpoints:]
+            if recovery_path is None or str(r[1]) != str(recovery_path[0])
+        ]
+        tx.executemany(
+            "DELETE FROM checkpoints WHERE model = ? AND kind = ? AND name = ?",
+            [(model, kind, name) for kind, name, _ in doomed],
+        )
+        return [path for _, _, path in doomed]
+
+    def set_sizes(self, model: str, sizes: dict[str, int]) -> None:
+        """Record the sizes the backend reported for the model's checkpoints, by tinker path."""
+        with self.transaction() as tx:
+            tx.executemany(
+                "UPDATE checkpoints SET size_bytes = ? WHERE model = ? AND tinker_path = ?",
+                [(size, model, path) for path, size in sizes.items()],
+            )
+
+    def unsized_paths(self, model: str) -> list[str]:
+        rows = self._db.execute(
+            "SELECT tinker_path FROM checkpoints WHERE model = ? AND size_bytes IS NULL", (model,)
+        )
+        return [str(r[0]) for r in rows]
+
+    def checkpoint_bytes(self, model: str) -> int:
+        row = self._db.execute(
+            "SELECT COALESCE(SUM(size_bytes), 0) FROM checkpoints WHERE model = ?", (model,)
+        ).fetchone()
+        return int(row[0])
 
     def roll_back(self, tx: sqlite3.Connection, model: str, version: int) -> list[str]:
         """Forget what versions after `version` recorded; returns their sampler paths to delete."""
@@ -249,15 +329,6 @@ class Store:
             "INSERT OR REPLACE INTO step_metrics VALUES (?, ?, ?, ?)", (model, version, metrics, time.time())
         )
 
-    def metrics_rows(self, model: str, first: int, last: int | None, limit: int) -> list[MetricsRow]:
-        """Up to `limit` steps' metrics from version `first` to `last` (None: the newest), ascending."""
-        rows = self._db.execute(
-            "SELECT policy_version, metrics, create_time FROM step_metrics WHERE model = ?"
-            " AND policy_version >= ? AND policy_version <= ? ORDER BY policy_version LIMIT ?",
-            (model, first, last if last is not None else 2**63 - 1, limit),
-        )
-        return [MetricsRow(int(r[0]), bytes(r[1]), float(r[2])) for r in rows]
-
 
 def _model_row(row: sqlite3.Row) -> ModelRow:
     values = dict(row)
@@ -281,4 +352,5 @@ def _checkpoint_values(row: CheckpointRow) -> tuple[object, ...]:
         row.tinker_path,
         row.create_time,
         int(row.automatic),
+        row.size_bytes,
     )
