@@ -56,6 +56,7 @@ class Checkpoints:
             with self._store.transaction() as tx:
                 self._store.put_checkpoint(tx, checkpoint)
                 self._store.set_version(tx, row.name, row.policy_version, (row.policy_version, path))
+            self._models.events.checkpoint_saved(checkpoint_info(checkpoint), row.policy_version)
             return checkpoint_info(checkpoint)
 
     def infos(self, model: str) -> list[types_pb2.CheckpointInfo]:
@@ -98,6 +99,7 @@ class Checkpoints:
                 )
                 self._store.set_version(tx, request.model, version, (version, checkpoint.tinker_path))
                 self._store.set_run_id(request.model, str(client.model_id), tx)
+            self._models.events.restored(checkpoint_info(checkpoint))
             dropped, runtime.training_client = runtime.training_client, client
             runtime.dirty = False
         if dropped is not None:
@@ -135,4 +137,5 @@ class Checkpoints:
                 )
             # Row first: a crash in between leaves an unreferenced file, never a dangling row.
             self._store.delete_checkpoint(request.model, kind, request.checkpoint)
+            self._models.events.checkpoint_deleted(checkpoint_info(checkpoint), row.policy_version)
         await self._models.delete_tinker_paths([checkpoint.tinker_path])

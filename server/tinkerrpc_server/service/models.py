@@ -19,6 +19,7 @@ from tinkerrpc_server import model_store
 from tinkerrpc_server.service import errors
 from tinkerrpc_server.service.backend import Backend
 from tinkerrpc_server.service.deadlines import bounded
+from tinkerrpc_server.service.events import ModelEvents
 from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.rendering import (
     ChatCodec,
@@ -102,6 +103,8 @@ class ModelRegistry:
         self.retention = Retention(store, backend, limits)
         self._runtimes: dict[str, ModelRuntime] = {row.name: ModelRuntime() for row in store.list_models()}
         self._sampling_clients: dict[str, asyncio.Task[tinker.SamplingClient]] = {}
+        # What WatchModel streams: the rooms that change a model publish to it after their commit.
+        self.events = ModelEvents()
 
     def row(self, name: str) -> ModelRow:
         row = self._store.get_model(name)

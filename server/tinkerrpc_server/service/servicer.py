@@ -31,6 +31,7 @@ from tinkerrpc_server.service.backend import Backend
 from tinkerrpc_server.service.calls import EngineSupervisor, rpc
 from tinkerrpc_server.service.checkpoints import Checkpoints
 from tinkerrpc_server.service.exporting import Export, Exporter
+from tinkerrpc_server.service.history import History, Watch
 from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.models import ModelRegistry
 from tinkerrpc_server.service.rendering import ChatCodecs
@@ -74,6 +75,7 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
         self._checkpoints = Checkpoints(store, backend, self._models)
         self._sampler = Sampler(store, self._models, limits)
         self._exporter = Exporter(store, backend, self._models)
+        self._history = History(store, self._models)
 
     @property
     def supervisor(self) -> EngineSupervisor:
@@ -208,6 +210,34 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
     ) -> Export:
         """ExportWeights' preparation, under `rpc`: the files are local before the stream starts."""
         return await self._exporter.fetch(request)
+
+    # ---- run history
+
+    @rpc
+    async def GetRunHistory(
+        self,
+        request: pb.GetRunHistoryRequest,
+        context: grpc.aio.ServicerContext[pb.GetRunHistoryRequest, pb.GetRunHistoryResponse],
+    ) -> pb.GetRunHistoryResponse:
+        return self._history.page(request)
+
+    async def WatchModel(
+        self,
+        request: pb.WatchModelRequest,
+        context: grpc.aio.ServicerContext[pb.WatchModelRequest, pb.WatchModelResponse],
+    ) -> AsyncIterator[pb.WatchModelResponse]:
+        watch = await self._start_watch(request, context)
+        async for response in watch.responses(context):
+            yield response
+
+    @rpc
+    async def _start_watch(
+        self,
+        request: pb.WatchModelRequest,
+        context: grpc.aio.ServicerContext[pb.WatchModelRequest, pb.WatchModelResponse],
+    ) -> Watch:
+        """WatchModel's start, under `rpc`: checks, the subscription and the replay's read."""
+        return self._history.watch(request)
 
 
 def _server_info(backend: Backend, limits: Limits, hosting: Hosting) -> pb.GetServerInfoResponse:

@@ -115,6 +115,13 @@ class CheckpointRow:
 
 
 @dataclass(frozen=True)
+class MetricsRow:
+    policy_version: int
+    metrics: bytes  # a serialized tinkerrpc.v1.TrainMetrics
+    create_time: float
+
+
+@dataclass(frozen=True)
 class IdempotencyRow:
     request_hash: str
     policy_version: int
@@ -328,6 +335,15 @@ class Store:
         tx.execute(
             "INSERT OR REPLACE INTO step_metrics VALUES (?, ?, ?, ?)", (model, version, metrics, time.time())
         )
+
+    def metrics_rows(self, model: str, first: int, last: int | None, limit: int) -> list[MetricsRow]:
+        """Up to `limit` steps' metrics from version `first` to `last` (None: the newest), ascending."""
+        rows = self._db.execute(
+            "SELECT policy_version, metrics, create_time FROM step_metrics WHERE model = ?"
+            " AND policy_version >= ? AND policy_version <= ? ORDER BY policy_version LIMIT ?",
+            (model, first, last if last is not None else 2**63 - 1, limit),
+        )
+        return [MetricsRow(int(r[0]), bytes(r[1]), float(r[2])) for r in rows]
 
 
 def _model_row(row: sqlite3.Row) -> ModelRow:

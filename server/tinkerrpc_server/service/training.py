@@ -242,6 +242,8 @@ class Trainer:
         metrics = types_pb2.TrainMetrics(
             loss=float(trainer_metrics.get("loss:sum", math.nan)),
             mean_reward=batch.mean_reward,
+            std_reward=batch.std_reward,
+            learning_rate=request.adam.learning_rate,
             trained_tokens=batch.trained_tokens,
             total_tokens=batch.total_tokens,
             trajectories_used=batch.used,
@@ -286,6 +288,7 @@ class Trainer:
             self._store.set_run_id(name, str(client.model_id), tx)
             # Retention: what this version makes superfluous goes with its commit, the files after it.
             pruned = self._models.retention.prune(tx, row)
+        self._models.events.train_committed(name, response)
         if replaced is not None and replaced.tinker_path != state_path:
             pruned.append(replaced.tinker_path)
         await self._models.delete_tinker_paths(pruned)

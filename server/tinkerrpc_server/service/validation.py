@@ -459,3 +459,35 @@ def check_export_request(request: trainer_service_pb2.ExportWeightsRequest) -> N
         if request.HasField(field_name) and getattr(request, field_name) < 0:
             v.add(field_name, "must be >= 0")
     v.raise_if_any()
+
+
+MAX_HISTORY_PAGE_SIZE = 1000
+
+
+def check_history_request(request: trainer_service_pb2.GetRunHistoryRequest) -> int:
+    """Checks a GetRunHistory request; returns the first version of the page it asks for."""
+    v = Violations()
+    first = request.from_version if request.HasField("from_version") else 0
+    if first < 0:
+        v.add("from_version", "must be >= 0")
+    if request.HasField("to_version") and request.to_version < first:
+        v.add("to_version", f"must be >= from_version ({first})")
+    if not 0 <= request.page_size <= MAX_HISTORY_PAGE_SIZE:
+        v.add("page_size", f"must be in [0, {MAX_HISTORY_PAGE_SIZE}] (0 = the default)")
+    if request.page_token:
+        # The token is the next page's first version, written by this server.
+        if not (
+            request.page_token.isascii() and request.page_token.isdigit() and len(request.page_token) < 19
+        ):
+            v.add("page_token", "is not a next_page_token this server returned")
+        elif int(request.page_token) <= first:
+            v.add("page_token", "does not belong to this from_version")
+        else:
+            first = int(request.page_token)
+    v.raise_if_any()
+    return first
+
+
+def check_watch_request(request: trainer_service_pb2.WatchModelRequest) -> None:
+    if request.HasField("from_version") and request.from_version < 0:
+        raise errors.invalid_argument([("from_version", "must be >= 0")])
