@@ -1,5 +1,11 @@
-"""`litellm` with the `openai/` prefix against the real sidecar: the call shape is accepted, the
-response parses in litellm, and a rollout from it trains token-exact."""
+"""`litellm` with the `openai/` and `hosted_vllm/` prefixes against the real sidecar: the call shape is
+accepted, the response parses in litellm, and a rollout from it trains token-exact.
+
+Where litellm leaves each choice's unknown fields (`token_ids`, `policy_version`) depends on its version
+and prefix: on the choice itself (recent versions, `openai/`) or in `choice.provider_specific_fields`
+(`hosted_vllm/`, and `openai/` up to at least 1.82). The response's `prompt_token_ids` stays in place.
+litellm's streams keep none of the RL fields, whatever the prefix.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +23,15 @@ import litellm
 USER = [{"role": "user", "content": "Is the sky blue?"}]
 
 
+def as_completion(response: Any) -> dict[str, Any]:
+    """litellm's response as the sidecar sent it: each choice's provider-specific fields back in place."""
+    completion: dict[str, Any] = response.model_dump()
+    completion["choices"] = [
+        {**choice, **(choice.get("provider_specific_fields") or {})} for choice in completion["choices"]
+    ]
+    return completion
+
+
 def test_litellm_openai_prefix_rollout_trains_token_exact(stack: Stack) -> None:
     model = stack.client.create_model("litellm", base_model="tinkerrpc/tiny-chat", lora_rank=8)
     options: dict[str, Any] = {"api_base": stack.sidecar.openai_base_url, "api_key": API_KEY}
@@ -31,8 +46,7 @@ def test_litellm_openai_prefix_rollout_trains_token_exact(stack: Stack) -> None:
     response = litellm.completion(**request, logprobs=True, seed=1)
     (choice,) = response.choices
     assert choice.message.content == plain.choices[0].message.content
-    # litellm keeps the sidecar's RL fields, so its response is a trajectory as it is.
-    trajectory = tinkerrpc.Trajectory.from_openai(USER, response, reward=1.0)
+    trajectory = tinkerrpc.Trajectory.from_openai(USER, as_completion(response), reward=1.0)
     (turn,) = trajectory.turns
     assert list(turn.completion_token_ids) == (plain.choices[0].model_extra or {})["token_ids"]
     assert list(turn.prompt_token_ids) == (plain.model_extra or {})["prompt_token_ids"]
@@ -40,15 +54,14 @@ def test_litellm_openai_prefix_rollout_trains_token_exact(stack: Stack) -> None:
         chunk.choices[0].delta.content or "" for chunk in litellm.completion(**request, seed=1, stream=True)
     )
     assert streamed == choice.message.content
-    other = tinkerrpc.Trajectory.from_openai(USER, litellm.completion(**request, logprobs=True, seed=2))
+    other = tinkerrpc.Trajectory.from_openai(
+        USER, as_completion(litellm.completion(**request, logprobs=True, seed=2))
+    )
     result = model.train([tinkerrpc.TrajectoryGroup([trajectory, other])], learning_rate=1e-3)
     assert result.policy_version == 1 and result.metrics.trajectories_used == 2
 
 
 def test_litellm_hosted_vllm_prefix_rollout_trains_token_exact(stack: Stack) -> None:
-    """With `hosted_vllm/`, litellm moves each choice's unknown fields (`token_ids`, `policy_version`)
-    into `choice.provider_specific_fields` and keeps the response's `prompt_token_ids`: a trajectory
-    needs the choice's fields put back. (litellm's streams keep none of the RL fields, either prefix.)"""
     model = stack.client.create_model("litellm-vllm", base_model="tinkerrpc/tiny-chat", lora_rank=8)
     request: dict[str, Any] = {
         "model": "hosted_vllm/litellm-vllm",
@@ -75,11 +88,7 @@ def test_litellm_hosted_vllm_prefix_rollout_trains_token_exact(stack: Stack) -> 
         fields = choice.provider_specific_fields
         assert fields["token_ids"] == (plain.choices[0].model_extra or {})["token_ids"]
         assert fields["policy_version"] == 0
-        completion = response.model_dump()
-        completion["choices"] = [
-            {**c, **(c.get("provider_specific_fields") or {})} for c in completion["choices"]
-        ]
-        trajectory = tinkerrpc.Trajectory.from_openai(USER, completion, reward=float(seed))
+        trajectory = tinkerrpc.Trajectory.from_openai(USER, as_completion(response), reward=float(seed))
         (turn,) = trajectory.turns
         assert list(turn.completion_token_ids) == fields["token_ids"]
         assert list(turn.prompt_token_ids) == (plain.model_extra or {})["prompt_token_ids"]
