@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -333,3 +335,18 @@ async def test_async_train_is_exactly_once_when_the_response_is_lost(
         assert result.replayed and result.policy_version == 1
         assert (await model.info()).policy_version == 1
         await faulty_client.delete_model(name)
+
+
+def test_the_readme_quick_start_runs_twice(target: str, client: tinkerrpc.Client) -> None:
+    """The README's SDK quick start, as written but for the address and fewer steps, run twice against
+    one server: the second run continues the same model (exist_ok=True) instead of failing."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL)
+    quick_start = next(b for b in blocks if 'create_model("my-run"' in b)
+    code = quick_start.replace('"127.0.0.1:50051"', repr(target)).replace("range(10)", "range(1)")
+    assert code != quick_start
+    for _ in range(2):
+        exec(compile(code, "README quick start", "exec"), {"__name__": "quick_start"})
+    assert client.get_model("my-run").policy_version == 2
+    assert {c.name for c in client.model("my-run").checkpoints()} >= {"after-rl-v1", "after-rl-v2"}
+    client.delete_model("my-run")
