@@ -154,6 +154,38 @@ function unaryCaller(stub, timeoutSeconds, timings) {
     });
 }
 
+/** Opens WatchModel (a server stream that lasts until cancelled) and resolves with its first `count`
+ * events once `during` (started when the first `replayed` events arrived, to cause a live one) is done;
+ * the stream is cancelled then. */
+function watchEvents(stub, request, count, replayed, during, timeoutSeconds) {
+  return new Promise((resolve, reject) => {
+    const deadline = new Date(Date.now() + timeoutSeconds * 1000);
+    const stream = stub.WatchModel(request, { deadline });
+    const events = [];
+    let caused = null;
+    let done = false;
+    const fail = (failure) => {
+      if (done) return;
+      done = true;
+      stream.cancel();
+      reject(failure);
+    };
+    stream.on("data", (event) => {
+      if (done) return;
+      events.push(event);
+      if (events.length === replayed) caused = during();
+      if (events.length === count) {
+        done = true;
+        caused.then(() => {
+          stream.cancel();
+          resolve(events);
+        }, reject);
+      }
+    });
+    stream.on("error", (error) => fail(new RpcFailure("WatchModel", error)));
+  });
+}
+
 /** Receives ExportWeights (a server stream) within a deadline: the first message describes the export,
  * the rest are file chunks in order. Resolves to the description and each file's bytes; checks offsets
  * and sizes against the description. */
@@ -322,6 +354,18 @@ async function run({ target, googleProtos, baseModel, timeoutSeconds }) {
     const exported = await exportWeights(stub, { model: name, expected_policy_version: 1 }, timeoutSeconds, timings);
     const adapterConfig = JSON.parse(exported.files.get("adapter_config.json").toString("utf8"));
 
+    // The run so far, then a watch that replays it and sees the next step live.
+    const history = await call("GetRunHistory", { model: name });
+    const watched = await watchEvents(stub, { model: name, from_version: 1 }, 2, 1,
+      () => call("Train", { ...trainRequest, idempotency_key: randomUUID() }), timeoutSeconds);
+    const described = (event) => ({
+      kind: event.event,
+      policy_version: toInt(event.policy_version, "WatchModelResponse.policy_version"),
+      replayed: event.replayed,
+      step_version: event.version ? toInt(event.version.policy_version, "RunStep.policy_version") : null,
+      trajectories_used: event.version ? toInt(event.version.metrics.trajectories_used, "trajectories_used") : null,
+    });
+
     return {
       target,
       model: name,
@@ -357,6 +401,16 @@ async function run({ target, googleProtos, baseModel, timeoutSeconds }) {
         file_sizes: Object.fromEntries([...exported.files].map(([path, bytes]) => [path, bytes.length])),
         lora_rank: adapterConfig.r,
       },
+      history: history.steps.map((step) => ({
+        policy_version: toInt(step.policy_version, "RunStep.policy_version"),
+        mean_reward: step.metrics.mean_reward,
+        std_reward: step.metrics.std_reward,
+        learning_rate: step.metrics.learning_rate,
+        trajectories_used: toInt(step.metrics.trajectories_used, "trajectories_used"),
+        checkpoints: step.checkpoints.map((checkpoint) => checkpoint.name),
+      })),
+      history_next_page_token: history.next_page_token,
+      watched: watched.map(described),
       rpc_ms: timings,
     };
   } finally {

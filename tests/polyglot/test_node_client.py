@@ -1,6 +1,7 @@
 """The protos as a contract for non-Python users: a Node.js client (client.mjs, @grpc/grpc-js with
 the protos loaded at run time) creates a model, samples, trains one step, samples the new version and
-downloads its adapter through the ExportWeights stream, against a real `tinkerrpc serve`; a refused
+downloads its adapter through the ExportWeights stream, reads the run history (GetRunHistory) and watches
+it (WatchModel: a replayed version, then a Train seen live), against a real `tinkerrpc serve`; a refused
 Train's ErrorInfo reason is decoded and named by the ErrorReason enum of the protos."""
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ def test_node_client_trains_one_step_and_samples_the_new_version(node: str, targ
         "GetModel",
         "Sample",
         "ExportWeights",
+        "GetRunHistory",
+        "Train",
     ]
     assert observed["base_model"] == "tinkerrpc/tiny-chat"
     assert {0, 1} <= set(observed["sampleable_versions"])
@@ -138,6 +141,30 @@ def test_node_client_trains_one_step_and_samples_the_new_version(node: str, targ
     assert (export["policy_version"], export["base_model"]) == (1, "tinkerrpc/tiny-chat")
     assert export["file_sizes"]["adapter_model.safetensors"] > 0
     assert export["lora_rank"] == 32
+
+    # The run history in Node: version 1's metrics and checkpoints; then WatchModel from version 1
+    # replays it and delivers the next Train live.
+    rewards = observed["rewards"]
+    mean = sum(rewards) / len(rewards)
+    [step] = observed["history"]
+    assert (step["policy_version"], step["trajectories_used"], step["learning_rate"]) == (
+        1,
+        SAMPLES_PER_PROMPT,
+        1e-3,
+    )
+    assert step["mean_reward"] == pytest.approx(mean)
+    assert step["std_reward"] == pytest.approx((sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5)
+    assert "v000001" in step["checkpoints"] and observed["history_next_page_token"] == ""
+    assert observed["watched"] == [
+        {"kind": "version", "policy_version": 1, "replayed": True, "step_version": 1, "trajectories_used": 4},
+        {
+            "kind": "version",
+            "policy_version": 2,
+            "replayed": False,
+            "step_version": 2,
+            "trajectories_used": 4,
+        },
+    ]
 
 
 def test_node_client_reports_a_grpc_error_with_its_code_and_changes_nothing(node: str, target: str) -> None:
