@@ -28,6 +28,11 @@ VLLM_EXTRAS: dict[str, Any] = {
     "repetition_penalty": 1.0,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
+    "min_tokens": 2,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "include_stop_str_in_output": False,
+    "chat_template_kwargs": {"enable_thinking": False},
 }
 
 
@@ -59,7 +64,8 @@ def test_vllm_style_rollout_request_trains_token_exact(stack: Stack) -> None:
     assert len(body["choices"]) == 2
     for choice in body["choices"]:
         entries = choice["logprobs"]["content"]
-        assert len(entries) == len(choice["token_ids"]) and choice["policy_version"] == 0
+        assert len(entries) == len(choice["token_ids"]) >= VLLM_EXTRAS["min_tokens"]
+        assert choice["policy_version"] == 0
         assert all(len(entry["top_logprobs"]) == 2 for entry in entries)
         assert "\n\n" not in choice["message"]["content"] and choice["finish_reason"] in ("stop", "length")
     # The seed makes the rollout reproducible: the same request samples the same tokens.
