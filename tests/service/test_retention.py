@@ -21,6 +21,7 @@ from svc import CALL_TIMEOUT, TINY, Server, assistant, create_model, sample_chat
 
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
+from tinkerrpc_server.engine.storage import read_index
 from tinkerrpc_server.local.stack import LocalEngine
 
 STATE = types_pb2.CHECKPOINT_KIND_STATE
@@ -152,3 +153,33 @@ def test_restores_free_their_training_clients(remote: Server, engine: LocalEngin
     assert after <= 1.5 * before, (before, after)
     remote.stub.DeleteModel(pb.DeleteModelRequest(name=model), timeout=CALL_TIMEOUT)
     assert _eventually(lambda: _live_models(engine) == baseline)
+
+
+def _checkpoint_names(engine_data_dir: Path, run_id: str) -> set[str]:
+    _, checkpoints = read_index(engine_data_dir)
+    return {c.checkpoint_id for c in checkpoints if c.model_id == run_id}
+
+
+def test_orphans_of_an_uncommitted_step_are_deleted_at_start(tmp_path: Path, service_model_dir: Path) -> None:
+    model = "orphans"
+    data_dir = tmp_path / "data"
+    crashing = Server(data_dir, service_model_dir, tmp_path / "crash.log", crash_at="before_commit")
+    run_id = create_model(crashing.stub, model, rank=1).tinker_run_id
+    with pytest.raises(grpc.RpcError):
+        _train(crashing, model)
+    assert crashing.proc.wait(30) == 137
+    crashing.close()
+    # The step saved its weights and state, and died before committing them.
+    assert {"sampler_weights/v000001", "weights/step_000001"} <= _checkpoint_names(
+        data_dir / "engine", run_id
+    )
+
+    server = Server(data_dir, service_model_dir, tmp_path / "serve.log")
+    try:
+        assert server.stub.GetModel(pb.GetModelRequest(name=model)).model.policy_version == 0
+        assert _checkpoint_names(data_dir / "engine", run_id) == {
+            "sampler_weights/v000000",
+            "weights/step_000000",
+        }
+    finally:
+        assert server.close() == 0, server.proc.log()[-3000:]
