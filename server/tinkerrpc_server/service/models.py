@@ -230,6 +230,7 @@ class ModelRegistry:
         interrupted calls release the locks as they unwind). The number of models."""
         for name, runtime in list(self._runtimes.items()):
             async with runtime.lock:
+                runtime.training_client = None  # it died with its engine: nothing to unload
                 if self._store.get_model(name) is not None:
                     await self.roll_back(name, runtime)
         return len(self._runtimes)
