@@ -22,6 +22,8 @@ EXPECTED_FIGURES = {
     "sidecar overhead: chat completion vs Sample RPC",
     "Train request encode+decode",
     "memory: peak RSS of server + engine in the demo",
+    "retention: disk late in a run vs early",
+    "retention: step time late in a run vs early",
 }
 
 
