@@ -29,6 +29,7 @@ from tinkerrpc_server.sidecar import responses, translate
 from tinkerrpc_server.sidecar.errors import OpenAIError, from_rpc_error, param_from_loc
 from tinkerrpc_server.sidecar.metrics import SidecarMetrics
 from tinkerrpc_server.sidecar.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from tinkerrpc_server.sidecar.runs import routes as run_view
 
 log = logging.getLogger("tinkerrpc.sidecar")
 
@@ -41,6 +42,8 @@ ENDPOINTS = (
     "POST /v1/responses",
     "GET /health",
     "GET /metrics",
+    "GET /runs",
+    "GET /runs/{model}",
 )
 
 # An HTTP caller is waiting: give up on an unreachable server after a short backoff and answer 503
@@ -258,6 +261,7 @@ def create_app(upstream: GrpcUpstream, api_key: str | None) -> FastAPI:
         return Response(translate.response_json(body, request), media_type="application/json")
 
     app.include_router(responses.create_router(sample, count_tokens))
+    app.include_router(run_view.create_router(client, api_key))
     return app
 
 

@@ -1,0 +1,288 @@
+"""The live run view: /runs lists the models; /runs/{model} draws a model's reward, loss, staleness and
+throughput against policy version, with the versions that can still be sampled and its checkpoints, and
+follows the run live: its script opens /runs/{model}/events, server-sent events the sidecar relays from
+WatchModel, and redraws without reloading. Everything is served from the package (uPlot, MIT, vendored
+in static/), so offline machines see it whole.
+
+Access: with a sidecar API key, every /runs page and data route needs it, like /v1: as
+`Authorization: Bearer <key>`, or in the `tinkerrpc_runs_key` cookie, which a browser gets by opening
+/runs?key=<key> once (HttpOnly, SameSite=Strict, Path=/runs; the answer redirects to the address without
+the key). Only the static files (public code) are served without it."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import html
+import json
+import math
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, StreamingResponse
+
+from tinkerrpc import AsyncClient, CheckpointInfo, ModelEvent, ModelInfo, NotFoundError, RPCError, RunStep
+
+STATIC_DIR = Path(__file__).parent / "static"
+STATIC_FILES = {
+    "uPlot.iife.min.js": "text/javascript",
+    "uPlot.min.css": "text/css",
+    "uPlot.LICENSE": "text/plain",
+    "run.js": "text/javascript",
+    "runs.css": "text/css",
+}
+KEY_COOKIE = "tinkerrpc_runs_key"
+HISTORY_PAGE_SIZE = 1000
+# A comment line this often keeps an idle event stream open through proxies and shows a dead peer.
+KEEPALIVE_SECONDS = 15.0
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def step_json(step: RunStep) -> dict[str, Any]:
+    metrics = step.metrics
+    return {
+        "v": step.policy_version,
+        "reward": _finite(metrics.mean_reward),
+        "std": _finite(metrics.std_reward),
+        "loss": _finite(metrics.loss),
+        "lr": metrics.learning_rate,
+        "tokens": metrics.total_tokens,
+        "trained_tokens": metrics.trained_tokens,
+        "tps": _finite(metrics.tokens_per_second),
+        "seconds": _finite(metrics.step_seconds),
+        "used": metrics.trajectories_used,
+        "dropped_stale": metrics.dropped_stale,
+        "dropped_zero_variance": metrics.dropped_zero_variance,
+        "staleness": {str(k): n for k, n in sorted(metrics.staleness_histogram.items())},
+        "time": step.commit_time.isoformat() if step.commit_time else None,
+        "checkpoints": [c.name for c in step.checkpoints],
+    }
+
+
+def checkpoint_json(checkpoint: CheckpointInfo) -> dict[str, Any]:
+    return {
+        "name": checkpoint.name,
+        "kind": checkpoint.kind,
+        "v": checkpoint.policy_version,
+        "automatic": checkpoint.automatic,
+        "time": checkpoint.create_time.isoformat() if checkpoint.create_time else None,
+    }
+
+
+def model_json(info: ModelInfo) -> dict[str, Any]:
+    return {
+        "name": info.name,
+        "base_model": info.base_model,
+        "renderer": info.renderer,
+        "lora_rank": info.lora_rank,
+        "policy_version": info.policy_version,
+        "sampleable_versions": list(info.sampleable_versions),
+    }
+
+
+def event_json(event: ModelEvent) -> dict[str, Any]:
+    return {
+        "kind": event.kind,
+        "policy_version": event.policy_version,
+        "replayed": event.replayed,
+        "step": step_json(event.step) if event.step is not None else None,
+        "checkpoint": checkpoint_json(event.checkpoint) if event.checkpoint is not None else None,
+    }
+
+
+def _sse(event: str, data: dict[str, Any], event_id: int | None = None) -> str:
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}event: {event}\ndata: {json.dumps(data)}\n\n"
+
+
+def _page(title: str, body: str) -> str:
+    return (
+        "<!doctype html>\n<html lang=en><head><meta charset=utf-8>"
+        '<meta name=viewport content="width=device-width, initial-scale=1">'
+        f"<title>{html.escape(title)}</title>"
+        '<link rel=stylesheet href="/runs/static/uPlot.min.css">'
+        '<link rel=stylesheet href="/runs/static/runs.css"></head>'
+        f"<body>{body}</body></html>\n"
+    )
+
+
+def _unauthorized() -> HTMLResponse:
+    body = (
+        "<main><h1>tinkerrpc runs</h1><p>This sidecar needs its API key: open "
+        "<code>/runs?key=&lt;key&gt;</code> once (it is kept in a cookie for /runs), or send "
+        "<code>Authorization: Bearer &lt;key&gt;</code>.</p></main>"
+    )
+    return HTMLResponse(_page("API key needed", body), status_code=401)
+
+
+def create_router(client: Callable[[], AsyncClient], api_key: str | None) -> APIRouter:
+    """The /runs routes over the sidecar's client; `api_key` as the sidecar's (None: open)."""
+    router = APIRouter()
+    expected = api_key.encode() if api_key is not None else None
+
+    def given_keys(request: Request) -> list[str]:
+        header = request.headers.get("authorization", "")
+        return [
+            header.removeprefix("Bearer ") if header.startswith("Bearer ") else "",
+            request.cookies.get(KEY_COOKIE, ""),
+            request.query_params.get("key", ""),
+        ]
+
+    def authorized(request: Request) -> bool:
+        # Constant-time comparisons; the key itself is never logged.
+        return expected is None or any(
+            hmac.compare_digest(key.encode(), expected) for key in given_keys(request) if key
+        )
+
+    def remember_key(request: Request) -> Response | None:
+        """A page opened with ?key=: set the cookie and send the browser to the address without it."""
+        if api_key is None or "key" not in request.query_params:
+            return None
+        response = RedirectResponse(request.url.path, status_code=303)
+        response.set_cookie(KEY_COOKIE, api_key, httponly=True, samesite="strict", path="/runs")
+        return response
+
+    async def history(name: str) -> list[RunStep]:
+        model = client().model(name)
+        steps: list[RunStep] = []
+        token: str | None = None
+        while True:
+            page = await model.history(page_size=HISTORY_PAGE_SIZE, page_token=token)
+            steps.extend(page.steps)
+            token = page.next_page_token
+            if token is None:
+                return steps
+
+    @router.get("/runs/static/{file_name}")
+    async def static(file_name: str) -> Response:
+        media_type = STATIC_FILES.get(file_name)
+        if media_type is None:
+            return Response("not found", status_code=404, media_type="text/plain")
+        return FileResponse(STATIC_DIR / file_name, media_type=media_type)
+
+    @router.get("/runs", response_model=None)
+    async def runs(request: Request) -> Response:
+        if not authorized(request):
+            return _unauthorized()
+        redirect = remember_key(request)
+        if redirect is not None:
+            return redirect
+        try:
+            models = await client().list_models()
+        except RPCError as error:
+            return HTMLResponse(
+                _page("tinkerrpc runs", f"<main><p>{html.escape(str(error))}</p></main>"), 503
+            )
+        rows = "".join(
+            f'<tr><td><a href="/runs/{quote(m.name)}">{html.escape(m.name)}</a></td>'
+            f"<td>{html.escape(m.base_model)}</td><td>{m.policy_version}</td>"
+            f"<td>{len(m.sampleable_versions)}</td></tr>"
+            for m in models
+        )
+        body = (
+            "<main><h1>tinkerrpc runs</h1><table id=models><thead><tr><th>model</th><th>base model</th>"
+            f"<th>policy version</th><th>sampleable versions</th></tr></thead><tbody>{rows}</tbody></table>"
+            f"{'' if models else '<p>No models yet.</p>'}</main>"
+        )
+        return HTMLResponse(_page("tinkerrpc runs", body))
+
+    @router.get("/runs/{name}", response_model=None)
+    async def run_page(request: Request, name: str) -> Response:
+        if not authorized(request):
+            return _unauthorized()
+        redirect = remember_key(request)
+        if redirect is not None:
+            return redirect
+        try:
+            info = await client().get_model(name)
+        except NotFoundError:
+            return HTMLResponse(_page("not found", "<main><p>No such model.</p></main>"), 404)
+        except RPCError as error:
+            return HTMLResponse(_page(name, f"<main><p>{html.escape(str(error))}</p></main>"), 503)
+        body = (
+            f'<main id=run data-model="{html.escape(info.name)}" data-latest-version="" data-points="0" '
+            'data-stream="connecting">'
+            f'<p><a href="/runs">runs</a></p><h1>{html.escape(info.name)}</h1>'
+            "<p id=summary></p><p id=status></p>"
+            "<section class=charts><div id=chart-reward></div><div id=chart-loss></div>"
+            "<div id=chart-staleness></div><div id=chart-throughput></div></section>"
+            "<section><h2>Sampleable versions</h2><p id=sampleable></p></section>"
+            "<section><h2>Checkpoints</h2><table id=checkpoints><thead><tr><th>name</th><th>kind</th>"
+            "<th>version</th><th>made</th></tr></thead><tbody></tbody></table></section></main>"
+            '<script src="/runs/static/uPlot.iife.min.js"></script><script src="/runs/static/run.js"></script>'
+        )
+        return HTMLResponse(_page(f"{info.name} - tinkerrpc run", body))
+
+    @router.get("/runs/{name}/state", response_model=None)
+    async def run_state(request: Request, name: str, steps: bool = True) -> Response:
+        """The model, its checkpoints and (unless steps=false) its whole history."""
+        if not authorized(request):
+            return JSONResponse({"error": "API key needed"}, status_code=401)
+        try:
+            info = await client().get_model(name)
+            checkpoints = await client().model(name).checkpoints()
+            history_steps = await history(name) if steps else []
+        except NotFoundError:
+            return JSONResponse({"error": "no such model"}, status_code=404)
+        except RPCError as error:
+            return JSONResponse({"error": str(error)}, status_code=503)
+        return JSONResponse(
+            {
+                "model": model_json(info),
+                "checkpoints": [checkpoint_json(c) for c in checkpoints],
+                "steps": [step_json(s) for s in history_steps],
+            }
+        )
+
+    @router.get("/runs/{name}/events", response_model=None)
+    async def run_events(request: Request, name: str, from_version: int | None = None) -> Response:
+        """Server-sent events from WatchModel; a reconnecting EventSource resumes after its Last-Event-ID
+        (each event's id is the model's version after it)."""
+        if not authorized(request):
+            return JSONResponse({"error": "API key needed"}, status_code=401)
+        last_id = request.headers.get("last-event-id", "")
+        if last_id.isdigit():
+            from_version = int(last_id) + 1
+        if from_version is not None and from_version < 0:
+            return JSONResponse({"error": "from_version must be >= 0"}, status_code=400)
+        return StreamingResponse(
+            _relay(client(), name, from_version),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-store"},
+        )
+
+    return router
+
+
+async def _relay(client: AsyncClient, name: str, from_version: int | None) -> AsyncIterator[str]:
+    yield ": watching\n\n"  # the browser sees the stream open at once
+    try:
+        async with client.model(name).watch(from_version=from_version) as events:
+
+            async def next_event() -> ModelEvent | None:
+                return await anext(events, None)
+
+            pending = asyncio.ensure_future(next_event())
+            try:
+                while True:
+                    done, _ = await asyncio.wait({pending}, timeout=KEEPALIVE_SECONDS)
+                    if not done:
+                        yield ": keepalive\n\n"
+                        continue
+                    event = pending.result()
+                    if event is None:
+                        return
+                    yield _sse(event.kind, event_json(event), event.policy_version)
+                    pending = asyncio.ensure_future(next_event())
+            finally:
+                pending.cancel()
+    except NotFoundError:
+        yield _sse("deleted", {"model": name})
+    except RPCError as error:
+        yield _sse("failed", {"error": str(error)})

@@ -1,0 +1,240 @@
+"""The live run view (/runs) of a `tinkerrpc serve --sidecar-port` with a sidecar API key, in a real
+headless Chromium (Debian's `chromium`, installed by scripts/setup.sh) driven over the DevTools protocol:
+the page renders the run's charts, a Train made while it is open appears on them without a reload, and a
+screenshot is kept (its path is printed). Plain HTTP checks pin the view's access rules."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from websockets.sync.client import ClientConnection, connect
+
+import tinkerrpc
+from tinkerrpc_server.local.processes import free_port
+from tinkerrpc_server.local.stack import LocalStack
+
+SIDECAR_KEY = "run-view-test-key"
+MODEL = "run-view"
+PROMPT = [{"role": "user", "content": "Is the sky blue? Answer yes, no or maybe."}]
+BROWSER_START_TIMEOUT = 60.0
+PAGE_TIMEOUT = 60.0
+# Where the screenshot is kept: $TINKERRPC_TEST_ARTIFACTS, else a folder in the system temp dir.
+ARTIFACTS = Path(
+    os.environ.get("TINKERRPC_TEST_ARTIFACTS", Path(tempfile.gettempdir()) / "tinkerrpc-artifacts")
+)
+
+
+def _train(model: tinkerrpc.Model, seed: int) -> int:
+    samples = model.sample(PROMPT, n=4, max_tokens=6, seed=seed)
+    rewards = [1.0, 0.0, 0.5, 0.25]
+    group = [tinkerrpc.Trajectory.from_sample(PROMPT, s, r) for s, r in zip(samples, rewards, strict=True)]
+    return model.train([group], learning_rate=1e-2).policy_version
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    work = tmp_path_factory.mktemp("run-view")
+    env = {**os.environ, "TINKERRPC_SIDECAR_API_KEY": ""}
+    with LocalStack(
+        work / "data",
+        work / "serve.log",
+        ("--model-dir", str(work / "models"), "--sidecar-api-key", SIDECAR_KEY),
+        startup_timeout=180,
+        env=env,
+        with_sidecar=True,
+    ) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def model(stack: LocalStack) -> Iterator[tinkerrpc.Model]:
+    with tinkerrpc.Client(stack.target) as client:
+        handle = client.create_model(MODEL, "tinkerrpc/tiny-chat", lora_rank=8, seed=3)
+        for seed in (1, 2):
+            _train(handle, seed)
+        yield handle
+
+
+def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], str]:
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+    opener = urllib.request.build_opener(NoRedirect)
+    try:
+        with opener.open(urllib.request.Request(url, headers=headers or {}), timeout=30) as response:
+            return response.status, dict(response.headers), response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), error.read().decode()
+
+
+def test_the_view_needs_the_sidecars_key(stack: LocalStack, model: tinkerrpc.Model) -> None:
+    base = stack.sidecar_url
+    for path in ("/runs", f"/runs/{MODEL}", f"/runs/{MODEL}/state", f"/runs/{MODEL}/events"):
+        assert _get(f"{base}{path}")[0] == 401, path
+        assert _get(f"{base}{path}", {"Authorization": "Bearer wrong"})[0] == 401, path
+    # ?key= once: the key goes into an HttpOnly cookie for /runs and the browser leaves the keyed address.
+    status, headers, _ = _get(f"{base}/runs?key={SIDECAR_KEY}")
+    assert (status, headers["location"]) == (303, "/runs")
+    cookie = headers["set-cookie"]
+    assert "tinkerrpc_runs_key=" in cookie and "HttpOnly" in cookie and "Path=/runs" in cookie
+    assert "samesite=strict" in cookie.lower()
+    status, _, page = _get(f"{base}/runs", {"Cookie": f"tinkerrpc_runs_key={SIDECAR_KEY}"})
+    assert status == 200 and f'href="/runs/{MODEL}"' in page
+    status, _, body = _get(f"{base}/runs/{MODEL}/state", {"Authorization": f"Bearer {SIDECAR_KEY}"})
+    state = json.loads(body)
+    assert status == 200 and [s["v"] for s in state["steps"]] == [1, 2]
+    assert state["model"]["sampleable_versions"] == [0, 1, 2]
+    assert state["steps"][0]["lr"] == pytest.approx(1e-2) and state["steps"][0]["used"] == 4
+    # The page's code (the vendored uPlot included) is public and served from the package.
+    for name in ("uPlot.iife.min.js", "uPlot.min.css", "run.js", "runs.css"):
+        assert _get(f"{base}/runs/static/{name}")[0] == 200, name
+    assert _get(f"{base}/runs/static/..%2Froutes.py")[0] == 404
+    assert _get(f"{base}/runs/no-such-model", {"Authorization": f"Bearer {SIDECAR_KEY}"})[0] == 404
+
+
+class Browser:
+    """Headless Chromium with the DevTools protocol on a local port, and one page to drive."""
+
+    def __init__(self, profile: Path, log_path: Path) -> None:
+        binary = shutil.which("chromium")
+        if binary is None:
+            pytest.fail("chromium is not on PATH: scripts/setup.sh installs Debian's chromium package")
+        self.port = free_port()
+        self._log = log_path.open("wb")
+        self.process = subprocess.Popen(
+            [
+                binary,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+                f"--user-data-dir={profile}",
+                f"--remote-debugging-port={self.port}",
+                "--window-size=1280,1400",
+                "about:blank",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        self.page = self._connect()
+        self._next_id = 0
+
+    def _connect(self) -> ClientConnection:
+        deadline = time.monotonic() + BROWSER_START_TIMEOUT
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/json/list", timeout=5) as response:
+                    pages = [t for t in json.load(response) if t["type"] == "page"]
+                if pages:
+                    return connect(pages[0]["webSocketDebuggerUrl"], max_size=64 * 1024 * 1024)
+            except OSError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"chromium did not start its DevTools endpoint (exit {self.process.poll()})"
+                )
+            time.sleep(0.2)
+
+    def call(self, method: str, **params: Any) -> dict[str, Any]:
+        self._next_id += 1
+        self.page.send(json.dumps({"id": self._next_id, "method": method, "params": params}))
+        while True:
+            message = json.loads(self.page.recv(timeout=PAGE_TIMEOUT))
+            if message.get("id") == self._next_id:
+                if "error" in message:
+                    raise RuntimeError(f"{method}: {message['error']}")
+                result: dict[str, Any] = message["result"]
+                return result
+
+    def evaluate(self, expression: str) -> Any:
+        result = self.call("Runtime.evaluate", expression=expression, returnByValue=True)
+        return result["result"].get("value")
+
+    def wait_for(self, expression: str, what: str) -> Any:
+        deadline = time.monotonic() + PAGE_TIMEOUT
+        while time.monotonic() < deadline:
+            value = self.evaluate(expression)
+            if value:
+                return value
+            time.sleep(0.2)
+        raise AssertionError(f"the page never showed {what}: {self.evaluate('document.body.innerText')!r}")
+
+    def close(self) -> None:
+        self.page.close()
+        self.process.terminate()
+        try:
+            self.process.wait(15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._log.close()
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[Browser]:
+    opened = Browser(tmp_path / "profile", tmp_path / "chromium.log")
+    yield opened
+    opened.close()
+
+
+def _run_state(browser: Browser) -> dict[str, Any]:
+    state: dict[str, Any] = browser.evaluate(
+        "(() => { const r = document.getElementById('run'); return r && {"
+        "version: r.dataset.latestVersion, points: Number(r.dataset.points), stream: r.dataset.stream,"
+        "canvases: document.querySelectorAll('.charts canvas').length,"
+        "sampleable: document.getElementById('sampleable').textContent,"
+        "checkpoints: document.querySelectorAll('#checkpoints tbody tr').length}; })()"
+    )
+    return state
+
+
+def test_the_run_view_draws_the_run_and_follows_a_train_live(
+    stack: LocalStack, model: tinkerrpc.Model, browser: Browser
+) -> None:
+    browser.call("Page.enable")
+    # The keyed address, as `tinkerrpc demo` prints it: the cookie is set and the page loads without the key.
+    browser.call("Page.navigate", url=f"{stack.sidecar_url}/runs/{MODEL}?key={SIDECAR_KEY}")
+    browser.wait_for(
+        "(() => { const r = document.getElementById('run');"
+        " return r && r.dataset.latestVersion === '2' && r.dataset.stream === 'open'; })()",
+        "version 2 with the live stream open",
+    )
+    before = _run_state(browser)
+    assert before["points"] == 2 and before["canvases"] >= 4, before
+    assert before["sampleable"] == "0, 1, 2"
+    assert browser.evaluate("location.search") == ""  # the key left the address bar
+    browser.evaluate("window.loadedOnce = true")  # gone if the page reloads
+
+    assert _train(model, 3) == 3
+    browser.wait_for(
+        "document.getElementById('run').dataset.latestVersion === '3'", "version 3 without a reload"
+    )
+    browser.wait_for(
+        "document.getElementById('sampleable').textContent.endsWith('3')", "version 3 sampleable"
+    )
+    after = _run_state(browser)
+    assert after["points"] == 3 and browser.evaluate("window.loadedOnce") is True, after
+    # Version 3's point is on the reward chart's data, which uPlot draws.
+    assert browser.evaluate("document.getElementById('summary').textContent").startswith("version 3:")
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shot = ARTIFACTS / "run_view.png"
+    shot.write_bytes(base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"]))
+    assert shot.stat().st_size > 10_000
+    print(f"run view screenshot: {shot}")
