@@ -34,6 +34,9 @@ UNEMBED_MODULES = ["lm_head"]
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 LORA_SPEC_FILE = "tinkerrpc_lora.json"
+# Tinker's parametrization (docs/tinker_parity.md): a fixed alpha, so the LoRA scale is alpha / rank and
+# a learning rate carries over between ranks (and from Tinker); PEFT's default init (A Kaiming-uniform, B zero).
+LORA_ALPHA = 32
 OPTIMIZER_FILE = "optimizer.safetensors"
 OPTIMIZER_META_FILE = "optimizer.json"
 
@@ -175,7 +178,7 @@ class BaseModelRuntime:
             raise EngineUserError("at least one of train_attn, train_mlp, train_unembed must be true")
         return LoraConfig(
             r=lora.rank,
-            lora_alpha=lora.rank,
+            lora_alpha=LORA_ALPHA,
             lora_dropout=0.0,
             target_modules=targets,
             base_model_name_or_path=str(self.base_model_path),
