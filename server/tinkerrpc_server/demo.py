@@ -299,6 +299,8 @@ async def run_demo_against(target: str, sidecar_url: str, config: DemoConfig, st
             f"created {model.name} on {TINY_CHAT} ({time.monotonic() - started:.1f} s after start)",
             flush=True,
         )
+        # The sidecar's live view of this run, open while the demo runs.
+        print(f"live run view: {sidecar_url}/runs/{model.name}", flush=True)
         agent = Agent(api, model.name)
         sft_steps = await _sft(model, agent, config, records)
         rl_steps, final_reward = await _rl(model, agent, config, records)

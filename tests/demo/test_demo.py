@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,3 +41,4 @@ def test_demo_reaches_target_reward(tmp_path: Path) -> None:
     assert rl_steps[0]["mean_reward"] < summary["final_mean_reward"]
     assert (out / "reward_curve.png").stat().st_size > 1000
     assert "PASSED" in proc.stdout and "rl step" in proc.stdout
+    assert re.search(r"live run view: http://127\.0\.0\.1:\d+/runs/demo-", proc.stdout), proc.stdout[:2000]
