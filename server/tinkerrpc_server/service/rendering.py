@@ -200,10 +200,8 @@ class ChatCodec:
     # The renderer's tokenizer: request text marked with it stays plain text.
     plain_text: PlainTextTokenizer
     base_model: str
-    # Other renderers of this tokenizer (per-request variants) and each renderer's tool-call framing,
-    # made on first use.
+    # Other renderers of this tokenizer (per-request variants), made on first use.
     _variants: dict[str, ChatCodec] = field(default_factory=dict, compare=False, repr=False)
-    _tool_call_framing: list[tuple[str, str]] = field(default_factory=list, compare=False, repr=False)
 
     def with_renderer(self, renderer_name: str) -> ChatCodec:
         """This tokenizer with another renderer (RendererVariantError when it cannot render)."""
@@ -232,40 +230,48 @@ class ChatCodec:
         return list(self.renderer.build_generation_prompt(self._conversation(messages, tools)).to_ints())
 
     def tool_call_opening(self, function_name: str) -> list[int]:
-        """The tokens that open an assistant reply with a tool call, as the renderer renders one: up to
-        the function's name (any function when empty), or with a name, up to its arguments."""
-        opening, after_name = self._framing()
-        text = opening
-        if function_name:
-            text += self.plain_text.mark(function_name) + after_name
-        return self.plain_text.encode(text, add_special_tokens=False)
-
-    def _framing(self) -> tuple[str, str]:
-        """(text before a call's name, text between the name and its arguments) in this renderer's
-        reply to a user, found by rendering a sentinel call."""
-        if self._tool_call_framing:
-            return self._tool_call_framing[0]
-        asked: list[renderers.Message] = [{"role": "user", "content": "hello"}]
+        """The tokens that open an assistant reply with a tool call: the renderer's own tokens of a call
+        up to the function's name (any function when empty) or, with a name, up to its arguments, as
+        it renders a call answering a user in an earlier turn (how the model learns calls from
+        multi-turn conversations: Qwen3's thinking renderers put no empty think block there). The
+        renderer's tokens, not a re-tokenised text: a prefix cut at a token boundary is what the model
+        saw in training. RendererVariantError when the renderer renders no tool calls as text."""
+        name = function_name or _SENTINEL_NAME
         call = renderers.ToolCall(
+            id="call_0",
             function=renderers.ToolCall.FunctionBody(
-                name=_SENTINEL_NAME, arguments=json.dumps({_SENTINEL_ARGUMENT: 1})
-            )
+                name=self.plain_text.mark(name), arguments=json.dumps({_SENTINEL_ARGUMENT: 1})
+            ),
         )
+        asked: list[renderers.Message] = [{"role": "user", "content": "hello"}]
+        answered: list[renderers.Message] = [
+            *asked,
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "done", "tool_call_id": "call_0"},
+        ]
         prompt = self.renderer.build_generation_prompt(asked).to_ints()
-        full, _weights = self.renderer.build_supervised_example(
-            [*asked, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        rendered = self.renderer.build_generation_prompt(answered).to_ints()
+        # Where the rendering leaves the generation prompt: a prompt may end past it (the empty think block
+        # of qwen3_disable_thinking), and the opening follows the whole prompt.
+        shared = next(
+            (i for i, (a, b) in enumerate(zip(prompt, rendered, strict=False)) if a != b), len(prompt)
         )
-        tokens = full.to_ints()
-        reply = str(self.tokenizer.decode(tokens[len(prompt) :], skip_special_tokens=False))
-        name_at, argument_at = reply.find(_SENTINEL_NAME), reply.find(_SENTINEL_ARGUMENT)
-        arguments_at = reply.rfind("{", 0, argument_at)
-        if tokens[: len(prompt)] != prompt or name_at < 0 or arguments_at < name_at + len(_SENTINEL_NAME):
+        reply = rendered[shared:]
+        text = str(self.tokenizer.decode(reply, skip_special_tokens=False))
+        name_at = text.find(name)
+        arguments_at = text.rfind("{", 0, text.find(_SENTINEL_ARGUMENT))
+        if name_at < 0 or arguments_at < name_at + len(name):
             raise RendererVariantError(
                 f"renderer {self.renderer_name!r} has no tool-call format to force a call with"
             )
-        framing = (reply[:name_at], reply[name_at + len(_SENTINEL_NAME) : arguments_at])
-        self._tool_call_framing.append(framing)
-        return framing
+        end = arguments_at if function_name else name_at
+        count = 0
+        while (
+            count < len(reply)
+            and len(self.tokenizer.decode(reply[: count + 1], skip_special_tokens=False)) <= end
+        ):
+            count += 1
+        return reply[:count]
 
     def supervised_examples(
         self, messages: list[types_pb2.Message], tools: list[types_pb2.Tool], train_on: TrainOnWhat
