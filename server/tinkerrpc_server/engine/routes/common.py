@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
@@ -49,4 +49,7 @@ def sdk_checkpoint(record: CheckpointRecord) -> types.Checkpoint:
         size_bytes=record.size_bytes,
         public=False,
         user_metadata=record.user_metadata or None,
+        expires_at=None
+        if record.expires_at is None
+        else datetime.fromtimestamp(record.expires_at, timezone.utc),
     )

@@ -1,0 +1,195 @@
+"""tinker-cookbook's own training loops, run as a user would run them against `tinkerrpc engine`.
+
+`python cookbook_runs.py sft|rl LOG_PATH --steps N` builds the cookbook's `Config` and calls its
+`main`, unmodified. This file writes only what a recipe author writes: a config, an in-memory
+dataset and a tiny `Env`, in the cookbook's interfaces. The engine comes from the environment, as
+for any cookbook user: TINKER_BASE_URL and TINKER_API_KEY; the tokenizer is loaded by model name
+(offline, from the Hugging Face cache the engine lays out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+from collections.abc import Sequence
+
+import chz
+import tinker
+from tinker_cookbook import renderers
+from tinker_cookbook.completers import StopCondition
+from tinker_cookbook.rl import train as rl_train
+from tinker_cookbook.rl.types import (
+    Action,
+    ActionExtra,
+    Env,
+    EnvGroupBuilder,
+    Observation,
+    RLDataset,
+    RLDatasetBuilder,
+    StepResult,
+)
+from tinker_cookbook.supervised import train as sl_train
+from tinker_cookbook.supervised.data import conversation_to_datum
+from tinker_cookbook.supervised.types import SupervisedDataset, SupervisedDatasetBuilder
+from tinker_cookbook.tokenizer_utils import get_tokenizer
+
+from tinkerrpc_server.model_store import ANSWER_WORDS, TINY_CHAT, answer_format_prompt
+
+MODEL = TINY_CHAT
+# The renderer named explicitly: the cookbook's model_info does not know tinkerrpc's built-in names.
+RENDERER = "qwen3_disable_thinking"
+LORA_RANK = 8
+
+
+def _renderer() -> renderers.Renderer:
+    return renderers.get_renderer(RENDERER, get_tokenizer(MODEL))
+
+
+# ---- supervised: yes/no/maybe answers to prompts that ask for one ----
+
+
+class ListDataset(SupervisedDataset):
+    def __init__(self, batches: list[list[tinker.Datum]]) -> None:
+        self.batches = batches
+
+    def get_batch(self, index: int) -> list[tinker.Datum]:
+        return self.batches[index]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+@chz.chz
+class AnswerDatasetBuilder(SupervisedDatasetBuilder):
+    steps: int
+    batch_size: int = 8
+
+    def __call__(self) -> tuple[SupervisedDataset, SupervisedDataset | None]:
+        renderer = _renderer()
+        rng = random.Random(0)
+
+        def batch() -> list[tinker.Datum]:
+            return [
+                conversation_to_datum(
+                    [
+                        {"role": "user", "content": answer_format_prompt(rng)},
+                        {"role": "assistant", "content": rng.choice(ANSWER_WORDS)},
+                    ],
+                    renderer,
+                    max_length=256,
+                )
+                for _ in range(self.batch_size)
+            ]
+
+        return ListDataset([batch() for _ in range(self.steps)]), ListDataset([batch()])
+
+
+def sft_config(log_path: str, steps: int, save_every: int, eval_every: int) -> sl_train.Config:
+    return sl_train.Config(
+        log_path=log_path,
+        model_name=MODEL,
+        recipe_name="tinkerrpc_cookbook_sft",
+        renderer_name=RENDERER,
+        dataset_builder=AnswerDatasetBuilder(steps=steps),
+        learning_rate=5e-3,
+        lr_schedule="constant",
+        lora_rank=LORA_RANK,
+        save_every=save_every,
+        eval_every=eval_every,
+    )
+
+
+# ---- RL: a dense reward a random tiny model can climb — the share of sampled tokens with even ids ----
+
+
+class EvenTokensEnv(Env):
+    def __init__(self, renderer: renderers.Renderer, prompt: str) -> None:
+        self.renderer = renderer
+        self.prompt = prompt
+
+    async def initial_observation(self) -> tuple[Observation, StopCondition]:
+        model_input = self.renderer.build_generation_prompt([{"role": "user", "content": self.prompt}])
+        return model_input, self.renderer.get_stop_sequences()
+
+    async def step(self, action: Action, *, extra: ActionExtra | None = None) -> StepResult:
+        reward = sum(1 for token in action if token % 2 == 0) / max(len(action), 1)
+        return StepResult(
+            reward=reward,
+            episode_done=True,
+            next_observation=tinker.ModelInput.empty(),
+            next_stop_condition=self.renderer.get_stop_sequences(),
+        )
+
+
+class EvenTokensGroup(EnvGroupBuilder):
+    def __init__(self, prompt: str, group_size: int) -> None:
+        self.prompt = prompt
+        self.group_size = group_size
+
+    async def make_envs(self) -> Sequence[Env]:
+        renderer = _renderer()
+        return [EvenTokensEnv(renderer, self.prompt) for _ in range(self.group_size)]
+
+
+class EvenTokensDataset(RLDataset):
+    def __init__(self, batches: list[list[EnvGroupBuilder]]) -> None:
+        self.batches = batches
+
+    def get_batch(self, index: int) -> Sequence[EnvGroupBuilder]:
+        return self.batches[index]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+@chz.chz
+class EvenTokensDatasetBuilder(RLDatasetBuilder):
+    steps: int
+    groups_per_batch: int = 4
+    group_size: int = 8
+
+    async def __call__(self) -> tuple[RLDataset, RLDataset | None]:
+        rng = random.Random(0)
+
+        def batch() -> list[EnvGroupBuilder]:
+            return [
+                EvenTokensGroup(answer_format_prompt(rng), self.group_size)
+                for _ in range(self.groups_per_batch)
+            ]
+
+        return EvenTokensDataset([batch() for _ in range(self.steps)]), EvenTokensDataset([batch()])
+
+
+def rl_config(log_path: str, steps: int, save_every: int, eval_every: int) -> rl_train.Config:
+    return rl_train.Config(
+        log_path=log_path,
+        model_name=MODEL,
+        recipe_name="tinkerrpc_cookbook_rl",
+        renderer_name=RENDERER,
+        dataset_builder=EvenTokensDatasetBuilder(steps=steps),
+        learning_rate=4e-2,
+        max_tokens=4,
+        lora_rank=LORA_RANK,
+        save_every=save_every,
+        eval_every=eval_every,
+        num_groups_to_log=0,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("loop", choices=["sft", "rl"])
+    parser.add_argument("log_path")
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--save-every", type=int, default=2)
+    parser.add_argument("--eval-every", type=int, default=2)
+    args = parser.parse_args()
+    if args.loop == "sft":
+        asyncio.run(sl_train.main(sft_config(args.log_path, args.steps, args.save_every, args.eval_every)))
+    else:
+        asyncio.run(rl_train.main(rl_config(args.log_path, args.steps, args.save_every, args.eval_every)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""tinker-cookbook's supervised and RL loops (`supervised.train.main`, `rl.train.main`, unmodified) against
+a `tinkerrpc engine` process: they train, checkpoint, evaluate, resume after a SIGKILL from their own log
+dir, and leave no superseded ephemeral sampler snapshot behind.
+
+Each loop runs as the user runs it, in its own process (cookbook_runs.py), told where the engine is
+only by TINKER_BASE_URL / TINKER_API_KEY and loading the tokenizer by name with HF_HUB_OFFLINE=1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tinker
+
+from tinkerrpc_server.local.stack import LocalEngine
+
+RUNNER = Path(__file__).with_name("cookbook_runs.py")
+STEPS = 8
+SAVE_EVERY = 2
+KILL_AT_CHECKPOINT = 4
+RUN_TIMEOUT = 300.0
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEngine]:
+    work = tmp_path_factory.mktemp("cookbook-engine")
+    with pytest.MonkeyPatch.context() as patch:
+        # The engine lays the built-in models out in this hub cache; the loops read them from it.
+        patch.setenv("HF_HUB_CACHE", str(work / "hf-hub"))
+        running = LocalEngine(work / "data", work / "models", work / "engine.log", startup_timeout=180.0)
+    running.start()
+    yield running
+    assert running.stop() == 0, running.log()[-3000:]
+
+
+def _loop_env(engine: LocalEngine) -> dict[str, str]:
+    return {
+        **os.environ,
+        "TINKER_BASE_URL": engine.base_url,
+        "TINKER_API_KEY": engine.api_key,
+        "HF_HUB_CACHE": engine.env["HF_HUB_CACHE"],
+        "HF_HUB_OFFLINE": "1",
+        "TINKER_TELEMETRY": "0",
+    }
+
+
+def _checkpoints(log_path: Path) -> list[dict[str, Any]]:
+    path = log_path / "checkpoints.jsonl"
+    if not path.is_file():
+        return []
+    # Only whole lines: the loop may be appending one right now.
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line.strip()]
+
+
+def _metrics(log_path: Path) -> list[dict[str, Any]]:
+    return [
+        json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines() if line.strip()
+    ]
+
+
+def _run(engine: LocalEngine, loop: str, log_path: Path, *, kill_at_checkpoint: int | None = None) -> None:
+    """Run a loop to the end, or SIGKILL it once its checkpoint of batch `kill_at_checkpoint` is recorded."""
+    command = [sys.executable, str(RUNNER), loop, str(log_path), "--steps", str(STEPS)]
+    command += ["--save-every", str(SAVE_EVERY), "--eval-every", "2"]
+    output = log_path.parent / f"{log_path.name}-{loop}-{'killed' if kill_at_checkpoint else 'resumed'}.out"
+    with open(output, "wb") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=_loop_env(engine))
+    deadline = time.monotonic() + RUN_TIMEOUT
+    try:
+        while process.poll() is None and time.monotonic() < deadline:
+            if kill_at_checkpoint is not None and any(
+                record.get("batch") == kill_at_checkpoint for record in _checkpoints(log_path)
+            ):
+                process.send_signal(signal.SIGKILL)
+                assert process.wait(30) == -signal.SIGKILL
+                return
+            time.sleep(0.1)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert kill_at_checkpoint is None, (
+        f"{loop} ended before its checkpoint {kill_at_checkpoint}:\n{output.read_text()[-3000:]}"
+    )
+    assert process.returncode == 0, output.read_text()[-5000:]
+
+
+def _killed_then_resumed(engine: LocalEngine, loop: str, log_path: Path) -> tuple[list[dict[str, Any]], int]:
+    """Kill the loop after a checkpoint, run it again on the same log dir: the metrics of both runs and
+    how many lines the killed run logged."""
+    _run(engine, loop, log_path, kill_at_checkpoint=KILL_AT_CHECKPOINT)
+    killed_lines = len(_metrics(log_path))
+    _run(engine, loop, log_path)
+    resumed_output = (log_path.parent / f"{log_path.name}-{loop}-resumed.out").read_text()
+    assert "Resumed training from tinker://" in resumed_output
+    return _metrics(log_path), killed_lines
+
+
+def _assert_resumed_from_checkpoint(metrics: list[dict[str, Any]], killed_lines: int) -> None:
+    """The resumed run's step counter continues from the checkpoint, not from 0, up to the last step."""
+    steps = [int(line["step"]) for line in metrics[killed_lines:]]
+    assert steps[0] == KILL_AT_CHECKPOINT and steps == list(range(KILL_AT_CHECKPOINT, STEPS)), steps
+
+
+def _assert_checkpoints_kept(engine: LocalEngine, log_path: Path) -> None:
+    """Every checkpoint the loop recorded exists on the engine: periodic ones with the cookbook's TTL as
+    their expiry, the final one without; of the unnamed sampler snapshots (ephemeral: the SDK's
+    save_weights_for_sampler without a name, one per RL step or evaluation), only each training
+    client's newest may remain."""
+    records = _checkpoints(log_path)
+    assert [r["name"] for r in records][-1] == "final"
+    model_ids = {r["state_path"].removeprefix("tinker://").split("/")[0] for r in records}
+    rest = engine.rest_client()
+    stored = {
+        c.tinker_path: c
+        for model_id in model_ids
+        for c in rest.list_checkpoints(model_id).result().checkpoints
+    }
+    for record in records:
+        for path in (record["state_path"], record["sampler_path"]):
+            assert path in stored, (path, sorted(stored))
+            expires_at = stored[path].expires_at
+            if record["name"] == "final":
+                assert expires_at is None
+            else:  # the cookbook's periodic checkpoints: ttl_seconds 7 days
+                assert expires_at is not None and expires_at.timestamp() > time.time() + 6 * 86400
+    named = {path for r in records for path in (r["state_path"], r["sampler_path"])}
+    unnamed = [path for path in stored if path not in named]
+    assert all("/sampler_weights/" in path for path in unnamed), unnamed
+    per_model = [path.removeprefix("tinker://").split("/")[0] for path in unnamed]
+    assert len(per_model) == len(set(per_model)), f"superseded ephemeral snapshots kept: {unnamed}"
+
+
+def test_supervised_loop_trains_evaluates_checkpoints_and_resumes(
+    engine: LocalEngine, tmp_path: Path
+) -> None:
+    log_path = tmp_path / "sft"
+    metrics, killed_lines = _killed_then_resumed(engine, "sft", log_path)
+    _assert_resumed_from_checkpoint(metrics, killed_lines)
+    nll = {int(line["step"]): float(line["train_mean_nll"]) for line in metrics}
+    # Resumed weights, not fresh ones: the first resumed step starts well below the initial loss.
+    assert nll[KILL_AT_CHECKPOINT] < nll[0] - 0.5, nll
+    assert nll[STEPS - 1] < nll[0] - 2.0, nll
+    evaluated = {int(line["step"]): float(line["test/nll"]) for line in metrics if "test/nll" in line}
+    assert sorted(evaluated) == [0, 2, 4, 6] and evaluated[6] < evaluated[0] - 1.0, evaluated
+    _assert_checkpoints_kept(engine, log_path)
+
+
+def test_rl_loop_trains_evaluates_checkpoints_and_resumes(engine: LocalEngine, tmp_path: Path) -> None:
+    log_path = tmp_path / "rl"
+    metrics, killed_lines = _killed_then_resumed(engine, "rl", log_path)
+    _assert_resumed_from_checkpoint(metrics, killed_lines)
+    reward = {int(line["step"]): float(line["env/all/reward/total"]) for line in metrics}
+    first, last = (reward[0] + reward[1]) / 2, (reward[STEPS - 2] + reward[STEPS - 1]) / 2
+    assert last > first + 0.1, reward
+    evaluated = [line for line in metrics if "test/env/all/reward/total" in line]
+    assert sorted(int(line["step"]) for line in evaluated) == [0, 2, 4, 6], evaluated
+    _assert_checkpoints_kept(engine, log_path)
+
+
+def test_tinker_sdk_reaches_the_engine_from_the_environment(engine: LocalEngine) -> None:
+    """What the loops rely on: a ServiceClient made with no arguments finds the engine and its key."""
+    env = _loop_env(engine)
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("TINKER_BASE_URL", "TINKER_API_KEY"):
+            patch.setenv(name, env[name])
+        with tinker.ServiceClient() as service:
+            assert "tinkerrpc/tiny-chat" in {
+                m.model_name for m in service.get_server_capabilities().supported_models
+            }
