@@ -5,10 +5,12 @@ snapshot lasts until the next one, and a checkpoint saved with ttl_seconds is go
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
+from tinkerrpc_server.engine.storage import CheckpointRecord, RunRecord, Storage, now_iso, read_index
 from tinkerrpc_server.local.stack import LocalEngine
 
 
@@ -57,3 +59,22 @@ def test_ttl_seconds_expire_checkpoints(engine: LocalEngine) -> None:
         time.sleep(1.5)
         listed = engine.rest_client().list_checkpoints(client.model_id).result().checkpoints
         assert kept in {c.tinker_path for c in listed} and short not in {c.tinker_path for c in listed}
+
+
+def test_the_index_journal_stays_proportional_to_what_it_holds(tmp_path: Path) -> None:
+    storage = Storage(tmp_path)
+    storage.put_run(RunRecord("run", "tinkerrpc/tiny-chat", 1, None, True, True, True, now_iso(), now_iso()))
+    for step in range(1500):
+        record = CheckpointRecord("run", "sampler", f"v{step:06d}", now_iso(), 1)
+        storage.add_checkpoint(record)
+        if step >= 16:
+            storage.delete_checkpoint("run", f"sampler_weights/v{step - 16:06d}")
+    journal = tmp_path / "engine_index.jsonl"
+    assert len(journal.read_text().splitlines()) <= 1100, "compacted as it grows, not only at start"
+    storage.close()
+    runs, checkpoints = read_index(tmp_path)
+    assert [r.model_id for r in runs] == ["run"]
+    assert sorted(c.name for c in checkpoints) == [f"v{step:06d}" for step in range(1484, 1500)]
+    # A new engine on the data dir sees the same, from one line per record.
+    Storage(tmp_path).close()
+    assert len(journal.read_text().splitlines()) == 17

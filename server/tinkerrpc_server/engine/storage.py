@@ -13,7 +13,9 @@ previous one.
 
 The index is a JSON-lines journal: each change appends one fsynced line (a run, a checkpoint, a
 deletion), so a step costs the same at step 5 000 as at step 5. At start the journal is replayed (a torn
-last line from a crash is ignored) and compacted into one line per live record; checkpoints whose
+last line from a crash is ignored) and compacted into one line per live record, and again whenever the
+lines appended since outnumber COMPACT_FACTOR times the live records (amortised O(1) per change, and the
+file stays within a constant factor of what it describes); checkpoints whose
 expiry passed are dropped then, and by the engine's periodic sweep (`expired_checkpoints`).
 
 Every path under the data dir is built by `Storage.inside` from checked names (`check_id`,
@@ -34,7 +36,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 
 CheckpointKind = Literal["training", "sampler", "external"]
 
@@ -48,6 +50,9 @@ _NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # Session, model and sampler ids (`<session>:train:<n>`): one path segment at most.
 _ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
 _INDEX_FILE = "engine_index.jsonl"
+# The journal is rewritten once it holds this many times more appended lines than live records.
+COMPACT_FACTOR = 4
+_MIN_LINES_BEFORE_COMPACTING = 1000
 # The whole-file index of earlier versions, read once and replaced by the journal.
 _LEGACY_INDEX_FILE = "engine_index.json"
 # How much of a rejected name an error message repeats.
@@ -230,9 +235,11 @@ class Storage:
         ephemeral = [c for c in self._checkpoints.values() if c.ephemeral]
         for record in ephemeral:
             del self._checkpoints[record.tinker_path]
-        self._compact(index_path)
+        self._index_path = index_path
+        self._journal: TextIO | None = None
+        self._appended = 0
+        self._compact()
         legacy_index.unlink(missing_ok=True)
-        self._journal = index_path.open("a")
         for record in [*expired, *ephemeral]:
             self._remove_files(record)
 
@@ -245,8 +252,9 @@ class Storage:
             record = CheckpointRecord(**checkpoint)
             self._checkpoints.setdefault(record.tinker_path, record)
 
-    def _compact(self, index_path: Path) -> None:
-        """Rewrite the journal as one line per live record (at start only), atomically."""
+    def _compact(self) -> None:
+        """Rewrite the journal as one line per live record, atomically, and append to the new one."""
+        index_path = self._index_path
         fd, tmp_name = tempfile.mkstemp(dir=index_path.parent, prefix=index_path.name, suffix=".tmp")
         try:
             with os.fdopen(fd, "w") as handle:
@@ -261,16 +269,26 @@ class Storage:
             Path(tmp_name).unlink(missing_ok=True)
             raise
         _fsync_directory(index_path.parent)
+        if self._journal is not None:
+            self._journal.close()
+        self._journal = index_path.open("a")
+        self._appended = 0
 
     def _append(self, entry: dict[str, Any]) -> None:
         """One journal line, on disk before the change is acknowledged (caller holds the lock)."""
+        assert self._journal is not None
         self._journal.write(json.dumps(entry) + "\n")
         self._journal.flush()
         os.fsync(self._journal.fileno())
+        self._appended += 1
+        live = len(self._runs) + len(self._checkpoints)
+        if self._appended > max(_MIN_LINES_BEFORE_COMPACTING, COMPACT_FACTOR * live):
+            self._compact()
 
     def close(self) -> None:
         with self._lock:
-            self._journal.close()
+            if self._journal is not None:
+                self._journal.close()
 
     def inside(self, *parts: str) -> Path:
         """The path of `parts` under the data dir, refused (UnknownPathError) unless it resolves inside
