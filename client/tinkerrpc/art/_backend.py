@@ -1,0 +1,270 @@
+"""TinkerRPCBackend: ART's `Backend` over a tinkerrpc server and the OpenAI sidecar it hosts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any, Literal, cast
+
+import art
+from art import dev
+
+from tinkerrpc._async_client import AsyncClient, AsyncModel
+from tinkerrpc._channel import TlsOption
+from tinkerrpc._errors import FailedPreconditionError
+from tinkerrpc._openai_client import sidecar_connection
+from tinkerrpc._types import CheckpointInfo, SampledTurn, SupervisedExample, TrainResult
+from tinkerrpc.art._trajectories import UnscoredTurn, convert_groups, sft_conversation
+from tinkerrpc.v1.errors_pb2 import ErrorReason
+
+LossName = Literal["cispo", "ppo", "importance_sampling", "dro"]
+# ART's Tinker defaults (its TinkerNativeBackend) when no adam_params are given: AdamW betas (0.9, 0.95)
+# and eps 1e-8.
+DEFAULT_ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+# loss_fn_config keys Tinker's losses take (clip thresholds for ppo/cispo, beta for dro).
+LOSS_CONFIG_KEYS = ("clip_low_threshold", "clip_high_threshold", "beta")
+# SFT conversations per optimizer step when TrainSFTConfig.batch_size is "auto".
+AUTO_SFT_BATCH_SIZE = 32
+# Scoring requests in flight at once for Choices that came without logprobs.
+SCORING_CONCURRENCY = 32
+
+Model = art.Model[Any, Any]
+TrainableModel = art.TrainableModel[Any, Any]
+
+
+class TinkerRPCBackend(art.Backend):
+    """ART's Backend on a `tinkerrpc serve --sidecar-port ...`: `model.register(backend)` gets or creates
+    the tinkerrpc model of the same name, `model.openai_client()` talks to the hosted sidecar, and
+    `backend.train(model, groups, ...)` is one tinkerrpc Train step on the sampled tokens.
+
+    `target`/`token`/`tls` are those of `tinkerrpc.AsyncClient`. The sidecar's URL comes from the server
+    unless `sidecar_url` is given; its key is `sidecar_api_key` or $TINKERRPC_SIDECAR_API_KEY. `path` is
+    where ART keeps its local logs (history.jsonl), as with ART's own backends.
+
+    A model's LoRA shape and renderer come from ART's `_internal_config["tinker_native_args"]`
+    (`renderer_name`, `training_client_args`: rank, seed, train_mlp/attn/unembed), as on Tinker; what
+    they leave out takes tinkerrpc's defaults (`create_model`'s)."""
+
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        token: str | None = None,
+        tls: TlsOption = False,
+        sidecar_url: str | None = None,
+        sidecar_api_key: str | None = None,
+        path: str = ".art",
+    ) -> None:
+        self._target, self._token, self._tls = target, token, tls
+        self._sidecar_url = sidecar_url
+        self._sidecar_api_key = sidecar_api_key
+        self._path = path
+        self._client: AsyncClient | None = None
+        # Each registered model's policy version as last seen: _model_inference_name cannot await.
+        self._steps: dict[str, int] = {}
+
+    async def _connected(self) -> AsyncClient:
+        # Made on first use, on the caller's event loop (grpc.aio binds a channel to it).
+        if self._client is None:
+            self._client = AsyncClient(self._target, self._token, self._tls)
+        return await self._client.connect()
+
+    async def _handle(self, model: Model) -> AsyncModel:
+        return (await self._connected()).model(model.name)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def register(self, model: Model) -> None:
+        model.base_path = self._path
+        os.makedirs(model._get_output_dir(), exist_ok=True)
+        if not model.trainable:
+            return
+        trainable = cast(TrainableModel, model)
+        native: Mapping[str, Any] = (trainable._internal_config or {}).get("tinker_native_args") or {}
+        args: Mapping[str, Any] = native.get("training_client_args") or {}
+        # ART's Tinker options where given, else tinkerrpc's defaults.
+        options = {
+            key: args[key] for key in ("seed", "train_mlp", "train_attn", "train_unembed") if key in args
+        }
+        if "rank" in args:
+            options["lora_rank"] = args["rank"]
+        client = await self._connected()
+        handle = await client.create_model(
+            trainable.name,
+            trainable.base_model,
+            renderer=native.get("renderer_name"),
+            exist_ok=True,
+            **options,
+        )
+        self._steps[trainable.name] = (await handle.info()).policy_version
+
+    async def _prepare_backend_for_training(
+        self, model: TrainableModel, config: dev.OpenAIServerConfig | None = None
+    ) -> tuple[str, str]:
+        """The sidecar's base URL and key, for ART's `model.openai_client()`. `config` (ART's options for
+        the inference server it would start) does not apply: the server hosts the sidecar."""
+        info = None if self._sidecar_url else await (await self._connected()).server_info()
+        return sidecar_connection(info, self._sidecar_url, self._sidecar_api_key)
+
+    def _model_inference_name(self, model: Model, step: int | None = None) -> str:
+        """`name@step`, the sidecar's id of that policy version (the latest seen when step is None)."""
+        return f"{model.name}@{self._steps.get(model.name, 0) if step is None else step}"
+
+    async def _get_step(self, model: TrainableModel) -> int:
+        step = (await (await self._handle(model)).info()).policy_version
+        self._steps[model.name] = step
+        return step
+
+    async def train(
+        self,
+        model: TrainableModel,
+        trajectory_groups: Iterable[art.TrajectoryGroup],
+        *,
+        learning_rate: float = 1e-5,
+        loss_fn: LossName = "cispo",
+        normalize_advantages: bool = True,
+        save_checkpoint: bool = False,
+        loss_fn_config: Mapping[str, float] | None = None,
+        adam_params: Any = None,
+        **unsupported: Any,
+    ) -> art.TrainResult:
+        """One Train step on the groups' sampled turns (every Choice, token-exact). `adam_params` (a
+        tinker.AdamParams) overrides `learning_rate`; with `normalize_advantages` the advantages are
+        divided by the group's reward std; groups whose rewards are all equal are skipped."""
+        if unsupported:
+            raise TypeError(f"TinkerRPCBackend.train() does not take {sorted(unsupported)}")
+        unknown = set(loss_fn_config or {}) - set(LOSS_CONFIG_KEYS)
+        if unknown:
+            raise ValueError(f"loss_fn_config keys must be among {LOSS_CONFIG_KEYS}, got {sorted(unknown)}")
+        handle = await self._handle(model)
+        converted = convert_groups(trajectory_groups)
+        metrics = {"data/step_num_groups_submitted": float(len(converted.groups))}
+        if not converted.groups:
+            return art.TrainResult(step=await self._get_step(model), metrics=metrics)
+        await _score(handle, converted.unscored)
+        adam = {**DEFAULT_ADAM, "learning_rate": learning_rate}
+        if adam_params is not None:
+            adam = {k: getattr(adam_params, k) for k in (*DEFAULT_ADAM, "learning_rate")}
+        try:
+            result = await handle.train(
+                converted.groups,
+                loss=loss_fn,
+                learning_rate=adam["learning_rate"],
+                adam_beta1=adam["beta1"],
+                adam_beta2=adam["beta2"],
+                adam_eps=adam["eps"],
+                weight_decay=float(getattr(adam_params, "weight_decay", 0.0) or 0.0),
+                grad_clip_norm=float(getattr(adam_params, "grad_clip_norm", 0.0) or 0.0),
+                normalize_std=normalize_advantages,
+                clip_low_threshold=(loss_fn_config or {}).get("clip_low_threshold"),
+                clip_high_threshold=(loss_fn_config or {}).get("clip_high_threshold"),
+                beta=(loss_fn_config or {}).get("beta"),
+            )
+        except FailedPreconditionError as err:
+            if err.reason != ErrorReason.ERROR_REASON_NOTHING_TO_TRAIN:
+                raise
+            metrics["data/step_num_groups_trainable"] = 0.0
+            return art.TrainResult(step=await self._get_step(model), metrics=metrics)
+        if save_checkpoint:
+            await handle.save_checkpoint()
+        self._steps[model.name] = result.policy_version
+        trainable = len(converted.groups) - result.metrics.zero_variance_groups
+        metrics["data/step_num_groups_trainable"] = float(trainable)
+        return art.TrainResult(step=result.policy_version, metrics={**metrics, **_art_metrics(result)})
+
+    async def _train_sft(
+        self,
+        model: TrainableModel,
+        trajectories: Iterable[art.Trajectory],
+        config: art.TrainSFTConfig,
+        dev_config: dev.TrainSFTConfig,
+        verbose: bool = False,
+    ) -> AsyncIterator[dict[str, float]]:
+        """Supervised steps on the trajectories' conversations (every assistant message trains), in
+        batches of `config.batch_size` ("auto": 32), each with its learning rate (one, or one per batch)."""
+        handle = await self._handle(model)
+        examples = [SupervisedExample(*sft_conversation(t)) for t in trajectories]
+        size = AUTO_SFT_BATCH_SIZE if config.batch_size == "auto" else config.batch_size
+        batches = [examples[i : i + size] for i in range(0, len(examples), size)]
+        rates = config.learning_rate
+        if isinstance(rates, list) and len(rates) < len(batches):
+            raise ValueError(f"{len(rates)} learning rates for {len(batches)} batches")
+        for index, batch in enumerate(batches):
+            rate = rates[index] if isinstance(rates, list) else rates
+            result = await handle.train_supervised(batch, learning_rate=rate)
+            self._steps[model.name] = result.policy_version
+            if verbose:
+                print(f"tinkerrpc SFT batch {index + 1}/{len(batches)}: loss {result.metrics.loss:.4f}")
+            yield _art_metrics(result)
+
+    async def _delete_checkpoint_files(self, model: TrainableModel, steps_to_keep: list[int]) -> None:
+        """Delete the checkpoints (sampler weights and full states) of every version but `steps_to_keep`;
+        the current version's sampler and the state the model recovers from always stay."""
+        handle = await self._handle(model)
+        doomed: Sequence[CheckpointInfo] = [
+            c for c in await handle.checkpoints() if c.policy_version not in steps_to_keep
+        ]
+        for checkpoint in doomed:
+            try:
+                await handle.delete_checkpoint(checkpoint)
+            except FailedPreconditionError as err:
+                if err.reason not in (
+                    ErrorReason.ERROR_REASON_RECOVERY_CHECKPOINT,
+                    ErrorReason.ERROR_REASON_CURRENT_SAMPLER_CHECKPOINT,
+                ):
+                    raise
+
+
+def _art_metrics(result: TrainResult) -> dict[str, float]:
+    """A Train step's figures under ART's metric names."""
+    m = result.metrics
+    return {
+        "loss/train": m.loss,
+        "loss/learning_rate": m.learning_rate,
+        "data/step_num_trajectories": float(m.trajectories_used),
+        "data/step_trainer_tokens": float(m.trained_tokens),
+        "time/step_trainer_s": m.step_seconds,
+    }
+
+
+async def _score(handle: AsyncModel, unscored: list[UnscoredTurn]) -> None:
+    """Fill in each turn whose Choice came without logprobs: the server renders its prompt (once per
+    distinct conversation) and gives the sampled tokens' logprobs under the policy version that sampled
+    them, as prompt logprobs of prompt + completion (the policy at temperature 1)."""
+    limit = asyncio.Semaphore(SCORING_CONCURRENCY)
+    prompts: dict[str, asyncio.Task[tuple[int, ...]]] = {}
+
+    async def rendered(turn: UnscoredTurn) -> tuple[int, ...]:
+        async with limit:
+            samples = await handle.sample(
+                turn.history, max_tokens=1, tools=turn.trajectory.tools or None, seed=0
+            )
+        return samples[0].prompt_token_ids
+
+    async def fill(turn: UnscoredTurn) -> None:
+        key = json.dumps(
+            [[m.to_openai() for m in turn.history], [t.to_openai() for t in turn.trajectory.tools]],
+            sort_keys=True,
+        )
+        if key not in prompts:
+            prompts[key] = asyncio.ensure_future(rendered(turn))
+        prompt = await prompts[key]
+        async with limit:
+            samples = await handle.sample(
+                [*prompt, *turn.completion_token_ids],
+                max_tokens=1,
+                include_prompt_logprobs=True,
+                policy_version=turn.policy_version,
+                seed=0,
+            )
+        logprobs = samples[0].prompt_logprobs[len(prompt) :]
+        turn.trajectory.turns[turn.turn_index] = SampledTurn(
+            prompt, turn.completion_token_ids, logprobs, turn.policy_version
+        )
+
+    await asyncio.gather(*(fill(turn) for turn in unscored))

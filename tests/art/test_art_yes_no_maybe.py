@@ -1,0 +1,205 @@
+"""ART's own yes-no-maybe flow against `tinkerrpc serve --sidecar-port`, through tinkerrpc.art.
+
+The rollout and the training loop are ART's (its dev/yes-no-maybe example: `art.TrainableModel`,
+`model.register(backend)`, `model.openai_client()`, `art.gather_trajectory_groups`,
+`model.delete_checkpoints()`, `backend.train(...)`, `model.log(...)`); only the backend line is
+tinkerrpc's, and the sizes are the tiny model's. ART's SFT path (`model.train_sft`) warms the random
+tiny-chat model up first, as the demo's recipe does, then RL must reach a mean reward >= 0.9.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from itertools import permutations
+from pathlib import Path
+
+import art
+import openai
+import pytest
+
+import tinkerrpc
+from tinkerrpc.art import TinkerRPCBackend
+from tinkerrpc.art._backend import _score
+from tinkerrpc.art._trajectories import convert_groups
+from tinkerrpc_server.local.stack import LocalStack
+
+BASE_MODEL = "tinkerrpc/tiny-chat"
+ANSWERS = ("yes", "no", "maybe")
+TARGET_REWARD = 0.9
+SFT_STEPS = 20
+MAX_RL_STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    tmp = tmp_path_factory.mktemp("art")
+    args = ("--model-dir", str(tmp / "models"))
+    with LocalStack(tmp / "data", tmp / "serve.log", args, 240, with_sidecar=True) as running:
+        yield running
+
+
+# ART's yes-no-maybe example, as its docs write it (max_tokens sized for the tiny model's answers).
+async def rollout(client: openai.AsyncOpenAI, model: art.TrainableModel, prompt: str) -> art.Trajectory:
+    messages: art.Messages = [{"role": "user", "content": prompt}]
+    chat_completion = await client.chat.completions.create(
+        messages=messages, model=model.name, max_tokens=8, timeout=100
+    )
+    choice = chat_completion.choices[0]
+    content = choice.message.content
+    assert isinstance(content, str)
+    if content == "yes":
+        reward = 0.5
+    elif content == "no":
+        reward = 0.75
+    elif content == "maybe":
+        reward = 1.0
+    else:
+        reward = 0.0
+    return art.Trajectory(messages_and_choices=[*messages, choice], reward=reward)
+
+
+def with_quotes(w: str) -> str:
+    return f"'{w}'"
+
+
+prompts = [
+    f"{prefix} with {', '.join([with_quotes(w) if use_quotes else w for w in words]) if len(words) == 3 else f'{words[0]}' + (f' or {words[1]}' if len(words) > 1 else '')}"
+    for prefix in ["respond", "just respond"]
+    for use_quotes in [True, False]
+    for words in [list(p) for n in [3, 2] for p in permutations(ANSWERS, n)]
+]
+
+
+def warm_up_trajectories(rng: random.Random, count: int) -> list[art.Trajectory]:
+    """The demo's SFT recipe: every prompt answered with one of the three words, drawn uniformly."""
+    return [
+        art.Trajectory(
+            messages_and_choices=[
+                {"role": "user", "content": prompt},
+                {"role": "assistant", "content": rng.choice(ANSWERS)},
+            ]
+        )
+        for prompt in rng.choices(prompts, k=count)
+    ]
+
+
+def mean_reward(groups: list[art.TrajectoryGroup]) -> float:
+    rewards = [t.reward for g in groups for t in g.trajectories]
+    return sum(rewards) / len(rewards)
+
+
+def trainable_model() -> art.TrainableModel:
+    return art.TrainableModel(
+        name="yes-no-maybe-001",
+        project="yes-no-maybe",
+        base_model=BASE_MODEL,
+        # ART's Tinker options: the renderer without a think block answers in two tokens.
+        _internal_config={
+            "tinker_native_args": {
+                "renderer_name": "qwen3_disable_thinking",
+                "training_client_args": {"rank": 8},
+            }
+        },
+    )
+
+
+async def yes_no_maybe(stack: LocalStack, art_path: Path) -> list[float]:
+    rng = random.Random(0)
+    backend = TinkerRPCBackend(stack.target, path=str(art_path))
+    model = trainable_model()
+    await model.register(backend)
+    assert model.inference_base_url == f"{stack.sidecar_url}/v1"
+
+    await model.train_sft(
+        warm_up_trajectories(rng, 32 * SFT_STEPS),
+        config=art.TrainSFTConfig(learning_rate=1e-2, batch_size=32),
+    )
+    assert await model.get_step() == SFT_STEPS
+
+    openai_client = model.openai_client()
+    rewards = []
+    for _ in range(await model.get_step(), await model.get_step() + MAX_RL_STEPS):
+        train_groups = await art.gather_trajectory_groups(
+            (
+                art.TrajectoryGroup(rollout(openai_client, model, prompt) for _ in range(8))
+                for prompt in rng.sample(prompts, 8)
+            ),
+            pbar_desc="gather",
+        )
+        rewards.append(mean_reward(train_groups))
+        if rewards[-1] >= TARGET_REWARD:
+            break
+        await model.delete_checkpoints()
+        result = await backend.train(model, train_groups, learning_rate=4e-3)
+        await model.log(train_groups, metrics=result.metrics, step=result.step, split="train")
+        assert result.step == await model.get_step()
+        assert model.get_inference_name() == f"{model.name}@{result.step}"
+    await backend.close()
+    return rewards
+
+
+def test_art_yes_no_maybe_reaches_the_target_reward(stack: LocalStack, tmp_path: Path) -> None:
+    rewards = asyncio.run(yes_no_maybe(stack, tmp_path / ".art"))
+    assert rewards[-1] >= TARGET_REWARD, rewards
+    assert rewards[-1] > rewards[0], rewards
+
+
+async def reregister_and_score(stack: LocalStack, art_path: Path) -> None:
+    backend = TinkerRPCBackend(stack.target, path=str(art_path))
+    # The same name with other Tinker options is refused, naming the differences.
+    other = art.TrainableModel(name="yes-no-maybe-001", project="yes-no-maybe", base_model=BASE_MODEL)
+    with pytest.raises(tinkerrpc.AlreadyExistsError, match="rank"):
+        await other.register(backend)
+    model = trainable_model()
+    await model.register(backend)
+    step = await model.get_step()
+    assert step > SFT_STEPS, "register gets the model the test above trained"
+    assert model.get_inference_name() == f"{model.name}@{step}"
+
+    # A Choice with the sidecar's logprobs trains as sampled; the same Choice without them is scored
+    # by the server to the same prompt tokens and (within float error) the same logprobs.
+    messages: art.Messages = [{"role": "user", "content": "respond with yes, no or maybe"}]
+    completion = await model.openai_client().chat.completions.create(
+        messages=messages,
+        model=model.get_inference_name(),
+        max_tokens=8,
+        logprobs=True,
+        n=2,
+        seed=3,
+        # ART 0.5.18 gives its client an httpx timeout that openai >= 3 (httpx2) cannot use: a request
+        # needs its own, as ART's example passes.
+        timeout=100,
+    )
+    with_logprobs = [art.Trajectory(messages_and_choices=[*messages, c]) for c in completion.choices]
+    stripped = [c.model_copy(update={"logprobs": None}) for c in completion.choices]
+    without = [art.Trajectory(messages_and_choices=[*messages, c]) for c in stripped]
+    sampled = convert_groups([art.TrajectoryGroup(with_logprobs)])
+    scored = convert_groups([art.TrajectoryGroup(without)])
+    assert not sampled.unscored and len(scored.unscored) == 2
+    async with tinkerrpc.AsyncClient(stack.target) as client:
+        await _score(client.model(model.name), scored.unscored)
+    for as_sampled, as_scored, choice in zip(
+        sampled.groups[0].trajectories, scored.groups[0].trajectories, completion.choices, strict=True
+    ):
+        (turn,) = as_sampled.turns
+        (filled,) = as_scored.turns
+        assert turn.completion_token_ids == filled.completion_token_ids == tuple(choice.token_ids)  # type: ignore[attr-defined]
+        assert filled.prompt_token_ids == tuple(completion.prompt_token_ids)  # type: ignore[attr-defined]
+        assert filled.logprobs == pytest.approx(turn.logprobs, abs=1e-3)
+        assert as_sampled.messages == as_scored.messages
+
+    # ART's delete_checkpoints (through _delete_checkpoint_files) keeps the latest version's files only
+    # (no "val/reward" was logged to pick a best one).
+    await model.delete_checkpoints()
+    async with tinkerrpc.AsyncClient(stack.target) as client:
+        listed = await client.model(model.name).checkpoints()
+    assert {(c.kind, c.policy_version) for c in listed} == {("sampler", step), ("state", step)}
+    await backend.close()
+
+
+def test_art_register_is_get_or_create_and_unscored_choices_match_the_sidecar(
+    stack: LocalStack, tmp_path: Path
+) -> None:
+    asyncio.run(reregister_and_score(stack, tmp_path / ".art"))
