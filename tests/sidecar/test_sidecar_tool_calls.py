@@ -188,3 +188,63 @@ def test_streamed_chat_and_responses_rollouts_train_token_exact(stack: Stack, to
         [tinkerrpc.TrajectoryGroup([from_chat, from_response])], learning_rate=1e-4
     )
     assert result.metrics.trajectories_used == 2 and result.policy_version > int(version)
+
+
+def test_forced_tool_choice_opens_the_call_as_prompt_tokens(stack: Stack, tool_agent: str) -> None:
+    """tool_choice "required" or a named function: the renderer's call opening ends the prompt (not sampled,
+    no logprob), the model continues inside the call, and the rollout trains token-exact."""
+    api = stack.openai()
+    unforced = extra(ask(api, tool_agent, [QUESTION]), "prompt_token_ids")
+    trajectories = []
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for tool_choice in ("required", named):
+        forced = ask(
+            api, tool_agent, [QUESTION], logprobs=True, tool_choice=tool_choice, parallel_tool_calls=False
+        )
+        prompt = extra(forced, "prompt_token_ids")
+        assert prompt[: len(unforced)] == unforced and len(prompt) > len(unforced)
+        (choice,) = forced.choices
+        assert choice.finish_reason == "tool_calls", choice.message
+        (call,) = choice.message.tool_calls or []
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == ARGUMENTS
+        sampled = extra(choice, "token_ids")
+        assert len(sampled) == len(choice.logprobs.content or [])
+        # Rewards differ so the group has an advantage to train on.
+        reward = 1.0 if tool_choice == "required" else 0.0
+        trajectory = tinkerrpc.Trajectory.from_openai([QUESTION], forced, reward=reward, tools=[WEATHER_TOOL])
+        assert list(trajectory.turns[0].prompt_token_ids) == prompt
+        assert list(trajectory.turns[0].completion_token_ids) == sampled
+        trajectories.append(trajectory)
+    # The named opening goes further into the call than "required"'s.
+    assert len(trajectories[1].turns[0].prompt_token_ids) > len(trajectories[0].turns[0].prompt_token_ids)
+
+    responses_tool = {"type": "function", **WEATHER_TOOL["function"]}
+    response = api.responses.create(
+        model=tool_agent,
+        input=[QUESTION],  # type: ignore[list-item]
+        tools=[responses_tool],  # type: ignore[list-item]
+        tool_choice={"type": "function", "name": "get_weather"},
+        temperature=0,
+        max_output_tokens=40,
+    )
+    (output,) = response.output
+    assert output.type == "function_call" and json.loads(output.arguments) == ARGUMENTS
+    assert extra(output, "prompt_token_ids") == list(trajectories[1].turns[0].prompt_token_ids)
+
+    name = tool_agent.split("@")[0]
+    result = stack.client.model(name).train([tinkerrpc.TrajectoryGroup(trajectories)], learning_rate=1e-4)
+    assert result.policy_version > int(tool_agent.split("@")[1])
+
+
+def test_forced_tool_choice_on_an_untrained_model_shows_the_unparsed_call(stack: Stack) -> None:
+    """A model that cannot finish a call still gets the opening; its garbage continuation is returned as
+    the content (no tool_calls), never a server error."""
+    stack.client.create_model("forced-untrained", base_model="tinkerrpc/tiny-chat", lora_rank=8)
+    api = stack.openai()
+    forced = ask(api, "forced-untrained", [QUESTION], tool_choice="required", seed=2)
+    unforced = extra(ask(api, "forced-untrained", [QUESTION]), "prompt_token_ids")
+    assert extra(forced, "prompt_token_ids")[: len(unforced)] == unforced
+    (choice,) = forced.choices
+    if not choice.message.tool_calls:
+        assert choice.finish_reason in ("stop", "length")
+        assert '<tool_call>\n{"name": "' in (choice.message.content or "")
