@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_importing_tinkerrpc_pulls_no_heavy_dependencies() -> None:
     code = (
         "import sys, tinkerrpc, tinkerrpc.v1.trainer_service_pb2_grpc\n"
-        "heavy = ('torch', 'tinker', 'tinker_cookbook', 'fastapi', 'transformers', 'numpy', 'tqdm', 'openai')\n"
+        "heavy = ('torch', 'tinker', 'tinker_cookbook', 'fastapi', 'transformers', 'numpy', 'tqdm', 'openai', 'art')\n"
         "print(','.join(sorted(m for m in heavy if m in sys.modules)))\n"
         "print(len(tinkerrpc.__all__), all(hasattr(tinkerrpc, n) for n in tinkerrpc.__all__))\n"
     )

@@ -13,6 +13,11 @@ ART code runs unchanged but for its backend line:
 This module imports `art`; `import tinkerrpc` never does.
 """
 
+try:
+    import art  # noqa: F401 - only to name the extra when ART is absent
+except ImportError as err:
+    raise ImportError("tinkerrpc.art needs ART: pip install 'tinkerrpc[art]'") from err
+
 from tinkerrpc.art._backend import TinkerRPCBackend
 
 __all__ = ["TinkerRPCBackend"]
