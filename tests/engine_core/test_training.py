@@ -13,6 +13,7 @@ from engine_core_ref import hand_lora, load_plain_model, lora_leaves, reference_
 from peft import PeftModel
 
 from tinkerrpc_server.engine.runtime import (
+    LORA_ALPHA,
     BaseModelRuntime,
     DatumArrays,
     EngineUserError,
@@ -106,7 +107,8 @@ LOSS_CASES = [
 def test_loss_value_and_gradients_match_plain_torch(
     runtime: BaseModelRuntime, plain_model: torch.nn.Module, loss_fn: str, config: dict[str, float] | None
 ) -> None:
-    model_id = new_adapter(runtime)
+    rank = 4
+    model_id = new_adapter(runtime, rank=rank)
     randomize(runtime, model_id, seed=1)
     rng = np.random.default_rng(3)
     if loss_fn == "cross_entropy":
@@ -117,7 +119,7 @@ def test_loss_value_and_gradients_match_plain_torch(
     result = runtime.forward_backward(model_id, data, loss_fn, config, backward=True)
 
     leaves = lora_leaves(runtime, model_id)
-    with hand_lora(plain_model, leaves):
+    with hand_lora(plain_model, leaves, scaling=LORA_ALPHA / rank):
         ref_lps = [reference_logprobs(plain_model, d) for d in data]
         ref_loss = sum(
             reference_loss(loss_fn, lp, d, config or {}) for lp, d in zip(ref_lps, data, strict=True)
