@@ -52,7 +52,7 @@ _ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
 _INDEX_FILE = "engine_index.jsonl"
 # The journal is rewritten once it holds this many times more appended lines than live records.
 COMPACT_FACTOR = 4
-_MIN_LINES_BEFORE_COMPACTING = 1000
+_MIN_LINES_BEFORE_COMPACTING = 256
 # The whole-file index of earlier versions, read once and replaced by the journal.
 _LEGACY_INDEX_FILE = "engine_index.json"
 # How much of a rejected name an error message repeats.
