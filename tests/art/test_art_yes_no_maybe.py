@@ -190,6 +190,11 @@ async def reregister_and_score(stack: LocalStack, art_path: Path) -> None:
         assert filled.logprobs == pytest.approx(turn.logprobs, abs=1e-3)
         assert as_sampled.messages == as_scored.messages
 
+    # A group whose rewards are all equal carries no signal: no step is taken.
+    flat = await backend.train(model, [art.TrajectoryGroup(with_logprobs)], learning_rate=4e-3)
+    assert flat.step == step == await model.get_step()
+    assert flat.metrics["data/step_num_groups_trainable"] == 0
+
     # ART's delete_checkpoints (through _delete_checkpoint_files) keeps the latest version's files only
     # (no "val/reward" was logged to pick a best one).
     await model.delete_checkpoints()
