@@ -279,6 +279,7 @@ async function run({ target, googleProtos, baseModel, timeoutSeconds }) {
   const timings = [];
   const call = unaryCaller(stub, timeoutSeconds, timings);
   try {
+    const info = await call("GetServerInfo", {});
     const name = `node-${randomUUID().slice(0, 8)}`;
     const created = await call("CreateModel", { name, base_model: baseModel, seed: 0 });
     const createdVersion = toInt(created.model.policy_version, "CreateModel.model.policy_version");
@@ -411,6 +412,12 @@ async function run({ target, googleProtos, baseModel, timeoutSeconds }) {
       })),
       history_next_page_token: history.next_page_token,
       watched: watched.map(described),
+      server_info: {
+        server_version: info.server_version,
+        backend: info.backend,
+        max_sample_n: toInt(info.limits.max_sample_n, "ServerLimits.max_sample_n"),
+        max_top_logprobs: toInt(info.limits.max_top_logprobs, "ServerLimits.max_top_logprobs"),
+      },
       rpc_ms: timings,
     };
   } finally {

@@ -1,5 +1,5 @@
 """The protos as a contract for non-Python users: a Node.js client (client.mjs, @grpc/grpc-js with
-the protos loaded at run time) creates a model, samples, trains one step, samples the new version and
+the protos loaded at run time) asks the server what it is (GetServerInfo), creates a model, samples, trains one step, samples the new version and
 downloads its adapter through the ExportWeights stream, reads the run history (GetRunHistory) and watches
 it (WatchModel: a replayed version, then a Train seen live), against a real `tinkerrpc serve`; a refused
 Train's ErrorInfo reason is decoded and named by the ErrorReason enum of the protos."""
@@ -94,6 +94,7 @@ def test_node_client_trains_one_step_and_samples_the_new_version(node: str, targ
         "pinned_sample": 1,
     }
     assert [method for method, _ in observed["rpc_ms"]] == [
+        "GetServerInfo",
         "CreateModel",
         "Sample",
         "Train",
@@ -106,6 +107,9 @@ def test_node_client_trains_one_step_and_samples_the_new_version(node: str, targ
         "Train",
     ]
     assert observed["base_model"] == "tinkerrpc/tiny-chat"
+    info = observed["server_info"]
+    assert info["backend"] == "BACKEND_KIND_EMBEDDED_ENGINE" and info["server_version"]
+    assert info["max_top_logprobs"] == 20 and info["max_sample_n"] > 0
     assert {0, 1} <= set(observed["sampleable_versions"])
     assert observed["model"] in _model_names(target)
 
@@ -182,4 +186,4 @@ def test_node_client_reports_a_grpc_error_with_its_code_and_changes_nothing(node
 def test_node_client_reports_an_unreachable_server(node: str) -> None:
     result = _run_client(node, f"127.0.0.1:{free_port()}", "--timeout-s", "5")
     assert result.returncode == 1
-    assert "CreateModel failed: UNAVAILABLE (14)" in result.stderr
+    assert "GetServerInfo failed: UNAVAILABLE (14)" in result.stderr
