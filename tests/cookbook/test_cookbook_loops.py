@@ -168,12 +168,10 @@ def test_rl_loop_trains_evaluates_checkpoints_and_resumes(engine: LocalEngine, t
 
 
 def test_tinker_sdk_reaches_the_engine_from_the_environment(engine: LocalEngine) -> None:
-    """What the loops rely on: a ServiceClient made with no arguments finds the engine and its key."""
+    """What the loops rely on: SDK clients made with no arguments find the engine and its key."""
     env = _loop_env(engine)
     with pytest.MonkeyPatch.context() as patch:
         for name in ("TINKER_BASE_URL", "TINKER_API_KEY"):
             patch.setenv(name, env[name])
-        with tinker.ServiceClient() as service:
-            assert "tinkerrpc/tiny-chat" in {
-                m.model_name for m in service.get_server_capabilities().supported_models
-            }
+        capabilities = tinker.RestClient().get_server_capabilities().result()
+    assert "tinkerrpc/tiny-chat" in {m.model_name for m in capabilities.supported_models}
