@@ -4,10 +4,17 @@
 # unpinned torch requirement would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e '.[server,dev]'
+# A second run with the same requirements (the README's second command after the first) installs nothing:
+# the editable install already follows the code.
+stamp=.venv/.tinkerrpc-setup
+wanted="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1) $(python3 --version)"
+if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
+    python3 -m venv .venv
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q torch==2.13.0
+    .venv/bin/python -m pip install -q -e '.[server,dev]'
+    echo "$wanted" > "$stamp"
+fi
 # tests/sidecar/test_run_view.py drives a headless Chromium: Debian's package, when apt can install it.
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null \
