@@ -1,5 +1,6 @@
 """LangChain's `ChatOpenAI` (`langchain-openai`) against the real sidecar: a model bound to the weather
-tool calls it, answers from its result, plain and streamed, and the rollouts train token-exact.
+tool calls it, answers from its result, plain and streamed; forced tool choice (`"required"`, a named
+function) and `with_structured_output(method="function_calling")` work; the rollouts train token-exact.
 
 The model is `tool_agent` (conftest), taught the weather-tool conversation. LangChain rebuilds responses
 as its own messages and keeps neither `token_ids` nor `prompt_token_ids`, so the rollouts come from the
@@ -88,4 +89,37 @@ def test_bound_tool_is_called_and_the_rollouts_train_token_exact(stack: Stack, t
     result = stack.client.model(name).train(
         [tinkerrpc.TrajectoryGroup([plain, streamed])], learning_rate=1e-4
     )
+    assert result.metrics.trajectories_used == 2 and result.policy_version > int(version)
+
+
+def test_forced_tool_choice_and_structured_output(stack: Stack, tool_agent: str) -> None:
+    """Forced choices send `"required"` or the named function; the sidecar makes the opening of the call
+    part of the prompt, so the model continues inside it and the rollout still trains token-exact."""
+    name, version = tool_agent.split("@")
+    question = [HumanMessage(QUESTION["content"])]
+    rollouts = []
+    # Different rewards, so the group carries signal and trains.
+    for tool_choice, sent, reward in (
+        ("required", "required", 1.0),
+        ("get_weather", {"type": "function", "function": {"name": "get_weather"}}, 0.5),
+    ):
+        recorder = ExchangeRecorder()
+        bound = chat_model(stack, tool_agent, recorder).bind_tools([WEATHER_TOOL], tool_choice=tool_choice)
+        message = bound.invoke(question)
+        assert isinstance(message, AIMessage)
+        assert [(c["name"], c["args"]) for c in message.tool_calls] == [("get_weather", ARGUMENTS)]
+        (exchange,) = recorder.exchanges
+        assert exchange.request["tool_choice"] == sent
+        rollout = recorder.rollout(reward=reward)
+        (turn,) = rollout.turns
+        assert list(turn.completion_token_ids) == exchange.completion()["choices"][0]["token_ids"]
+        assert list(turn.prompt_token_ids) == exchange.completion()["prompt_token_ids"]
+        rollouts.append(rollout)
+
+    structured = chat_model(stack, tool_agent, ExchangeRecorder()).with_structured_output(
+        WEATHER_TOOL["function"], method="function_calling"
+    )
+    assert structured.invoke(question) == ARGUMENTS
+
+    result = stack.client.model(name).train([tinkerrpc.TrajectoryGroup(rollouts)], learning_rate=1e-4)
     assert result.metrics.trajectories_used == 2 and result.policy_version > int(version)
