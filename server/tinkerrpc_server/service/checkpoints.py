@@ -103,7 +103,7 @@ class Checkpoints:
             dropped, runtime.training_client = runtime.training_client, client
             runtime.dirty = False
         if dropped is not None:
-            await unload_training_client(dropped)
+            unload_training_client(dropped)
         await self._models.delete_tinker_paths([*stale_paths, *([old_sampler] if old_sampler else [])])
         log.info("model %s restored to %s (version %d)", request.model, request.checkpoint, version)
         return self._models.info(self._models.row(request.model))

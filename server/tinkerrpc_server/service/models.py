@@ -188,7 +188,7 @@ class ModelRegistry:
         dropped, runtime.training_client = runtime.training_client, None
         runtime.dirty = False
         if dropped is not None:
-            await unload_training_client(dropped)
+            unload_training_client(dropped)
         await self.delete_tinker_paths(stale_paths)
 
     async def training_client(self, name: str, runtime: ModelRuntime) -> tinker.TrainingClient:
@@ -363,6 +363,6 @@ class ModelRegistry:
             self._store.delete_model(name)
             self._runtimes.pop(name, None)
         if runtime.training_client is not None:
-            await unload_training_client(runtime.training_client)
+            unload_training_client(runtime.training_client)
         await self.delete_tinker_paths(paths)
         log.info("deleted model %s", name)

@@ -120,9 +120,19 @@ class Retention:
         return found
 
 
-async def unload_training_client(client: tinker.TrainingClient) -> None:
-    """Best effort: ask the backend to free a training client the service no longer uses. The SDK has
-    no public method for the Tinker API's unload_model request; its own HTTP client sends it."""
+def unload_training_client(client: tinker.TrainingClient) -> None:
+    """Best effort, in the background (no call waits on it: a backend that stopped answering must not hold
+    a Train past its deadline): ask the backend to free a training client the service no longer uses. The
+    SDK has no public method for the Tinker API's unload_model request; its own HTTP client sends it."""
+    task = asyncio.create_task(_unload(client))
+    _unloading.add(task)  # the loop keeps only weak references to tasks
+    task.add_done_callback(_unloading.discard)
+
+
+_unloading: set[asyncio.Task[None]] = set()
+
+
+async def _unload(client: tinker.TrainingClient) -> None:
     request = tinker.types.UnloadModelRequest(model_id=client.model_id)
 
     async def send() -> None:
