@@ -189,119 +189,101 @@ class Trainer:
         optim_step = asyncio.ensure_future(client.optim_step(_adam(request.adam)))
         sampler_save = asyncio.ensure_future(client.save_weights_for_sampler(sampler_name(version)))
         state_save = asyncio.ensure_future(client.save_state(state_name(version))) if save_state else None
+        name = row.name
         try:
-            return await self._finish_step(
-                request, hashed, row, runtime, client, batch, started,
-                forward_backward, optim_step, sampler_save, state_save,
-            )  # fmt: skip
+            fb_output = await bounded(forward_backward, "forward_backward")
+            try:
+                optim_output = await bounded(optim_step, "optim_step")
+            except tinker.RequestFailedError as err:
+                if not errors.is_non_finite_update(err):
+                    raise
+                # The engine kept the weights and optimizer state: the training client is as before.
+                await self._discard_saves(sampler_save, state_save)
+                runtime.dirty = False
+                refused = errors.from_tinker(err)
+                assert refused is not None
+                raise refused from None
+            trainer_metrics = {**fb_output.metrics, **(optim_output.metrics or {})}
+            non_finite = sorted(key for key, value in trainer_metrics.items() if not math.isfinite(value))
+            if non_finite:
+                # A backend without the engine's guard applied it: the model rolls back (it stays dirty).
+                await self._discard_saves(sampler_save, state_save)
+                raise errors.non_finite_update(f"the step's {', '.join(non_finite)} came out non-finite")
+            self._hooks.reached("after_optim")
+            sampler_path = (await bounded(sampler_save, "save_weights_for_sampler")).path
+            self._hooks.reached("after_sampler_save")
+            state_path = (await bounded(state_save, "save_state")).path if state_save is not None else None
+            step_seconds = time.monotonic() - started
+
+            metrics = types_pb2.TrainMetrics(
+                loss=float(trainer_metrics.get("loss:sum", math.nan)),
+                mean_reward=batch.mean_reward,
+                std_reward=batch.std_reward,
+                learning_rate=request.adam.learning_rate,
+                trained_tokens=batch.trained_tokens,
+                total_tokens=batch.total_tokens,
+                trajectories_used=batch.used,
+                dropped_stale=batch.dropped_stale,
+                dropped_zero_variance=batch.dropped_zero_variance,
+                zero_variance_groups=batch.zero_variance_groups,
+                staleness_histogram=batch.staleness_histogram,
+                step_seconds=step_seconds,
+                tokens_per_second=batch.total_tokens / step_seconds if step_seconds > 0 else 0.0,
+                extra={**{k: float(v) for k, v in trainer_metrics.items()}, **batch.env_metrics},
+            )
+            now = time.time()
+            sampler_row = CheckpointRow(
+                name, KIND_SAMPLER, sampler_name(version), version, sampler_path, now, True
+            )
+            state_row = (
+                CheckpointRow(name, KIND_STATE, state_name(version), version, state_path, now, True)
+                if state_path is not None
+                else None
+            )
+            response = pb.TrainResponse(
+                policy_version=version,
+                metrics=metrics,
+                sampler_checkpoint=checkpoint_info(sampler_row),
+                state_checkpoint=checkpoint_info(state_row) if state_row is not None else None,
+            )
+            # A state checkpoint of this name from an abandoned timeline (before a restore) is replaced.
+            replaced = (
+                self._store.get_checkpoint(name, KIND_STATE, state_name(version)) if state_row else None
+            )
+            self._hooks.reached("before_commit")
+            with self._store.transaction() as tx:
+                self._store.set_version(
+                    tx, name, version, (version, state_path) if state_path is not None else None
+                )
+                self._store.put_checkpoint(tx, sampler_row)
+                if state_row is not None:
+                    self._store.put_checkpoint(tx, state_row)
+                self._store.put_metrics(tx, name, version, metrics.SerializeToString())
+                if request.idempotency_key:
+                    self._store.put_idempotency(
+                        tx, name, request.idempotency_key, hashed, version, response.SerializeToString()
+                    )
+                self._store.set_run_id(name, str(client.model_id), tx)
+                # Retention: what this version makes superfluous goes with its commit, the files after it.
+                pruned = self._models.retention.prune(tx, row)
+            self._models.events.train_committed(name, response)
+            if replaced is not None and replaced.tinker_path != state_path:
+                pruned.append(replaced.tinker_path)
+            await self._models.delete_tinker_paths(pruned)
+            await self._models.retention.record_sizes(name, str(client.model_id))
+            log.info(
+                "model %s: version %d (loss %.4f, %d datums, %.3fs)",
+                name,
+                version,
+                metrics.loss,
+                len(batch.datums),
+                step_seconds,
+            )
+            return response
         finally:
             for operation in (forward_backward, optim_step, sampler_save, state_save):
                 if operation is not None:
                     operation.cancel()  # a no-op for those already done
-
-    async def _finish_step(
-        self,
-        request: pb.TrainRequest,
-        hashed: str,
-        row: ModelRow,
-        runtime: ModelRuntime,
-        client: tinker.TrainingClient,
-        batch: Batch,
-        started: float,
-        forward_backward: asyncio.Future[tinker.types.ForwardBackwardOutput],
-        optim_step: asyncio.Future[tinker.types.OptimStepResponse],
-        sampler_save: asyncio.Future[tinker.types.SaveWeightsForSamplerResponse],
-        state_save: asyncio.Future[tinker.types.SaveWeightsResponse] | None,
-    ) -> pb.TrainResponse:
-        name = row.name
-        version = row.policy_version + 1
-        fb_output = await bounded(forward_backward, "forward_backward")
-        try:
-            optim_output = await bounded(optim_step, "optim_step")
-        except tinker.RequestFailedError as err:
-            if not errors.is_non_finite_update(err):
-                raise
-            # The engine kept the weights and optimizer state: the training client is as before.
-            await self._discard_saves(sampler_save, state_save)
-            runtime.dirty = False
-            refused = errors.from_tinker(err)
-            assert refused is not None
-            raise refused from None
-        trainer_metrics = {**fb_output.metrics, **(optim_output.metrics or {})}
-        non_finite = sorted(key for key, value in trainer_metrics.items() if not math.isfinite(value))
-        if non_finite:
-            # A backend without the engine's guard applied it: the model rolls back (it stays dirty).
-            await self._discard_saves(sampler_save, state_save)
-            raise errors.non_finite_update(f"the step's {', '.join(non_finite)} came out non-finite")
-        self._hooks.reached("after_optim")
-        sampler_path = (await bounded(sampler_save, "save_weights_for_sampler")).path
-        self._hooks.reached("after_sampler_save")
-        state_path = (await bounded(state_save, "save_state")).path if state_save is not None else None
-        step_seconds = time.monotonic() - started
-
-        metrics = types_pb2.TrainMetrics(
-            loss=float(trainer_metrics.get("loss:sum", math.nan)),
-            mean_reward=batch.mean_reward,
-            std_reward=batch.std_reward,
-            learning_rate=request.adam.learning_rate,
-            trained_tokens=batch.trained_tokens,
-            total_tokens=batch.total_tokens,
-            trajectories_used=batch.used,
-            dropped_stale=batch.dropped_stale,
-            dropped_zero_variance=batch.dropped_zero_variance,
-            zero_variance_groups=batch.zero_variance_groups,
-            staleness_histogram=batch.staleness_histogram,
-            step_seconds=step_seconds,
-            tokens_per_second=batch.total_tokens / step_seconds if step_seconds > 0 else 0.0,
-            extra={**{k: float(v) for k, v in trainer_metrics.items()}, **batch.env_metrics},
-        )
-        now = time.time()
-        sampler_row = CheckpointRow(
-            name, KIND_SAMPLER, sampler_name(version), version, sampler_path, now, True
-        )
-        state_row = (
-            CheckpointRow(name, KIND_STATE, state_name(version), version, state_path, now, True)
-            if state_path is not None
-            else None
-        )
-        response = pb.TrainResponse(
-            policy_version=version,
-            metrics=metrics,
-            sampler_checkpoint=checkpoint_info(sampler_row),
-            state_checkpoint=checkpoint_info(state_row) if state_row is not None else None,
-        )
-        # A state checkpoint of this name from an abandoned timeline (before a restore) is replaced.
-        replaced = self._store.get_checkpoint(name, KIND_STATE, state_name(version)) if state_row else None
-        self._hooks.reached("before_commit")
-        with self._store.transaction() as tx:
-            self._store.set_version(
-                tx, name, version, (version, state_path) if state_path is not None else None
-            )
-            self._store.put_checkpoint(tx, sampler_row)
-            if state_row is not None:
-                self._store.put_checkpoint(tx, state_row)
-            self._store.put_metrics(tx, name, version, metrics.SerializeToString())
-            if request.idempotency_key:
-                self._store.put_idempotency(
-                    tx, name, request.idempotency_key, hashed, version, response.SerializeToString()
-                )
-            self._store.set_run_id(name, str(client.model_id), tx)
-            # Retention: what this version makes superfluous goes with its commit, the files after it.
-            pruned = self._models.retention.prune(tx, row)
-        self._models.events.train_committed(name, response)
-        if replaced is not None and replaced.tinker_path != state_path:
-            pruned.append(replaced.tinker_path)
-        await self._models.delete_tinker_paths(pruned)
-        await self._models.retention.record_sizes(name, str(client.model_id))
-        log.info(
-            "model %s: version %d (loss %.4f, %d datums, %.3fs)",
-            name,
-            version,
-            metrics.loss,
-            len(batch.datums),
-            step_seconds,
-        )
-        return response
 
     async def _discard_saves(
         self,
