@@ -217,10 +217,11 @@ def test_hosted_sidecar_reaches_a_tls_server(tls_server: TlsServer) -> None:
 
 
 def _standalone_sidecar(tls_server: TlsServer, log: Path, token: str) -> LocalSidecar:
+    """Not started yet: entering it starts it."""
     sidecar = LocalSidecar(f"127.0.0.1:{tls_server.stack.port}", log)
     sidecar.cmd += ["--grpc-tls-ca", str(tls_server.cert), "--grpc-server-name", "localhost"]
     sidecar.env[AUTH_TOKEN_ENV] = token
-    return sidecar.start()
+    return sidecar
 
 
 def test_standalone_sidecar_over_tls_and_its_health_with_a_refused_token(

@@ -101,7 +101,7 @@ def test_connections_beyond_the_cap_are_refused_while_grpc_answers(hosted_server
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEngine]:
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     work: Path = tmp_path_factory.mktemp("slow-engine")
-    with LocalEngine(work / "data", work / "models", work / "engine.log").start() as running:
+    with LocalEngine(work / "data", work / "models", work / "engine.log") as running:
         yield running
 
 

@@ -56,6 +56,9 @@ class LocalProcess:
         return self.log_path.read_text(errors="replace")
 
     def start(self: ProcessT) -> ProcessT:
+        if self._proc is not None:
+            # A second process would replace the first, which then outlives every stop().
+            raise RuntimeError(f"`tinkerrpc {self.cmd[3]}` was already started (enter the unstarted object)")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
