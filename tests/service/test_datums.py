@@ -3,6 +3,8 @@
 Layout of one sampled turn with prompt P (p tokens) and completion C (c tokens): the model reads
 (P + C)[:-1] and predicts (P + C)[1:]; the sampler's logprobs and the trajectory's advantage sit on the c
 positions whose target is a completion token, and every one of the p − 1 prompt positions carries 0.
+Turns whose prompt continues the previous turn's sequence merge into one datum of the later sequence
+(that layout here; that it trains exactly as the separate datums: test_merged_turns.py).
 """
 
 from __future__ import annotations
@@ -102,27 +104,103 @@ def test_a_single_turn_puts_logprobs_and_advantages_on_the_completion_targets(co
     assert batch.used == 2 and batch.staleness_histogram == {0: 2}
 
 
-def test_each_turn_of_a_multi_turn_trajectory_gets_its_own_positions(codec: ChatCodec) -> None:
-    """Turn 2's prompt holds turn 1's completion and the environment's reply: there they are prompt
-    (zero), and only turn 2's own completion carries its logprobs."""
-    conversation = [user("respond with yes")]
-    first_prompt = _prompt(codec, conversation)
+def _two_turns(codec: ChatCodec) -> tuple[types_pb2.SampledTurn, types_pb2.SampledTurn, list[int]]:
+    """Turn 2's prompt is turn 1's prompt and completion followed by the environment's reply; returns both
+    turns and the reply's tokens."""
+    first_prompt = _prompt(codec, [user("respond with yes")])
     first = _turn(first_prompt, _completion(codec, "maybe"), -0.25)
     environment = _completion(
         codec, "<|im_end|>\n<|im_start|>user\nnow say no<|im_end|>\n<|im_start|>assistant\n"
     )
     second_prompt = first_prompt + list(first.completion_token_ids) + environment
-    second = _turn(second_prompt, _completion(codec, "no way"), -1.5)
+    return first, _turn(second_prompt, _completion(codec, "no way"), -1.5), environment
+
+
+def test_each_turn_of_a_multi_turn_trajectory_gets_its_own_positions_when_merging_is_off(
+    codec: ChatCodec,
+) -> None:
+    """Turn 2's prompt holds turn 1's completion and the environment's reply: there they are prompt
+    (zero), and only turn 2's own completion carries its logprobs."""
+    first, second, _ = _two_turns(codec)
+    other_prompt = _prompt(codec, [user("respond with no")])
+    other = _turn(other_prompt, _completion(codec, "yes"), -0.75)
+
+    batch = rl_batch(_request([(2.0, [first, second]), (0.0, [other])]), VERSION, codec, merge_turns=False)
+
+    assert len(batch.datums) == 3
+    _assert_turn_layout(batch.datums[0], list(first.prompt_token_ids), first, 1.0)
+    _assert_turn_layout(batch.datums[1], list(second.prompt_token_ids), second, 1.0)
+    _assert_turn_layout(batch.datums[2], other_prompt, other, -1.0)
+    assert batch.used == 2
+
+
+def test_a_turn_that_continues_the_previous_one_merges_into_one_datum_with_each_span_in_place(
+    codec: ChatCodec,
+) -> None:
+    """One datum of turn 2's whole sequence: turn 1's logprobs and advantage on turn 1's completion
+    targets, zeros on the reply between, turn 2's on its own completion."""
+    first, second, environment = _two_turns(codec)
     other_prompt = _prompt(codec, [user("respond with no")])
     other = _turn(other_prompt, _completion(codec, "yes"), -0.75)
 
     batch = rl_batch(_request([(2.0, [first, second]), (0.0, [other])]), VERSION, codec)
 
-    assert len(batch.datums) == 3
-    _assert_turn_layout(batch.datums[0], first_prompt, first, 1.0)
-    _assert_turn_layout(batch.datums[1], second_prompt, second, 1.0)
-    _assert_turn_layout(batch.datums[2], other_prompt, other, -1.0)
-    assert batch.used == 2
+    assert len(batch.datums) == 2
+    tokens = list(second.prompt_token_ids) + list(second.completion_token_ids)
+    inputs, targets, logprobs, advantages = _columns(batch.datums[0])
+    assert inputs == tokens[:-1] and targets == tokens[1:]
+    first_positions = len(first.prompt_token_ids) - 1
+    between = [0.0] * len(environment)
+    assert logprobs == (
+        [0.0] * first_positions + list(first.completion_logprobs) + between + list(second.completion_logprobs)
+    )
+    completions = len(first.completion_token_ids), len(second.completion_token_ids)
+    assert advantages == [0.0] * first_positions + [1.0] * completions[0] + between + [1.0] * completions[1]
+    _assert_turn_layout(batch.datums[1], other_prompt, other, -1.0)
+    assert batch.trained_tokens == sum(completions) + 1 and batch.used == 2
+    assert batch.total_tokens == len(tokens) + len(other_prompt) + 1
+
+
+def test_a_turn_whose_prompt_does_not_continue_the_previous_one_starts_a_new_datum(
+    codec: ChatCodec,
+) -> None:
+    """Turn 2 continues turn 1 and merges; turn 3's prompt drops turn 2's completion (as a renderer that
+    strips earlier thinking would), so it is a datum of its own; turn 4 continues turn 3 and merges."""
+    first, second, environment = _two_turns(codec)
+    second_tokens = list(second.prompt_token_ids) + list(second.completion_token_ids)
+    third_prompt = list(second.prompt_token_ids) + environment
+    third = _turn(third_prompt, _completion(codec, "fine"), -0.5)
+    fourth = _turn(
+        third_prompt + list(third.completion_token_ids) + environment, _completion(codec, "ok"), -0.75
+    )
+    turns = [first, second, third, fourth]
+    request = _request([(1.0, turns), (0.0, [_turn(list(first.prompt_token_ids), [7], -1.0)])])
+
+    merged = rl_batch(request, VERSION, codec)
+    separate = rl_batch(request, VERSION, codec, merge_turns=False)
+
+    assert [d.model_input.to_ints() for d in merged.datums[:2]] == [
+        second_tokens[:-1],
+        separate.datums[3].model_input.to_ints(),
+    ]
+    assert len(merged.datums) == 3 and len(separate.datums) == 5
+    assert merged.trained_tokens == separate.trained_tokens
+    assert (
+        merged.total_tokens
+        == len(second_tokens) + len(fourth.prompt_token_ids) + 2 + len(first.prompt_token_ids) + 1
+    )
+
+
+def test_dro_keeps_one_datum_per_turn(codec: ChatCodec) -> None:
+    first, second, _ = _two_turns(codec)
+    request = _request([(1.0, [first, second]), (0.0, [first, second])])
+    request.loss.function = types_pb2.LOSS_FUNCTION_DRO
+
+    batch = rl_batch(request, VERSION, codec)
+
+    assert len(batch.datums) == 4
+    _assert_turn_layout(batch.datums[0], list(first.prompt_token_ids), first, 0.5)
+    _assert_turn_layout(batch.datums[1], list(second.prompt_token_ids), second, 0.5)
 
 
 def test_a_later_turn_without_prompt_ids_renders_the_conversation_before_its_own_assistant_message(
@@ -137,7 +215,7 @@ def test_a_later_turn_without_prompt_ids_renders_the_conversation_before_its_own
     request = _request([(1.0, [first, second]), (0.0, [_turn(first_prompt, [7], -1.0)])])
     request.groups[0].trajectories[0].messages.extend(messages)
 
-    batch = rl_batch(request, VERSION, codec)
+    batch = rl_batch(request, VERSION, codec, merge_turns=False)
 
     _assert_turn_layout(batch.datums[0], first_prompt, first, 0.5)
     _assert_turn_layout(batch.datums[1], second_prompt, second, 0.5)

@@ -1,6 +1,16 @@
 """Train requests → Tinker Datums: staleness, group advantages, token-exact RL datums per sampled turn,
 and supervised datums from the renderer's weights. Pure CPU work that runs before the backend is touched,
-off the event loop (build_batch)."""
+off the event loop (build_batch).
+
+Merged turns: when a trajectory's next turn reads the previous turn's whole sequence (prompt + completion)
+as the start of its prompt (the usual case with tools), the two train as ONE datum of the later sequence,
+each turn's loss inputs on its own completion positions and zeros on the tokens between (tool results,
+user turns, template tokens). Every loss but DRO is a per-position sum whose positions without advantage
+(or weight) add nothing, and a causal model reads a prefix the same inside a longer sequence, so the
+merged datum trains exactly as the separate ones while the shared history is processed once instead of
+once per turn. Where a turn's prompt does not continue the previous sequence (a renderer stripped earlier
+thinking, history was edited), the chain breaks there and a new datum starts. Supervised examples that
+continue each other (renderers without the extension property) merge the same way."""
 
 from __future__ import annotations
 
@@ -60,30 +70,85 @@ def _turn_prompt(trajectory: types_pb2.Trajectory, turn_index: int, codec: ChatC
     return codec.generation_prompt(history, list(trajectory.tools))
 
 
-def _rl_datum(prompt: list[int], turn: types_pb2.SampledTurn, advantage: float) -> tinker.types.Datum:
+@dataclass
+class _Sequence:
+    """One datum before Tinker's types: its tokens, and each float loss input per target position (one
+    fewer than tokens); the positions before `trained_from` carry no loss."""
+
+    tokens: list[int]
+    inputs: dict[str, list[float]]
+    trained_from: int
+
+    def continued_by(self, later: _Sequence) -> bool:
+        """`later` reads this whole sequence as its prefix and trains only after it: one datum of
+        `later`'s tokens carrying both sequences' loss inputs then trains exactly as the two."""
+        return later.trained_from >= len(self.tokens) - 1 and later.tokens[: len(self.tokens)] == self.tokens
+
+    def extended_by(self, later: _Sequence) -> _Sequence:
+        kept = len(self.tokens) - 1
+        return _Sequence(
+            later.tokens,
+            {name: values + later.inputs[name][kept:] for name, values in self.inputs.items()},
+            self.trained_from,
+        )
+
+    def datum(self) -> tinker.types.Datum:
+        positions = len(self.tokens) - 1
+        loss_fn_inputs = {
+            "target_tokens": tinker.types.TensorData(data=self.tokens[1:], dtype="int64", shape=[positions])
+        }
+        for name, values in self.inputs.items():
+            loss_fn_inputs[name] = tinker.types.TensorData(data=values, dtype="float32", shape=[positions])
+        return tinker.types.Datum(
+            model_input=tinker.types.ModelInput.from_ints(self.tokens[:-1]), loss_fn_inputs=loss_fn_inputs
+        )
+
+
+def _turn_sequence(prompt: list[int], turn: types_pb2.SampledTurn, advantage: float) -> _Sequence:
+    """Position i predicts token i + 1: the sampler's logprobs and the advantage sit on the completion's
+    targets, zeros on the len(prompt) − 1 prompt positions."""
     completion = list(turn.completion_token_ids)
-    tokens = prompt + completion
     prompt_positions = len(prompt) - 1
-    return tinker.types.Datum(
-        model_input=tinker.types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={
-            "target_tokens": tinker.types.TensorData(data=tokens[1:], dtype="int64", shape=[len(tokens) - 1]),
-            "logprobs": tinker.types.TensorData(
-                data=[0.0] * prompt_positions + list(turn.completion_logprobs),
-                dtype="float32",
-                shape=[len(tokens) - 1],
-            ),
-            "advantages": tinker.types.TensorData(
-                data=[0.0] * prompt_positions + [advantage] * len(completion),
-                dtype="float32",
-                shape=[len(tokens) - 1],
-            ),
+    return _Sequence(
+        prompt + completion,
+        {
+            "logprobs": [0.0] * prompt_positions + list(turn.completion_logprobs),
+            "advantages": [0.0] * prompt_positions + [advantage] * len(completion),
         },
+        prompt_positions,
     )
 
 
-def rl_batch(request: trainer_service_pb2.TrainRequest, current_version: int, codec: ChatCodec) -> Batch:
+def _merged(sequences: list[_Sequence]) -> list[_Sequence]:
+    """Each run of sequences that continue one another as one sequence; a break starts a new one."""
+    merged: list[_Sequence] = []
+    for sequence in sequences:
+        if merged and merged[-1].continued_by(sequence):
+            merged[-1] = merged[-1].extended_by(sequence)
+        else:
+            merged.append(sequence)
+    return merged
+
+
+def _add(batch: Batch, sequences: list[_Sequence], merge: bool) -> None:
+    for sequence in _merged(sequences) if merge else sequences:
+        batch.datums.append(sequence.datum())
+        batch.total_tokens += len(sequence.tokens)
+
+
+def rl_batch(
+    request: trainer_service_pb2.TrainRequest,
+    current_version: int,
+    codec: ChatCodec,
+    merge_turns: bool = True,
+) -> Batch:
+    """The groups' datums; merge_turns=False (a diagnostic switch: the bench's baseline) keeps one datum
+    per sampled turn even where turns continue one another."""
     batch = Batch()
+    # DRO's drift term ½·β·(lp − q)² counts on every position, prompt included (q = 0 there), so separate
+    # datums count the shared history once per turn, each time against q = 0: a single datum cannot
+    # reproduce that loss (its lp² coefficient grows with the number of turns), so DRO stays per turn.
+    merge = merge_turns and request.loss.function != types_pb2.LOSS_FUNCTION_DRO
     rewards = [t.reward for g in request.groups for t in g.trajectories]
     batch.mean_reward = sum(rewards) / len(rewards)
     batch.std_reward = math.sqrt(sum((r - batch.mean_reward) ** 2 for r in rewards) / len(rewards))
@@ -123,6 +188,7 @@ def rl_batch(request: trainer_service_pb2.TrainRequest, current_version: int, co
             batch.dropped_zero_variance += len(fresh)
             continue
         for (t, trajectory), advantage in zip(fresh, advantages, strict=True):
+            sequences = []
             for k, turn in enumerate(trajectory.turns):
                 prompt = _turn_prompt(trajectory, k, codec)
                 length = len(prompt) + len(turn.completion_token_ids)
@@ -132,9 +198,9 @@ def rl_batch(request: trainer_service_pb2.TrainRequest, current_version: int, co
                         f"{length} tokens exceed the model's context of {codec.max_context_length}",
                     )
                     continue
-                batch.datums.append(_rl_datum(prompt, turn, advantage))
+                sequences.append(_turn_sequence(prompt, turn, advantage))
                 batch.trained_tokens += len(turn.completion_token_ids)
-                batch.total_tokens += length
+            _add(batch, sequences, merge)
             batch.used += 1
     violations.raise_if_any()
     return batch
@@ -147,10 +213,12 @@ _TRAIN_ON = {
 }
 
 
-def sft_batch(request: trainer_service_pb2.TrainRequest, codec: ChatCodec) -> Batch:
+def sft_batch(request: trainer_service_pb2.TrainRequest, codec: ChatCodec, merge_turns: bool = True) -> Batch:
+    """The examples' datums; merge_turns=False keeps one datum per example the renderer makes."""
     batch = Batch()
     violations = Violations()
     for e, example in enumerate(request.examples):
+        sequences = []
         for tokens, weights in codec.supervised_examples(
             list(example.messages), list(example.tools), _TRAIN_ON[example.train_on]
         ):
@@ -161,21 +229,12 @@ def sft_batch(request: trainer_service_pb2.TrainRequest, codec: ChatCodec) -> Ba
                 )
                 continue
             target_weights = weights[1:]
-            batch.datums.append(
-                tinker.types.Datum(
-                    model_input=tinker.types.ModelInput.from_ints(tokens[:-1]),
-                    loss_fn_inputs={
-                        "target_tokens": tinker.types.TensorData(
-                            data=tokens[1:], dtype="int64", shape=[len(tokens) - 1]
-                        ),
-                        "weights": tinker.types.TensorData(
-                            data=target_weights, dtype="float32", shape=[len(tokens) - 1]
-                        ),
-                    },
-                )
+            trained = [i for i, w in enumerate(target_weights) if w != 0]
+            sequences.append(
+                _Sequence(tokens, {"weights": target_weights}, trained[0] if trained else len(target_weights))
             )
             batch.trained_tokens += sum(1 for w in target_weights if w > 0)
-            batch.total_tokens += len(tokens)
+        _add(batch, sequences, merge_turns)
         batch.used += 1
     violations.raise_if_any()
     return batch
