@@ -19,6 +19,14 @@ SIDECAR_API_KEY_ENV = "TINKERRPC_SIDECAR_API_KEY"
 # the command line, which every user of the machine can read); `tinkerrpc engine` reads it too.
 ENGINE_API_KEY_ENV = "TINKERRPC_ENGINE_API_KEY"
 LOG_LEVEL_ENV = "TINKERRPC_LOG_LEVEL"
+# The embedded engine's torch device ("cpu", "cuda", "cuda:1"; unset: CUDA when there is one) and the
+# dtype of its base weights ("float32" or "bfloat16"; unset: bfloat16 on CUDA, float32 on CPU); LoRA
+# weights and optimizer state are float32 either way (docs/devices.md). Read by the engine when it loads a
+# base model, so `serve`'s engine child and every engine a harness starts inherit them; `tinkerrpc
+# engine --device/--dtype` set them.
+ENGINE_DEVICE_ENV = "TINKERRPC_ENGINE_DEVICE"
+ENGINE_DTYPE_ENV = "TINKERRPC_ENGINE_DTYPE"
+ENGINE_DTYPES = ("float32", "bfloat16")
 
 
 def set_process_defaults() -> None:

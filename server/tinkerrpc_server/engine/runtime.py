@@ -7,6 +7,7 @@ Adapters are PEFT named adapters on a single PeftModel and are never merged into
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -26,6 +27,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tinkerrpc_server.engine import sampler
 from tinkerrpc_server.engine.losses import LOSSES, resolve_config
+from tinkerrpc_server.settings import ENGINE_DEVICE_ENV, ENGINE_DTYPE_ENV, ENGINE_DTYPES
+
+log = logging.getLogger("tinkerrpc.engine")
 
 ATTN_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP_MODULES = ["gate_proj", "up_proj", "down_proj"]
@@ -127,12 +131,57 @@ class _Adapter:
     non_finite_loss: bool = False
 
 
+class PlacementError(ValueError):
+    """An engine device or base-weight dtype this machine cannot run; the message says which and why."""
+
+
+def resolve_placement(
+    device: str | None = None, dtype: str | None = None
+) -> tuple[torch.device, torch.dtype]:
+    """The device and base-weight dtype of the engine: the arguments, else $TINKERRPC_ENGINE_DEVICE and
+    $TINKERRPC_ENGINE_DTYPE (settings.py), else CUDA when there is one, bfloat16 on CUDA, float32 elsewhere.
+
+    bfloat16 halves the base model's memory and runs on the GPU's tensor cores; float32 stays the CPU
+    default, where bfloat16 matmuls are no faster and the reference tests compare float32 numerics.
+    """
+    device = device or os.environ.get(ENGINE_DEVICE_ENV) or None
+    dtype = dtype or os.environ.get(ENGINE_DTYPE_ENV) or None
+    try:
+        resolved = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as error:
+        raise PlacementError(f"engine device {device!r} is not a torch device: {error}") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise PlacementError(
+                f"engine device {device!r}: this machine has no usable CUDA device "
+                f"(torch {torch.__version__}, torch.cuda.is_available() is False)"
+            )
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise PlacementError(
+                f"engine device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+    elif resolved.type != "cpu":
+        raise PlacementError(f"engine device {device!r}: the engine runs on cpu or cuda")
+    if dtype is None:
+        return resolved, torch.bfloat16 if resolved.type == "cuda" else torch.float32
+    if dtype not in ENGINE_DTYPES:
+        raise PlacementError(f"engine dtype {dtype!r}: expected one of {', '.join(ENGINE_DTYPES)}")
+    return resolved, getattr(torch, dtype)
+
+
 class BaseModelRuntime:
-    def __init__(self, model_path: Path, device: str | None = None) -> None:
+    """`device` and `dtype` (of the base weights) as in resolve_placement. Whatever the base dtype, LoRA
+    weights, their gradients and AdamW state are float32: PEFT runs each LoRA branch in its weights'
+    dtype (it casts the activations in, and the sum back to the base layer's dtype), and logprobs and
+    losses are taken from float32 logits."""
+
+    def __init__(self, model_path: Path, device: str | None = None, dtype: str | None = None) -> None:
         self.base_model_path = Path(model_path)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device, self.dtype = resolve_placement(device, dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(self.base_model_path)
-        base = AutoModelForCausalLM.from_pretrained(self.base_model_path, dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(
+            self.base_model_path, dtype=self.dtype, attn_implementation="sdpa"
+        )
         base.to(self.device)
         base.eval()  # no dropout anywhere: training steps are deterministic functions of the data
         for param in base.parameters():
@@ -147,6 +196,7 @@ class BaseModelRuntime:
         self._sampler_adapters: OrderedDict[str, str] = OrderedDict()  # weights key -> peft name
         self._next_peft_id = 0
         self.default_stop_token_ids = self._default_stop_token_ids()
+        log.info("base model %s on %s, base weights %s", self.base_model_path.name, self.device, self.dtype)
 
     # ---------------------------------------------------------------- adapters
 
@@ -187,13 +237,19 @@ class BaseModelRuntime:
     def _add_peft_adapter(self, config: LoraConfig, seed: int) -> str:
         peft_name = f"adapter{self._next_peft_id}"
         self._next_peft_id += 1
-        # Adapter init is a function of the seed alone; the global RNG is left untouched.
-        with torch.random.fork_rng(devices=[]):
+        # Adapter init is a function of the seed alone (PEFT draws it on the CPU); the global RNG is left
+        # untouched, CUDA's too (manual_seed seeds every device).
+        cuda_devices = list(range(torch.cuda.device_count())) if self.device.type == "cuda" else []
+        # autocast_adapter_dtype: PEFT gives new LoRA weights the base layer's dtype, then upcasts bf16
+        # ones to float32 (so on bf16 base weights the initial A is bf16-rounded; B starts at zero).
+        with torch.random.fork_rng(devices=cuda_devices):
             torch.manual_seed(seed)
             if self._peft is None:
-                self._peft = get_peft_model(self._base, config, adapter_name=peft_name)
+                self._peft = get_peft_model(
+                    self._base, config, adapter_name=peft_name, autocast_adapter_dtype=True
+                )
             else:
-                self._peft.add_adapter(peft_name, config)
+                self._peft.add_adapter(peft_name, config, autocast_adapter_dtype=True)
         self._peft.to(self.device)
         return peft_name
 
