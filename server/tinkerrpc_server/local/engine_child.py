@@ -7,6 +7,9 @@ It asks the kernel to SIGKILL it when the server dies (even by SIGKILL), then ru
 Set here rather than in a preexec_fn: a preexec_fn forces a plain fork() that runs Python and gRPC's
 fork handlers in the child, which abort it when the server forks while gRPC threads are busy (an engine
 restart). Without one the child is spawned by vfork and runs no code before exec.
+
+The engine's device and base-weight dtype are $TINKERRPC_ENGINE_DEVICE/$TINKERRPC_ENGINE_DTYPE
+(settings.py), inherited from the server's environment; one this machine lacks stops the child at once.
 """
 
 from __future__ import annotations
@@ -60,7 +63,13 @@ def main(argv: list[str]) -> int:
     set_process_defaults()
     configure_logging(default_log_level())
     from tinkerrpc_server.engine.app import run_engine  # after the defaults: it imports torch
+    from tinkerrpc_server.engine.runtime import PlacementError, resolve_placement
 
+    try:
+        resolve_placement()  # here, not when the first model loads: the server reports the exit at start
+    except PlacementError as error:
+        print(f"tinkerrpc engine: cannot start: {error}", file=sys.stderr)
+        return 1
     run_engine(args.host, args.port, args.data_dir, args.model_dir, api_key)
     return 0
 
