@@ -1,5 +1,5 @@
-"""`python -m bench [--short] [--out bench/results.json]`: run every comparison, write results.json and
-results.png beside it, print the markdown table. Exits 1 when a comparison could not run."""
+"""`python -m bench [--short] [--device cuda] [--out bench/results.json]`: run every comparison, write
+results.json and results.png beside it, print the markdown table. Exits 1 when a comparison could not run."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ import torch
 
 from bench import machine, memory, overhead, report, retention, sampling, serialization, training
 from bench.workload import FULL, SHORT, BenchModel, Settings, prepare_model
+from tinkerrpc_server.engine.runtime import PlacementError, resolve_placement
 from tinkerrpc_server.local.stack import LocalEngine
 from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
+from tinkerrpc_server.settings import ENGINE_DEVICE_ENV
 
 
 @dataclass
@@ -29,6 +31,9 @@ class Context:
     work_dir: Path
     threads: int
     stack: contextlib.ExitStack
+    # Where every engine of the run and the in-process baselines compute (the engine's placement).
+    device: torch.device
+    dtype: torch.dtype
     _model: BenchModel | None = None
     _engine: LocalEngine | None = None
     _peak: tuple[float, int] | None = field(default=None)
@@ -50,7 +55,9 @@ class Context:
 
     def measure_peak_matmul(self) -> tuple[float, int]:
         """Measure the matmul peak again; keep and return the best seen in this run."""
-        measured = machine.peak_matmul_flops(self.settings.matmul_sizes, self.settings.matmul_repeats)
+        measured = machine.peak_matmul_flops(
+            self.settings.matmul_sizes, self.settings.matmul_repeats, self.device, self.dtype
+        )
         self._peak = measured if self._peak is None else max(self._peak, measured)
         return self._peak
 
@@ -103,7 +110,19 @@ def main(argv: list[str] | None = None) -> int:
         help="torch threads of every side (in-process baselines and child processes alike); default: torch's",
     )
     parser.add_argument("--only", nargs="+", choices=sorted(COMPARISONS), help="run only these comparisons")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device of the engines and the in-process baselines: cpu or cuda[:N] (bf16 base "
+        "weights there; docs/devices.md); default: %(default)s",
+    )
     args = parser.parse_args(argv)
+    try:
+        device, dtype = resolve_placement(args.device)
+    except PlacementError as error:
+        parser.error(str(error))
+    # Every engine the run starts, directly or under `serve`, reads its device from here.
+    os.environ[ENGINE_DEVICE_ENV] = args.device
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     settings = SHORT if args.short else FULL
     threads = args.threads
@@ -111,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     # Every child (engine, server, sidecar) computes with the thread count of the in-process baselines.
     os.environ["OMP_NUM_THREADS"] = str(threads)
     started = time.perf_counter()
-    results = report.Results(machine=machine.describe_machine(threads), mode=settings.mode)
+    results = report.Results(machine=machine.describe_machine(threads, device, dtype), mode=settings.mode)
     with tempfile.TemporaryDirectory(prefix="tinkerrpc-bench-") as tmp, contextlib.ExitStack() as stack:
-        ctx = Context(settings, args.model_dir, Path(tmp), threads, stack)
+        ctx = Context(settings, args.model_dir, Path(tmp), threads, stack, device, dtype)
         for name, run in COMPARISONS.items():
             if args.only and name not in args.only:
                 continue

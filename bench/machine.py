@@ -21,7 +21,7 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def describe_machine(threads: int) -> dict[str, Any]:
+def describe_machine(threads: int, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     import peft
     import tinker
     import transformers
@@ -31,7 +31,8 @@ def describe_machine(threads: int) -> dict[str, Any]:
         "logical_cores": os.cpu_count(),
         "usable_cores": len(os.sched_getaffinity(0)),
         "torch_threads": threads,
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "base_weights_dtype": str(dtype).removeprefix("torch."),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -42,21 +43,32 @@ def describe_machine(threads: int) -> dict[str, Any]:
     }
 
 
-def matmul_flops(size: int, repeats: int) -> float:
-    """Peak FLOP/s of fp32 square matmuls: the fastest of `repeats` timed runs after a warm-up (the
-    fastest, because other load on the machine only ever slows a run down)."""
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
+def matmul_flops(size: int, repeats: int, device: torch.device, dtype: torch.dtype) -> float:
+    """Peak FLOP/s of square matmuls on `device` in `dtype` (the engine's base weights): the fastest of
+    `repeats` timed runs after a warm-up (the fastest, because other load on the machine only ever slows
+    a run down)."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
     torch.mm(a, b)
     times = []
     for _ in range(repeats):
+        _synchronize(device)
         started = time.perf_counter()
         torch.mm(a, b)
+        _synchronize(device)
         times.append(time.perf_counter() - started)
     return 2 * size**3 / min(times)
 
 
-def peak_matmul_flops(sizes: tuple[int, ...], repeats: int) -> tuple[float, int]:
+def _synchronize(device: torch.device) -> None:
+    """CUDA runs kernels asynchronously: wait for them before reading the clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_matmul_flops(
+    sizes: tuple[int, ...], repeats: int, device: torch.device, dtype: torch.dtype
+) -> tuple[float, int]:
     """The best of matmul_flops over the sizes: (FLOP/s, size that reached it)."""
-    best = max((matmul_flops(size, repeats), size) for size in sizes)
+    best = max((matmul_flops(size, repeats, device, dtype), size) for size in sizes)
     return best[0], best[1]
