@@ -1,5 +1,6 @@
 """Where base models come from: Hugging Face directories named under a model dir, or the
-built-in tiny chat models that are generated deterministically on first use (no model hub needed).
+built-in models that are generated deterministically on first use (no model hub needed): the tiny
+chat models, and a model of Qwen3-0.6B's width (4 layers) for measuring at a real model's shape.
 
 A built-in model is also laid out in the Hugging Face hub cache (`$HF_HUB_CACHE`, by default
 `$HF_HOME/hub`) under its name, so Hugging Face's own loaders find it by name offline:
@@ -20,7 +21,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 log = logging.getLogger("tinkerrpc.models")
 
@@ -28,6 +29,8 @@ DEFAULT_MODEL_DIR = Path(os.environ.get("TINKERRPC_MODEL_DIR", "~/.cache/tinkerr
 
 TINY_CHAT = "tinkerrpc/tiny-chat"
 TINY_CHAT_30M = "tinkerrpc/tiny-chat-30m"
+QWEN3_0_6B_WIDTH = "tinkerrpc/qwen3-0.6b-width"
+QWEN3_VOCAB_SIZE = 151_936
 
 RECIPE_SEED = 1234
 TOKENIZER_VOCAB_TARGET = 1024
@@ -97,11 +100,33 @@ class TinyModelShape:
     head_dim: int
     intermediate_size: int
     max_position_embeddings: int = 2048
+    # Rows of the embedding and unembedding; None = the tokenizer's size. A wider vocabulary than the
+    # tokenizer's is what Qwen3 ships (151,936 rows for 151,669 tokens): ids past the tokenizer are
+    # valid model ids that no text encodes to.
+    vocab_size: int | None = None
+    tie_word_embeddings: bool = False
+    # The dtype of the saved weights (the engine loads float32 either way): bfloat16 halves the file
+    # of a wide model, as Qwen3's own checkpoints are bfloat16.
+    saved_dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 TINY_MODEL_SHAPES: dict[str, TinyModelShape] = {
     TINY_CHAT: TinyModelShape(64, 2, 4, 2, 16, 192),
     TINY_CHAT_30M: TinyModelShape(512, 9, 8, 4, 64, 1536),
+    # Qwen3-0.6B's hidden size, head layout, MLP width, vocabulary and tied embeddings, with 4 of its
+    # 28 layers (~219 M parameters, 156 M of them the embedding), so a step fits a 2-core machine and
+    # the unembedding's matmuls weigh as they do at that width.
+    QWEN3_0_6B_WIDTH: TinyModelShape(
+        1024,
+        4,
+        16,
+        8,
+        128,
+        3072,
+        vocab_size=QWEN3_VOCAB_SIZE,
+        tie_word_embeddings=True,
+        saved_dtype="bfloat16",
+    ),
 }
 
 
@@ -336,7 +361,7 @@ def _build_model(directory: Path, tokenizer: Any, shape: TinyModelShape, seed: i
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
-        vocab_size=len(tokenizer),
+        vocab_size=shape.vocab_size or len(tokenizer),
         hidden_size=shape.hidden_size,
         num_hidden_layers=shape.num_layers,
         num_attention_heads=shape.num_heads,
@@ -344,8 +369,9 @@ def _build_model(directory: Path, tokenizer: Any, shape: TinyModelShape, seed: i
         head_dim=shape.head_dim,
         intermediate_size=shape.intermediate_size,
         max_position_embeddings=shape.max_position_embeddings,
-        # Untied, so a LoRA on lm_head never has to reason about a shared embedding matrix.
-        tie_word_embeddings=False,
+        # tiny-chat is untied, so a LoRA on lm_head never has to reason about a shared embedding
+        # matrix; the Qwen3-0.6B-width model ties them as Qwen3-0.6B does (the LoRA wraps lm_head only).
+        tie_word_embeddings=shape.tie_word_embeddings,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         bos_token_id=None,
@@ -353,7 +379,7 @@ def _build_model(directory: Path, tokenizer: Any, shape: TinyModelShape, seed: i
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)
-    model.save_pretrained(directory, safe_serialization=True)
+    model.to(getattr(torch, shape.saved_dtype)).save_pretrained(directory, safe_serialization=True)
 
 
 def _fsync_file(path: Path) -> None:

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 from tinker_cookbook.renderers import get_renderer
 from tinker_cookbook.tokenizer_utils import get_tokenizer
 
+from tinkerrpc_server.engine.runtime import BaseModelRuntime, DatumArrays, EngineUserError, LoraSpec
 from tinkerrpc_server.model_store import (
+    QWEN3_0_6B_WIDTH,
+    QWEN3_VOCAB_SIZE,
     TINY_CHAT,
+    TINY_MODEL_SHAPES,
     TinyModelShape,
     UnknownBaseModelError,
     build_tiny_model,
@@ -84,3 +90,40 @@ def test_tokenizer_works_with_the_cookbook_qwen3_renderer(tiny_model_path: Path)
 
     chat = tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
     assert chat == prompt
+
+
+def test_qwen3_width_model_has_qwen3_0_6b_shape_and_vocabulary() -> None:
+    shape = TINY_MODEL_SHAPES[QWEN3_0_6B_WIDTH]
+    # Qwen3-0.6B's config.json, but 4 of its 28 layers.
+    assert (shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim) == (1024, 16, 8, 128)
+    assert (shape.intermediate_size, shape.vocab_size, shape.tie_word_embeddings) == (3072, 151_936, True)
+    assert shape.num_layers == 4
+
+
+def test_a_wide_vocabulary_is_the_model_s_and_bounds_the_engine_token_checks(tmp_path: Path) -> None:
+    """The Qwen3-width model's recipe at a small size: embedding and unembedding really have the wide
+    vocabulary's rows (tied, bf16 on disk), the tokenizer stays the project's own, and the engine takes
+    every id below the model's vocabulary, past the tokenizer's."""
+    shape = TinyModelShape(
+        32, 1, 2, 1, 16, 64, vocab_size=QWEN3_VOCAB_SIZE, tie_word_embeddings=True, saved_dtype="bfloat16"
+    )
+    path = build_tiny_model(tmp_path / "wide", shape)
+    config = json.loads((path / "config.json").read_text())
+    assert (config["vocab_size"], config["tie_word_embeddings"], config["dtype"]) == (
+        QWEN3_VOCAB_SIZE,
+        True,
+        "bfloat16",
+    )
+    runtime = BaseModelRuntime(path, device="cpu")
+    assert runtime.vocab_size == QWEN3_VOCAB_SIZE
+    assert len(runtime.tokenizer) < QWEN3_VOCAB_SIZE
+    runtime.create_adapter("wide", LoraSpec(rank=4, seed=0))
+    tokens = np.array([1, len(runtime.tokenizer) + 5, QWEN3_VOCAB_SIZE - 1])
+    datum = DatumArrays(tokens, {"target_tokens": tokens[::-1].copy(), "weights": np.ones(3, np.float32)})
+    result = runtime.forward_backward("wide", [datum], "cross_entropy", None, backward=True)
+    assert result.logprobs[0].shape == (3,) and np.all(result.logprobs[0] < 0)
+    outside = DatumArrays(
+        np.array([QWEN3_VOCAB_SIZE]), {"target_tokens": np.array([0]), "weights": np.ones(1)}
+    )
+    with pytest.raises(EngineUserError, match="outside the vocabulary"):
+        runtime.forward_backward("wide", [outside], "cross_entropy", None, backward=True)
