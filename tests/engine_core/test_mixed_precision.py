@@ -33,8 +33,12 @@ ADAM = {
     "grad_clip_norm": 1.0,
 }
 PROMPT = [1, 291, 201, 420, 311, 408, 14, 338]
-# bfloat16 keeps 8 significant bits: logits of a few units differ from float32 by a few hundredths.
-BF16_LOGPROB_ATOL = 0.15
+# bfloat16 keeps 8 significant bits. On tiny-chat with a random adapter, measured: the bf16 engine's
+# logprobs differ from the fp32 engine's by 0.04 on average, 0.2 at most over 39 tokens; the bf16
+# sampler's from the bf16 learner's (other batch shapes, a KV cache) by at most 0.06.
+BF16_VS_FP32_MEAN_ATOL = 0.1
+BF16_VS_FP32_MAX_ATOL = 0.4
+BF16_SAMPLER_VS_LEARNER_ATOL = 0.15
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +46,7 @@ def bf16_runtime(tiny_model_path: Path) -> BaseModelRuntime:
     return BaseModelRuntime(tiny_model_path, device="cpu", dtype="bfloat16")
 
 
-def sft_datum(vocab_size: int, length: int = 12) -> DatumArrays:
+def sft_datum(vocab_size: int, length: int = 40) -> DatumArrays:
     tokens = np.random.default_rng(3).integers(0, vocab_size, length)
     return DatumArrays(
         tokens[:-1], {"target_tokens": tokens[1:], "weights": np.ones(length - 1, dtype=np.float32)}
@@ -124,7 +128,8 @@ def test_fp32_checkpoint_round_trips_and_bf16_logprobs_stay_near_fp32(
     # The bfloat16 engine's logprobs are the float32 engine's within bfloat16 rounding.
     fp32 = runtime.forward_backward("origin", [datum], "cross_entropy", None, backward=False).logprobs[0]
     bf16 = bf16_runtime.forward_backward("copy", [datum], "cross_entropy", None, backward=False).logprobs[0]
-    np.testing.assert_allclose(bf16, fp32, atol=BF16_LOGPROB_ATOL)
+    assert np.abs(bf16 - fp32).mean() < BF16_VS_FP32_MEAN_ATOL
+    np.testing.assert_allclose(bf16, fp32, atol=BF16_VS_FP32_MAX_ATOL)
 
     # It trains on, and its checkpoint holds float32 weights and moments that load back exactly.
     bf16_runtime.forward_backward("copy", [datum], "cross_entropy", None, backward=True)
@@ -178,5 +183,5 @@ def test_sampling_with_bf16_base_weights(bf16_runtime: BaseModelRuntime, tmp_pat
                 backward=False,
             ).logprobs[0][-job.max_tokens :]
             if job.temperature == 1.0:
-                np.testing.assert_allclose(seq.logprobs, learner, atol=BF16_LOGPROB_ATOL)
+                np.testing.assert_allclose(seq.logprobs, learner, atol=BF16_SAMPLER_VS_LEARNER_ATOL)
     runtime.delete_adapter("policy")
