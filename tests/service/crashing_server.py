@@ -1,7 +1,9 @@
 """The real `tinkerrpc serve` (embedded engine included), built with a step hook that kills the process
-the way SIGKILL would (os._exit(137)) when a Train step reaches the named point. The restart-recovery
-tests run it as `python -m crashing_server serve --host H --port P --data-dir D --model-dir M
---crash-at POINT` with this directory on PYTHONPATH (svc.Server(..., crash_at=POINT) does that)."""
+the way SIGKILL would (os._exit(137)) when a Train step reaches the named point (the `--crash-after`th time
+it does, 1 by default). The restart-recovery tests run it as `python -m crashing_server serve --host H
+--port P --data-dir D --model-dir M --crash-at POINT` with this directory on PYTHONPATH
+(svc.Server(..., crash_at=POINT) does that). With TINKER_API_KEY set it uses the Tinker at --tinker-url,
+as `tinkerrpc serve` does, instead of an embedded engine child."""
 
 from __future__ import annotations
 
@@ -20,13 +22,16 @@ log = logging.getLogger("tinkerrpc.test.crash")
 
 
 class CrashAt:
-    def __init__(self, point: StepPoint) -> None:
+    def __init__(self, point: StepPoint, times: int) -> None:
         self.point = point
+        self.times = times
 
     def reached(self, point: StepPoint) -> None:
         if point == self.point:
-            log.warning("Train step reached %s: exiting now", point)
-            os._exit(137)
+            self.times -= 1
+            if self.times == 0:
+                log.warning("Train step reached %s: exiting now", point)
+                os._exit(137)
 
 
 def main() -> int:
@@ -43,6 +48,9 @@ def main() -> int:
     parser.add_argument("--data-dir", type=Path, required=True)
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--crash-at", choices=get_args(StepPoint), required=True)
+    parser.add_argument("--crash-after", type=int, default=1)
+    parser.add_argument("--checkpoint-every", type=int)
+    parser.add_argument("--tinker-url")
     args = parser.parse_args()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
@@ -52,13 +60,18 @@ def main() -> int:
         port=args.port,
         data_dir=args.data_dir,
         model_dir=args.model_dir,
-        step_hooks=CrashAt(args.crash_at),
+        checkpoint_every=args.checkpoint_every,
+        tinker_url=args.tinker_url,
+        step_hooks=CrashAt(args.crash_at, args.crash_after),
     )
-    engine = EmbeddedEngine(args.data_dir / "engine", args.model_dir)
+    engine = (
+        None if os.environ.get("TINKER_API_KEY") else EmbeddedEngine(args.data_dir / "engine", args.model_dir)
+    )
     try:
         return asyncio.run(serve(config, engine))
     finally:
-        engine.stop()
+        if engine is not None:
+            engine.stop()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Named state checkpoints: save, list, restore (the model moves to the checkpoint's version, later
-versions are dropped) and delete, never the one the model would recover from nor the current sampler."""
+versions are dropped but their idempotency records stay: a retried acknowledged key is still answered
+from its record) and delete, never the one the model would recover from nor the current sampler."""
 
 from __future__ import annotations
 
@@ -34,8 +35,6 @@ class Checkpoints:
         runtime = self._models.runtime(request.model)
         check_checkpoint_name(request.name)
         async with runtime.lock:
-            if runtime.dirty:
-                await self._models.roll_back(request.model, runtime)
             row = self._models.row(request.model)
             name = request.name or state_name(row.policy_version)
             existing = self._store.get_checkpoint(row.name, KIND_STATE, name)

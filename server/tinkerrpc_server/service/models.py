@@ -1,6 +1,6 @@
 """The model registry: each model's in-memory runtime (step lock, training client, dirty flag), the
-sampling clients by tinker:// path, rollback to the recovery point, ModelInfo, and creating and deleting
-models. Every other room reaches models and their clients through it."""
+sampling clients by tinker:// path, rebuilding a training client (recovery point + replayed steps),
+ModelInfo, and creating and deleting models. Every other room reaches models and their clients through it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from google.protobuf import timestamp_pb2
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server import model_store
-from tinkerrpc_server.service import errors
+from tinkerrpc_server.service import errors, recovery
 from tinkerrpc_server.service.backend import Backend
 from tinkerrpc_server.service.deadlines import bounded
 from tinkerrpc_server.service.events import ModelEvents
@@ -172,44 +172,56 @@ class ModelRegistry:
             self._sampling_clients[path] = task
         return await asyncio.shield(task)
 
-    async def roll_back(self, name: str, runtime: ModelRuntime) -> None:
-        """Forget uncommitted work: versions after the last committed state checkpoint go, and the
-        training client is reloaded from that checkpoint on next use."""
-        row = self.row(name)
-        with self._store.transaction() as tx:
-            stale_paths = self._store.roll_back(tx, name, row.recovery_version)
-        if row.policy_version != row.recovery_version:
-            log.warning(
-                "model %s: rolled back from version %d to its recovery point %d",
-                name,
-                row.policy_version,
-                row.recovery_version,
-            )
+    def discard_training_client(self, runtime: ModelRuntime) -> None:
+        """Forget uncommitted work: the training client goes (unloaded), and its next use rebuilds the
+        current version from the recovery point and the recorded steps after it."""
         dropped, runtime.training_client = runtime.training_client, None
         runtime.dirty = False
         if dropped is not None:
             unload_training_client(dropped)
-        await self.delete_tinker_paths(stale_paths)
 
     async def training_client(self, name: str, runtime: ModelRuntime) -> tinker.TrainingClient:
         if runtime.dirty:
-            await self.roll_back(name, runtime)
+            self.discard_training_client(runtime)
         if runtime.training_client is None:
             row = self.row(name)
             client = await bounded(
                 self._backend.service.create_training_client_from_state_with_optimizer(row.recovery_path),
                 "loading the training client",
             )
+            try:
+                await recovery.replay(self._store, row, client)
+            except BaseException:
+                unload_training_client(client)
+                raise
             self._store.set_run_id(name, str(client.model_id))
             runtime.training_client = client
-            log.info("model %s: training client %s loaded from %s", name, client.model_id, row.recovery_path)
+            log.info(
+                "model %s: training client %s loaded from %s at version %d",
+                name,
+                client.model_id,
+                row.recovery_path,
+                row.policy_version,
+            )
         return runtime.training_client
 
     async def recover(self) -> None:
-        """At start-up: every model goes to its recovery point (a no-op when each step saved state), and
-        the checkpoint files no row references (steps that never committed) are deleted."""
-        for name, runtime in self._runtimes.items():
-            await self.roll_back(name, runtime)
+        """At start-up: every model stays at its committed version (its training client is rebuilt on
+        first use), unless step records are missing (a database of an older release): then it goes back
+        to the newest version they rebuild. The checkpoint files no row references (steps that never
+        committed) are deleted."""
+        for row in self._store.list_models():
+            rebuilt = recovery.replayable_version(self._store, row)
+            if rebuilt < row.policy_version:
+                with self._store.transaction() as tx:
+                    stale_paths = self._store.roll_back(tx, row.name, rebuilt)
+                log.warning(
+                    "model %s: versions after %d have no step records; rolled back from version %d",
+                    row.name,
+                    rebuilt,
+                    row.policy_version,
+                )
+                await self.delete_tinker_paths(stale_paths)
         known = {
             c.tinker_path for row in self._store.list_models() for c in self._store.list_checkpoints(row.name)
         }
@@ -226,13 +238,12 @@ class ModelRegistry:
         self._sampling_clients.clear()
 
     async def reload_all(self) -> int:
-        """After an engine restart: every model goes to its recovery point once its lock is free (the
-        interrupted calls release the locks as they unwind). The number of models."""
-        for name, runtime in list(self._runtimes.items()):
+        """After an engine restart: every model's training client is rebuilt on next use, once its lock
+        is free (the interrupted calls release the locks as they unwind). The number of models."""
+        for runtime in list(self._runtimes.values()):
             async with runtime.lock:
                 runtime.training_client = None  # it died with its engine: nothing to unload
-                if self._store.get_model(name) is not None:
-                    await self.roll_back(name, runtime)
+                runtime.dirty = False
         return len(self._runtimes)
 
     async def create(self, request: pb.CreateModelRequest) -> types_pb2.ModelInfo:

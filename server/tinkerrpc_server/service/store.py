@@ -1,5 +1,5 @@
-"""Server state in SQLite (WAL): models, checkpoints (state and sampler), idempotency records and
-per-step metrics.
+"""Server state in SQLite (WAL): models, checkpoints (state and sampler), idempotency records,
+per-step metrics and the write-ahead records of steps after each model's recovery point.
 
 A model's committed policy version and everything a Train step records change in ONE transaction
 with synchronous=FULL, so a process killed at any moment restarts with a consistent state.
@@ -33,7 +33,7 @@ CREATE TABLE IF NOT EXISTS models (
     tinker_run_id TEXT NOT NULL,
     policy_version INTEGER NOT NULL,
     -- The full-state checkpoint training resumes from (restart, cancelled step): its version is
-    -- the recovery point; versions after it are rolled back on restart.
+    -- the recovery point; the versions after it are rebuilt by replaying their step_inputs.
     recovery_version INTEGER NOT NULL,
     recovery_path TEXT NOT NULL,
     -- Retention asked for at CreateModel; NULL: the server's --keep-* flag.
@@ -59,6 +59,15 @@ CREATE TABLE IF NOT EXISTS idempotency (
     policy_version INTEGER NOT NULL,
     response BLOB NOT NULL,
     PRIMARY KEY (model, key)
+);
+-- What a committed step without a state checkpoint sent the backend (service/recovery.py encodes it),
+-- replayed on top of the recovery point; only versions after the recovery point are kept.
+CREATE TABLE IF NOT EXISTS step_inputs (
+    model TEXT NOT NULL REFERENCES models(name) ON DELETE CASCADE,
+    policy_version INTEGER NOT NULL,
+    header TEXT NOT NULL,
+    arrays BLOB NOT NULL,
+    PRIMARY KEY (model, policy_version)
 );
 CREATE TABLE IF NOT EXISTS step_metrics (
     model TEXT NOT NULL REFERENCES models(name) ON DELETE CASCADE,
@@ -119,6 +128,13 @@ class MetricsRow:
     policy_version: int
     metrics: bytes  # a serialized tinkerrpc.v1.TrainMetrics
     create_time: float
+
+
+@dataclass(frozen=True)
+class StepInputsRow:
+    policy_version: int
+    header: str  # JSON: loss, its config, Adam params and each datum's layout
+    arrays: bytes  # the datums' tokens and loss inputs, compressed
 
 
 @dataclass(frozen=True)
@@ -190,6 +206,8 @@ class Store:
             tx.execute(
                 "UPDATE models SET recovery_version = ?, recovery_path = ? WHERE name = ?", (*recovery, name)
             )
+            # Replay starts after the recovery point: the records up to it are no longer needed.
+            tx.execute("DELETE FROM step_inputs WHERE model = ? AND policy_version <= ?", (name, recovery[0]))
 
     # checkpoints
 
@@ -298,7 +316,8 @@ class Store:
         return int(row[0])
 
     def roll_back(self, tx: sqlite3.Connection, model: str, version: int) -> list[str]:
-        """Forget what versions after `version` recorded; returns their sampler paths to delete."""
+        """Forget what versions after `version` recorded but their idempotency records (a retried
+        acknowledged key is still answered from its record); returns their sampler paths to delete."""
         paths = [
             str(r[0])
             for r in tx.execute(
@@ -310,10 +329,34 @@ class Store:
             "DELETE FROM checkpoints WHERE model = ? AND kind = ? AND policy_version > ?",
             (model, KIND_SAMPLER, version),
         )
-        tx.execute("DELETE FROM idempotency WHERE model = ? AND policy_version > ?", (model, version))
+        tx.execute("DELETE FROM step_inputs WHERE model = ? AND policy_version > ?", (model, version))
         tx.execute("DELETE FROM step_metrics WHERE model = ? AND policy_version > ?", (model, version))
         tx.execute("UPDATE models SET policy_version = ? WHERE name = ?", (version, model))
         return paths
+
+    # write-ahead step records
+
+    def put_step_inputs(
+        self, tx: sqlite3.Connection, model: str, version: int, header: str, arrays: bytes
+    ) -> None:
+        tx.execute("INSERT INTO step_inputs VALUES (?, ?, ?, ?)", (model, version, header, arrays))
+
+    def step_inputs(self, model: str, after: int) -> list[StepInputsRow]:
+        """The model's step records after version `after`, ascending."""
+        rows = self._db.execute(
+            "SELECT policy_version, header, arrays FROM step_inputs WHERE model = ? AND policy_version > ?"
+            " ORDER BY policy_version",
+            (model, after),
+        )
+        return [StepInputsRow(int(r[0]), str(r[1]), bytes(r[2])) for r in rows]
+
+    def step_input_versions(self, model: str, after: int) -> list[int]:
+        rows = self._db.execute(
+            "SELECT policy_version FROM step_inputs WHERE model = ? AND policy_version > ?"
+            " ORDER BY policy_version",
+            (model, after),
+        )
+        return [int(r[0]) for r in rows]
 
     # idempotency and metrics
 

@@ -1,14 +1,16 @@
 """The Train transaction. One step on model M at version N:
   validate → build datums → forward_backward, optim_step, save_weights_for_sampler("vNNNNNN") and,
   every --checkpoint-every steps, save_state("step_NNNNNN"), all submitted at once (the SDK orders
-  them by sequence id) → ONE transaction commits version N+1, the checkpoint rows, the metrics and
-  the idempotency record → respond.
+  them by sequence id) → ONE transaction commits version N+1, the checkpoint rows, the metrics, the
+  idempotency record and, for a version without a state checkpoint, the step's write-ahead record
+  (service/recovery.py) → respond.
 A step that fails, is cancelled or passes its deadline (service/deadlines.py bounds each future) after it
-submitted work marks the model dirty; the next call that trains first rolls back to the recovery point (the
-last committed state checkpoint) and reloads the training client from it. A step the engine refused as
-non-finite (NON_FINITE_UPDATE) changed nothing there: the model stays clean and only the saves submitted
-after it are deleted. A step that came back with a non-finite loss or metric from a backend without that
-guard fails NON_FINITE_UPDATE too, and rolls back."""
+submitted work marks the model dirty; the next call that trains first drops the training client and
+rebuilds it at the committed version: loaded from the recovery point (the last committed state checkpoint),
+the recorded steps after it replayed. A step the engine refused as non-finite (NON_FINITE_UPDATE) changed
+nothing there: the model stays clean and only the saves submitted after it are deleted. A step that came
+back with a non-finite loss or metric from a backend without that guard fails NON_FINITE_UPDATE too, and
+the model is rebuilt the same way."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import tinker
 
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
-from tinkerrpc_server.service import errors
+from tinkerrpc_server.service import errors, recovery
 from tinkerrpc_server.service.datums import Batch, build_batch
 from tinkerrpc_server.service.deadlines import bounded
 from tinkerrpc_server.service.limits import Limits
@@ -36,6 +38,7 @@ from tinkerrpc_server.service.models import (
     sampler_name,
     state_name,
 )
+from tinkerrpc_server.service.recovery import StepRecord
 from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE, CheckpointRow, ModelRow, Store
 from tinkerrpc_server.service.validation import (
     check_expected_version,
@@ -180,13 +183,13 @@ class Trainer:
         version = row.policy_version + 1
         loss = loss_name(request)
         save_state = version % self._checkpoint_every == 0
+        adam = _adam(request.adam)
+        loss_config = _loss_config(request.loss, loss)
         # The SDK sends all four at once; each waits for its result in a task of its own, so a step that
         # ends early (cancelled, past its deadline, failed) cancels the waits it no longer needs and the
         # engine drops those operations instead of running them for nobody.
-        forward_backward = asyncio.ensure_future(
-            client.forward_backward(batch.datums, loss, _loss_config(request.loss, loss))
-        )
-        optim_step = asyncio.ensure_future(client.optim_step(_adam(request.adam)))
+        forward_backward = asyncio.ensure_future(client.forward_backward(batch.datums, loss, loss_config))
+        optim_step = asyncio.ensure_future(client.optim_step(adam))
         sampler_save = asyncio.ensure_future(client.save_weights_for_sampler(sampler_name(version)))
         state_save = asyncio.ensure_future(client.save_state(state_name(version))) if save_state else None
         name = row.name
@@ -246,6 +249,12 @@ class Trainer:
                 sampler_checkpoint=checkpoint_info(sampler_row),
                 state_checkpoint=checkpoint_info(state_row) if state_row is not None else None,
             )
+            # Without a state checkpoint, this version is rebuilt from its record after the recovery point.
+            step_record = (
+                recovery.encode(StepRecord(batch.datums, loss, loss_config, adam))
+                if state_row is None
+                else None
+            )
             # A state checkpoint of this name from an abandoned timeline (before a restore) is replaced.
             replaced = (
                 self._store.get_checkpoint(name, KIND_STATE, state_name(version)) if state_row else None
@@ -259,6 +268,8 @@ class Trainer:
                 if state_row is not None:
                     self._store.put_checkpoint(tx, state_row)
                 self._store.put_metrics(tx, name, version, metrics.SerializeToString())
+                if step_record is not None:
+                    self._store.put_step_inputs(tx, name, version, *step_record)
                 if request.idempotency_key:
                     self._store.put_idempotency(
                         tx, name, request.idempotency_key, hashed, version, response.SerializeToString()

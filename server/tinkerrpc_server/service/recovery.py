@@ -1,0 +1,152 @@
+"""Write-ahead step records, and rebuilding a model's training state from them.
+
+A Train step whose version gets no full-state checkpoint (--checkpoint-every K > 1) commits, in the same
+transaction as its version, a record of exactly what it sent the backend: each datum's tokens and loss
+inputs (numpy bytes, compressed), the loss name and config, and the Adam params. A model's training state
+is therefore always its recovery point (the last committed state checkpoint) plus the recorded steps after
+it. Whenever the training client has to be made anew (a restart, an engine restart, a failed or cancelled
+step), it is loaded from the recovery point and those steps are replayed in order through the same
+forward_backward + optim_step calls, so every acknowledged version keeps its number, its sampler weights
+(saved by the step itself, before its commit), its metrics and its idempotency record, and training goes
+on from the weights and optimizer state the step produced. On the embedded engine (CPU) a replay is
+bitwise equal to the original step (tests/service/test_crash_replay.py compares every version trained
+after a replay with an uninterrupted run); each replayed loss is compared with the recorded one and a
+difference is logged. The records up to the recovery point are deleted as it advances (store.set_version),
+so a model keeps fewer than K of them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import tinker
+
+from tinkerrpc.v1 import types_pb2
+from tinkerrpc_server.service.deadlines import bounded
+from tinkerrpc_server.service.store import ModelRow, StepInputsRow, Store
+
+log = logging.getLogger("tinkerrpc.service")
+
+# Replayed and recorded loss differ by more than this (relative): the backend is not deterministic.
+LOSS_TOLERANCE = 1e-5
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one Train step sent the backend."""
+
+    datums: list[tinker.types.Datum]
+    loss: str
+    loss_config: dict[str, float] | None
+    adam: tinker.types.AdamParams
+
+
+def _wire_dtype(dtype: str) -> np.dtype[np.float64] | np.dtype[np.int64]:
+    """Floats are kept as float64 and integers as int64: the values exactly as the step held them."""
+    return np.dtype(np.float64) if dtype.startswith("float") else np.dtype(np.int64)
+
+
+def encode(record: StepRecord) -> tuple[str, bytes]:
+    """(header JSON, compressed arrays) for the step_inputs row."""
+    layouts: list[dict[str, object]] = []
+    arrays: list[bytes] = []
+    for datum in record.datums:
+        tokens = datum.model_input.to_ints()
+        arrays.append(np.asarray(tokens, dtype=np.int64).tobytes())
+        inputs: list[list[object]] = []
+        for name, tensor in datum.loss_fn_inputs.items():
+            if tensor.sparse_crow_indices is not None or tensor.data is None:
+                raise ValueError(f"loss input {name!r} is not a dense list: it cannot be recorded")
+            values = np.asarray(tensor.data, dtype=_wire_dtype(tensor.dtype))
+            inputs.append([name, tensor.dtype, tensor.shape, values.size])
+            arrays.append(values.tobytes())
+        layouts.append({"tokens": len(tokens), "inputs": inputs})
+    header = {
+        "loss": record.loss,
+        "loss_config": record.loss_config,
+        "adam": record.adam.model_dump(),
+        "datums": layouts,
+    }
+    return json.dumps(header), zlib.compress(b"".join(arrays), 1)
+
+
+def decode(row: StepInputsRow) -> StepRecord:
+    header = json.loads(row.header)
+    arrays = zlib.decompress(row.arrays)
+    offset = 0
+
+    def take(count: int, dtype: np.dtype[np.float64] | np.dtype[np.int64]) -> list[int] | list[float]:
+        nonlocal offset
+        values = np.frombuffer(arrays, dtype=dtype, count=count, offset=offset)
+        offset += values.nbytes
+        result: list[int] | list[float] = values.tolist()
+        return result
+
+    datums = []
+    for layout in header["datums"]:
+        tokens = take(layout["tokens"], np.dtype(np.int64))
+        loss_fn_inputs = {
+            name: tinker.types.TensorData(data=take(size, _wire_dtype(dtype)), dtype=dtype, shape=shape)
+            for name, dtype, shape, size in layout["inputs"]
+        }
+        datums.append(
+            tinker.types.Datum(
+                model_input=tinker.types.ModelInput.from_ints([int(t) for t in tokens]),
+                loss_fn_inputs=loss_fn_inputs,
+            )
+        )
+    return StepRecord(
+        datums=datums,
+        loss=header["loss"],
+        loss_config=header["loss_config"],
+        adam=tinker.types.AdamParams.model_validate(header["adam"]),
+    )
+
+
+def replayable_version(store: Store, row: ModelRow) -> int:
+    """The newest version the recovery point and the unbroken run of records after it rebuild."""
+    version = row.recovery_version
+    for recorded in store.step_input_versions(row.name, row.recovery_version):
+        if recorded != version + 1:
+            break
+        version = recorded
+    return min(version, row.policy_version)
+
+
+async def replay(store: Store, row: ModelRow, client: tinker.TrainingClient) -> None:
+    """Apply the recorded steps after the recovery point to `client`, loaded from it: the model's
+    training state at its current version."""
+    rows = store.step_inputs(row.name, row.recovery_version)
+    recorded_losses = {
+        m.policy_version: types_pb2.TrainMetrics.FromString(m.metrics).loss
+        for m in store.metrics_rows(row.name, row.recovery_version + 1, row.policy_version, len(rows))
+    }
+    for step in rows:
+        record = decode(step)
+        forward_backward = client.forward_backward(record.datums, record.loss, record.loss_config)
+        optim_step = client.optim_step(record.adam)
+        output = await bounded(forward_backward, "forward_backward (replay)")
+        await bounded(optim_step, "optim_step (replay)")
+        loss = float(output.metrics.get("loss:sum", math.nan))
+        recorded = recorded_losses.get(step.policy_version, math.nan)
+        if not math.isclose(loss, recorded, rel_tol=LOSS_TOLERANCE, abs_tol=LOSS_TOLERANCE):
+            log.warning(
+                "model %s: replayed version %d has loss %r, recorded %r: the backend is not deterministic",
+                row.name,
+                step.policy_version,
+                loss,
+                recorded,
+            )
+    if rows:
+        log.info(
+            "model %s: replayed versions %d..%d on top of its recovery point %d",
+            row.name,
+            rows[0].policy_version,
+            rows[-1].policy_version,
+            row.recovery_version,
+        )
