@@ -3,9 +3,11 @@ same learner logprobs on every sampled token and the same LoRA gradients, for ev
 (importance sampling with and without normalize_std, PPO, CISPO; cross-entropy for supervised examples).
 The datums of datums.rl_batch / sft_batch go straight into the engine's runtime, on twin adapters.
 
-Tolerance: the two forms differ only in float32 summation order (longer sequences, other micro-batches),
-so the loss agrees to rel 1e-5 and every entry of each gradient tensor to within 1e-5 of that tensor's
-largest entry (seen: at most 1.2e-6 on CPU).
+Tolerance: the two forms differ only in float32 summation order (longer sequences, other micro-batches
+and thread scheduling of CPU reductions): the loss, a sum over ~50 sampled tokens whose terms cancel
+across the group, agrees to 1e-4 absolute (seen: at most 6e-6), and every entry of each gradient tensor
+to within 1e-4 of that tensor's largest entry (seen: at most 1.2e-6). A misplaced span or advantage
+moves both by orders of magnitude more.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from tinkerrpc_server.service.datums import rl_batch, sft_batch
 from tinkerrpc_server.service.rendering import ChatCodec, ChatCodecs
 
 VERSION = 2
-GRAD_TOLERANCE = 1e-5
+LOSS_TOLERANCE = 1e-4
+GRAD_TOLERANCE = 1e-4
 REWARDS = [1.0, 0.0, 0.25]
 TURNS = 3
 COMPLETION = 6
@@ -97,7 +100,7 @@ def _trained(datums: list[tinker.types.Datum], logprobs: list[np.ndarray], colum
 
 
 def _assert_same_training(merged: Step, separate: Step) -> None:
-    assert merged.loss == pytest.approx(separate.loss, rel=1e-5)
+    assert merged.loss == pytest.approx(separate.loss, abs=LOSS_TOLERANCE)
     assert merged.grads.keys() == separate.grads.keys()
     for name, grad in merged.grads.items():
         scale = float(separate.grads[name].abs().max())
