@@ -224,6 +224,14 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         action="store_true",
         help="serve without a key: anyone who reaches the port uses the engine (loopback --host only)",
     )
+    p.add_argument(
+        "--session-timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="finish a tinker session (unload its training clients, drop its ephemeral sampler weights) "
+        "after this long without a heartbeat; the SDK heartbeats every 10 s (default: %(default)s)",
+    )
     p.set_defaults(func=_engine)
 
 
@@ -258,6 +266,8 @@ def _engine_api_key(args: argparse.Namespace) -> tuple[str | None, str | None]:
 
 def _engine(args: argparse.Namespace) -> int:
     api_key, problem = _engine_api_key(args)
+    if problem is None and not 10 < args.session_timeout <= 86400:
+        problem = f"--session-timeout must be above the SDK's 10 s heartbeat and at most a day, got {args.session_timeout}"
     if problem is not None:
         print(f"tinkerrpc engine: {problem}", file=sys.stderr)
         return 2
@@ -271,7 +281,8 @@ def _engine(args: argparse.Namespace) -> int:
     from tinkerrpc_server.engine.app import run_engine
     from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
 
-    run_engine(args.host, args.port, args.data_dir, args.model_dir or DEFAULT_MODEL_DIR, api_key)
+    model_dir = args.model_dir or DEFAULT_MODEL_DIR
+    run_engine(args.host, args.port, args.data_dir, model_dir, api_key, args.session_timeout)
     return 0
 
 

@@ -1,6 +1,8 @@
 """tinker-cookbook's supervised and RL loops (`supervised.train.main`, `rl.train.main`, unmodified) against
 a `tinkerrpc engine` process: they train, checkpoint, evaluate, resume after a SIGKILL from their own log
-dir, and leave no superseded ephemeral sampler snapshot behind.
+dir, and leave nothing ephemeral behind: the loops never close their ServiceClient, so once a loop's
+process has ended its session falls silent and the engine finishes it (unloads its training clients and
+deletes their unnamed sampler snapshots) after the session timeout.
 
 Each loop runs as the user runs it, in its own process (cookbook_runs.py), told where the engine is
 only by TINKER_BASE_URL / TINKER_API_KEY and loading the tokenizer by name with HF_HUB_OFFLINE=1.
@@ -28,6 +30,8 @@ STEPS = 8
 SAVE_EVERY = 2
 KILL_AT_CHECKPOINT = 4
 RUN_TIMEOUT = 300.0
+# Twice the SDK's heartbeat period, so a live loop's session never lapses; the engine sweeps every 5 s.
+SESSION_TIMEOUT = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +40,13 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEngine]:
     with pytest.MonkeyPatch.context() as patch:
         # The engine lays the built-in models out in this hub cache; the loops read them from it.
         patch.setenv("HF_HUB_CACHE", str(work / "hf-hub"))
-        running = LocalEngine(work / "data", work / "models", work / "engine.log", startup_timeout=180.0)
+        running = LocalEngine(
+            work / "data",
+            work / "models",
+            work / "engine.log",
+            startup_timeout=180.0,
+            session_timeout=SESSION_TIMEOUT,
+        )
     running.start()
     yield running
     assert running.stop() == 0, running.log()[-3000:]
@@ -138,6 +148,22 @@ def _assert_checkpoints_kept(engine: LocalEngine, log_path: Path) -> None:
     assert all("/sampler_weights/" in path for path in unnamed), unnamed
     per_model = [path.removeprefix("tinker://").split("/")[0] for path in unnamed]
     assert len(per_model) == len(set(per_model)), f"superseded ephemeral snapshots kept: {unnamed}"
+    _assert_sessions_finish(engine, model_ids, named)
+
+
+def _assert_sessions_finish(engine: LocalEngine, model_ids: set[str], named: set[str]) -> None:
+    """The loop's process has ended: within the session timeout (plus a sweep) its sessions are finished,
+    no training client stays loaded and no unnamed sampler snapshot survives; named checkpoints stay."""
+    rest = engine.rest_client()
+    deadline = time.monotonic() + SESSION_TIMEOUT + 30.0
+    while True:
+        stored = {c.tinker_path for m in model_ids for c in rest.list_checkpoints(m).result().checkpoints}
+        live = engine.stats()["live_models"]
+        if (live == 0 and stored == named) or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert live == 0, f"{live} training clients still loaded after their sessions fell silent"
+    assert stored == named, f"ephemeral snapshots left: {sorted(stored - named)}; missing: {named - stored}"
 
 
 def test_supervised_loop_trains_evaluates_checkpoints_and_resumes(

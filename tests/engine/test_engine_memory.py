@@ -33,6 +33,27 @@ def test_a_finished_session_frees_its_training_clients(engine: LocalEngine) -> N
     assert _live_models(engine) == baseline
 
 
+def test_a_finished_session_answers_410_and_makes_nothing_more(engine: LocalEngine) -> None:
+    """The SDK stops heartbeating on 410; a finished session cannot load what nothing would free."""
+
+    def post(path: str, body: dict[str, object]) -> httpx.Response:
+        return httpx.post(
+            f"{engine.base_url}/api/v1/{path}", json=body, headers=engine.auth_headers, timeout=30
+        )
+
+    session_id = post("create_session", {}).json()["session_id"]
+    heartbeat = {"session_id": session_id, "type": "session_heartbeat"}
+    assert post("session_heartbeat", heartbeat).status_code == 200
+    assert post(f"sessions/{session_id}/finish", {}).status_code == 200
+    gone = post("session_heartbeat", heartbeat)
+    assert gone.status_code == 410 and "finished" in gone.json()["detail"]
+    before = _live_models(engine)
+    create = {"session_id": session_id, "model_seq_id": 0, "base_model": "tinkerrpc/tiny-chat"}
+    refused = post("create_model", create)
+    assert refused.status_code == 400 and "finished" in refused.json()["detail"]
+    assert _live_models(engine) == before
+
+
 @pytest.mark.parametrize("named", [False, True])
 def test_unnamed_sampler_snapshots_are_ephemeral(engine: LocalEngine, named: bool) -> None:
     with engine.service_client() as service:

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 
 from tinkerrpc_server.engine import protocol
 from tinkerrpc_server.engine.auth import ApiKeyMiddleware
-from tinkerrpc_server.engine.core import Engine, NotFound
+from tinkerrpc_server.engine.core import DEFAULT_SESSION_TIMEOUT_SECONDS, Engine, NotFound
 from tinkerrpc_server.engine.routes import models, sampling, training, weights
 from tinkerrpc_server.engine.routes.common import future
 from tinkerrpc_server.engine.signed_urls import Forbidden
@@ -52,10 +52,15 @@ def describe_invalid_body(errors: Sequence[Any]) -> str:
     return "invalid request: " + "; ".join(parts)
 
 
-def create_app(data_dir: Path, model_dir: Path, api_key: str | None) -> FastAPI:
+def create_app(
+    data_dir: Path,
+    model_dir: Path,
+    api_key: str | None,
+    session_timeout: float = DEFAULT_SESSION_TIMEOUT_SECONDS,
+) -> FastAPI:
     """The engine's app; with `api_key`, every request but the health check and signed downloads needs
     it (engine.auth), with None the engine serves anyone who reaches its port."""
-    engine = Engine(data_dir, model_dir)
+    engine = Engine(data_dir, model_dir, session_timeout)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -93,13 +98,20 @@ def create_app(data_dir: Path, model_dir: Path, api_key: str | None) -> FastAPI:
     return app
 
 
-def run_engine(host: str, port: int, data_dir: Path, model_dir: Path, api_key: str | None) -> None:
+def run_engine(
+    host: str,
+    port: int,
+    data_dir: Path,
+    model_dir: Path,
+    api_key: str | None,
+    session_timeout: float = DEFAULT_SESSION_TIMEOUT_SECONDS,
+) -> None:
     """Serve the engine until SIGTERM/SIGINT, then return normally."""
     # Everything the engine writes (weights, optimizer state, its index) is its owner's alone.
     os.umask(0o077)
     # Before listening: once the engine answers, clients can load the built-in models by name.
     prepare_builtin_models(model_dir)
-    app = create_app(data_dir, model_dir, api_key)
+    app = create_app(data_dir, model_dir, api_key, session_timeout)
     log.info(
         "engine on http://%s:%d (data %s, models %s, %s)",
         host,

@@ -6,10 +6,12 @@ documented "compute thread" run inside work submitted to the worker.
 
 Bounded by what clients are still using: a training client's adapter and optimizer state are freed when
 it is unloaded (`unload_model`, which the service sends when it drops a training client: restore,
-rollback, cancelled step, DeleteModel) or when the session that created it finishes. An unnamed
+rollback, cancelled step, DeleteModel) or when the session that created it finishes: the client finishes
+it, or stops sending the SDK's heartbeats (every 10 s) for the session timeout. An unnamed
 `save_weights_for_sampler` snapshot is ephemeral: the next unnamed snapshot of the same training client,
 its unload, or an engine restart deletes it. Checkpoints saved with `ttl_seconds` are deleted by a sweep
-every SWEEP_INTERVAL_SECONDS once it has passed (and are unknown from that moment on).
+every SWEEP_INTERVAL_SECONDS once it has passed (and are unknown from that moment on); the same sweep
+finishes silent sessions.
 """
 
 from __future__ import annotations
@@ -19,13 +21,23 @@ import logging
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from tinker import types
+
 from tinkerrpc_server.engine import protocol
-from tinkerrpc_server.engine.futures import FailedResult, FutureTable, Outcome, ProtoResult, RequestFuture
+from tinkerrpc_server.engine.futures import (
+    FailedResult,
+    FutureTable,
+    JsonResult,
+    Outcome,
+    ProtoResult,
+    RequestFuture,
+)
 from tinkerrpc_server.engine.runtime import (
     BaseModelRuntime,
     EngineUserError,
@@ -50,8 +62,14 @@ from tinkerrpc_server.model_store import TINY_CHAT, UnknownBaseModelError, resol
 
 log = logging.getLogger("tinkerrpc.engine")
 
-# How often expired checkpoints are deleted from disk.
+# How often expired checkpoints are deleted from disk (and silent sessions finished, at least this often).
 SWEEP_INTERVAL_SECONDS = 30.0
+# A session whose client sent nothing for this long is finished: the tinker SDK heartbeats every 10 s
+# and warns "the session will be terminated" after 120 s without one. A client killed mid-run (or one
+# that never closes its ServiceClient, like the cookbook's loops) frees what it made after this.
+DEFAULT_SESSION_TIMEOUT_SECONDS = 120.0
+# Finished session ids remembered so their heartbeats answer 410 (the SDK then stops its loop).
+_FINISHED_SESSIONS_REMEMBERED = 4096
 
 _USER_ERRORS = (
     EngineUserError,
@@ -82,8 +100,13 @@ def classify_error(exc: BaseException) -> FailedResult:
 
 
 class Engine:
-    def __init__(self, data_dir: Path, model_dir: Path) -> None:
+    def __init__(
+        self, data_dir: Path, model_dir: Path, session_timeout: float = DEFAULT_SESSION_TIMEOUT_SECONDS
+    ) -> None:
+        if not 0 < session_timeout < float("inf"):
+            raise ValueError(f"session timeout must be a positive number of seconds, got {session_timeout}")
         self.model_dir = model_dir
+        self.session_timeout = session_timeout
         self.storage = Storage(data_dir)
         self.futures = FutureTable()
         self.worker = ComputeWorker(classify_error)
@@ -94,8 +117,11 @@ class Engine:
         self._samplers: dict[str, Sampler] = {}
         # model_id -> tinker path of its latest unnamed sampler snapshot, deleted when superseded.
         self._unnamed_snapshots: dict[str, str] = {}
+        self._sessions_lock = threading.Lock()
+        self._session_last_seen: dict[str, float] = {}  # session id -> time.monotonic() of its last sign
+        self._finished_sessions: OrderedDict[str, None] = OrderedDict()
         self._stopped = threading.Event()
-        self._sweeper = threading.Thread(target=self._sweep_expired, name="checkpoint-ttl", daemon=True)
+        self._sweeper = threading.Thread(target=self._sweep_expired, name="engine-sweep", daemon=True)
         self._sweeper.start()
 
     def close(self) -> None:
@@ -104,12 +130,54 @@ class Engine:
         self.storage.close()
 
     def _sweep_expired(self) -> None:
-        while not self._stopped.wait(SWEEP_INTERVAL_SECONDS):
+        while not self._stopped.wait(min(SWEEP_INTERVAL_SECONDS, self.session_timeout / 4)):
             try:
                 for record in self.storage.delete_expired(time.time()):
                     log.info("checkpoint %s expired and was deleted", record.tinker_path)
+                for session_id in self._silent_sessions(time.monotonic()):
+                    log.info("session %s sent nothing for %.0f s: finished", session_id, self.session_timeout)
+                    self.finish_session(session_id)
             except Exception:
-                log.exception("deleting expired checkpoints failed")
+                log.exception("the engine's sweep failed")
+
+    # ---- sessions ----
+
+    def open_session(self) -> str:
+        session_id = f"s{secrets.token_hex(6)}"
+        self.session_alive(session_id)
+        return session_id
+
+    def session_alive(self, session_id: str) -> bool:
+        """Record a sign of life of a session; False if it has finished. A session this engine never
+        saw (it was made before a restart) is adopted."""
+        with self._sessions_lock:
+            if session_id in self._finished_sessions:
+                return False
+            self._session_last_seen[session_id] = time.monotonic()
+            return True
+
+    def require_open_session(self, session_id: str) -> None:
+        """For requests that make something in a session: what a finished session makes would never
+        be freed."""
+        if not self.session_alive(session_id):
+            raise protocol.BadRequest(f"session {session_id} has finished")
+
+    def _silent_sessions(self, now: float) -> list[str]:
+        with self._sessions_lock:
+            return [s for s, seen in self._session_last_seen.items() if now - seen > self.session_timeout]
+
+    def finish_session(self, session_id: str) -> None:
+        """Unload the session's training clients (after the work they have queued) and forget its
+        sampling sessions: nothing it made stays in memory."""
+        with self._sessions_lock:
+            self._session_last_seen.pop(session_id, None)
+            self._finished_sessions[session_id] = None
+            while len(self._finished_sessions) > _FINISHED_SESSIONS_REMEMBERED:
+                self._finished_sessions.popitem(last=False)
+        for model_id in self.session_models(session_id):
+            self.queue_unload(model_id)
+        self.forget_session_samplers(session_id)
+        log.info("session %s finished", session_id)
 
     # ---- models ----
 
@@ -151,15 +219,24 @@ class Engine:
         self._drop_unnamed_snapshot(model_id)
         log.info("model %s unloaded", model_id)
 
+    def queue_unload(self, model_id: str) -> str:
+        """Unload a training client after everything already queued for it (its last operations run)."""
+
+        def work() -> Outcome:
+            self.unload_model(model_id)
+            return JsonResult(types.UnloadModelResponse(model_id=model_id, type="unload_model"))
+
+        return self.submit_training(model_id, None, "unload_model", work)
+
     def session_models(self, session_id: str) -> list[str]:
         """The live training clients a session created."""
         prefix = f"{session_id}:train:"
-        return [model_id for model_id in self._live_models if model_id.startswith(prefix)]
+        return [model_id for model_id in list(self._live_models) if model_id.startswith(prefix)]
 
     def forget_session_samplers(self, session_id: str) -> None:
         prefix = f"{session_id}:sample:"
-        for sampler_id in [s for s in self._samplers if s.startswith(prefix)]:
-            del self._samplers[sampler_id]
+        for sampler_id in [s for s in list(self._samplers) if s.startswith(prefix)]:
+            self._samplers.pop(sampler_id, None)
 
     def supported_models(self) -> list[str]:
         """The built-in model plus every `<org>/<name>` or `<name>` HF directory under --model-dir."""

@@ -169,7 +169,12 @@ class LocalEngine(LocalProcess):
     `service_client`/`rest_client` send it, raw HTTP requests send `auth_headers`."""
 
     def __init__(
-        self, data_dir: Path, model_dir: Path, log_path: Path, startup_timeout: float = 120.0
+        self,
+        data_dir: Path,
+        model_dir: Path,
+        log_path: Path,
+        startup_timeout: float = 120.0,
+        session_timeout: float | None = None,
     ) -> None:
         self.data_dir = data_dir
         self.model_dir = model_dir
@@ -177,6 +182,8 @@ class LocalEngine(LocalProcess):
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api_key = generate_api_key()
         args = ["engine", "--host", "127.0.0.1", "--port", str(self.port)]
+        if session_timeout is not None:
+            args += ["--session-timeout", str(session_timeout)]
         super().__init__(
             [*args, "--data-dir", str(data_dir), "--model-dir", str(model_dir)],
             log_path,

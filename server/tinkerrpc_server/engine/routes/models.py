@@ -1,6 +1,6 @@
 """Sessions, service configuration, futures, and training models: creating them and reading their runs.
 
-Bodies the engine does not read (session creation, heartbeats, telemetry, client config) are not parsed.
+Bodies the engine does not read (session creation, telemetry, client config) are not parsed.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tinker import types
 from tinker.types.try_again_response import TryAgainResponse
 
 from tinkerrpc_server.engine import protocol
-from tinkerrpc_server.engine.core import Engine, NotFound
+from tinkerrpc_server.engine.core import NotFound
 from tinkerrpc_server.engine.futures import FailedResult, JsonResult, Outcome, ProtoResult
 from tinkerrpc_server.engine.routes.common import EngineDep, future, sdk_checkpoint, str_metadata
 from tinkerrpc_server.engine.runtime import LoraSpec
@@ -53,26 +53,27 @@ async def client_dynamic_config() -> types.ClientDynamicConfigResponse:
 
 
 @router.post("/create_session")
-async def create_session() -> types.CreateSessionResponse:
-    session_id = f"s{secrets.token_hex(6)}"
+async def create_session(engine: EngineDep) -> types.CreateSessionResponse:
+    session_id = engine.open_session()
     log.info("session %s created", session_id)
     return types.CreateSessionResponse(session_id=session_id)
 
 
-@router.post("/session_heartbeat")
-async def session_heartbeat() -> types.SessionHeartbeatResponse:
+@router.post("/session_heartbeat", response_model=None)
+async def session_heartbeat(
+    request: types.SessionHeartbeatRequest, engine: EngineDep
+) -> types.SessionHeartbeatResponse | JSONResponse:
+    """Keeps the session alive; 410 once it has finished (the SDK stops heartbeating on 410)."""
+    check_id("session_id", request.session_id)
+    if not engine.session_alive(request.session_id):
+        return JSONResponse({"detail": f"session {request.session_id} has finished"}, status_code=410)
     return types.SessionHeartbeatResponse()
 
 
 @router.post("/sessions/{session_id}/finish")
 async def finish_session(session_id: str, engine: EngineDep) -> dict[str, str]:
-    """The session's training clients are unloaded (after the work they have queued) and its sampling
-    sessions forgotten: nothing it made stays in memory."""
     check_id("session_id", session_id)
-    for model_id in engine.session_models(session_id):
-        _queue_unload(engine, model_id)
-    engine.forget_session_samplers(session_id)
-    log.info("session %s finished", session_id)
+    engine.finish_session(session_id)
     return {}
 
 
@@ -134,6 +135,7 @@ async def retrieve_future(
 @router.post("/create_model")
 async def create_model(request: types.CreateModelRequest, engine: EngineDep) -> types.UntypedAPIFuture:
     check_id("session_id", request.session_id)
+    engine.require_open_session(request.session_id)
     model_id = check_id("model_id", f"{request.session_id}:train:{request.model_seq_id}")
     base_model = request.base_model
     lora = request.lora_config or types.LoraConfig(rank=DEFAULT_LORA_RANK)
@@ -155,22 +157,13 @@ async def create_model(request: types.CreateModelRequest, engine: EngineDep) -> 
     return future(engine.submit_training(model_id, 0, "create_model", work), model_id)
 
 
-def _queue_unload(engine: Engine, model_id: str) -> str:
-    def work() -> Outcome:
-        engine.unload_model(model_id)
-        return JsonResult(types.UnloadModelResponse(model_id=model_id, type="unload_model"))
-
-    # After everything already queued for the model: its last operations still run.
-    return engine.submit_training(model_id, None, "unload_model", work)
-
-
 @router.post("/unload_model")
 async def unload_model(request: types.UnloadModelRequest, engine: EngineDep) -> types.UntypedAPIFuture:
     """Free a training client's adapter and optimizer state (the service sends it when it drops one)."""
     model_id = request.model_id
     if not engine.is_live(model_id):
         return future(engine.futures.failed(f"unknown model {model_id!r}"), model_id)
-    return future(_queue_unload(engine, model_id), model_id)
+    return future(engine.queue_unload(model_id), model_id)
 
 
 @router.post("/get_info")

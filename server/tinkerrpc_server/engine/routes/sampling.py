@@ -23,6 +23,7 @@ async def create_sampling_session(
     request: types.CreateSamplingSessionRequest, engine: EngineDep
 ) -> types.CreateSamplingSessionResponse:
     check_id("session_id", request.session_id)
+    engine.require_open_session(request.session_id)
     sampler_id = check_id(
         "sampling_session_id", f"{request.session_id}:sample:{request.sampling_session_seq_id}"
     )
