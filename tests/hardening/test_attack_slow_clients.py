@@ -109,6 +109,8 @@ def test_abandoned_sample_is_dropped_and_train_runs_between_decode_steps(engine:
     with engine.service_client() as service:
         trainer = service.create_lora_training_client(TINY, rank=8).result()
         sampler = service.create_sampling_client(base_model=TINY).result()
+        # Other weights: a request for them cannot join the long sample's running batch, so it queues.
+        other_sampler = trainer.save_weights_and_get_sampling_client("other").result()
         prompt = tinker.types.ModelInput.from_ints([5, 6, 7, 8])
         before = engine.stats()
         # A long sample (sampling until the context is full, 8 rows) keeps the compute thread busy...
@@ -119,7 +121,7 @@ def test_abandoned_sample_is_dropped_and_train_runs_between_decode_steps(engine:
         ).future()
         time.sleep(1.0)
         # ...a sample queued behind it whose caller gives up (its SDK call is cancelled)...
-        given_up = sampler.sample(
+        given_up = other_sampler.sample(
             prompt, num_samples=1, sampling_params=tinker.types.SamplingParams(max_tokens=8, seed=2)
         ).future()
         time.sleep(1.0)

@@ -25,7 +25,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from tinker import types
 
@@ -45,7 +44,7 @@ from tinkerrpc_server.engine.runtime import (
     SampleJob,
     SampleOutput,
 )
-from tinkerrpc_server.engine.sampler import DecodeBreaks
+from tinkerrpc_server.engine.sampler import MappedFeed, RequestFeed
 from tinkerrpc_server.engine.storage import (
     CheckpointKind,
     CheckpointRecord,
@@ -393,39 +392,33 @@ class Engine:
         return Sampler("", base_model, None, None)
 
     def run_sample_batch(
-        self, sampler: Sampler, requests: list[tuple[SampleJob, int | None]], breaks: DecodeBreaks
-    ) -> list[Outcome]:
-        """Run pending sample requests for one sampler as one runtime batch (compute thread); `breaks`
-        runs queued training between its decode steps."""
+        self, sampler: Sampler, feed: RequestFeed[tuple[SampleJob, int | None], Outcome]
+    ) -> None:
+        """Run the sample requests `feed` brings for one sampler as one continuously batched decode
+        (compute thread): each is answered as soon as it finishes, a bad one alone fails, and `feed`
+        runs queued training between decode steps."""
         runtime = self.runtime(sampler.base_model)
         if sampler.weights_dir is not None and not sampler.weights_dir.is_dir():
             raise EngineUserError(f"the weights of {sampler.model_path} were deleted")
-        jobs = [fill_max_tokens(job, runtime) for job, _ in requests]
-        results: list[SampleOutput | EngineUserError] = []
-        try:
-            results.extend(runtime.sample(sampler.weights_dir, jobs, breaks))
-        except EngineUserError:
-            if len(jobs) == 1:
-                raise
-            # One bad request must not fail its batch-mates: retry each alone to isolate it.
-            for job in jobs:
-                try:
-                    results.extend(runtime.sample(sampler.weights_dir, [job]))
-                except EngineUserError as exc:
-                    results.append(exc)
-        outcomes: list[Outcome] = []
-        for (_, last_n), result in zip(requests, results, strict=True):
+        last_n_of: dict[int, int | None] = {}
+
+        def job_of(key: int, payload: tuple[SampleJob, int | None]) -> SampleJob:
+            job, last_n_of[key] = payload
+            return fill_max_tokens(job, runtime)
+
+        def outcome_of(key: int, result: SampleOutput | EngineUserError) -> Outcome:
             if isinstance(result, EngineUserError):
-                outcomes.append(FailedResult(str(result), "user"))
-                continue
+                return FailedResult(str(result), "user")
+            last_n = last_n_of.pop(key)
             if last_n is not None and result.prompt_logprobs is not None:
                 # Only the last N prompt positions were asked for; the SDK checks the rest are None.
                 keep_from = len(result.prompt_logprobs) - last_n
                 result.prompt_logprobs = [
                     None if j < keep_from else lp for j, lp in enumerate(result.prompt_logprobs)
                 ]
-            outcomes.append(ProtoResult(protocol.encode_sample_output(result)))
-        return outcomes
+            return ProtoResult(protocol.encode_sample_output(result))
+
+        runtime.serve_samples(sampler.weights_dir, MappedFeed(feed, job_of, outcome_of))
 
     def submit_sample(
         self,
@@ -434,10 +427,10 @@ class Engine:
         last_n: int | None,
         future: RequestFuture,
     ) -> None:
-        """Queue one sample request; requests pending together for the same weights run as one batch."""
+        """Queue one sample request; requests for the same weights run in one continuously batched decode."""
 
-        def run_batch(payloads: list[Any], breaks: DecodeBreaks) -> list[Outcome]:
-            return self.run_sample_batch(sampler, payloads, breaks)
+        def run_batch(feed: RequestFeed[tuple[SampleJob, int | None], Outcome]) -> None:
+            self.run_sample_batch(sampler, feed)
 
         self.worker.submit_sample(
             (sampler.base_model, sampler.weights_dir),

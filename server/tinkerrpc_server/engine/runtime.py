@@ -603,15 +603,51 @@ class BaseModelRuntime:
     # ---------------------------------------------------------------- sampling
 
     def sample(
-        self,
-        weights_dir: Path | None,
-        jobs: list[SampleJob],
-        breaks: sampler.DecodeBreaks = sampler.NO_BREAKS,
+        self, weights_dir: Path | None, jobs: list[SampleJob], policy: sampler.BatchPolicy | None = None
     ) -> list[SampleOutput]:
-        """Sample `jobs` as one batch; between decode steps `breaks` may run other work (training)."""
+        """Sample `jobs` together (continuously batched under `policy`, by default the environment's);
+        a bad job raises before anything runs."""
         requests = [self._validate_job(index, job) for index, job in enumerate(jobs)]
         if not requests:
             raise EngineUserError("no sampling jobs given")
+        results = sampler.generate(
+            self._sampling_model(weights_dir),
+            requests,
+            self.tokenizer,
+            self.device,
+            policy or sampler.BatchPolicy.from_environment(),
+        )
+        return [_sample_output(result) for result in results]
+
+    def serve_samples(
+        self,
+        weights_dir: Path | None,
+        feed: sampler.RequestFeed[SampleJob, SampleOutput | EngineUserError],
+        policy: sampler.BatchPolicy | None = None,
+    ) -> None:
+        """Sample the jobs `feed` brings, as they come, in one continuously batched decode (under
+        `policy`, by default the environment's); a bad job is answered with its EngineUserError
+        without running."""
+
+        def validated(key: int, job: SampleJob) -> sampler.SampleRequest | None:
+            try:
+                return self._validate_job(key, job)
+            except EngineUserError as exc:
+                feed.deliver(key, exc)
+                return None
+
+        def output(key: int, result: sampler.RequestResult) -> SampleOutput | EngineUserError:
+            return _sample_output(result)
+
+        sampler.decode(
+            self._sampling_model(weights_dir),
+            sampler.MappedFeed(feed, validated, output),
+            self.tokenizer,
+            self.device,
+            policy or sampler.BatchPolicy.from_environment(),
+        )
+
+    def _sampling_model(self, weights_dir: Path | None) -> sampler.ModelContext:
         peft_name = None if weights_dir is None else self._sampler_adapter(Path(weights_dir))
 
         @contextmanager
@@ -620,15 +656,7 @@ class BaseModelRuntime:
             with self._active(peft_name) as model, torch.inference_mode():
                 yield model
 
-        results = sampler.generate(sampling_model, requests, self.tokenizer, self.device, breaks)
-        return [
-            SampleOutput(
-                sequences=[SampledSeq(s.tokens, s.logprobs, s.stop_reason) for s in result.sequences],
-                prompt_logprobs=result.prompt_logprobs,
-                topk_prompt_logprobs=result.topk_prompt_logprobs,
-            )
-            for result in results
-        ]
+        return sampling_model
 
     def _validate_job(self, index: int, job: SampleJob) -> sampler.SampleRequest:
         where = f"sample job {index}"
@@ -697,6 +725,14 @@ class BaseModelRuntime:
             if marker in vocab:
                 ids.add(int(vocab[marker]))
         return sorted(ids)
+
+
+def _sample_output(result: sampler.RequestResult) -> SampleOutput:
+    return SampleOutput(
+        sequences=[SampledSeq(s.tokens, s.logprobs, s.stop_reason) for s in result.sequences],
+        prompt_logprobs=result.prompt_logprobs,
+        topk_prompt_logprobs=result.topk_prompt_logprobs,
+    )
 
 
 # What an optimizer step changes, per parameter: its value and its AdamW state (None before its first step).

@@ -1,20 +1,29 @@
-"""Batched autoregressive sampling with a KV cache and per-sequence random generators.
+"""Continuously batched autoregressive sampling with a KV cache and per-sequence random generators.
 
 Our own decoding loop instead of `generate()`: every knob (temperature, top-k, top-p, stops) is
 per sequence, the randomness of a sequence depends only on its seed (not on what else is in the
-batch), and the returned logprobs are computed from exactly the logits we sample from. A batch can
-pause between decode steps (for queued training work) and stops decoding rows nobody waits for.
+batch), and the returned logprobs are computed from exactly the logits we sample from.
+
+Requests come from a `RequestFeed` while the batch decodes: a request that arrives joins the running
+batch (its prompt prefilled in bounded chunks between decode steps, then its KV merged in), a sequence
+that stops leaves the batch at once, and a request is answered as soon as its own sequences stop.
+The n samples of one request, and requests with an identical prompt admitted together, share one
+prefill. A batch pauses between decode steps for the feed's other work (training) and stops decoding
+for requests nobody waits for. Above ~400 lines: the batch's KV bookkeeping (merge, drop, trim) and
+its prefill belong together with the loop that drives them.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
 
 
 @dataclass
@@ -46,20 +55,72 @@ class RequestResult:
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None
 
 
+# Baseline/diagnostic switch, read when a batch starts: "gather" makes requests join only an empty
+# batch (gather, then run to completion) and prefills every row on its own — the engine's batching
+# before continuous batching, which bench/sampling.py measures against.
+BATCHING_ENV = "TINKERRPC_ENGINE_BATCHING"
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """How many sequences decode together and how prompts enter the batch.
+
+    A waiting request is admitted when its rows fit: live rows + its num_samples <= max_rows, and the
+    KV tokens reserved by live rows (prompt + max_tokens each) + its own <= max_kv_tokens. Requests are
+    admitted in arrival order (one that does not fit holds back those after it, so none starves), and
+    a request is always admitted into an empty batch, however large. Prompts are prefilled in forward
+    passes of at most prefill_chunk_tokens tokens (over all rows being prefilled), one such pass
+    between two decode steps, so a long prompt delays the running rows by one chunk at a time.
+    """
+
+    max_rows: int = 64
+    max_kv_tokens: int = 64 * 1024
+    prefill_chunk_tokens: int = 512
+    # Requests join a running batch; off: only an empty one (the gather-then-run baseline).
+    continuous: bool = True
+    # Rows with the same prompt (a request's n samples, identical concurrent prompts) share one prefill.
+    share_prompts: bool = True
+
+    @classmethod
+    def from_environment(cls) -> BatchPolicy:
+        if os.environ.get(BATCHING_ENV, "continuous") == "gather":
+            return cls(continuous=False, share_prompts=False)
+        return cls()
+
+
 @dataclass
-class _Row:
-    request: SampleRequest
-    generator: torch.Generator
-    tokens: list[int]
-    logprobs: list[float]
-    stop_reason: str | None = None
+class DecodeStats:
+    """Counters of the decoding loop (the engine reports them with its worker's counters)."""
+
+    decode_steps: int = 0
+    decoded_rows: int = 0  # summed over decode steps: decoded_rows / decode_steps = mean batch size
+    largest_decode_rows: int = 0
+    rows_left_early: int = 0  # rows that stopped and left while other rows kept decoding
+    requests_joined_running_batch: int = 0
+    prefill_chunks: int = 0
+    shared_prefill_rows: int = 0  # rows whose prompt KV was copied from another row's prefill
 
 
-class DecodeBreaks(Protocol):
-    """What a batch does between two decode steps (the compute worker's side of it)."""
+In_co = TypeVar("In_co", covariant=True)
+Out_contra = TypeVar("Out_contra", contravariant=True)
+
+
+class RequestFeed(Protocol[In_co, Out_contra]):
+    """Where a running batch gets its requests and answers them, and what it does between steps."""
+
+    @property
+    def stats(self) -> DecodeStats: ...
+
+    def joining(self) -> Sequence[tuple[int, In_co]]:
+        """Requests that arrived since the last call, each with a key unique within the feed."""
+        ...
+
+    def deliver(self, key: int, result: Out_contra) -> None:
+        """The result of request `key`; called once per request, as soon as it is complete."""
+        ...
 
     def abandoned(self) -> Collection[int]:
-        """Indices of the requests nobody waits for any more: their rows stop decoding."""
+        """Keys of requests nobody waits for any more (already answered): they stop decoding."""
         ...
 
     def other_work_waiting(self) -> bool:
@@ -71,8 +132,65 @@ class DecodeBreaks(Protocol):
         ...
 
 
-class _NoBreaks:
-    """Decode straight through."""
+DecodeFeed = RequestFeed[SampleRequest, RequestResult]
+
+A = TypeVar("A")
+B = TypeVar("B")
+C = TypeVar("C")
+D = TypeVar("D")
+
+
+class MappedFeed(Generic[A, B, C, D]):
+    """`inner` seen through conversions: `take` turns its requests into ours (None: it answered the
+    request itself, e.g. with an error), `give` turns our results into its."""
+
+    def __init__(
+        self,
+        inner: RequestFeed[A, B],
+        take: Callable[[int, A], C | None],
+        give: Callable[[int, D], B],
+    ) -> None:
+        self._inner, self._take, self._give = inner, take, give
+
+    @property
+    def stats(self) -> DecodeStats:
+        return self._inner.stats
+
+    def joining(self) -> list[tuple[int, C]]:
+        taken = []
+        for key, item in self._inner.joining():
+            converted = self._take(key, item)
+            if converted is not None:
+                taken.append((key, converted))
+        return taken
+
+    def deliver(self, key: int, result: D) -> None:
+        self._inner.deliver(key, self._give(key, result))
+
+    def abandoned(self) -> Collection[int]:
+        return self._inner.abandoned()
+
+    def other_work_waiting(self) -> bool:
+        return self._inner.other_work_waiting()
+
+    def run_other_work(self) -> None:
+        self._inner.run_other_work()
+
+
+class FixedRequests:
+    """A feed of a fixed list of requests (keyed by their index) that collects their results."""
+
+    def __init__(self, requests: list[SampleRequest]) -> None:
+        self.stats = DecodeStats()
+        self._requests: list[SampleRequest] | None = requests
+        self.results: list[RequestResult | None] = [None] * len(requests)
+
+    def joining(self) -> list[tuple[int, SampleRequest]]:
+        requests, self._requests = self._requests or [], None
+        return list(enumerate(requests))
+
+    def deliver(self, key: int, result: RequestResult) -> None:
+        self.results[key] = result
 
     def abandoned(self) -> Collection[int]:
         return ()
@@ -84,143 +202,427 @@ class _NoBreaks:
         pass
 
 
-NO_BREAKS: DecodeBreaks = _NoBreaks()
+ModelContext = Callable[[], AbstractContextManager[torch.nn.Module]]
 
 
 def generate(
-    model_context: Callable[[], AbstractContextManager[torch.nn.Module]],
+    model_context: ModelContext,
     requests: list[SampleRequest],
     tokenizer: object,
     device: torch.device,
-    breaks: DecodeBreaks,
+    policy: BatchPolicy,
 ) -> list[RequestResult]:
-    """Sample every request's num_samples continuations in one left-padded batch.
+    """Sample every request's num_samples continuations; results in the order of `requests`."""
+    feed = FixedRequests(requests)
+    decode(model_context, feed, tokenizer, device, policy)
+    return [result for result in feed.results if result is not None]
 
-    The model is used only inside `model_context()`; when `breaks` has other work waiting, decoding
+
+def decode(
+    model_context: ModelContext,
+    feed: DecodeFeed,
+    tokenizer: object,
+    device: torch.device,
+    policy: BatchPolicy,
+) -> None:
+    """Serve `feed` until it has no request left to decode.
+
+    The model is used only inside `model_context()`; when `feed` has other work waiting, decoding
     leaves that context between two steps, lets the work run, and re-enters it (the KV cache is kept).
     """
-    decoding = _Decoding(requests, tokenizer, device)
+    batch = _Batch(feed, tokenizer, device, policy)
     while True:
         with model_context() as model:
-            decoding.advance(model, breaks)
-        if decoding.finished:
-            return decoding.results()
-        breaks.run_other_work()
+            batch.advance(model)
+        if batch.idle:
+            return
+        feed.run_other_work()
 
 
-class _Decoding:
-    """The state of one batch's decoding, advanced by `advance` until every row has stopped."""
+@dataclass(eq=False)
+class _Request:
+    key: int
+    request: SampleRequest
+    rows: list[_Row] = field(default_factory=list)
+    unfinished: int = 0
+    prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    admitted: bool = False  # holds its reservation of KV tokens (see BatchPolicy)
+    dropped: bool = False
 
-    def __init__(self, requests: list[SampleRequest], tokenizer: object, device: torch.device) -> None:
+    @property
+    def reserved_kv_tokens(self) -> int:
+        return self.request.num_samples * (len(self.request.prompt) + self.request.max_tokens)
+
+
+@dataclass(eq=False)
+class _Row:
+    owner: _Request
+    uniforms: torch.Tensor  # one draw per token it may sample, from its own seed
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    stop_reason: str | None = None
+
+
+@dataclass
+class _Rows:
+    """Rows and their per-row tensors, aligned on dim 0; the KV cache holds their left-padded keys and
+    values (columns where `mask` is 0 are padding). `next_logits` are the logits to sample from next."""
+
+    rows: list[_Row]
+    cache: DynamicCache
+    mask: torch.Tensor  # (rows, columns)
+    last_positions: torch.Tensor  # (rows, 1)
+    next_logits: torch.Tensor  # (rows, vocab)
+    uniforms: torch.Tensor  # (rows, longest max_tokens)
+    temperatures: torch.Tensor
+    top_ks: torch.Tensor
+    top_ps: torch.Tensor
+
+    def select(self, indices: list[int]) -> _Rows:
+        """Only the rows at `indices`, without the leading columns none of them needs."""
+        index = torch.tensor(indices, dtype=torch.long, device=self.mask.device)
+        mask = self.mask.index_select(0, index)
+        first = int(mask.any(dim=0).to(torch.int8).argmax())
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, index)[:, :, first:]
+            layer.values = layer.values.index_select(0, index)[:, :, first:]
+        return _Rows(
+            [self.rows[i] for i in indices],
+            self.cache,
+            mask[:, first:],
+            self.last_positions.index_select(0, index),
+            self.next_logits.index_select(0, index),
+            self.uniforms.index_select(0, index),
+            self.temperatures.index_select(0, index),
+            self.top_ks.index_select(0, index),
+            self.top_ps.index_select(0, index),
+        )
+
+    def merge(self, other: _Rows) -> _Rows:
+        """Both batches' rows in one, the narrower side's cache and mask left-padded to the same width."""
+        width = max(self.mask.shape[1], other.mask.shape[1])
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
+            mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)])
+        draws = max(self.uniforms.shape[1], other.uniforms.shape[1])
+        return _Rows(
+            self.rows + other.rows,
+            self.cache,
+            torch.cat([_left_pad(self.mask, width), _left_pad(other.mask, width)]),
+            torch.cat([self.last_positions, other.last_positions]),
+            torch.cat([self.next_logits, other.next_logits]),
+            torch.cat([_right_pad(self.uniforms, draws), _right_pad(other.uniforms, draws)]),
+            torch.cat([self.temperatures, other.temperatures]),
+            torch.cat([self.top_ks, other.top_ks]),
+            torch.cat([self.top_ps, other.top_ps]),
+        )
+
+
+def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero columns on the left of the sequence dimension (-1 of a mask, -2 of keys/values)."""
+    missing = width - tensor.shape[-1 if tensor.dim() == 2 else -2]
+    if missing == 0:
+        return tensor
+    return F.pad(tensor, (missing, 0) if tensor.dim() == 2 else (0, 0, missing, 0))
+
+
+def _right_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    return F.pad(tensor, (0, width - tensor.shape[1]))
+
+
+class _Prefill:
+    """The prompts of a group of admitted requests, prefilled chunk by chunk into their own cache."""
+
+    def __init__(self, batch: _Batch, requests: list[_Request]) -> None:
         self.requests = requests
+        device = batch.device
+        prompt_of_row: list[int] = []
+        prompts: list[list[int]] = []
+        index_of_prompt: dict[tuple[int, ...], int] = {}
+        for owner in requests:
+            for _ in range(owner.request.num_samples):
+                key = tuple(owner.request.prompt)
+                if not batch.policy.share_prompts or key not in index_of_prompt:
+                    index_of_prompt[key] = len(prompts)
+                    prompts.append(owner.request.prompt)
+                prompt_of_row.append(index_of_prompt[key])
+        self.prompt_of_row = prompt_of_row
+        self.first_row_of_prompt = {p: prompt_of_row.index(p) for p in range(len(prompts))}
+        width = max(len(p) for p in prompts)
+        self.input_ids = torch.full((len(prompts), width), batch.pad_id, dtype=torch.long)
+        self.mask = torch.zeros_like(self.input_ids)
+        for index, prompt in enumerate(prompts):
+            self.input_ids[index, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            self.mask[index, width - len(prompt) :] = 1
+        self.input_ids, self.mask = self.input_ids.to(device), self.mask.to(device)
+        self.positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        self.cache = DynamicCache()
+        self.done_columns = 0
+        self.columns_per_chunk = max(1, batch.policy.prefill_chunk_tokens // len(prompts))
+        self.top_k = max(o.request.topk_prompt_logprobs for o in requests)
+        self.wants_logprobs = any(o.request.include_prompt_logprobs for o in requests) or self.top_k > 0
+        if self.wants_logprobs:
+            # Per prompt column j: logprob of the token at j + 1 (and the top-k there).
+            self.target_logprobs = torch.zeros((len(prompts), width - 1), device=device)
+            self.top_values = torch.zeros((len(prompts), width - 1, self.top_k), device=device)
+            self.top_ids = torch.zeros((len(prompts), width - 1, self.top_k), dtype=torch.long, device=device)
+        self.last_logits: torch.Tensor | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.last_logits is not None
+
+    def run_chunk(self, model: torch.nn.Module) -> None:
+        start, width = self.done_columns, self.input_ids.shape[1]
+        end = min(width, start + self.columns_per_chunk)
+        out = model(
+            input_ids=self.input_ids[:, start:end],
+            attention_mask=self.mask[:, :end],
+            position_ids=self.positions[:, start:end],
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=0 if self.wants_logprobs else 1,
+        )
+        self.cache = out.past_key_values
+        if self.wants_logprobs:
+            self._record_prompt_logprobs(out.logits, start, end)
+        self.done_columns = end
+        if end == width:
+            self.last_logits = out.logits[:, -1, :].float()
+
+    def _record_prompt_logprobs(self, logits: torch.Tensor, start: int, end: int) -> None:
+        stop = min(end, self.input_ids.shape[1] - 1)
+        if stop <= start:
+            return
+        logprobs = torch.log_softmax(logits[:, : stop - start].float(), dim=-1)
+        targets = self.input_ids[:, start + 1 : stop + 1]
+        self.target_logprobs[:, start:stop] = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        if self.top_k:
+            values, ids = logprobs.topk(min(self.top_k, logprobs.shape[-1]), dim=-1)
+            self.top_values[:, start:stop, : values.shape[-1]] = values
+            self.top_ids[:, start:stop, : ids.shape[-1]] = ids
+
+    def rows(self, batch: _Batch) -> _Rows | None:
+        """The prefilled rows of the requests still wanted, their prompt KV copied to each of their
+        rows; None if nobody wants them any more."""
+        assert self.last_logits is not None
+        width = self.input_ids.shape[1]
+        wanted: list[int] = []
+        row = 0
+        for owner in self.requests:
+            if not owner.dropped:
+                self._set_prompt_logprobs(owner, self.prompt_of_row[row], width)
+                wanted.extend(range(row, row + owner.request.num_samples))
+            row += owner.request.num_samples
+        if not wanted:
+            return None
+        prompts = [self.prompt_of_row[r] for r in wanted]
+        batch.feed.stats.shared_prefill_rows += len(prompts) - len(set(prompts))
+        index = torch.tensor(prompts, dtype=torch.long, device=batch.device)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, index)
+            layer.values = layer.values.index_select(0, index)
+        new_rows = [r for o in self.requests if not o.dropped for r in o.rows]
+        requests = [r.owner.request for r in new_rows]
+        device = batch.device
+        return _Rows(
+            new_rows,
+            self.cache,
+            self.mask.index_select(0, index),
+            self.positions[:, -1:].index_select(0, index),
+            self.last_logits.index_select(0, index),
+            torch.nn.utils.rnn.pad_sequence([r.uniforms for r in new_rows], batch_first=True).to(device),
+            torch.tensor([q.temperature for q in requests], dtype=torch.float32, device=device),
+            torch.tensor([q.top_k for q in requests], dtype=torch.long, device=device),
+            torch.tensor([q.top_p for q in requests], dtype=torch.float32, device=device),
+        )
+
+    def _set_prompt_logprobs(self, owner: _Request, prompt: int, width: int) -> None:
+        request = owner.request
+        if not (request.include_prompt_logprobs or request.topk_prompt_logprobs):
+            return
+        start = width - len(request.prompt)
+        plain: list[float | None] = [None]
+        plain.extend(self.target_logprobs[prompt, start:].tolist())
+        owner.prompt_logprobs = plain
+        if request.topk_prompt_logprobs:
+            k = min(request.topk_prompt_logprobs, self.top_ids.shape[-1])
+            ids = self.top_ids[prompt, start:, :k].tolist()
+            values = self.top_values[prompt, start:, :k].tolist()
+            topk: list[list[tuple[int, float]] | None] = [None]
+            topk.extend(
+                list(zip(id_row, value_row, strict=True))
+                for id_row, value_row in zip(ids, values, strict=True)
+            )
+            owner.topk_prompt_logprobs = topk
+
+
+class _Batch:
+    """The requests of one feed: waiting, being prefilled, or decoding as rows of one batch."""
+
+    def __init__(
+        self, feed: DecodeFeed, tokenizer: object, device: torch.device, policy: BatchPolicy
+    ) -> None:
+        self.feed = feed
         self.tokenizer = tokenizer
         self.device = device
-        self.rows: list[_Row] = []
-        self.request_of_row: list[int] = []
-        for request_index, request in enumerate(requests):
+        self.policy = policy
+        self.pad_id = int(getattr(tokenizer, "pad_token_id", None) or 0)
+        self.waiting: list[_Request] = []
+        self.prefill: _Prefill | None = None
+        self.decoding: _Rows | None = None
+        self.by_key: dict[int, _Request] = {}
+        self.reserved_kv_tokens = 0  # of the admitted requests still decoding or being prefilled
+        self.idle = False
+
+    def advance(self, model: torch.nn.Module) -> None:
+        """Admit, prefill and decode until nothing is left or, after some progress, other work waits."""
+        while True:
+            self._receive()
+            if self.decoding is None and self.prefill is None and not self.waiting:
+                self.idle = True
+                return
+            self._admit()
+            if self.prefill is not None:
+                self._prefill_chunk(model)
+            if self.decoding is not None:
+                self._step(model)
+            if self.feed.other_work_waiting():
+                return
+
+    def _receive(self) -> None:
+        for key, request in self.feed.joining():
+            owner = _Request(key, request)
             for sample_index in range(request.num_samples):
                 seed = request.seed + sample_index if request.seed is not None else _fresh_seed()
                 generator = torch.Generator(device="cpu")
                 generator.manual_seed(seed % (2**63))
-                self.rows.append(_Row(request, generator, [], []))
-                self.request_of_row.append(request_index)
-        self.pad_id = int(getattr(tokenizer, "pad_token_id", None) or 0)
-        self.steps_left = max(r.request.max_tokens for r in self.rows)
-        self.finished = False
-        self.prompt_stats: dict[int, tuple[list[float | None], list[list[tuple[int, float]] | None]]] = {}
-        self.temperatures = torch.tensor(
-            [r.request.temperature for r in self.rows], dtype=torch.float32, device=device
-        )
-        self.top_ks = torch.tensor([r.request.top_k for r in self.rows], dtype=torch.long, device=device)
-        self.top_ps = torch.tensor([r.request.top_p for r in self.rows], dtype=torch.float32, device=device)
-        self.prefilled = False
+                owner.rows.append(_Row(owner, torch.rand(request.max_tokens, generator=generator)))
+            owner.unfinished = request.num_samples
+            self.by_key[key] = owner
+            self.waiting.append(owner)
+        abandoned = [self.by_key.pop(key) for key in self.feed.abandoned() if key in self.by_key]
+        if not abandoned:
+            return
+        for owner in abandoned:
+            owner.dropped = True
+            self._release(owner)
+        self.waiting = [owner for owner in self.waiting if not owner.dropped]
+        if self.decoding is not None:
+            self._keep([i for i, row in enumerate(self.decoding.rows) if not row.owner.dropped])
 
-    def _prefill(self, model: torch.nn.Module) -> None:
-        rows, device = self.rows, self.device
-        width = max(len(row.request.prompt) for row in rows)
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, device=device)
-        mask = torch.zeros_like(input_ids)
-        for index, row in enumerate(rows):
-            n = len(row.request.prompt)
-            input_ids[index, width - n :] = torch.tensor(row.request.prompt, dtype=torch.long)
-            mask[index, width - n :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        wants_prompt_logprobs = any(
-            r.include_prompt_logprobs or r.topk_prompt_logprobs for r in self.requests
-        )
-        out = model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=0 if wants_prompt_logprobs else 1,
-        )
-        if wants_prompt_logprobs:
-            self.prompt_stats = _prompt_logprobs(rows, out.logits, width)
-        self.next_logits = out.logits[:, -1, :].float()
-        self.cache = out.past_key_values
-        self.mask = mask
-        self.last_position = positions[:, -1:]
-        self.prefilled = True
+    def _admit(self) -> None:
+        """Start prefilling the waiting requests that fit the policy (see BatchPolicy)."""
+        if self.prefill is not None or not self.waiting:
+            return
+        running = self.decoding is not None
+        if running and not self.policy.continuous:
+            return
+        rows = len(self.decoding.rows) if self.decoding is not None else 0
+        admitted: list[_Request] = []
+        for owner in self.waiting:
+            fits = (
+                rows + owner.request.num_samples <= self.policy.max_rows
+                and self.reserved_kv_tokens + owner.reserved_kv_tokens <= self.policy.max_kv_tokens
+            )
+            if not fits and (rows or admitted):
+                break
+            admitted.append(owner)
+            rows += owner.request.num_samples
+            self.reserved_kv_tokens += owner.reserved_kv_tokens
+            owner.admitted = True
+        if not admitted:
+            return
+        self.waiting = self.waiting[len(admitted) :]
+        if running:
+            self.feed.stats.requests_joined_running_batch += len(admitted)
+        self.prefill = _Prefill(self, admitted)
 
-    def advance(self, model: torch.nn.Module, breaks: DecodeBreaks) -> None:
-        """Decode until every row stopped or, after at least one step, other work is waiting."""
-        if not self.prefilled:
-            self._prefill(model)
-        stepped = False
-        while not self.finished and not (stepped and breaks.other_work_waiting()):
-            self._stop_abandoned(breaks.abandoned())
-            self._step(model)
-            stepped = True
-
-    def _stop_abandoned(self, abandoned: Collection[int]) -> None:
-        for row, request_index in zip(self.rows, self.request_of_row, strict=True):
-            if request_index in abandoned and row.stop_reason is None:
-                row.stop_reason = "length"
+    def _prefill_chunk(self, model: torch.nn.Module) -> None:
+        assert self.prefill is not None
+        self.prefill.run_chunk(model)
+        self.feed.stats.prefill_chunks += 1
+        if not self.prefill.done:
+            return
+        prefill, self.prefill = self.prefill, None
+        joined = prefill.rows(self)
+        if joined is not None:
+            self.decoding = joined if self.decoding is None else self.decoding.merge(joined)
 
     def _step(self, model: torch.nn.Module) -> None:
-        rows = self.rows
-        uniforms = torch.stack([torch.rand((), generator=row.generator) for row in rows]).to(self.device)
-        tokens, logprobs = _choose(self.next_logits, self.temperatures, self.top_ks, self.top_ps, uniforms)
-        for row, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
+        """Sample one token for every row, answer the requests that completed, and run the remaining
+        rows through the model for their next logits."""
+        batch = self.decoding
+        assert batch is not None
+        drawn = torch.tensor([len(row.tokens) for row in batch.rows], device=self.device)
+        uniforms = batch.uniforms.gather(1, drawn.unsqueeze(-1)).squeeze(-1)
+        tokens, logprobs = _choose(
+            batch.next_logits, batch.temperatures, batch.top_ks, batch.top_ps, uniforms
+        )
+        live: list[int] = []
+        for index, (row, token, logprob) in enumerate(
+            zip(batch.rows, tokens.tolist(), logprobs.tolist(), strict=True)
+        ):
+            row.tokens.append(token)
+            row.logprobs.append(logprob)
+            row.stop_reason = _stop_reason(row, self.tokenizer)
             if row.stop_reason is None:
-                row.tokens.append(token)
-                row.logprobs.append(logprob)
-                row.stop_reason = _stop_reason(row, self.tokenizer)
-        self.steps_left -= 1
-        if self.steps_left <= 0 or all(row.stop_reason is not None for row in rows):
-            self.finished = True
-            return
-        feed = torch.tensor(
-            [row.tokens[-1] if row.stop_reason is None else self.pad_id for row in rows], device=self.device
-        ).unsqueeze(-1)
-        self.mask = torch.cat([self.mask, torch.ones_like(feed)], dim=-1)
-        self.last_position = self.last_position + 1
+                live.append(index)
+            else:
+                row.owner.unfinished -= 1
+                if row.owner.unfinished == 0:
+                    self._deliver(row.owner)
+        if len(live) < len(batch.rows):
+            if live:
+                self.feed.stats.rows_left_early += len(batch.rows) - len(live)
+            self._keep(live)
+            if self.decoding is None:
+                return
+            tokens = tokens.index_select(0, torch.tensor(live, dtype=torch.long, device=self.device))
+            batch = self.decoding
+        feed = tokens.unsqueeze(-1)
+        batch.mask = torch.cat([batch.mask, torch.ones_like(feed)], dim=-1)
+        batch.last_positions = batch.last_positions + 1
         out = model(
             input_ids=feed,
-            attention_mask=self.mask,
-            position_ids=self.last_position,
-            past_key_values=self.cache,
+            attention_mask=batch.mask,
+            position_ids=batch.last_positions,
+            past_key_values=batch.cache,
             use_cache=True,
         )
-        self.cache = out.past_key_values
-        self.next_logits = out.logits[:, -1, :].float()
+        batch.cache = out.past_key_values
+        batch.next_logits = out.logits[:, -1, :].float()
+        stats = self.feed.stats
+        stats.decode_steps += 1
+        stats.decoded_rows += len(batch.rows)
+        stats.largest_decode_rows = max(stats.largest_decode_rows, len(batch.rows))
 
-    def results(self) -> list[RequestResult]:
-        results = []
-        cursor = 0
-        for request in self.requests:
-            own = self.rows[cursor : cursor + request.num_samples]
-            plain, topk = self.prompt_stats.get(cursor, (None, None))
-            cursor += request.num_samples
-            results.append(
-                RequestResult(
-                    sequences=[GeneratedSeq(r.tokens, r.logprobs, r.stop_reason or "length") for r in own],
-                    prompt_logprobs=plain if request.include_prompt_logprobs else None,
-                    topk_prompt_logprobs=topk if request.topk_prompt_logprobs else None,
-                )
-            )
-        return results
+    def _keep(self, indices: list[int]) -> None:
+        """Drop every decoding row but those at `indices`."""
+        assert self.decoding is not None
+        if len(indices) == len(self.decoding.rows):
+            return
+        self.decoding = self.decoding.select(indices) if indices else None
+
+    def _deliver(self, owner: _Request) -> None:
+        self.by_key.pop(owner.key, None)
+        self._release(owner)
+        self.feed.deliver(
+            owner.key,
+            RequestResult(
+                sequences=[GeneratedSeq(r.tokens, r.logprobs, r.stop_reason or "length") for r in owner.rows],
+                prompt_logprobs=owner.prompt_logprobs if owner.request.include_prompt_logprobs else None,
+                topk_prompt_logprobs=owner.topk_prompt_logprobs
+                if owner.request.topk_prompt_logprobs
+                else None,
+            ),
+        )
+
+    def _release(self, owner: _Request) -> None:
+        if owner.admitted:
+            self.reserved_kv_tokens -= owner.reserved_kv_tokens
+            owner.admitted = False
 
 
 def _choose(
@@ -254,7 +656,7 @@ def _choose(
 
 
 def _stop_reason(row: _Row, tokenizer: object) -> str | None:
-    request = row.request
+    request = row.owner.request
     if row.tokens[-1] in request.stop_token_ids:
         return "stop"
     if request.stop_strings:
@@ -264,31 +666,6 @@ def _stop_reason(row: _Row, tokenizer: object) -> str | None:
     if len(row.tokens) >= request.max_tokens:
         return "length"
     return None
-
-
-def _prompt_logprobs(
-    rows: list[_Row], logits: torch.Tensor, width: int
-) -> dict[int, tuple[list[float | None], list[list[tuple[int, float]] | None]]]:
-    """Per request (keyed by its first row): logprob of each prompt token given its prefix."""
-    stats = {}
-    index = 0
-    while index < len(rows):
-        request = rows[index].request
-        n = len(request.prompt)
-        row_logprobs = torch.log_softmax(logits[index, width - n : width - 1].float(), dim=-1)
-        targets = torch.tensor(request.prompt[1:], dtype=torch.long, device=logits.device)
-        plain: list[float | None] = [None]
-        plain.extend(row_logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1).tolist())
-        topk: list[list[tuple[int, float]] | None] = [None]
-        if request.topk_prompt_logprobs:
-            values, ids = row_logprobs.topk(min(request.topk_prompt_logprobs, row_logprobs.shape[-1]), dim=-1)
-            topk.extend(
-                list(zip(id_row, value_row, strict=True))
-                for id_row, value_row in zip(ids.tolist(), values.tolist(), strict=True)
-            )
-        stats[index] = (plain, topk)
-        index += request.num_samples
-    return stats
 
 
 def _fresh_seed() -> int:

@@ -3,7 +3,11 @@
 Scheduling rules:
 - training operations of one model run in seq_id order (the SDK numbers a model's requests from 1;
   creation is seq 0); a request whose predecessor never arrives runs after `gap_timeout` seconds;
-- sample requests that are pending together for the same weights go to the runtime as ONE batch;
+- sample requests that are pending together for the same weights go to the runtime as ONE batch, and
+  requests for those weights that arrive while it runs join it (the sampler admits them at its next
+  decode step; see sampler.BatchPolicy), unless requests for other weights have waited longer: then
+  the batch takes no one new, finishes, and the other weights' batch runs next; each request is
+  answered as soon as its own sequences finish;
 - the worker alternates between a training operation and a sample batch whenever both are waiting,
   so sampling keeps being served while training requests queue (and vice versa); a running sample
   batch also lets one waiting training operation run between two of its decode steps, so a long
@@ -25,14 +29,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tinkerrpc_server.engine.futures import FailedResult, Outcome, RequestFuture
-from tinkerrpc_server.engine.sampler import DecodeBreaks
+from tinkerrpc_server.engine.sampler import DecodeStats, RequestFeed
 
 log = logging.getLogger("tinkerrpc.engine")
 
 TrainingWork = Callable[[], Outcome]
-# Runs one batch: gets the payloads of every request in it and what to do between decode steps,
-# returns one outcome per payload.
-BatchWork = Callable[[list[Any], DecodeBreaks], list[Outcome]]
+# Runs one sample batch: takes the requests' payloads from the feed as they come, answers each one
+# through it, and runs the feed's other work between decode steps.
+BatchWork = Callable[[RequestFeed[Any, Outcome]], None]
 
 ABANDONED = (
     "dropped without running: its caller stopped waiting for the result (cancelled or past its deadline)"
@@ -76,10 +80,13 @@ SAMPLE_GATHER_SECONDS = 0.005
 
 
 @dataclass
-class WorkerStats:
+class WorkerStats(DecodeStats):
     sample_requests: int = 0
     sample_batches: int = 0
+    # Most requests of one batch decoding (or being prefilled) at the same time.
     largest_sample_batch: int = 0
+    # Requests that joined a sample batch after it had started.
+    sample_requests_joined_later: int = 0
     training_ops: int = 0
     # Requests dropped because their caller gave up: before they ran, or (samples) while decoding.
     abandoned_sample_requests: int = 0
@@ -201,6 +208,7 @@ class ComputeWorker:
         while True:
             op: _TrainingOp | None = None
             group: _SampleGroup | None = None
+            group_key: Hashable = None
             with self._cond:
                 while not self._stopping:
                     now = time.monotonic()
@@ -212,13 +220,13 @@ class ComputeWorker:
                         else 0.0
                     )
                     if self._samples and self._prefer_sampling and gathering <= 0:
-                        group = self._samples.popitem(last=False)[1]
+                        group_key, group = self._samples.popitem(last=False)
                         break
                     op, wait = self._next_training_op(now)
                     if op is not None:
                         break
                     if self._samples and gathering <= 0:
-                        group = self._samples.popitem(last=False)[1]
+                        group_key, group = self._samples.popitem(last=False)
                         break
                     if self._samples:
                         wait = gathering if wait is None else min(wait, gathering)
@@ -228,7 +236,7 @@ class ComputeWorker:
             # Alternate: after a training op, waiting samples go first, and the other way round.
             self._prefer_sampling = op is not None
             if group is not None:
-                self._run_sample_group(group)
+                self._run_sample_group(group_key, group)
             elif op is not None:
                 self._run_training_op(op)
 
@@ -252,36 +260,26 @@ class ComputeWorker:
         log.info("%s %s %.1f ms %s", op.name, seq, elapsed_ms, status)
         op.future.set_result(outcome)
 
-    def _run_sample_group(self, group: _SampleGroup) -> None:
+    def _run_sample_group(self, group_key: Hashable, group: _SampleGroup) -> None:
         waiting = [r for r in group.requests if not r.future.abandoned]
         self._drop_abandoned_samples([r for r in group.requests if r.future.abandoned])
         if not waiting:
             return
+        session = _SampleBatch(self, group_key, waiting)
         started = time.perf_counter()
-        payloads = [r.payload for r in waiting]
         try:
-            outcomes = group.run_batch(payloads, _BetweenDecodeSteps(self, waiting))
+            group.run_batch(session)
         except BaseException as exc:
-            outcomes = [self._classify_error(exc)] * len(payloads)
-        elapsed_ms = (time.perf_counter() - started) * 1000
-        self.stats.sample_requests += len(payloads)
+            session.fail_unanswered(self._classify_error(exc))
         self.stats.sample_batches += 1
-        self.stats.largest_sample_batch = max(self.stats.largest_sample_batch, len(payloads))
-        failures = sum(isinstance(o, FailedResult) for o in outcomes)
         log.info(
-            "sample %s: %d request(s) in one batch, %.1f ms, %d failed",
+            "sample %s: %d request(s) in one batch (%d joined it later), %.1f ms, %d failed",
             group.description,
-            len(payloads),
-            elapsed_ms,
-            failures,
+            session.taken,
+            session.joined_later,
+            (time.perf_counter() - started) * 1000,
+            session.failures,
         )
-        finished = []
-        for request, outcome in zip(waiting, outcomes, strict=True):
-            if request.future.abandoned:
-                finished.append(request)
-            else:
-                request.future.set_result(outcome)
-        self._drop_abandoned_samples(finished)
 
     def _drop_abandoned_samples(self, requests: list[_SampleRequest]) -> None:
         if requests:
@@ -303,20 +301,77 @@ class ComputeWorker:
             self.stats.training_ops_between_decode_steps += 1
             self._run_training_op(op)
 
+    def take_joining_samples(self, group_key: Hashable) -> list[_SampleRequest]:
+        """Requests for a running batch's weights that arrived while it ran, unless requests for other
+        weights have waited longer (they go first: the running batch then takes no one new)."""
+        with self._cond:
+            if self._stopping or not self._samples or next(iter(self._samples)) != group_key:
+                return []
+            return self._samples.popitem(last=False)[1].requests
 
-class _BetweenDecodeSteps:
-    """A running sample batch's view of the worker: which of its requests were abandoned, and the
-    training operations waiting meanwhile."""
 
-    def __init__(self, worker: ComputeWorker, requests: list[_SampleRequest]) -> None:
+class _SampleBatch:
+    """A running sample batch's view of the worker (a RequestFeed of payloads and outcomes): its
+    requests as they arrive, their answers, which of them were abandoned, and the training operations
+    waiting meanwhile."""
+
+    def __init__(self, worker: ComputeWorker, group_key: Hashable, first: list[_SampleRequest]) -> None:
         self._worker = worker
-        self._requests = requests
+        self._group_key = group_key
+        self._arrived: list[_SampleRequest] = first
+        self._unanswered: dict[int, _SampleRequest] = {}
+        self._keys = itertools.count()
+        self.taken = self.joined_later = self.failures = 0
 
-    def abandoned(self) -> set[int]:
-        return {index for index, request in enumerate(self._requests) if request.future.abandoned}
+    @property
+    def stats(self) -> DecodeStats:
+        return self._worker.stats
+
+    def joining(self) -> list[tuple[int, Any]]:
+        arrived = self._arrived or self._worker.take_joining_samples(self._group_key)
+        self._arrived = []
+        waiting = [r for r in arrived if not r.future.abandoned]
+        self._worker._drop_abandoned_samples([r for r in arrived if r.future.abandoned])
+        if self.taken:
+            self.joined_later += len(waiting)
+            self._worker.stats.sample_requests_joined_later += len(waiting)
+        self.taken += len(waiting)
+        stats = self._worker.stats
+        stats.sample_requests += len(waiting)
+        taken = []
+        for request in waiting:
+            key = next(self._keys)
+            self._unanswered[key] = request
+            taken.append((key, request.payload))
+        stats.largest_sample_batch = max(stats.largest_sample_batch, len(self._unanswered))
+        return taken
+
+    def deliver(self, key: int, outcome: Outcome) -> None:
+        request = self._unanswered.pop(key, None)
+        if request is None:
+            return
+        if request.future.abandoned:
+            self._worker._drop_abandoned_samples([request])
+            return
+        self.failures += isinstance(outcome, FailedResult)
+        request.future.set_result(outcome)
+
+    def abandoned(self) -> list[int]:
+        keys = [key for key, request in self._unanswered.items() if request.future.abandoned]
+        self._worker._drop_abandoned_samples([self._unanswered.pop(key) for key in keys])
+        return keys
 
     def other_work_waiting(self) -> bool:
         return self._worker.training_waiting()
 
     def run_other_work(self) -> None:
         self._worker.run_one_training_op()
+
+    def fail_unanswered(self, outcome: Outcome) -> None:
+        """The batch failed: every request it took or was given and has not answered gets `outcome`."""
+        failed = [*self._unanswered.values(), *self._arrived]
+        self._unanswered.clear()
+        self._arrived = []
+        self.failures += len(failed)
+        for request in failed:
+            request.future.set_result(outcome)
