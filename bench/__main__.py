@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from bench import machine, memory, overhead, report, retention, sampling, serialization, training
+from bench import machine, memory, multiturn, overhead, report, retention, sampling, serialization, training
 from bench.workload import FULL, SHORT, BenchModel, Settings, prepare_model
 from tinkerrpc_server.engine.runtime import PlacementError, resolve_placement
 from tinkerrpc_server.local.stack import LocalEngine
@@ -70,6 +70,10 @@ def _sampling(ctx: Context) -> list[report.Figure]:
     return sampling.measure(ctx.settings, ctx.engine, ctx.model)
 
 
+def _multiturn(ctx: Context) -> list[report.Figure]:
+    return multiturn.measure(ctx.settings, ctx.engine, ctx.model, ctx.model_dir)
+
+
 def _overhead(ctx: Context) -> list[report.Figure]:
     return overhead.measure(ctx.settings, ctx.work_dir, ctx.model_dir)
 
@@ -89,6 +93,7 @@ def _retention(ctx: Context) -> list[report.Figure]:
 COMPARISONS: dict[str, Callable[[Context], list[report.Figure]]] = {
     "training": _training,
     "sampling": _sampling,
+    "multiturn": _multiturn,
     "overhead": _overhead,
     "serialization": _serialization,
     "memory": _memory,
