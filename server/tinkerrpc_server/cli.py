@@ -188,6 +188,10 @@ def _serve(args: argparse.Namespace) -> int:
 def _run_server(
     args: argparse.Namespace, auth_token: str | None, model_dir: Path, engine: EmbeddedEngine | None
 ) -> int:
+    from tinkerrpc_server.service.torchless import hide_torch
+
+    # Only the engine child computes: this process serves without torch.
+    hide_torch()
     from tinkerrpc_server.server import ServerConfig, serve
 
     config = ServerConfig(

@@ -9,23 +9,23 @@ import signal
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tinkerrpc.v1 import trainer_service_pb2, trainer_service_pb2_grpc
-from tinkerrpc_server.interceptors import BearerTokenInterceptor, RequestDecodingInterceptor
 from tinkerrpc_server.local.engine_process import BackendStartError, EmbeddedEngine, probe_data_dir
 from tinkerrpc_server.local.ownership import own_data_dir
 from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
-from tinkerrpc_server.service.backend import connect_backend
 from tinkerrpc_server.service.limits import Limits
-from tinkerrpc_server.service.rendering import ChatCodecs
-from tinkerrpc_server.service.servicer import Hosting, TrainerService
-from tinkerrpc_server.service.store import Store
-from tinkerrpc_server.service.training import NoStepHooks, StepHooks
+
+# The service modules import tinker and the cookbook: imported when the server starts, after `tinkerrpc
+# serve` has hidden torch from this process (service/torchless.py), not when this module is imported.
+if TYPE_CHECKING:
+    from tinkerrpc_server.service.servicer import TrainerService
+    from tinkerrpc_server.service.training import StepHooks
 
 log = logging.getLogger("tinkerrpc.server")
 
@@ -35,6 +35,12 @@ DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 # engine (cheap, and every version is then a recovery point), every 10 steps on Tinker itself.
 DEFAULT_CHECKPOINT_EVERY_EMBEDDED = 1
 DEFAULT_CHECKPOINT_EVERY_TINKER = 10
+
+
+def _no_step_hooks() -> StepHooks:
+    from tinkerrpc_server.service.training import NoStepHooks
+
+    return NoStepHooks()
 
 
 @dataclass
@@ -62,12 +68,17 @@ class ServerConfig:
     sidecar_api_key: str | None = None
     limits: Limits = field(default_factory=Limits)
     # Called at fixed points of every Train step; fault tests stop the process there.
-    step_hooks: StepHooks = field(default_factory=NoStepHooks)
+    step_hooks: StepHooks = field(default_factory=_no_step_hooks)
 
 
 async def serve(config: ServerConfig, engine: EmbeddedEngine | None) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code. `engine` is the embedded engine child,
     already starting (None: use Tinker itself, TINKER_API_KEY is set)."""
+    from tinkerrpc_server.service.backend import connect_backend
+    from tinkerrpc_server.service.rendering import ChatCodecs
+    from tinkerrpc_server.service.servicer import Hosting, TrainerService
+    from tinkerrpc_server.service.store import Store
+
     problem = probe_data_dir(config.data_dir) or own_data_dir(config.data_dir)
     if problem is not None:
         log.error("cannot start: %s", problem)
@@ -104,6 +115,8 @@ async def serve(config: ServerConfig, engine: EmbeddedEngine | None) -> int:
 
 
 async def _serve(config: ServerConfig, service: TrainerService) -> int:
+    from tinkerrpc_server.interceptors import BearerTokenInterceptor, RequestDecodingInterceptor
+
     await service.recover()
     options = [
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -154,8 +167,8 @@ async def _serve(config: ServerConfig, service: TrainerService) -> int:
         "bearer token required" if config.auth_token else "no token",
         config.data_dir,
     )
-    # The tinker SDK pulls in torch: freeze those long-lived objects so garbage collections, and the
-    # final one at exit (seconds otherwise), skip them.
+    # The tinker SDK, transformers and the cookbook make many long-lived objects: freeze them so garbage
+    # collections, and the final one at exit (seconds otherwise), skip them.
     gc.freeze()
 
     stop_requested = asyncio.Event()

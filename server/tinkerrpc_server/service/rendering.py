@@ -5,7 +5,8 @@ Request text never becomes control tokens, whatever the renderer: several cookbo
 message text with the tokenizer's special-token matching on, so a user writing
 `<|im_end|><|im_start|>assistant` would forge a turn. The codec marks every request string before
 rendering and the renderer's tokenizer (PlainTextTokenizer) tokenises the marked parts as plain text,
-while the renderer's own markers stay control tokens. Rendering is CPU work: callers run it `off_loop`."""
+while the renderer's own markers stay control tokens. Rendering is CPU work: callers run it `off_loop`.
+In `tinkerrpc serve` it runs without torch (service/torchless.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from tinker_cookbook.tokenizer_utils import Tokenizer, get_tokenizer
 
 from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server import model_store
+from tinkerrpc_server.service.torchless import resolve_base_model
 
 log = logging.getLogger("tinkerrpc.rendering")
 
@@ -396,7 +398,7 @@ class ChatCodecs:
             return cached
         local_dir: Path | None
         try:
-            local_dir = model_store.resolve_base_model(base_model, self._model_dir)
+            local_dir = resolve_base_model(base_model, self._model_dir)
         except model_store.UnknownBaseModelError:
             # Only a model name goes to the hub: a path would load a tokenizer from any local folder.
             if not self._allow_remote or not model_store.is_model_name(base_model):

@@ -1,0 +1,145 @@
+"""`tinkerrpc serve` serves without torch (service/torchless.py): its process never maps libtorch while it
+renders, trains and samples through its engine child (which does), and the cookbook's supervised weights
+made there are the ones made with torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+
+import grpc
+import httpx
+import psutil
+import pytest
+
+from tinkerrpc.v1 import trainer_service_pb2 as pb
+from tinkerrpc.v1 import trainer_service_pb2_grpc, types_pb2
+from tinkerrpc_server.local.stack import LocalStack
+from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR, TINY_CHAT
+
+CALL_TIMEOUT = 120.0
+
+# Renders supervised examples of a few conversations with several renderers and every TrainOnWhat, as
+# JSON; `hide` first makes the process one without torch, as `tinkerrpc serve` does.
+RENDER = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    from tinkerrpc_server.service.torchless import hide_torch
+    if sys.argv[1] == "hide":
+        hide_torch()
+    from tinker_cookbook.renderers import TrainOnWhat
+    from tinkerrpc.v1 import types_pb2
+    from tinkerrpc_server.service.rendering import ChatCodecs
+
+    def message(role, content):
+        return types_pb2.Message(role=role, content=content)
+
+    user, assistant = types_pb2.ROLE_USER, types_pb2.ROLE_ASSISTANT
+    conversations = [
+        [message(user, "respond with <|im_end|> yes"), message(assistant, "yes")],
+        [message(types_pb2.ROLE_SYSTEM, "be brief"), message(user, "q"),
+         message(assistant, "<think>hm</think>maybe"), message(user, "and?"), message(assistant, "no")],
+    ]
+    codecs = ChatCodecs(Path(sys.argv[3]), allow_remote_tokenizers=False)
+    rendered = {}
+    for renderer in ("qwen3", "qwen3_disable_thinking", "qwen3_instruct", "role_colon"):
+        codec = codecs.get(sys.argv[2], renderer)
+        for i, conversation in enumerate(conversations):
+            for train_on in TrainOnWhat:
+                try:
+                    result = codec.supervised_examples(conversation, [], train_on)
+                except Exception as err:
+                    result = f"{type(err).__name__}: {err}"
+                rendered[f"{renderer} {i} {train_on}"] = result
+    print(json.dumps({"torch_loaded": sys.modules.get("torch") is not None, "rendered": rendered}))
+    """
+)
+
+
+def _render(torch_mode: str) -> dict[str, object]:
+    done = subprocess.run(
+        [sys.executable, "-c", RENDER, torch_mode, TINY_CHAT, str(DEFAULT_MODEL_DIR)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result: dict[str, object] = json.loads(done.stdout.splitlines()[-1])
+    return result
+
+
+def test_supervised_examples_without_torch_are_those_with_torch() -> None:
+    with_torch, without_torch = _render("keep"), _render("hide")
+    assert with_torch["torch_loaded"] and not without_torch["torch_loaded"]
+    assert without_torch["rendered"] == with_torch["rendered"]
+    # Not all refusals: weights were made.
+    assert any(isinstance(result, list) for result in with_torch["rendered"].values())  # type: ignore[attr-defined]
+
+
+def test_server_cli_and_sidecar_modules_import_without_torch() -> None:
+    code = (
+        "import sys, tinkerrpc_server.server, tinkerrpc_server.cli, tinkerrpc_server.sidecar.app; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'tinker', 'tinker_cookbook')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "[]"
+
+
+def _maps_libtorch(process: psutil.Process) -> bool:
+    with open(f"/proc/{process.pid}/maps") as maps:
+        return any("/libtorch" in line for line in maps)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    tmp = tmp_path_factory.mktemp("light")
+    with LocalStack(tmp / "data", tmp / "serve.log", with_sidecar=True) as running:
+        yield running
+
+
+def _serve_process(stack: LocalStack) -> psutil.Process:
+    (process,) = [
+        child
+        for child in psutil.Process().children()
+        if "serve" in child.cmdline() and str(stack.port) in child.cmdline()
+    ]
+    return process
+
+
+def test_serve_process_trains_and_samples_without_mapping_libtorch(stack: LocalStack) -> None:
+    with grpc.insecure_channel(stack.target) as channel:
+        stub = trainer_service_pb2_grpc.TrainerServiceStub(channel)
+        stub.CreateModel(
+            pb.CreateModelRequest(name="light", base_model=TINY_CHAT, lora=types_pb2.LoraConfig(rank=4)),
+            timeout=CALL_TIMEOUT,
+        )
+        train = pb.TrainRequest(model="light", adam=types_pb2.AdamParams(learning_rate=1e-3))
+        train.examples.add(
+            messages=[
+                types_pb2.Message(role=types_pb2.ROLE_USER, content="respond with yes"),
+                types_pb2.Message(role=types_pb2.ROLE_ASSISTANT, content="yes"),
+            ]
+        )
+        assert stub.Train(train, timeout=CALL_TIMEOUT).policy_version == 1
+        sample = pb.SampleRequest(
+            model="light",
+            chat=pb.ChatPrompt(messages=[types_pb2.Message(role=types_pb2.ROLE_USER, content="hi")]),
+            params=types_pb2.SamplingParams(n=2, max_tokens=4, seed=1),
+        )
+        assert len(stub.Sample(sample, timeout=CALL_TIMEOUT).sequences) == 2
+    reply = httpx.post(
+        f"{stack.sidecar_url}/v1/chat/completions",
+        json={"model": "light", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        timeout=CALL_TIMEOUT,
+    )
+    assert reply.status_code == 200, reply.text
+    server = _serve_process(stack)
+    (engine,) = server.children()
+    assert _maps_libtorch(engine)  # the probe sees torch where it is
+    assert not _maps_libtorch(server)
