@@ -10,20 +10,24 @@ Behaviours a client can rely on, beyond the proto comments:
   stale trajectories were dropped; a trajectory's staleness is measured from its oldest sampled turn.
 - Stop strings and stop token ids together: Tinker takes one kind per request, so the token ids are sent
   as their decoded texts.
-- Recovery point: with --checkpoint-every 1 (the embedded default) every committed version is one. With
-  K > 1 a restart (or a Train after a failed/cancelled one) rolls the model back to its last full-state
-  checkpoint: the later versions' samplers, metrics and idempotency records are dropped, so version,
-  weights and optimizer state always agree.
+- Nothing acknowledged is lost at any --checkpoint-every K: a version without a full-state checkpoint
+  commits a write-ahead record of its step (datums, loss and its config, Adam params) in the transaction
+  that commits it, and whenever a training client is rebuilt (restart, engine restart, a Train after a
+  failed/cancelled one) it is loaded from the last state checkpoint (the recovery point) and the recorded
+  steps after it are replayed (service/recovery.py), so every committed version keeps its number, sampler,
+  metrics and weights (bitwise on the CPU engine) and training continues from its optimizer state.
+- Idempotency records are never forgotten (restart, replay, RestoreCheckpoint): a retried acknowledged key
+  answers replayed=true with its recorded response, also when a restore dropped that version.
 - The state checkpoint a model would recover from cannot be deleted (FAILED_PRECONDITION
   RECOVERY_CHECKPOINT), nor can the current version's sampler (CURRENT_SAMPLER_CHECKPOINT).
 - Limits (service/limits.py, `tinkerrpc serve --max-...`): Sample's n and max_tokens over the server's limit,
   or a prompt + max_tokens beyond the model's context, are INVALID_ARGUMENT naming the field; a Train batch
   with too many trajectories/examples or tokens is RESOURCE_EXHAUSTED (QuotaFailure naming the flag) and
   changes nothing; an over-size message is grpc's own RESOURCE_EXHAUSTED naming both sizes.
-- A Train cut short by its deadline or a client cancel commits nothing; the model rolls back to its recovery
-  point before its next step (weights and optimizer state as if the call never came).
+- A Train cut short by its deadline or a client cancel commits nothing; the model is rebuilt at its committed
+  version before its next step (weights and optimizer state as if the call never came).
 - The embedded engine child is supervised: if it dies, calls in flight fail UNAVAILABLE, new calls wait for
-  a new engine (within their deadline), and every model reloads from its recovery point.
+  a new engine (within their deadline), and every model is rebuilt at its committed version.
 - SaveCheckpoint without a name at a version that already has its automatic `step_NNNNNN` returns that
   checkpoint (it holds exactly this state); an explicit duplicate name is ALREADY_EXISTS.
 """

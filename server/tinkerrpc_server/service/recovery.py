@@ -2,7 +2,7 @@
 
 A Train step whose version gets no full-state checkpoint (--checkpoint-every K > 1) commits, in the same
 transaction as its version, a record of exactly what it sent the backend: each datum's tokens and loss
-inputs (numpy bytes, compressed), the loss name and config, and the Adam params. A model's training state
+inputs (numpy bytes), the loss name and config, and the Adam params. A model's training state
 is therefore always its recovery point (the last committed state checkpoint) plus the recorded steps after
 it. Whenever the training client has to be made anew (a restart, an engine restart, a failed or cancelled
 step), it is loaded from the recovery point and those steps are replayed in order through the same
@@ -20,10 +20,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import tinker
 
 from tinkerrpc.v1 import types_pb2
@@ -41,68 +42,67 @@ class StepRecord:
     """What one Train step sent the backend."""
 
     datums: list[tinker.types.Datum]
-    loss: str
+    loss: tinker.types.LossFnType
     loss_config: dict[str, float] | None
     adam: tinker.types.AdamParams
 
 
-def _wire_dtype(dtype: str) -> np.dtype[np.float64] | np.dtype[np.int64]:
-    """Floats are kept as float64 and integers as int64: the values exactly as the step held them."""
-    return np.dtype(np.float64) if dtype.startswith("float") else np.dtype(np.int64)
+# Token ids as int32 (every vocabulary fits); loss inputs keep their own dtype (float32 or int64).
+_TOKEN_DTYPE = np.dtype(np.int32)
 
 
 def encode(record: StepRecord) -> tuple[str, bytes]:
-    """(header JSON, compressed arrays) for the step_inputs row."""
+    """(header JSON, the arrays' bytes) for the step_inputs row: each datum's tokens, then its loss
+    inputs, exactly the arrays the backend is sent. Not compressed: loss inputs are mostly noise to zlib,
+    which costs more than it saves, and a model keeps fewer than K records."""
     layouts: list[dict[str, object]] = []
     arrays: list[bytes] = []
     for datum in record.datums:
-        tokens = datum.model_input.to_ints()
-        arrays.append(np.asarray(tokens, dtype=np.int64).tobytes())
+        tokens = np.asarray(datum.model_input.to_ints(), dtype=_TOKEN_DTYPE)
+        arrays.append(tokens.tobytes())
         inputs: list[list[object]] = []
         for name, tensor in datum.loss_fn_inputs.items():
-            if tensor.sparse_crow_indices is not None or tensor.data is None:
-                raise ValueError(f"loss input {name!r} is not a dense list: it cannot be recorded")
-            values = np.asarray(tensor.data, dtype=_wire_dtype(tensor.dtype))
+            if tensor.sparse_crow_indices is not None:
+                raise ValueError(f"loss input {name!r} is sparse: it cannot be recorded")
+            values = tensor.to_numpy()
             inputs.append([name, tensor.dtype, tensor.shape, values.size])
             arrays.append(values.tobytes())
-        layouts.append({"tokens": len(tokens), "inputs": inputs})
+        layouts.append({"tokens": tokens.size, "inputs": inputs})
     header = {
         "loss": record.loss,
         "loss_config": record.loss_config,
         "adam": record.adam.model_dump(),
         "datums": layouts,
     }
-    return json.dumps(header), zlib.compress(b"".join(arrays), 1)
+    return json.dumps(header), b"".join(arrays)
 
 
 def decode(row: StepInputsRow) -> StepRecord:
     header = json.loads(row.header)
-    arrays = zlib.decompress(row.arrays)
     offset = 0
 
-    def take(count: int, dtype: np.dtype[np.float64] | np.dtype[np.int64]) -> list[int] | list[float]:
+    def take(count: int, dtype: npt.DTypeLike) -> npt.NDArray[Any]:
         nonlocal offset
-        values = np.frombuffer(arrays, dtype=dtype, count=count, offset=offset)
+        values = np.frombuffer(row.arrays, dtype=dtype, count=count, offset=offset)
         offset += values.nbytes
-        result: list[int] | list[float] = values.tolist()
-        return result
+        return values
 
     datums = []
     for layout in header["datums"]:
-        tokens = take(layout["tokens"], np.dtype(np.int64))
+        tokens = take(layout["tokens"], _TOKEN_DTYPE).tolist()
         loss_fn_inputs = {
-            name: tinker.types.TensorData(data=take(size, _wire_dtype(dtype)), dtype=dtype, shape=shape)
+            name: tinker.types.TensorData(data=take(size, dtype).copy(), dtype=dtype, shape=shape)
             for name, dtype, shape, size in layout["inputs"]
         }
         datums.append(
             tinker.types.Datum(
-                model_input=tinker.types.ModelInput.from_ints([int(t) for t in tokens]),
-                loss_fn_inputs=loss_fn_inputs,
+                model_input=tinker.types.ModelInput.from_ints(tokens), loss_fn_inputs=loss_fn_inputs
             )
         )
+    loss: tinker.types.LossFnType = header["loss"]  # as the step passed it to forward_backward
     return StepRecord(
         datums=datums,
-        loss=header["loss"],
+        loss=loss,
         loss_config=header["loss_config"],
         adam=tinker.types.AdamParams.model_validate(header["adam"]),
     )

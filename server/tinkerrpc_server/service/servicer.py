@@ -2,19 +2,20 @@
 owns its state.
 
 State lives in SQLite (store.py); the Tinker backend (Tinker itself or the embedded engine) holds the
-weights. models.py keeps each model's runtime and clients and rolls a model back to its recovery point
-(the last committed state checkpoint); training.py is the Train transaction; checkpoints.py,
-sampling.py and exporting.py serve the other RPCs; validation.py holds every request check; calls.py
-maps errors to statuses and supervises the embedded engine.
+weights. models.py keeps each model's runtime and clients and rebuilds a training client at the committed
+version; training.py is the Train transaction; recovery.py holds the write-ahead step records and their
+replay; checkpoints.py, sampling.py and exporting.py serve the other RPCs; validation.py holds every
+request check; calls.py maps errors to statuses and supervises the embedded engine.
 
-Restart recovery rolls every model back to its recovery point. With --checkpoint-every K > 1 that can be
-up to K-1 versions behind: those versions are rolled back (samplers, metrics, idempotency records) so
-version, weights and optimizer state always agree.
+Restart recovery loses no committed version at any --checkpoint-every K: a model's training client is
+loaded on first use from its recovery point (the last committed state checkpoint, up to K-1 versions
+behind) and the steps recorded after it are replayed, so version, weights and optimizer state agree.
+Only steps that never committed are gone (their orphan checkpoints are deleted at start).
 
 Engine supervision (embedded engine only): when the engine child exits, calls in flight fail UNAVAILABLE,
-new calls wait (within their deadline) while a new engine starts on a fresh port; every model then goes
-to its recovery point and reloads its training client from that state checkpoint (with optimizer) on next
-use; sampling clients are made anew from the same tinker:// paths, as the engine's data dir persists.
+new calls wait (within their deadline) while a new engine starts on a fresh port; every model's training
+client is then rebuilt the same way on next use; sampling clients are made anew from the same tinker://
+paths, as the engine's data dir persists.
 """
 
 from __future__ import annotations
