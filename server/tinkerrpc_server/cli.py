@@ -14,6 +14,9 @@ from tinkerrpc_server.service.limits import add_limit_arguments, limits_from_arg
 from tinkerrpc_server.settings import (
     AUTH_TOKEN_ENV,
     ENGINE_API_KEY_ENV,
+    ENGINE_DEVICE_ENV,
+    ENGINE_DTYPE_ENV,
+    ENGINE_DTYPES,
     SIDECAR_API_KEY_ENV,
     configure_logging,
     default_log_level,
@@ -236,6 +239,19 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         help="finish a tinker session (unload its training clients, drop its ephemeral sampler weights) "
         "after this long without a heartbeat; the SDK heartbeats every 10 s (default: %(default)s)",
     )
+    p.add_argument(
+        "--device",
+        default=os.environ.get(ENGINE_DEVICE_ENV),
+        help=f"torch device: cpu, cuda or cuda:N (default: ${ENGINE_DEVICE_ENV}, else cuda when there is "
+        "one, else cpu; docs/devices.md)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=ENGINE_DTYPES,
+        default=os.environ.get(ENGINE_DTYPE_ENV),
+        help=f"dtype of the base weights; LoRA weights and optimizer state are float32 either way "
+        f"(default: ${ENGINE_DTYPE_ENV}, else bfloat16 on cuda, float32 on cpu)",
+    )
     p.set_defaults(func=_engine)
 
 
@@ -283,8 +299,18 @@ def _engine(args: argparse.Namespace) -> int:
         print(f"tinkerrpc engine: cannot start: {problem}", file=sys.stderr)
         return 1
     from tinkerrpc_server.engine.app import run_engine
+    from tinkerrpc_server.engine.runtime import PlacementError, resolve_placement
     from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
 
+    try:
+        resolve_placement(args.device, args.dtype)
+    except PlacementError as error:
+        print(f"tinkerrpc engine: cannot start: {error}", file=sys.stderr)
+        return 2
+    # The runtime reads them where it loads a base model (engine/runtime.py resolve_placement).
+    for name, value in ((ENGINE_DEVICE_ENV, args.device), (ENGINE_DTYPE_ENV, args.dtype)):
+        if value:
+            os.environ[name] = value
     model_dir = args.model_dir or DEFAULT_MODEL_DIR
     run_engine(args.host, args.port, args.data_dir, model_dir, api_key, args.session_timeout)
     return 0
