@@ -641,18 +641,30 @@ def _choose(
     greedy = temperatures <= 0
     scale = torch.where(greedy, torch.ones_like(temperatures), temperatures)
     logprobs = torch.log_softmax(logits / scale.unsqueeze(-1), dim=-1)
-    sorted_logprobs, order = torch.sort(logprobs, dim=-1, descending=True, stable=True)
-    sorted_probs = sorted_logprobs.exp()
-    ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
-    keep = (top_ks.unsqueeze(-1) <= 0) | (ranks < top_ks.unsqueeze(-1))
-    # Nucleus: keep a token while the mass strictly before it is under top_p (the first always stays).
-    keep &= (sorted_probs.cumsum(-1) - sorted_probs) < top_ps.unsqueeze(-1)
-    cdf = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs)).cumsum(-1)
-    targets = (uniforms * cdf[:, -1]).unsqueeze(-1)
-    picked = torch.searchsorted(cdf, targets, right=True).clamp(max=logits.shape[-1] - 1)
-    sampled = order.gather(-1, picked).squeeze(-1)
+    # Rows without top-k/top-p draw from the cumulative distribution in vocabulary order, which needs no
+    # sort over the vocabulary; rows with them always take the sorted path. Either way a row's token
+    # depends on its own logits and uniform only.
+    cdf = logprobs.exp().cumsum(-1)
+    sampled = _searchsorted(cdf, uniforms)
+    truncated = (top_ks > 0) | (top_ps < 1)
+    if bool(truncated.any()):
+        sorted_logprobs, order = torch.sort(logprobs, dim=-1, descending=True, stable=True)
+        sorted_probs = sorted_logprobs.exp()
+        ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+        keep = (top_ks.unsqueeze(-1) <= 0) | (ranks < top_ks.unsqueeze(-1))
+        # Nucleus: keep a token while the mass strictly before it is under top_p (the first always stays).
+        keep &= (sorted_probs.cumsum(-1) - sorted_probs) < top_ps.unsqueeze(-1)
+        kept_cdf = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs)).cumsum(-1)
+        picked = _searchsorted(kept_cdf, uniforms)
+        sampled = torch.where(truncated, order.gather(-1, picked.unsqueeze(-1)).squeeze(-1), sampled)
     tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def _searchsorted(cdf: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose cumulative mass exceeds uniform × the row's total mass."""
+    targets = (uniforms * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, targets, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
 
 
 def _stop_reason(row: _Row, tokenizer: object) -> str | None:
