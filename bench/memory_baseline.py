@@ -1,6 +1,6 @@
 """The memory baseline: what a one-process script does instead of the demo's stack. It loads tiny-chat
 with the demo's LoRA (rank 8, attention + MLP + unembedding), takes supervised steps on demo-sized
-batches, and samples demo-sized groups with generate(). Run by bench/memory.py, which samples its RSS."""
+batches, and samples demo-sized groups with generate(). Run by bench/memory.py, which samples its PSS."""
 
 from __future__ import annotations
 

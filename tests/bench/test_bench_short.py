@@ -21,7 +21,7 @@ EXPECTED_FIGURES = {
     "stack overhead: Train RPC vs tinker SDK",
     "sidecar overhead: chat completion vs Sample RPC",
     "Train request encode+decode",
-    "memory: peak RSS of server + engine in the demo",
+    "memory: peak PSS of server + engine in the demo",
     "retention: disk late in a run vs early",
     "retention: step time late in a run vs early",
 }
