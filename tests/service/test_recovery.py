@@ -95,7 +95,7 @@ def test_crash_at_every_step_phase_restarts_consistent(tmp_path: Path, service_m
         assert server.close() == 0
 
 
-def test_checkpoint_every_k_rolls_back_to_the_last_state_checkpoint(
+def test_checkpoint_every_k_keeps_the_versions_after_the_last_state_checkpoint(
     tmp_path: Path, service_model_dir: Path
 ) -> None:
     server = Server(
@@ -103,10 +103,13 @@ def test_checkpoint_every_k_rolls_back_to_the_last_state_checkpoint(
     )
     create_model(server.stub, MODEL)
     probe = list(sample_chat(server.stub, MODEL, "respond with maybe", n=1, max_tokens=1).prompt_token_ids)
-    responses = [server.stub.Train(_train_request(server, f"s{i}"), timeout=CALL_TIMEOUT) for i in range(3)]
+    requests, responses = [], []
+    for i in range(3):
+        requests.append(_train_request(server, f"s{i}"))
+        responses.append(server.stub.Train(requests[-1], timeout=CALL_TIMEOUT))
     assert [r.policy_version for r in responses] == [1, 2, 3]
     assert [r.HasField("state_checkpoint") for r in responses] == [False, True, False]
-    at_two = prompt_logprobs(server.stub, MODEL, probe, version=2)
+    at_three = prompt_logprobs(server.stub, MODEL, probe)
     # Exporting an earlier version needs the current state to come back to: version 3 has none here.
     with pytest.raises(grpc.RpcError) as err:
         list(
@@ -130,9 +133,12 @@ def test_checkpoint_every_k_rolls_back_to_the_last_state_checkpoint(
         tmp_path / "data", service_model_dir, tmp_path / "again.log", None, "--checkpoint-every", "2"
     )
     try:
+        # Version 3 is rebuilt from step_000002 and its step record.
         model = server.stub.GetModel(pb.GetModelRequest(name=MODEL)).model
-        assert model.policy_version == 2 and list(model.sampleable_versions) == [0, 1, 2]
-        assert prompt_logprobs(server.stub, MODEL, probe) == pytest.approx(at_two, abs=1e-5)
-        assert server.stub.Train(_train_request(server, "s9"), timeout=CALL_TIMEOUT).policy_version == 3
+        assert model.policy_version == 3 and list(model.sampleable_versions) == [0, 1, 2, 3]
+        assert prompt_logprobs(server.stub, MODEL, probe) == pytest.approx(at_three, abs=1e-5)
+        replay = server.stub.Train(requests[2], timeout=CALL_TIMEOUT)
+        assert replay.replayed and replay.policy_version == 3
+        assert server.stub.Train(_train_request(server, "s9"), timeout=CALL_TIMEOUT).policy_version == 4
     finally:
         assert server.close() == 0

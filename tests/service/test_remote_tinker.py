@@ -5,8 +5,8 @@ the last state checkpoint. Here that Tinker is a separately started `tinkerrpc e
 offline: serve finds the tokenizer under its --model-dir.
 
 The service's core runs once in this mode: create, sample, train (supervised and RL), checkpoints,
-export, and a SIGKILL of serve followed by recovery (versions after the last state checkpoint
-are rolled back, see tinkerrpc_server.service's docstring)."""
+export, and a SIGKILL of serve followed by recovery (versions after the last state checkpoint are
+rebuilt from their step records, see tinkerrpc_server.service's docstring)."""
 
 from __future__ import annotations
 
@@ -85,13 +85,17 @@ def test_serve_on_a_remote_tinker_trains_exports_and_recovers(
     server = _serve(tmp_path, service_model_dir, engine, "restarted")
     try:
         model = server.stub.GetModel(pb.GetModelRequest(name=MODEL)).model
-        assert model.policy_version == TINKER_CHECKPOINT_EVERY, "rolled back to the last state checkpoint"
-        assert list(model.sampleable_versions) == list(range(TINKER_CHECKPOINT_EVERY + 1))
-        assert prompt_logprobs(server.stub, MODEL, probe) == pytest.approx(at_ten, abs=1e-5)
+        assert model.policy_version == TINKER_CHECKPOINT_EVERY + 1, "nothing acknowledged is lost"
+        assert list(model.sampleable_versions) == list(range(TINKER_CHECKPOINT_EVERY + 2))
+        assert prompt_logprobs(server.stub, MODEL, probe) == pytest.approx(at_eleven, abs=1e-5)
+        # The training state of version 11: step_000010 and the replayed step 11.
         kept = server.stub.SaveCheckpoint(pb.SaveCheckpointRequest(model=MODEL, name="kept")).checkpoint
-        assert (kept.kind, kept.policy_version) == (types_pb2.CHECKPOINT_KIND_STATE, TINKER_CHECKPOINT_EVERY)
+        assert (kept.kind, kept.policy_version) == (
+            types_pb2.CHECKPOINT_KIND_STATE,
+            TINKER_CHECKPOINT_EVERY + 1,
+        )
         assert kept.tinker_path.startswith("tinker://")
         # Training resumes from the recovered weights and optimizer state.
-        assert server.stub.Train(rl_step, timeout=CALL_TIMEOUT).policy_version == TINKER_CHECKPOINT_EVERY + 1
+        assert server.stub.Train(rl_step, timeout=CALL_TIMEOUT).policy_version == TINKER_CHECKPOINT_EVERY + 2
     finally:
         assert server.close() == 0, server.proc.log()[-3000:]
