@@ -66,8 +66,10 @@ class BatchPolicy:
     """How many sequences decode together and how prompts enter the batch.
 
     A waiting request is admitted when its rows fit: live rows + its num_samples <= max_rows, and the
-    KV tokens reserved by live rows (prompt + max_tokens each) + its own <= max_kv_tokens. Requests are
-    admitted in arrival order (one that does not fit holds back those after it, so none starves), and
+    batch's KV cache with its rows merged in (rows × columns, left padding included) holds at most
+    max_kv_tokens. The KV bound is checked at admission: admitted rows keep decoding as the cache grows
+    (up to max_rows × the longest prompt + max_tokens), and the next request waits until finished rows
+    have made room. Requests are admitted in arrival order (one that does not fit holds back those after it, so none starves), and
     a request is always admitted into an empty batch, however large. Prompts are prefilled in forward
     passes of at most prefill_chunk_tokens tokens (over all rows being prefilled), one such pass
     between two decode steps, so a long prompt delays the running rows by one chunk at a time.
@@ -247,12 +249,7 @@ class _Request:
     unfinished: int = 0
     prompt_logprobs: list[float | None] | None = None
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
-    admitted: bool = False  # holds its reservation of KV tokens (see BatchPolicy)
     dropped: bool = False
-
-    @property
-    def reserved_kv_tokens(self) -> int:
-        return self.request.num_samples * (len(self.request.prompt) + self.request.max_tokens)
 
 
 @dataclass(eq=False)
@@ -473,7 +470,6 @@ class _Batch:
         self.prefill: _Prefill | None = None
         self.decoding: _Rows | None = None
         self.by_key: dict[int, _Request] = {}
-        self.reserved_kv_tokens = 0  # of the admitted requests still decoding or being prefilled
         self.idle = False
 
     def advance(self, model: torch.nn.Module) -> None:
@@ -507,7 +503,6 @@ class _Batch:
             return
         for owner in abandoned:
             owner.dropped = True
-            self._release(owner)
         self.waiting = [owner for owner in self.waiting if not owner.dropped]
         if self.decoding is not None:
             self._keep([i for i, row in enumerate(self.decoding.rows) if not row.owner.dropped])
@@ -519,19 +514,15 @@ class _Batch:
         running = self.decoding is not None
         if running and not self.policy.continuous:
             return
-        rows = len(self.decoding.rows) if self.decoding is not None else 0
+        rows, columns = self.decoding.mask.shape if self.decoding is not None else (0, 0)
         admitted: list[_Request] = []
         for owner in self.waiting:
-            fits = (
-                rows + owner.request.num_samples <= self.policy.max_rows
-                and self.reserved_kv_tokens + owner.reserved_kv_tokens <= self.policy.max_kv_tokens
-            )
-            if not fits and (rows or admitted):
+            rows += owner.request.num_samples
+            columns = max(columns, len(owner.request.prompt))
+            fits = rows <= self.policy.max_rows and rows * columns <= self.policy.max_kv_tokens
+            if not fits and (running or admitted):
                 break
             admitted.append(owner)
-            rows += owner.request.num_samples
-            self.reserved_kv_tokens += owner.reserved_kv_tokens
-            owner.admitted = True
         if not admitted:
             return
         self.waiting = self.waiting[len(admitted) :]
@@ -607,7 +598,6 @@ class _Batch:
 
     def _deliver(self, owner: _Request) -> None:
         self.by_key.pop(owner.key, None)
-        self._release(owner)
         self.feed.deliver(
             owner.key,
             RequestResult(
@@ -618,11 +608,6 @@ class _Batch:
                 else None,
             ),
         )
-
-    def _release(self, owner: _Request) -> None:
-        if owner.admitted:
-            self.reserved_kv_tokens -= owner.reserved_kv_tokens
-            owner.admitted = False
 
 
 def _choose(
