@@ -4,6 +4,9 @@ stay near the float32 engine's. Also how the device and dtype are chosen (resolv
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +25,7 @@ from tinkerrpc_server.engine.runtime import (
     SampleJob,
     resolve_placement,
 )
-from tinkerrpc_server.settings import ENGINE_DEVICE_ENV, ENGINE_DTYPE_ENV
+from tinkerrpc_server.settings import ENGINE_API_KEY_ENV, ENGINE_DEVICE_ENV, ENGINE_DTYPE_ENV
 
 ADAM = {
     "learning_rate": 1e-2,
@@ -83,6 +86,19 @@ def test_placement_defaults_settings_and_errors(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv(ENGINE_DTYPE_ENV, "bfloat16")
     assert resolve_placement() == (torch.device("cpu"), torch.bfloat16)
     assert resolve_placement(dtype="float32") == (torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_serve_s_engine_child_without_the_device_stops_at_start(tmp_path: Path) -> None:
+    """What `TINKERRPC_ENGINE_DEVICE=cuda tinkerrpc serve` starts on a machine without a GPU."""
+    env = {**os.environ, ENGINE_DEVICE_ENV: "cuda", ENGINE_API_KEY_ENV: "unused"}
+    args = ["--parent-pid", str(os.getpid()), "--host", "127.0.0.1", "--port", "1"]
+    args += ["--data-dir", str(tmp_path / "data"), "--model-dir", str(tmp_path / "models")]
+    child = [sys.executable, "-m", "tinkerrpc_server.local.engine_child", *args]
+    run = subprocess.run(child, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert "cannot start: engine device 'cuda': this machine has no usable CUDA device" in run.stderr
+    assert not (tmp_path / "models").exists()  # stopped before preparing any model
 
 
 def test_base_is_bf16_while_lora_gradients_and_adam_state_are_fp32_and_training_learns(

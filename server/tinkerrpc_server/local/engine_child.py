@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
         return 1
     set_process_defaults()
     configure_logging(default_log_level())
-    from tinkerrpc_server.engine.app import run_engine  # after the defaults: it imports torch
+    # After the defaults: these import torch.
     from tinkerrpc_server.engine.runtime import PlacementError, resolve_placement
 
     try:
@@ -70,6 +70,8 @@ def main(argv: list[str]) -> int:
     except PlacementError as error:
         print(f"tinkerrpc engine: cannot start: {error}", file=sys.stderr)
         return 1
+    from tinkerrpc_server.engine.app import run_engine
+
     run_engine(args.host, args.port, args.data_dir, args.model_dir, api_key)
     return 0
 
