@@ -31,7 +31,8 @@ class Context:
     work_dir: Path
     threads: int
     stack: contextlib.ExitStack
-    # Where every engine of the run and the in-process baselines compute (the engine's placement).
+    # Where every engine of the run computes, and the base-weight dtype there; the matmul peak is measured
+    # there, and the in-process baselines belong there too (docs/devices.md: not yet).
     device: torch.device
     dtype: torch.dtype
     _model: BenchModel | None = None
@@ -118,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--device",
         default="cpu",
-        help="torch device of the engines and the in-process baselines: cpu or cuda[:N] (bf16 base "
-        "weights there; docs/devices.md); default: %(default)s",
+        help="torch device of every engine of the run: cpu or cuda[:N] (bf16 base weights there; "
+        "docs/devices.md); default: %(default)s",
     )
     args = parser.parse_args(argv)
     try:
