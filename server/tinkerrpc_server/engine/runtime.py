@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tinkerrpc_server.engine import sampler
 from tinkerrpc_server.engine.losses import LOSSES, resolve_config
+from tinkerrpc_server.engine.unembedding import saved_logits_positions, target_logprobs
 from tinkerrpc_server.settings import ENGINE_DEVICE_ENV, ENGINE_DTYPE_ENV, ENGINE_DTYPES
 
 log = logging.getLogger("tinkerrpc.engine")
@@ -44,7 +45,8 @@ LORA_ALPHA = 32
 OPTIMIZER_FILE = "optimizer.safetensors"
 OPTIMIZER_META_FILE = "optimizer.json"
 
-# Padded tokens per micro-batch; bounds activation memory while keeping batches large.
+# Padded tokens per micro-batch; bounds activation memory while keeping batches large. At a wide
+# vocabulary the logits kept for backward bound it lower (unembedding.saved_logits_positions).
 MICRO_BATCH_TOKENS = 8192
 # A datum joins the current micro-batch if padding it wastes at most this share of the batch
 # width, or at most the fixed cost of one more forward/backward (in token equivalents, measured
@@ -329,7 +331,8 @@ class BaseModelRuntime:
         logprobs: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(data)
         loss_total = 0.0
         with self._active(adapter.peft_name) as model, torch.set_grad_enabled(backward):
-            for batch in bucket_by_length([len(d.input_tokens) for d in data]):
+            micro_batch_tokens = min(MICRO_BATCH_TOKENS, saved_logits_positions(self.vocab_size))
+            for batch in bucket_by_length([len(d.input_tokens) for d in data], micro_batch_tokens):
                 token_lp = self._target_logprobs(model, [prepared[i] for i in batch])
                 losses = [
                     spec.fn(lp, prepared[i].inputs, config) for i, lp in zip(batch, token_lp, strict=True)
@@ -345,7 +348,8 @@ class BaseModelRuntime:
         return ForwardResult(logprobs=logprobs, metrics={"loss:sum": loss_total})
 
     def _target_logprobs(self, model: torch.nn.Module, batch: list[_Prepared]) -> list[torch.Tensor]:
-        """Right-padded forward of one micro-batch; the learner logprob of every target token."""
+        """Right-padded forward of one micro-batch; the learner logprob of every target token (the
+        logits of padding positions are never computed)."""
         width = max(len(item.tokens) for item in batch)
         tokens = torch.zeros((len(batch), width), dtype=torch.long, device=self.device)
         targets = torch.zeros_like(tokens)
@@ -355,9 +359,9 @@ class BaseModelRuntime:
             tokens[row, :n] = item.tokens
             targets[row, :n] = item.targets
             mask[row, :n] = 1
-        logits = model(input_ids=tokens, attention_mask=mask, use_cache=False).logits.float()
-        lp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        return [lp[row, : len(item.tokens)] for row, item in enumerate(batch)]
+        lp = target_logprobs(model, tokens, mask, targets[mask.bool()])
+        ends = np.cumsum([len(item.tokens) for item in batch]).tolist()
+        return [lp[end - len(item.tokens) : end] for item, end in zip(batch, ends, strict=True)]
 
     def _validate_batch(
         self, data: list[DatumArrays], loss_fn: str, loss_fn_config: dict[str, float] | None
@@ -774,11 +778,12 @@ class _Prepared:
     inputs: dict[str, torch.Tensor]
 
 
-def bucket_by_length(lengths: list[int]) -> list[list[int]]:
+def bucket_by_length(lengths: list[int], max_tokens: int = MICRO_BATCH_TOKENS) -> list[list[int]]:
     """Group datum indices into micro-batches of similar length (longest first).
 
     Right padding to the longest member wastes little when members are alike, and the loss is
-    a sum, so per-micro-batch results add up exactly to the whole batch.
+    a sum, so per-micro-batch results add up exactly to the whole batch. A micro-batch holds at most
+    `max_tokens` padded tokens (a longer datum is one alone).
     """
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     batches: list[list[int]] = []
@@ -786,7 +791,7 @@ def bucket_by_length(lengths: list[int]) -> list[list[int]]:
         if batches:
             current = batches[-1]
             width = lengths[current[0]]
-            fits_budget = (len(current) + 1) * width <= MICRO_BATCH_TOKENS
+            fits_budget = (len(current) + 1) * width <= max_tokens
             padding = width - lengths[index]
             little_padding = padding <= max(MAX_PADDING_FRACTION * width, MICRO_BATCH_OVERHEAD_TOKENS)
             if fits_budget and little_padding:
