@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import httpx
@@ -143,3 +144,24 @@ def test_serve_process_trains_and_samples_without_mapping_libtorch(stack: LocalS
     (engine,) = server.children()
     assert _maps_libtorch(engine)  # the probe sees torch where it is
     assert not _maps_libtorch(server)
+
+
+def test_a_process_without_torch_has_a_child_build_a_builtin_model(tmp_path: Path) -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        from pathlib import Path
+        from tinkerrpc_server.service.torchless import hide_torch
+        hide_torch()
+        from tinkerrpc_server.service.rendering import ChatCodecs
+        codec = ChatCodecs(Path(sys.argv[2]), allow_remote_tokenizers=False).get(sys.argv[1])
+        print(codec.vocab_size, sys.modules["torch"])
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, TINY_CHAT, str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    vocab_size, torch_module = done.stdout.split()
+    assert int(vocab_size) > 0 and torch_module == "None"
+    assert (tmp_path / TINY_CHAT / "config.json").is_file()
