@@ -16,7 +16,18 @@ from pathlib import Path
 
 import torch
 
-from bench import machine, memory, multiturn, overhead, report, retention, sampling, serialization, training
+from bench import (
+    machine,
+    memory,
+    multiturn,
+    overhead,
+    qwen3_width,
+    report,
+    retention,
+    sampling,
+    serialization,
+    training,
+)
 from bench.workload import FULL, SHORT, BenchModel, Settings, prepare_model
 from tinkerrpc_server.engine.runtime import PlacementError, resolve_placement
 from tinkerrpc_server.local.stack import LocalEngine
@@ -75,6 +86,10 @@ def _multiturn(ctx: Context) -> list[report.Figure]:
     return multiturn.measure(ctx.settings, ctx.engine, ctx.model, ctx.model_dir)
 
 
+def _qwen3_width(ctx: Context) -> list[report.Figure]:
+    return qwen3_width.measure(ctx.settings.mode, ctx.engine, ctx.model_dir, ctx.measure_peak_matmul)
+
+
 def _overhead(ctx: Context) -> list[report.Figure]:
     return overhead.measure(ctx.settings, ctx.work_dir, ctx.model_dir)
 
@@ -99,6 +114,8 @@ COMPARISONS: dict[str, Callable[[Context], list[report.Figure]]] = {
     "serialization": _serialization,
     "memory": _memory,
     "retention": _retention,
+    # Last: the engine holds this ~0.9 GB model from then on.
+    "qwen3_width": _qwen3_width,
 }
 
 

@@ -167,7 +167,10 @@ def _gather_then_run_engine(engine: LocalEngine) -> LocalEngine:
         return LocalEngine(work / "data", engine.model_dir, work / "engine.log")
 
 
-def measure(settings: Settings, engine: LocalEngine, model: BenchModel) -> list[Figure]:
+def measure(
+    settings: Settings, engine: LocalEngine, model: BenchModel, *, only_equal_requests: bool = False
+) -> list[Figure]:
+    """The three sampling figures; `only_equal_requests`: the first alone (bench/qwen3_width.py)."""
     sizes = SIZES[settings.mode]
     baseline_model = load_lora_model(model, settings.lora_rank)
     vocab_size = int(baseline_model.get_output_embeddings().weight.shape[0])
@@ -179,11 +182,16 @@ def measure(settings: Settings, engine: LocalEngine, model: BenchModel) -> list[
         token_sequences(1, 4, 8, vocab_size, seed=1),
         baseline_generation_config(2, pad_token_id),
     )
+    equal_requests = _equal_requests(
+        settings, engine, sampling_client, baseline_model, vocab_size, pad_token_id
+    )
+    if only_equal_requests:
+        return [equal_requests]
     with _gather_then_run_engine(engine) as gather_engine:
         gather_client = _sampling_client(gather_engine, model, settings.lora_rank)
         _engine_round(gather_client, token_sequences(2, 4, 8, vocab_size, seed=1), 2, seed=0)
         return [
-            _equal_requests(settings, engine, sampling_client, baseline_model, vocab_size, pad_token_id),
+            equal_requests,
             *_staggered(sizes, sampling_client, gather_client, baseline_model, vocab_size, pad_token_id),
             _shared_prompts(sizes, sampling_client, gather_client, vocab_size),
         ]

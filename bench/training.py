@@ -107,8 +107,11 @@ def measure(
 ) -> list[Figure]:
     baseline_model = load_lora_model(model, settings.lora_rank)
     vocab_size = int(baseline_model.get_output_embeddings().weight.shape[0])
-    # PEFT's parameters() holds the frozen base and the LoRA factors: both cost forward/backward work.
-    params = sum(p.numel() for p in baseline_model.parameters())
+    # The weights that multiply activations: the frozen base and the LoRA factors (PEFT's parameters(),
+    # a tied matrix once), but not an input embedding of its own (a lookup, no matmul).
+    embedding = baseline_model.get_input_embeddings().weight
+    unembedding = baseline_model.get_output_embeddings().weight
+    params = sum(p.numel() for p in baseline_model.parameters() if p is not embedding or p is unembedding)
     pad_id = int(baseline_model.config.pad_token_id or 0)
     sequences = token_sequences(
         settings.train_sequences,
@@ -163,7 +166,8 @@ def measure(
         goal=MFU_GOAL,
         direction=">=",
         detail=(
-            f"P = {params / 1e6:.1f} M parameters (frozen base + LoRA), tokens/s of the engine from the "
+            f"P = {params / 1e6:.1f} M parameters that multiply activations (frozen base + LoRA; a tied "
+            f"embedding once, an untied input embedding not), tokens/s of the engine from the "
             f"throughput figure; peak = fastest fp32 torch.mm of {peak_size}×{peak_size} matrices, "
             f"{torch.get_num_threads()} threads, measured before and after the steps. 6·P counts weight "
             f"gradients for frozen weights too, so it overstates LoRA work (≈ 4·P) by about 1.5×"

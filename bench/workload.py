@@ -20,7 +20,9 @@ BENCH_MODEL_SHAPE = TinyModelShape(
 @dataclass(frozen=True)
 class Settings:
     mode: Literal["full", "short"]
-    # Model of the compute-bound figures (training, sampling, MFU); None = the built-in tiny-chat.
+    # Model of the compute-bound figures (training, sampling, MFU): a model of `model_shape` built under
+    # the model dir as `model_name`, or the model store's built-in `model_name` when the shape is None.
+    model_name: str
     model_shape: TinyModelShape | None
     lora_rank: int
     # Training throughput: one batch of sequences with input lengths uniform in [min, max].
@@ -53,6 +55,7 @@ class Settings:
 
 FULL = Settings(
     mode="full",
+    model_name=BENCH_MODEL_NAME,
     model_shape=BENCH_MODEL_SHAPE,
     lora_rank=32,
     train_sequences=64,
@@ -78,6 +81,7 @@ FULL = Settings(
 
 SHORT = Settings(
     mode="short",
+    model_name=TINY_CHAT,
     model_shape=None,
     lora_rank=8,
     train_sequences=8,
@@ -112,10 +116,11 @@ class BenchModel:
 
 def prepare_model(settings: Settings, model_dir: Path) -> BenchModel:
     """Build (once; cached under model_dir) the model of the compute-bound figures."""
+    name = settings.model_name
     if settings.model_shape is None:
-        return BenchModel(TINY_CHAT, resolve_base_model(TINY_CHAT, model_dir))
+        return BenchModel(name, resolve_base_model(name, model_dir))
     # Named under the model dir, which the bench's engines are started with (they load names only).
-    return BenchModel(BENCH_MODEL_NAME, build_tiny_model(model_dir / BENCH_MODEL_NAME, settings.model_shape))
+    return BenchModel(name, build_tiny_model(model_dir / name, settings.model_shape))
 
 
 def token_sequences(
