@@ -18,6 +18,8 @@ EXPECTED_FIGURES = {
     "engine training throughput",
     "training MFU (6·P·tokens/s ÷ matmul peak)",
     "engine sampling throughput",
+    "multi-turn RL step, tokens processed",
+    "multi-turn RL step, Train time",
     "stack overhead: Train RPC vs tinker SDK",
     "sidecar overhead: chat completion vs Sample RPC",
     "Train request encode+decode",
