@@ -229,10 +229,8 @@ def sft_batch(request: trainer_service_pb2.TrainRequest, codec: ChatCodec, merge
                 )
                 continue
             target_weights = weights[1:]
-            trained = [i for i, w in enumerate(target_weights) if w != 0]
-            sequences.append(
-                _Sequence(tokens, {"weights": target_weights}, trained[0] if trained else len(target_weights))
-            )
+            trained_from = next((i for i, w in enumerate(target_weights) if w != 0), len(target_weights))
+            sequences.append(_Sequence(tokens, {"weights": target_weights}, trained_from))
             batch.trained_tokens += sum(1 for w in target_weights if w > 0)
         _add(batch, sequences, merge_turns)
         batch.used += 1
