@@ -5,10 +5,11 @@ off the event loop (build_batch).
 Merged turns: when a trajectory's next turn reads the previous turn's whole sequence (prompt + completion)
 as the start of its prompt (the usual case with tools), the two train as ONE datum of the later sequence,
 each turn's loss inputs on its own completion positions and zeros on the tokens between (tool results,
-user turns, template tokens). Every loss but DRO is a per-position sum whose positions without advantage
-(or weight) add nothing, and a causal model reads a prefix the same inside a longer sequence, so the
-merged datum trains exactly as the separate ones while the shared history is processed once instead of
-once per turn. Where a turn's prompt does not continue the previous sequence (a renderer stripped earlier
+user turns, template tokens). Every loss is a sum over positions (no per-datum or per-token mean) and
+advantages, normalize_std included, are fixed per trajectory before any datum is built; every loss but
+DRO adds nothing at a position without advantage (or weight), and a causal model reads a prefix the same
+inside a longer sequence, so the merged datum trains exactly as the separate ones while the shared
+history is processed once instead of once per turn. Where a turn's prompt does not continue the previous sequence (a renderer stripped earlier
 thinking, history was edited), the chain breaks there and a new datum starts. Supervised examples that
 continue each other (renderers without the extension property) merge the same way."""
 
