@@ -217,7 +217,9 @@ def generate(
     """Sample every request's num_samples continuations; results in the order of `requests`."""
     feed = FixedRequests(requests)
     decode(model_context, feed, tokenizer, device, policy)
-    return [result for result in feed.results if result is not None]
+    answered = [result for result in feed.results if result is not None]
+    assert len(answered) == len(requests), "a request was never answered"
+    return answered
 
 
 def decode(
