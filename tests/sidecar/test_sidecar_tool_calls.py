@@ -111,6 +111,17 @@ def test_tool_call_rollouts_train_token_exact(stack: Stack, tool_agent: str) -> 
         [tinkerrpc.TrajectoryGroup([used_tool, no_tool])], learning_rate=1e-4
     )
     assert result.metrics.trajectories_used == 2 and result.policy_version > int(version)
+    # Qwen3's template without thinking opens the generation prompt with an empty think block but drops
+    # it from an earlier assistant turn, so the second prompt does not continue the first turn's
+    # sequence: the round trip trains as one datum per turn (merging needs the renderer's extension
+    # property), each its full sequence.
+    first_turn, last_turn = used_tool.turns
+    first_sequence = [*first_turn.prompt_token_ids, *first_turn.completion_token_ids]
+    assert list(last_turn.prompt_token_ids[: len(first_sequence)]) != first_sequence
+    sequence_lengths = [
+        len(t.prompt_token_ids) + len(t.completion_token_ids) for t in (*used_tool.turns, *no_tool.turns)
+    ]
+    assert result.metrics.total_tokens == sum(sequence_lengths)
     after = ask(api, name, [QUESTION])
     assert after.model == f"{name}@{result.policy_version}"
     assert extra(after, "policy_version") == result.policy_version
