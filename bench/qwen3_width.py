@@ -24,7 +24,7 @@ SHORT_STAND_IN_SHAPE = TinyModelShape(
     64, 1, 4, 2, 16, 192, vocab_size=QWEN3_VOCAB_SIZE, tie_word_embeddings=True, saved_dtype="bfloat16"
 )
 
-# A token costs ~0.9 GFLOP of training here (~40× the 20 M model's): one batch of 16 sequences (~1,700
+# A token costs ~0.9 GFLOP of training here (~10× the 20 M model's): one batch of 16 sequences (~1,700
 # tokens) and 8 short generations keep the three figures to ~2-3 minutes on 2 quiet cores.
 SETTINGS: dict[Literal["full", "short"], Settings] = {
     "full": replace(
