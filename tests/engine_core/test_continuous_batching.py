@@ -184,16 +184,18 @@ def test_chunked_prefill_and_bounded_batches_sample_the_same(
     assert feed.stats.prefill_chunks > 3
 
 
-def test_gather_then_run_admits_only_into_an_empty_batch(
+def test_gather_then_run_admits_only_into_an_empty_batch_and_answers_when_it_is_done(
     runtime: BaseModelRuntime, sampler_dir: Path
 ) -> None:
     long = SampleJob(PROMPT, 1, 15, seed=1, stop_token_ids=[])
+    short = SampleJob(PROMPT, 1, 3, seed=3, stop_token_ids=[])
     late = SampleJob(OTHER_PROMPT, 1, 4, seed=2, stop_token_ids=[])
-    feed = ScriptedFeed({0: [long], 3: [late]})
+    feed = ScriptedFeed({0: [long, short], 3: [late]})
     runtime.serve_samples(sampler_dir, feed, policy=BatchPolicy(continuous=False, share_prompts=False))
-    assert feed.stats.requests_joined_running_batch == 0
-    assert feed.answered_at[1] > feed.answered_at[0]
-    assert_same_samples(output(feed, 1), runtime.sample(sampler_dir, [late])[0])
+    assert feed.stats.requests_joined_running_batch == 0 and feed.stats.shared_prefill_rows == 0
+    assert feed.answered_at[0] == feed.answered_at[1] < feed.answered_at[2]
+    for key, job in enumerate((long, short, late)):
+        assert_same_samples(output(feed, key), runtime.sample(sampler_dir, [job])[0])
 
 
 def test_abandoned_and_bad_requests_leave_without_disturbing_the_others(

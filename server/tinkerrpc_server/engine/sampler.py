@@ -24,6 +24,7 @@ from typing import Generic, Protocol, TypeVar
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 
 @dataclass
@@ -55,9 +56,10 @@ class RequestResult:
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None
 
 
-# Baseline/diagnostic switch, read when a batch starts: "gather" makes requests join only an empty
-# batch (gather, then run to completion) and prefills every row on its own — the engine's batching
-# before continuous batching, which bench/sampling.py measures against.
+# Baseline/diagnostic switch, read when a batch starts: "gather" is the engine's batching before
+# continuous batching, which bench/sampling.py measures against: requests join only an empty batch,
+# are answered when the whole batch has finished (gather, then run to completion), and every row is
+# prefilled on its own.
 BATCHING_ENV = "TINKERRPC_ENGINE_BATCHING"
 
 
@@ -78,7 +80,8 @@ class BatchPolicy:
     max_rows: int = 64
     max_kv_tokens: int = 64 * 1024
     prefill_chunk_tokens: int = 512
-    # Requests join a running batch; off: only an empty one (the gather-then-run baseline).
+    # Requests join a running batch and are answered as soon as their rows finish; off: they join only
+    # an empty batch and are answered when it has finished (the gather-then-run baseline).
     continuous: bool = True
     # Rows with the same prompt (a request's n samples, identical concurrent prompts) share one prefill.
     share_prompts: bool = True
@@ -318,6 +321,55 @@ class _Rows:
         )
 
 
+class _GrowingLayer(DynamicLayer):  # type: ignore[misc]  # transformers is untyped here
+    """A cache layer whose keys and values are views of buffers with room to grow: a decode step writes
+    its keys in place instead of copying the whole cache (DynamicLayer's torch.cat) every step. The
+    batch's own edits (merge, dropped rows, trimmed columns) assign new tensors, which the next update
+    moves into a new buffer."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_buffer: torch.Tensor | None
+    value_buffer: torch.Tensor | None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.key_buffer = self.value_buffer = None
+        self.keys, self.key_buffer = _appended(self.keys, self.key_buffer, key_states)
+        self.values, self.value_buffer = _appended(self.values, self.value_buffer, value_states)
+        return self.keys, self.values
+
+
+def _appended(
+    current: torch.Tensor, buffer: torch.Tensor | None, new: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`current` with `new` appended along the sequence dimension, as a view of a (new) buffer."""
+    used = current.shape[-2] if current.dim() == 4 else 0
+    total = used + new.shape[-2]
+    if (
+        buffer is None
+        or buffer.data_ptr() != current.data_ptr()
+        or buffer.shape[:2] != new.shape[:2]
+        or buffer.shape[-2] < total
+    ):
+        # Room for half as many columns again: a buffer is copied O(log) times as a sequence grows.
+        grown = new.new_empty((*new.shape[:2], total + max(64, total // 2), new.shape[-1]))
+        if used:
+            grown[:, :, :used] = current
+        buffer = grown
+    buffer[:, :, used:total] = new
+    return buffer[:, :, :total], buffer
+
+
+def _new_cache() -> DynamicCache:
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = _GrowingLayer
+    return cache
+
+
 def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
     """Zero columns on the left of the sequence dimension (-1 of a mask, -2 of keys/values)."""
     missing = width - tensor.shape[-1 if tensor.dim() == 2 else -2]
@@ -356,7 +408,7 @@ class _Prefill:
             self.mask[index, width - len(prompt) :] = 1
         self.input_ids, self.mask = self.input_ids.to(device), self.mask.to(device)
         self.positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
-        self.cache = DynamicCache()
+        self.cache = _new_cache()
         self.done_columns = 0
         self.columns_per_chunk = max(1, batch.policy.prefill_chunk_tokens // len(prompts))
         self.top_k = max(o.request.topk_prompt_logprobs for o in requests)
@@ -472,15 +524,20 @@ class _Batch:
         self.prefill: _Prefill | None = None
         self.decoding: _Rows | None = None
         self.by_key: dict[int, _Request] = {}
+        self.finished_in_batch: list[_Request] = []  # gather-then-run: answered when the batch is done
         self.idle = False
 
     def advance(self, model: torch.nn.Module) -> None:
         """Admit, prefill and decode until nothing is left or, after some progress, other work waits."""
         while True:
             self._receive()
-            if self.decoding is None and self.prefill is None and not self.waiting:
-                self.idle = True
-                return
+            if self.decoding is None and self.prefill is None:
+                for owner in self.finished_in_batch:
+                    self._answer(owner)
+                self.finished_in_batch = []
+                if not self.waiting:
+                    self.idle = True
+                    return
             self._admit()
             if self.prefill is not None:
                 self._prefill_chunk(model)
@@ -599,7 +656,14 @@ class _Batch:
         self.decoding = self.decoding.select(indices) if indices else None
 
     def _deliver(self, owner: _Request) -> None:
-        self.by_key.pop(owner.key, None)
+        if self.policy.continuous:
+            self._answer(owner)
+        else:
+            self.finished_in_batch.append(owner)
+
+    def _answer(self, owner: _Request) -> None:
+        if self.by_key.pop(owner.key, None) is None:
+            return  # abandoned meanwhile: its caller has its answer
         self.feed.deliver(
             owner.key,
             RequestResult(
