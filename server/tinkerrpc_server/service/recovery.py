@@ -126,10 +126,13 @@ async def replay(store: Store, row: ModelRow, client: tinker.TrainingClient) -> 
         m.policy_version: types_pb2.TrainMetrics.FromString(m.metrics).loss
         for m in store.metrics_rows(row.name, row.recovery_version + 1, row.policy_version, len(rows))
     }
+    # All submitted at once, as a Train step submits its operations: the SDK orders them by sequence id.
+    submitted = []
     for step in rows:
         record = decode(step)
         forward_backward = client.forward_backward(record.datums, record.loss, record.loss_config)
-        optim_step = client.optim_step(record.adam)
+        submitted.append((step, forward_backward, client.optim_step(record.adam)))
+    for step, forward_backward, optim_step in submitted:
         output = await bounded(forward_backward, "forward_backward (replay)")
         await bounded(optim_step, "optim_step (replay)")
         loss = float(output.metrics.get("loss:sum", math.nan))
