@@ -286,7 +286,7 @@ def _staggered(
             direction="<=",
             detail=(
                 f"{schedule}; median request latency; baseline: the same engine code with "
-                f"{BATCHING_ENV}=gather (requests join only an empty batch, which runs to completion)"
+                f"{BATCHING_ENV}=gather (requests join only an empty batch and are answered when it has finished)"
             ),
         ),
     ]
