@@ -11,6 +11,7 @@ import pytest
 from tinker_cookbook.renderers import get_renderer
 from tinker_cookbook.tokenizer_utils import get_tokenizer
 
+from tinkerrpc_server import model_store
 from tinkerrpc_server.engine.runtime import BaseModelRuntime, DatumArrays, EngineUserError, LoraSpec
 from tinkerrpc_server.model_store import (
     QWEN3_0_6B_WIDTH,
@@ -20,6 +21,7 @@ from tinkerrpc_server.model_store import (
     TinyModelShape,
     UnknownBaseModelError,
     build_tiny_model,
+    publish_to_hf_cache,
     resolve_base_model,
 )
 
@@ -127,3 +129,24 @@ def test_a_wide_vocabulary_is_the_model_s_and_bounds_the_engine_token_checks(tmp
     )
     with pytest.raises(EngineUserError, match="outside the vocabulary"):
         runtime.forward_backward("wide", [outside], "cross_entropy", None, backward=True)
+
+
+def test_a_model_laid_out_from_its_own_files_is_not_hashed_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = build_tiny_model(tmp_path / "models" / "tiny", TinyModelShape(32, 1, 2, 1, 16, 64))
+    cache = tmp_path / "cache"
+    first = publish_to_hf_cache(TINY_CHAT, model, cache)
+
+    def no_hashing(path: Path) -> str:
+        raise AssertionError(f"hashed {path} again")
+
+    monkeypatch.setattr(model_store, "_sha256", no_hashing)
+    assert publish_to_hf_cache(TINY_CHAT, model, cache) == first
+    # A copy of the files (other inodes) is hashed, as its content may differ.
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for file in model.iterdir():
+        (copy / file.name).write_bytes(file.read_bytes())
+    with pytest.raises(AssertionError, match="hashed"):
+        publish_to_hf_cache(TINY_CHAT, copy, cache)
