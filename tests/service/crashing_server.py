@@ -37,6 +37,9 @@ class CrashAt:
 def main() -> int:
     # As `tinkerrpc serve` does, before torch loads (the imports below): see tinkerrpc_server.cli.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from tinkerrpc_server.service.torchless import hide_torch
+
+    hide_torch()  # as `tinkerrpc serve` does: only the engine child computes
     from tinkerrpc_server.local.engine_process import EmbeddedEngine
     from tinkerrpc_server.server import ServerConfig, serve
     from tinkerrpc_server.service.training import StepPoint
