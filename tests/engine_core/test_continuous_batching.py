@@ -7,14 +7,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import pytest
-import torch
 
 from tinkerrpc_server.engine.futures import FailedResult, Outcome, RequestFuture
 from tinkerrpc_server.engine.runtime import (
     BaseModelRuntime,
     EngineUserError,
-    LoraSpec,
     SampleJob,
     SampleOutput,
 )
@@ -23,18 +20,6 @@ from tinkerrpc_server.engine.worker import ComputeWorker
 
 PROMPT = [1, 291, 201, 420, 311, 408, 14, 338, 310, 409, 16, 2, 201, 1, 293, 201]
 OTHER_PROMPT = [1, 293, 201, 77, 78, 79, 80, 2, 201, 1, 291, 201]
-
-
-@pytest.fixture(scope="module")
-def sampler_dir(runtime: BaseModelRuntime, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    runtime.create_adapter("policy", LoraSpec(rank=8, seed=3))
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for param in runtime.adapter_parameters("policy").values():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-    directory = tmp_path_factory.mktemp("sampler") / "policy-v1"
-    runtime.save_state("policy", directory, include_optimizer=False)
-    return directory
 
 
 class ScriptedFeed:

@@ -20,19 +20,6 @@ from tinkerrpc_server.engine.runtime import (
 PROMPT = [1, 291, 201, 420, 311, 408, 14, 338, 310, 409, 16, 2, 201, 1, 293, 201]
 
 
-@pytest.fixture(scope="module")
-def sampler_dir(runtime: BaseModelRuntime, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Sampler weights of an adapter with non-trivial weights, so samples differ from the base."""
-    runtime.create_adapter("policy", LoraSpec(rank=8, seed=3))
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for param in runtime.adapter_parameters("policy").values():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-    directory = tmp_path_factory.mktemp("sampler") / "policy-v1"
-    runtime.save_state("policy", directory, include_optimizer=False)
-    return directory
-
-
 def learner_logprobs(
     runtime: BaseModelRuntime, model_id: str, prompt: list[int], completion: list[int]
 ) -> np.ndarray:
