@@ -157,7 +157,7 @@ def _sampling_client(engine: LocalEngine, model: BenchModel, rank: int) -> tinke
     training_client = (
         engine.service_client().create_lora_training_client(model.base_model, rank=rank, seed=0).result()
     )
-    return training_client.save_weights_and_get_sampling_client("bench-sampler").result()
+    return training_client.save_weights_and_get_sampling_client().result()
 
 
 def _gather_then_run_engine(engine: LocalEngine) -> LocalEngine:

@@ -110,7 +110,7 @@ def test_abandoned_sample_is_dropped_and_train_runs_between_decode_steps(engine:
         trainer = service.create_lora_training_client(TINY, rank=8).result()
         sampler = service.create_sampling_client(base_model=TINY).result()
         # Other weights: a request for them cannot join the long sample's running batch, so it queues.
-        other_sampler = trainer.save_weights_and_get_sampling_client("other").result()
+        other_sampler = trainer.save_weights_and_get_sampling_client().result()
         prompt = tinker.types.ModelInput.from_ints([5, 6, 7, 8])
         before = engine.stats()
         # A long sample (sampling until the context is full, 8 rows) keeps the compute thread busy...
