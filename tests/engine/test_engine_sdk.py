@@ -251,6 +251,31 @@ def test_operations_run_in_seq_order_even_when_they_arrive_out_of_order(
     assert not np.allclose(probe_logprobs_raw(engine, client.model_id, seq_id=4), initial)
 
 
+def test_a_resent_request_is_answered_by_the_first_and_runs_once(
+    service: tinker.ServiceClient, engine: LocalEngine
+) -> None:
+    """The SDK resends a request whose answer it missed (a timeout, a 5xx) with the same body."""
+    client = new_model(service, seed=9)
+    probe_logprobs(client)  # seq 1
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=PROBE + BATCH, loss_fn="cross_entropy"),
+        model_id=client.model_id,
+        seq_id=2,
+    )
+    ops_before = engine.stats()["training_ops"]
+    first = _post_proto(engine, request)
+    assert _post_proto(engine, request) == first
+    assert pb.ForwardBackwardOutput.FromString(_retrieve(engine, first).content).loss_fn_outputs
+    assert engine.stats()["training_ops"] == ops_before + 1
+    # Another operation under a used seq_id is still refused.
+    optim = httpx.post(
+        f"{engine.base_url}/api/v1/optim_step",
+        json={"model_id": client.model_id, "seq_id": 2, "adam_params": {"learning_rate": 0.05}},
+        headers=engine.auth_headers,
+    ).json()["request_id"]
+    assert "seq_id 2 was already used" in _retrieve(engine, optim).text
+
+
 def test_malformed_bodies_fail_clearly_and_keep_the_seq_order(
     service: tinker.ServiceClient, engine: LocalEngine
 ) -> None:

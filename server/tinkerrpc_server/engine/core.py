@@ -69,6 +69,8 @@ SWEEP_INTERVAL_SECONDS = 30.0
 DEFAULT_SESSION_TIMEOUT_SECONDS = 120.0
 # Finished session ids remembered so their heartbeats answer 410 (the SDK then stops its loop).
 _FINISHED_SESSIONS_REMEMBERED = 4096
+# Sequenced requests remembered per training client, so a resent one is recognised (see submit_training).
+_SEQUENCED_REMEMBERED = 256
 
 _USER_ERRORS = (
     EngineUserError,
@@ -116,6 +118,9 @@ class Engine:
         self._samplers: dict[str, Sampler] = {}
         # model_id -> tinker path of its latest unnamed sampler snapshot, deleted when superseded.
         self._unnamed_snapshots: dict[str, str] = {}
+        self._sequenced_lock = threading.Lock()
+        # model_id -> seq_id -> (operation, request id) of its recent sequenced requests.
+        self._sequenced: dict[str, OrderedDict[int, tuple[str, str]]] = {}
         self._sessions_lock = threading.Lock()
         self._session_last_seen: dict[str, float] = {}  # session id -> time.monotonic() of its last sign
         self._finished_sessions: OrderedDict[str, None] = OrderedDict()
@@ -215,6 +220,8 @@ class Engine:
         runtime = self.live_runtime(model_id)
         runtime.delete_adapter(model_id)
         del self._live_models[model_id]
+        with self._sequenced_lock:
+            self._sequenced.pop(model_id, None)
         self._drop_unnamed_snapshot(model_id)
         log.info("model %s unloaded", model_id)
 
@@ -299,10 +306,35 @@ class Engine:
     def submit_training(
         self, model_id: str, seq_id: int | None, name: str, work: Callable[[], Outcome]
     ) -> str:
+        """Queue a training client's operation; a repeat of a recent one is answered by it (see
+        `resent_request`)."""
+        earlier = self.resent_request(model_id, seq_id, name)
+        if earlier is not None:
+            return earlier
         request_id, future = self.futures.create()
         self.storage.touch_run(model_id)
+        if seq_id is not None:
+            with self._sequenced_lock:
+                recent = self._sequenced.setdefault(model_id, OrderedDict())
+                recent[seq_id] = (name, request_id)
+                while len(recent) > _SEQUENCED_REMEMBERED:
+                    recent.popitem(last=False)
         self.worker.submit_training(model_id, seq_id, f"{name} {model_id}", work, future)
         return request_id
+
+    def resent_request(self, model_id: str, seq_id: int | None, name: str) -> str | None:
+        """The request id of a recent `name` operation with this seq_id, if any: the SDK resends a
+        request whose answer it did not get (a timeout, a 5xx) with the same body, and never reuses a
+        seq_id otherwise, so such a repeat is the same request and must not run twice."""
+        if seq_id is None:
+            return None
+        with self._sequenced_lock:
+            recent = self._sequenced.get(model_id)
+            earlier = recent.get(seq_id) if recent is not None else None
+        if earlier is None or earlier[0] != name:
+            return None
+        log.info("%s %s seq=%d sent again: answered by its first request", name, model_id, seq_id)
+        return earlier[1]
 
     def reject_in_turn(self, model_id: str, seq_id: int, name: str, message: str) -> str:
         """A request id that fails with `message` when `seq_id` comes up in the model's queue, so the

@@ -147,6 +147,9 @@ async def create_model(request: types.CreateModelRequest, engine: EngineDep) -> 
         train_unembed=lora.train_unembed,
     )
     metadata = str_metadata(request.user_metadata)
+    resent = engine.resent_request(model_id, 0, "create_model")
+    if resent is not None:
+        return future(resent, model_id)
     if engine.is_live(model_id):
         return future(engine.futures.failed(f"model {model_id} already exists"), model_id)
 
