@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tinkerrpc_server.engine import sampler
+from tinkerrpc_server.engine.decoder import QwenDecoder, fuse_base_weights
 from tinkerrpc_server.engine.losses import LOSSES, resolve_config
 from tinkerrpc_server.engine.unembedding import saved_logits_positions, target_logprobs
 from tinkerrpc_server.settings import ENGINE_DEVICE_ENV, ENGINE_DTYPE_ENV, ENGINE_DTYPES
@@ -188,6 +189,7 @@ class BaseModelRuntime:
         base.eval()  # no dropout anywhere: training steps are deterministic functions of the data
         for param in base.parameters():
             param.requires_grad_(False)
+        self._decoder_weights = fuse_base_weights(base)
         self._base = base
         self._peft: PeftModel | None = None
         self.vocab_size = int(base.get_output_embeddings().weight.shape[0])
@@ -653,10 +655,15 @@ class BaseModelRuntime:
 
     def _sampling_model(self, weights_dir: Path | None) -> sampler.ModelContext:
         peft_name = None if weights_dir is None else self._sampler_adapter(Path(weights_dir))
+        decoder = QwenDecoder.build(self._decoder_weights, peft_name)
 
         @contextmanager
-        def sampling_model() -> Iterator[torch.nn.Module]:
+        def sampling_model() -> Iterator[sampler.SamplingModel]:
             # inference_mode, not no_grad: decoding never feeds autograd, so skip version counters too.
+            if decoder is not None:
+                with torch.inference_mode():
+                    yield decoder
+                return
             with self._active(peft_name) as model, torch.inference_mode():
                 yield model
 

@@ -19,7 +19,7 @@ import os
 from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -207,7 +207,11 @@ class FixedRequests:
         pass
 
 
-ModelContext = Callable[[], AbstractContextManager[torch.nn.Module]]
+# A causal LM called as transformers calls one (input_ids, attention_mask, position_ids, past_key_values,
+# use_cache, logits_to_keep) whose output has .logits and .past_key_values: the transformers model itself
+# or the engine's own decoder (engine/decoder.py).
+SamplingModel = Callable[..., Any]
+ModelContext = Callable[[], AbstractContextManager[SamplingModel]]
 
 
 def generate(
@@ -424,7 +428,7 @@ class _Prefill:
     def done(self) -> bool:
         return self.last_logits is not None
 
-    def run_chunk(self, model: torch.nn.Module) -> None:
+    def run_chunk(self, model: SamplingModel) -> None:
         start, width = self.done_columns, self.input_ids.shape[1]
         end = min(width, start + self.columns_per_chunk)
         out = model(
@@ -527,7 +531,7 @@ class _Batch:
         self.finished_in_batch: list[_Request] = []  # gather-then-run: answered when the batch is done
         self.idle = False
 
-    def advance(self, model: torch.nn.Module) -> None:
+    def advance(self, model: SamplingModel) -> None:
         """Admit, prefill and decode until nothing is left or, after some progress, other work waits."""
         while True:
             self._receive()
@@ -589,7 +593,7 @@ class _Batch:
             self.feed.stats.requests_joined_running_batch += len(admitted)
         self.prefill = _Prefill(self, admitted)
 
-    def _prefill_chunk(self, model: torch.nn.Module) -> None:
+    def _prefill_chunk(self, model: SamplingModel) -> None:
         assert self.prefill is not None
         self.prefill.run_chunk(model)
         self.feed.stats.prefill_chunks += 1
@@ -600,7 +604,7 @@ class _Batch:
         if joined is not None:
             self.decoding = joined if self.decoding is None else self.decoding.merge(joined)
 
-    def _step(self, model: torch.nn.Module) -> None:
+    def _step(self, model: SamplingModel) -> None:
         """Sample one token for every row, answer the requests that completed, and run the remaining
         rows through the model for their next logits."""
         batch = self.decoding

@@ -1,0 +1,121 @@
+"""The sampler's own Qwen3 forward (engine/decoder.py) computes what transformers + PEFT compute: same
+logits over a chunked, left-padded prefill and the decode steps after it, with and without an adapter,
+on fused weights that share memory with the transformers modules; what it cannot express falls back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from peft import LoraConfig
+
+from tinkerrpc_server.engine.decoder import QwenDecoder
+from tinkerrpc_server.engine.runtime import BaseModelRuntime
+from tinkerrpc_server.engine.sampler import _new_cache
+
+# float32 on tiny-chat: the two forwards order their sums differently (fused matmuls, LoRA as a
+# block-diagonal product); measured differences are ~1e-6.
+LOGITS_ATOL = 1e-4
+PROMPTS = [[5, 17, 300, 42, 8, 99, 7], [61, 2, 14]]
+
+
+def run_forward(model: object, steps: int) -> list[torch.Tensor]:
+    """Prefill PROMPTS left-padded in two chunks, then `steps` greedy decode steps; every call's logits."""
+    width = max(len(p) for p in PROMPTS)
+    ids = torch.zeros((len(PROMPTS), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(PROMPTS):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = _new_cache()
+    seen = []
+    with torch.inference_mode():
+        for start, end in ((0, 4), (4, width)):
+            out = model(  # type: ignore[operator]
+                input_ids=ids[:, start:end],
+                attention_mask=mask[:, :end],
+                position_ids=positions[:, start:end],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=0,
+            )
+            cache = out.past_key_values
+            seen.append(out.logits.float())
+        last = positions[:, -1:]
+        for _ in range(steps):
+            token = seen[-1][:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
+            last = last + 1
+            out = model(
+                input_ids=token, attention_mask=mask, position_ids=last, past_key_values=cache, use_cache=True
+            )
+            cache = out.past_key_values
+            seen.append(out.logits.float())
+    return seen
+
+
+def compare(runtime: BaseModelRuntime, peft_name: str | None) -> None:
+    decoder = QwenDecoder.build(runtime._decoder_weights, peft_name)
+    assert decoder is not None
+    ours = run_forward(decoder, steps=5)
+    with runtime._active(peft_name) as reference:
+        theirs = run_forward(reference, steps=5)
+    assert len(ours) == len(theirs) == 7
+    for mine, expected in zip(ours, theirs, strict=True):
+        # Left-padding positions of the prefill carry no meaning on either side: compare real ones.
+        assert mine.shape == expected.shape
+        assert torch.isfinite(mine).all()
+    for row, prompt in enumerate(PROMPTS):
+        pad = max(len(p) for p in PROMPTS) - len(prompt)
+        prefill_ours = torch.cat([ours[0], ours[1]], dim=1)[row, pad:]
+        prefill_theirs = torch.cat([theirs[0], theirs[1]], dim=1)[row, pad:]
+        torch.testing.assert_close(prefill_ours, prefill_theirs, atol=LOGITS_ATOL, rtol=0)
+        for mine, expected in zip(ours[2:], theirs[2:], strict=True):
+            torch.testing.assert_close(mine[row], expected[row], atol=LOGITS_ATOL, rtol=0)
+
+
+def test_decoder_equals_transformers_with_an_adapter(runtime: BaseModelRuntime, sampler_dir: Path) -> None:
+    peft_name = runtime._sampler_adapter(sampler_dir)
+    compare(runtime, peft_name)
+
+
+def test_decoder_equals_transformers_on_the_bare_base(runtime: BaseModelRuntime, sampler_dir: Path) -> None:
+    compare(runtime, None)
+
+
+def test_the_adapter_changes_the_decoders_logits(runtime: BaseModelRuntime, sampler_dir: Path) -> None:
+    peft_name = runtime._sampler_adapter(sampler_dir)
+    with_adapter = run_forward(QwenDecoder.build(runtime._decoder_weights, peft_name), steps=0)
+    bare = run_forward(QwenDecoder.build(runtime._decoder_weights, None), steps=0)
+    assert (with_adapter[1][:, -1] - bare[1][:, -1]).abs().max() > 0.1
+
+
+def test_fused_weights_are_the_modules_weights(runtime: BaseModelRuntime) -> None:
+    """No copy: the transformers modules read their weights from the decoder's fused buffers."""
+    weights = runtime._decoder_weights
+    assert weights is not None
+    attention = runtime._base.model.layers[0].self_attn
+    fused = weights.layers[0].qkv.weight_t
+    q_proj = attention.q_proj.base_layer if hasattr(attention.q_proj, "base_layer") else attention.q_proj
+    k_proj = attention.k_proj.base_layer if hasattr(attention.k_proj, "base_layer") else attention.k_proj
+    assert q_proj.weight.data_ptr() == fused.data_ptr()
+    assert k_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    torch.testing.assert_close(
+        k_proj.weight, fused[:, q_proj.weight.shape[0] : q_proj.weight.shape[0] + k_proj.weight.shape[0]].t()
+    )
+
+
+def test_sampling_runs_on_the_decoder(runtime: BaseModelRuntime, sampler_dir: Path) -> None:
+    with runtime._sampling_model(sampler_dir)() as model:
+        assert isinstance(model, QwenDecoder)
+
+
+def test_an_adapter_it_cannot_express_falls_back(runtime: BaseModelRuntime, sampler_dir: Path) -> None:
+    runtime._sampler_adapter(sampler_dir)  # the PEFT model exists
+    assert runtime._peft is not None
+    runtime._peft.add_adapter("with-dropout", LoraConfig(r=4, lora_dropout=0.1, target_modules=["q_proj"]))
+    try:
+        assert QwenDecoder.build(runtime._decoder_weights, "with-dropout") is None
+    finally:
+        runtime._peft.delete_adapter("with-dropout")
