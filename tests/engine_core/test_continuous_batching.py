@@ -126,6 +126,8 @@ def test_shared_prefill_samples_what_separate_requests_sample(
     feed = ScriptedFeed({0: [job, twin]})
     runtime.serve_samples(sampler_dir, feed)
     assert feed.stats.shared_prefill_rows == 4  # 5 rows, one prefill
+    # Until the twin's 6 tokens, all 5 rows hold the prompt's KV: attention reads it once for all.
+    assert feed.stats.shared_prompt_decode_steps >= 5
     separate = [
         runtime.sample(sampler_dir, [SampleJob(PROMPT, 1, 10, seed=11 + i, stop_token_ids=[])])[0].sequences[
             0

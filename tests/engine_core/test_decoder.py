@@ -119,3 +119,36 @@ def test_an_adapter_it_cannot_express_falls_back(runtime: BaseModelRuntime, samp
         assert QwenDecoder.build(runtime._decoder_weights, "with-dropout") is None
     finally:
         runtime._peft.delete_adapter("with-dropout")
+
+
+def test_shared_prompt_columns_are_read_once_with_the_same_result(
+    runtime: BaseModelRuntime, sampler_dir: Path
+) -> None:
+    """Rows holding copies of one prompt's KV: attention over those columns read once (from row 0) for
+    every row gives what reading each row's own copy gives."""
+    decoder = QwenDecoder.build(runtime._decoder_weights, runtime._sampler_adapter(sampler_dir))
+    assert decoder is not None
+    prompt, rows, steps = PROMPTS[0], 4, 6
+    logits_by_mode = []
+    for shared in (False, True):
+        ids = torch.tensor([prompt] * rows)
+        mask = torch.ones_like(ids)
+        positions = (mask.cumsum(-1) - 1).expand(rows, -1)
+        cache = _new_cache()
+        seen = []
+        with torch.inference_mode():
+            out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+            last = positions[:, -1:]
+            # Different tokens per row from the first step on, so the rows' own columns differ.
+            token = torch.arange(rows)[:, None] + 7
+            for _ in range(steps):
+                cache.shared_columns = (0, len(prompt)) if shared else None
+                mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
+                last = last + 1
+                out = decoder(input_ids=token, attention_mask=mask, position_ids=last, past_key_values=cache)
+                seen.append(out.logits.float())
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+        logits_by_mode.append(torch.stack(seen))
+    plain, shared_read = logits_by_mode
+    assert (plain[:, 0] - plain[:, 1]).abs().max() > 1e-3  # the rows really differ
+    torch.testing.assert_close(shared_read, plain, atol=LOGITS_ATOL, rtol=0)

@@ -177,6 +177,8 @@ class QwenDecoder:
         # costs ~1.5x that for one query per row.
         mask = _attention_bias(attention_mask) if length == 1 else _attention_mask(attention_mask, length)
         scale = base.head_dim**-0.5
+        # Columns whose keys and values every row holds a copy of (the n samples of one prompt).
+        shared = getattr(past_key_values, "shared_columns", None) if length == 1 else None
         for index, layer in enumerate(base.layers):
             h = _rms_norm(x, layer.input_norm)
             q, k, v = self._project(h, layer.qkv)
@@ -188,7 +190,7 @@ class QwenDecoder:
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             k, v = past_key_values.update(k, v, index)
             if length == 1:
-                attended = _one_query_attention(q, k, v, mask, scale)
+                attended = _one_query_attention(q, k, v, mask, scale, shared)
             else:
                 attended = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
@@ -266,15 +268,44 @@ def _attention_bias(padding: torch.Tensor) -> torch.Tensor:
 
 
 def _one_query_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+    shared: tuple[int, int] | None,
 ) -> torch.Tensor:
-    """softmax(q·kᵀ·scale + bias)·v for q (rows, heads, 1, d) over grouped k, v (rows, kv heads, columns, d)."""
+    """softmax(q·kᵀ·scale + bias)·v for q (rows, heads, 1, d) over grouped k, v (rows, kv heads, columns,
+    d). With `shared` columns (identical in every row, none of them padding), those are read once, from
+    row 0, for all rows' queries, and the two parts are combined by their softmax normalizers."""
     rows, heads, _, dim = q.shape
     kv_heads = k.shape[1]
-    grouped = q.view(rows, kv_heads, heads // kv_heads, dim)
-    scores = torch.matmul(grouped, k.transpose(-1, -2)).float().mul_(scale).add_(bias)
-    attended = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
-    return attended.view(rows, heads, 1, dim)
+    groups = heads // kv_heads
+    grouped = q.view(rows, kv_heads, groups, dim)
+    if shared is None:
+        scores = torch.matmul(grouped, k.transpose(-1, -2)).float().mul_(scale).add_(bias)
+        attended = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+        return attended.view(rows, heads, 1, dim)
+    start, end = shared
+    # Prefix: every query of a kv head against that head's shared keys, as one matmul per head.
+    queries = grouped.permute(1, 0, 2, 3).reshape(kv_heads, rows * groups, dim)
+    prefix_scores = torch.matmul(queries, k[0, :, start:end].transpose(-1, -2)).float().mul_(scale)
+    prefix_scores = prefix_scores.view(kv_heads, rows, groups, -1).permute(1, 0, 2, 3)
+    # Suffix: each row's own columns (what it sampled); the columns before `start` are padding.
+    own_scores = torch.matmul(grouped, k[:, :, end:].transpose(-1, -2)).float().mul_(scale)
+    own_scores = own_scores.add_(bias[..., end:])
+    peak = torch.maximum(prefix_scores.amax(dim=-1), own_scores.amax(dim=-1)).unsqueeze(-1)
+    prefix_weights = (prefix_scores - peak).exp_()
+    own_weights = (own_scores - peak).exp_()
+    total = prefix_weights.sum(dim=-1, keepdim=True) + own_weights.sum(dim=-1, keepdim=True)
+    prefix_part = torch.matmul(
+        prefix_weights.permute(1, 0, 2, 3).reshape(kv_heads, rows * groups, -1).to(v.dtype),
+        v[0, :, start:end],
+    )
+    prefix_part = prefix_part.view(kv_heads, rows, groups, dim).permute(1, 0, 2, 3)
+    own_part = torch.matmul(own_weights.to(v.dtype), v[:, :, end:])
+    attended = (prefix_part + own_part) / total.to(v.dtype)
+    return attended.reshape(rows, heads, 1, dim)
 
 
 def _attention_mask(padding: torch.Tensor, length: int) -> torch.Tensor:

@@ -104,6 +104,8 @@ class DecodeStats:
     requests_joined_running_batch: int = 0
     prefill_chunks: int = 0
     shared_prefill_rows: int = 0  # rows whose prompt KV was copied from another row's prefill
+    # Decode steps whose rows all held one prompt's KV: its columns were read once for all of them.
+    shared_prompt_decode_steps: int = 0
 
 
 In_co = TypeVar("In_co", covariant=True)
@@ -268,6 +270,9 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str | None = None
+    # The prefill whose prompt KV the row holds a copy of (rows of one prompt share it), and its length.
+    prefix: tuple[int, int] | None = None
+    prefix_length: int = 0
 
 
 @dataclass
@@ -368,8 +373,15 @@ def _appended(
     return buffer[:, :, :total], buffer
 
 
+class _SamplerCache(DynamicCache):  # type: ignore[misc]  # transformers is untyped here
+    """The sampler's KV cache. `shared_columns` (start, end), set before a decode step when every row
+    holds a copy of one prompt's KV there, lets engine/decoder.py read those columns once for all rows."""
+
+    shared_columns: tuple[int, int] | None = None
+
+
 def _new_cache() -> DynamicCache:
-    cache = DynamicCache()
+    cache = _SamplerCache()
     cache.layer_class_to_replicate = _GrowingLayer
     return cache
 
@@ -479,6 +491,8 @@ class _Prefill:
             layer.keys = layer.keys.index_select(0, index)
             layer.values = layer.values.index_select(0, index)
         new_rows = [r for o in self.requests if not o.dropped for r in o.rows]
+        for row, prompt in zip(new_rows, prompts, strict=True):
+            row.prefix, row.prefix_length = (id(self), prompt), len(row.owner.request.prompt)
         requests = [r.owner.request for r in new_rows]
         device = batch.device
         return _Rows(
@@ -636,6 +650,9 @@ class _Batch:
             tokens = tokens.index_select(0, torch.tensor(live, dtype=torch.long, device=self.device))
             batch = self.decoding
         feed = tokens.unsqueeze(-1)
+        batch.cache.shared_columns = _shared_columns(batch)
+        if batch.cache.shared_columns is not None:
+            self.feed.stats.shared_prompt_decode_steps += 1
         batch.mask = torch.cat([batch.mask, torch.ones_like(feed)], dim=-1)
         batch.last_positions = batch.last_positions + 1
         out = model(
@@ -678,6 +695,16 @@ class _Batch:
                 else None,
             ),
         )
+
+
+def _shared_columns(batch: _Rows) -> tuple[int, int] | None:
+    """The cache columns of the prompt every row copied from one prefill, if all of them did (then
+    they were admitted together: same left padding, and no row's prompt starts elsewhere)."""
+    first = batch.rows[0]
+    if len(batch.rows) < 2 or first.prefix is None or any(row.prefix != first.prefix for row in batch.rows):
+        return None
+    start = int(batch.mask[0].argmax())
+    return start, start + first.prefix_length
 
 
 def _choose(
