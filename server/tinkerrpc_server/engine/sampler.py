@@ -491,8 +491,8 @@ class _Prefill:
             layer.keys = layer.keys.index_select(0, index)
             layer.values = layer.values.index_select(0, index)
         new_rows = [r for o in self.requests if not o.dropped for r in o.rows]
-        for row, prompt in zip(new_rows, prompts, strict=True):
-            row.prefix, row.prefix_length = (id(self), prompt), len(row.owner.request.prompt)
+        for new_row, prompt in zip(new_rows, prompts, strict=True):
+            new_row.prefix, new_row.prefix_length = (id(self), prompt), len(new_row.owner.request.prompt)
         requests = [r.owner.request for r in new_rows]
         device = batch.device
         return _Rows(
