@@ -403,6 +403,8 @@ class _Prefill:
 
     def __init__(self, batch: _Batch, requests: list[_Request]) -> None:
         self.requests = requests
+        batch.prefills_started += 1
+        self.serial = batch.prefills_started
         device = batch.device
         prompt_of_row: list[int] = []
         prompts: list[list[int]] = []
@@ -492,7 +494,7 @@ class _Prefill:
             layer.values = layer.values.index_select(0, index)
         new_rows = [r for o in self.requests if not o.dropped for r in o.rows]
         for new_row, prompt in zip(new_rows, prompts, strict=True):
-            new_row.prefix, new_row.prefix_length = (id(self), prompt), len(new_row.owner.request.prompt)
+            new_row.prefix, new_row.prefix_length = (self.serial, prompt), len(new_row.owner.request.prompt)
         requests = [r.owner.request for r in new_rows]
         device = batch.device
         return _Rows(
@@ -542,6 +544,7 @@ class _Batch:
         self.prefill: _Prefill | None = None
         self.decoding: _Rows | None = None
         self.by_key: dict[int, _Request] = {}
+        self.prefills_started = 0  # numbers each prefill: rows of one prefill share its prompts' KV
         self.finished_in_batch: list[_Request] = []  # gather-then-run: answered when the batch is done
         self.idle = False
 
