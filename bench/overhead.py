@@ -153,7 +153,8 @@ def stack_figure(settings: Settings, engine: LocalEngine, client: tinkerrpc.Clie
             f"{settings.overhead_steps} interleaved steps after {warmup} warm-up; first-step losses "
             f"{first_losses[0]:.4f} vs {first_losses[1]:.4f}. Both sides save sampler weights and the full "
             f"state every step (serve's default --checkpoint-every 1 on the embedded engine); the RPC adds "
-            f"validation, datum building and its SQLite commit"
+            f"validation, datum building and its SQLite commit, and after its response deletes what "
+            f"retention pruned and reads the new checkpoints' sizes (overlapping the next direct step)"
         ),
     )
 

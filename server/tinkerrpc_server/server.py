@@ -219,6 +219,7 @@ async def _serve(config: ServerConfig, service: TrainerService) -> int:
         await sidecar
     await health_servicer.enter_graceful_shutdown()
     await server.stop(config.shutdown_grace_seconds)
+    await service.finish_tidying()
     log.info("stopped")
     return exit_code
 

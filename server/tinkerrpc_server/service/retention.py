@@ -6,14 +6,16 @@ Per model (CreateModel's keep_* fields, else the server's --keep-sampler-version
   version is NOT_FOUND, as for a deleted one;
 - automatic state checkpoints (step_NNNNNN): the latest K stay, plus every named one and the recovery
   point.
-The rows go in the transaction that commits the step which made them superfluous, their files after it
-(through the tinker SDK's RestClient.delete_checkpoint, like DeleteCheckpoint): a crash in between leaves
+The rows go in the transaction that commits the step which made them superfluous, their files after the
+step's response (ModelRegistry.tidy_after_commit; through the tinker SDK's RestClient.delete_checkpoint,
+like DeleteCheckpoint): a crash in between leaves
 files without rows, which `remove_orphans` deletes at the next start, like those of steps that never
 committed. Only names of the server's own vNNNNNN/step_NNNNNN pattern in the model's own training runs
 are ever deleted that way.
 
 Bytes: the backend reports each checkpoint's size in its checkpoint listing; after each commit the sizes
-of the model's new checkpoints are read from it (`record_sizes`) and ModelInfo.checkpoint_bytes sums them.
+of the model's new checkpoints are read from it (`record_sizes`, also after the response) and
+ModelInfo.checkpoint_bytes sums them (GetModel waits for that).
 
 Memory: a training client the service drops (restore, rollback after a failed or cancelled step,
 DeleteModel) is unloaded (`unload_training_client`), so the engine frees its adapter and optimizer state.

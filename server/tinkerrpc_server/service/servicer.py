@@ -85,6 +85,10 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
     async def recover(self) -> None:
         await self._models.recover()
 
+    async def finish_tidying(self) -> None:
+        """The backend work left after the last commits (pruned files, checkpoint sizes): before stopping."""
+        await self._models.tidy_all()
+
     @property
     def supervises_engine(self) -> bool:
         return self._supervisor.supervises_engine
@@ -109,6 +113,7 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
         request: pb.GetModelRequest,
         context: grpc.aio.ServicerContext[pb.GetModelRequest, pb.GetModelResponse],
     ) -> pb.GetModelResponse:
+        await self._models.tidied(request.name)  # its checkpoint_bytes counts the last step's files
         return pb.GetModelResponse(model=self._models.info(self._models.row(request.name)))
 
     @rpc
@@ -117,6 +122,7 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
         request: pb.ListModelsRequest,
         context: grpc.aio.ServicerContext[pb.ListModelsRequest, pb.ListModelsResponse],
     ) -> pb.ListModelsResponse:
+        await self._models.tidy_all()
         return pb.ListModelsResponse(models=self._models.infos())
 
     @rpc

@@ -280,8 +280,7 @@ class Trainer:
             self._models.events.train_committed(name, response)
             if replaced is not None and replaced.tinker_path != state_path:
                 pruned.append(replaced.tinker_path)
-            await self._models.delete_tinker_paths(pruned)
-            await self._models.retention.record_sizes(name, str(client.model_id))
+            self._models.tidy_after_commit(runtime, name, pruned, str(client.model_id))
             log.info(
                 "model %s: version %d (loss %.4f, %d datums, %.3fs)",
                 name,
