@@ -43,7 +43,7 @@ class Context:
     threads: int
     stack: contextlib.ExitStack
     # Where every engine of the run computes, and the base-weight dtype there; the matmul peak is measured
-    # there, and the in-process baselines belong there too (docs/devices.md: not yet).
+    # there, and the in-process baselines compute there too (bench.workload.baseline_placement).
     device: torch.device
     dtype: torch.dtype
     _model: BenchModel | None = None

@@ -44,7 +44,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     settings = SHORT if args.short else FULL
     model = prepare_model(settings, args.model_dir)
-    runtime = BaseModelRuntime(model.path, device="cpu")
+    runtime = BaseModelRuntime(model.path)  # where load_lora_model puts the baseline (bench.workload)
     runtime.create_adapter("bench", LoraSpec(rank=settings.lora_rank, seed=0))
     baseline = load_lora_model(model, settings.lora_rank)
     pad_id = int(baseline.config.pad_token_id or 0)

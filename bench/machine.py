@@ -52,15 +52,15 @@ def matmul_flops(size: int, repeats: int, device: torch.device, dtype: torch.dty
     torch.mm(a, b)
     times = []
     for _ in range(repeats):
-        _synchronize(device)
+        synchronize(device)
         started = time.perf_counter()
         torch.mm(a, b)
-        _synchronize(device)
+        synchronize(device)
         times.append(time.perf_counter() - started)
     return 2 * size**3 / min(times)
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     """CUDA runs kernels asynchronously: wait for them before reading the clock."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)

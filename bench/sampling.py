@@ -25,6 +25,7 @@ from peft import PeftModel
 from tinker import types
 from transformers import GenerationConfig
 
+from bench.machine import synchronize
 from bench.report import Figure
 from bench.training import load_lora_model
 from bench.workload import BenchModel, Settings, token_sequences
@@ -147,9 +148,10 @@ def generate_round(
     generated = 0
     with torch.no_grad():
         for prompt in prompts:
-            ids = torch.from_numpy(prompt).unsqueeze(0)
+            ids = torch.from_numpy(prompt).unsqueeze(0).to(model.device)
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
             generated += out.shape[1] - ids.shape[1]
+    synchronize(model.device)
     return generated, time.perf_counter() - started
 
 

@@ -14,8 +14,9 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from tinker import types
 from transformers import AutoModelForCausalLM
 
+from bench.machine import synchronize
 from bench.report import Figure
-from bench.workload import BenchModel, Settings, token_sequences
+from bench.workload import BenchModel, Settings, baseline_placement, token_sequences
 from tinkerrpc_server.local.stack import LocalEngine
 
 # Tinker's LoRA targets with train_mlp, train_attn and train_unembed on (its defaults).
@@ -26,13 +27,15 @@ MFU_GOAL = 0.3
 
 
 def load_lora_model(model: BenchModel, rank: int) -> PeftModel:
-    """The baseline's model: the same base weights with the same (unmerged) LoRA the engine trains."""
-    base = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32)
+    """The baseline's model: the same base weights with the same (unmerged) LoRA the engine trains, where
+    the engine computes (on CUDA: bf16 base, float32 LoRA, like the engine)."""
+    device, dtype = baseline_placement()
+    base = AutoModelForCausalLM.from_pretrained(model.path, dtype=dtype).to(device)
     base.eval()  # no dropout, as in the engine
     config = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=LORA_TARGETS)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return get_peft_model(base, config)
+        return get_peft_model(base, config, autocast_adapter_dtype=True).to(device)
 
 
 def _datum(sequence: np.ndarray) -> types.Datum:
@@ -84,13 +87,20 @@ class PaddedLoopTrainer:
                 inputs[row, :n] = torch.from_numpy(sequence[:-1])
                 targets[row, :n] = torch.from_numpy(sequence[1:])
                 mask[row, :n] = 1
-            logits = self.model(input_ids=inputs, attention_mask=mask, use_cache=False).logits
+            device = self.model.device
+            logits = self.model(
+                input_ids=inputs.to(device), attention_mask=mask.to(device), use_cache=False
+            ).logits.float()
             loss = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100, reduction="sum"
+                logits.reshape(-1, logits.shape[-1]),
+                targets.to(device).reshape(-1),
+                ignore_index=-100,
+                reduction="sum",
             )
             loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        synchronize(self.model.device)
 
 
 def _timed(step: Callable[[list[np.ndarray]], None], sequences: list[np.ndarray]) -> float:

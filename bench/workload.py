@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
+import torch
 
+from tinkerrpc_server.engine.runtime import resolve_placement
 from tinkerrpc_server.model_store import TINY_CHAT, TinyModelShape, build_tiny_model, resolve_base_model
+from tinkerrpc_server.settings import ENGINE_DEVICE_ENV
 
 # ~20 M parameters: a Qwen3 of the tiny-chat recipe, big enough that compute (not Python) dominates a step.
 BENCH_MODEL_NAME = "bench-qwen3-20m"
@@ -104,6 +108,12 @@ SHORT = Settings(
     matmul_sizes=(256,),
     matmul_repeats=3,
 )
+
+
+def baseline_placement() -> tuple[torch.device, torch.dtype]:
+    """Where the in-process baselines compute: the device and base-weight dtype of the run's engines
+    (`python -m bench --device` sets the engines' variable; bf16 base weights on CUDA, as the engine)."""
+    return resolve_placement(os.environ.get(ENGINE_DEVICE_ENV))
 
 
 @dataclass(frozen=True)
