@@ -4,6 +4,7 @@ benchmarks and the tests: each starts when its context is entered, is ready once
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -25,6 +26,10 @@ if TYPE_CHECKING:
     import tinker
 
 ProcessT = TypeVar("ProcessT", bound="LocalProcess")
+
+log = logging.getLogger("tinkerrpc.local")
+# How long stopping an engine waits for each tinker session it handed out to finish.
+CLIENT_CLOSE_SECONDS = 10.0
 
 
 def tinkerrpc_command(*args: str) -> list[str]:
@@ -181,6 +186,7 @@ class LocalEngine(LocalProcess):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api_key = generate_api_key()
+        self._service_clients: list[tinker.ServiceClient] = []
         args = ["engine", "--host", "127.0.0.1", "--port", str(self.port)]
         if session_timeout is not None:
             args += ["--session-timeout", str(session_timeout)]
@@ -199,9 +205,23 @@ class LocalEngine(LocalProcess):
         return http_ok(f"{self.base_url}{HEALTH_PATH}")
 
     def service_client(self) -> tinker.ServiceClient:
+        """A client of this engine; `stop` finishes its session first (else its heartbeats outlive the
+        engine and log connection errors)."""
         import tinker  # imported here: the other processes' users need no tinker SDK
 
-        return tinker.ServiceClient(base_url=self.base_url, api_key=self.api_key)
+        client = tinker.ServiceClient(base_url=self.base_url, api_key=self.api_key)
+        self._service_clients.append(client)
+        return client
+
+    def stop(self, stop_timeout: float = 60.0) -> int | None:
+        clients, self._service_clients = self._service_clients, []
+        if self._proc is not None and self._proc.poll() is None:
+            for client in clients:
+                try:
+                    client.close("success").result(timeout=CLIENT_CLOSE_SECONDS)
+                except Exception as err:  # best effort: the engine stops next anyway
+                    log.warning("could not finish a tinker session on %s: %s", self.base_url, err)
+        return super().stop(stop_timeout)
 
     def rest_client(self) -> tinker.RestClient:
         import tinker
