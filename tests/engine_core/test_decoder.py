@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from peft import LoraConfig
 
-from tinkerrpc_server.engine.decoder import QwenDecoder
-from tinkerrpc_server.engine.runtime import BaseModelRuntime
+from tinkerrpc_server.engine.decoder import QwenDecoder, QwenTrainingForward
+from tinkerrpc_server.engine.runtime import BaseModelRuntime, DatumArrays
 from tinkerrpc_server.engine.sampler import _new_cache
 
 # float32 on tiny-chat: the two forwards order their sums differently (fused matmuls, LoRA as a
@@ -152,3 +153,41 @@ def test_shared_prompt_columns_are_read_once_with_the_same_result(
     plain, shared_read = logits_by_mode
     assert (plain[:, 0] - plain[:, 1]).abs().max() > 1e-3  # the rows really differ
     torch.testing.assert_close(shared_read, plain, atol=LOGITS_ATOL, rtol=0)
+
+
+def test_training_forward_equals_transformers(runtime: BaseModelRuntime, sampler_dir: Path) -> None:
+    """The learner's own forward: the same target logprobs and LoRA gradients as transformers + PEFT on a
+    right-padded batch of different lengths (what forward_backward runs)."""
+    params = runtime.adapter_parameters("policy")
+    peft_name = runtime._adapters["policy"].peft_name
+    forward = QwenTrainingForward.build(runtime._decoder_weights, peft_name)
+    assert forward is not None
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(0, runtime.vocab_size, n) for n in (9, 23, 16)]
+    data = [
+        DatumArrays(s[:-1], {"target_tokens": s[1:], "weights": np.ones(len(s) - 1, np.float32)})
+        for s in sequences
+    ]
+    _, prepared = runtime._validate_batch(data, "cross_entropy", None)
+    outcomes = []
+    for chosen in (None, forward):
+        for param in params.values():
+            param.grad = None
+        with runtime._active(peft_name) as model, torch.enable_grad():
+            logprobs = torch.cat(runtime._target_logprobs(model, chosen, prepared))
+            # Weighted so every position's gradient counts differently.
+            (logprobs * torch.linspace(0.5, 1.5, len(logprobs))).sum().backward()
+        outcomes.append((logprobs.detach(), {name: param.grad.clone() for name, param in params.items()}))
+    for param in params.values():
+        param.grad = None
+    (reference, reference_grads), (ours, our_grads) = outcomes
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=0)
+    assert any(grad.abs().max() > 0 for grad in reference_grads.values())
+    for name, grad in reference_grads.items():
+        torch.testing.assert_close(our_grads[name], grad, atol=1e-4 * float(grad.abs().max()) + 1e-9, rtol=0)
+
+
+def test_training_runs_on_the_engines_forward(runtime: BaseModelRuntime, sampler_dir: Path) -> None:
+    assert (
+        QwenTrainingForward.build(runtime._decoder_weights, runtime._adapters["policy"].peft_name) is not None
+    )

@@ -171,7 +171,7 @@ class QwenDecoder:
         base = self._base
         inner = base.causal_lm.model
         x = inner.embed_tokens(input_ids)
-        rows, length = input_ids.shape
+        length = input_ids.shape[1]
         cos, sin = inner.rotary_emb(x, position_ids)
         # A decode step attends with two matmuls and a softmax under an additive mask: SDPA's CPU kernel
         # costs ~1.5x that for one query per row.
@@ -179,27 +179,14 @@ class QwenDecoder:
         scale = base.head_dim**-0.5
         # Columns whose keys and values every row holds a copy of (the n samples of one prompt).
         shared = getattr(past_key_values, "shared_columns", None) if length == 1 else None
-        for index, layer in enumerate(base.layers):
-            h = _rms_norm(x, layer.input_norm)
-            q, k, v = self._project(h, layer.qkv)
-            q = _rms_norm(q.view(rows, length, base.num_heads, base.head_dim), layer.q_norm).transpose(1, 2)
-            k = _rms_norm(k.view(rows, length, base.num_kv_heads, base.head_dim), layer.k_norm).transpose(
-                1, 2
-            )
-            v = v.view(rows, length, base.num_kv_heads, base.head_dim).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int) -> torch.Tensor:
             k, v = past_key_values.update(k, v, index)
             if length == 1:
-                attended = _one_query_attention(q, k, v, mask, scale, shared)
-            else:
-                attended = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
-                )
-            (o,) = self._project(attended.transpose(1, 2).reshape(rows, length, -1), layer.o)
-            x = x + o
-            gate, up = self._project(_rms_norm(x, layer.post_attention_norm), layer.gate_up)
-            (down,) = self._project(base.activation(gate) * up, layer.down)
-            x = x + down
+                return _one_query_attention(q, k, v, mask, scale, shared)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+        x = _decoder_layers(base, x, (cos, sin), self._project, attend)
         x = _rms_norm(x, inner.norm)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
@@ -215,6 +202,119 @@ class QwenDecoder:
         return torch.split(x @ weight_t, list(projection.splits), dim=-1)
 
 
+Project = Callable[[torch.Tensor, "_Projection"], Sequence[torch.Tensor]]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def _decoder_layers(
+    base: BaseWeights,
+    x: torch.Tensor,
+    rotary: tuple[torch.Tensor, torch.Tensor],
+    project: Project,
+    attend: Attend,
+) -> torch.Tensor:
+    """Qwen3's decoder layers over embeddings `x` (rows, length, hidden); `project` computes a fused
+    projection, `attend(q, k, v, layer index)` the attention of (rows, heads, length, head_dim) tensors."""
+    rows, length, _ = x.shape
+    cos, sin = rotary
+    for index, layer in enumerate(base.layers):
+        q, k, v = project(_rms_norm(x, layer.input_norm), layer.qkv)
+        q = _rms_norm(q.view(rows, length, base.num_heads, base.head_dim), layer.q_norm).transpose(1, 2)
+        k = _rms_norm(k.view(rows, length, base.num_kv_heads, base.head_dim), layer.k_norm).transpose(1, 2)
+        v = v.view(rows, length, base.num_kv_heads, base.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        attended = attend(q, k, v, index)
+        (o,) = project(attended.transpose(1, 2).reshape(rows, length, -1), layer.o)
+        x = x + o
+        gate, up = project(_rms_norm(x, layer.post_attention_norm), layer.gate_up)
+        (down,) = project(base.activation(gate) * up, layer.down)
+        x = x + down
+    return x
+
+
+@dataclass(frozen=True)
+class _TrainableLora:
+    """One adapter's LoRA over every member of a fused projection, as the live (trained) parameters:
+    A of the members stacked (one matmul for all), each member's B with its scaling."""
+
+    a: tuple[torch.Tensor, ...]
+    scaled_b: tuple[tuple[torch.Tensor, float], ...]
+
+    def down(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x·Aᵀ of every member, from one matmul (differentiable in each A)."""
+        stacked = x.to(self.a[0].dtype) @ torch.cat(self.a, dim=0).t()
+        return list(torch.split(stacked, [int(a.shape[0]) for a in self.a], dim=-1))
+
+
+class QwenTrainingForward:
+    """The learner's forward for Qwen3 (last hidden states of a right-padded batch), differentiable in
+    one adapter's LoRA weights; what transformers + PEFT compute, with the sampler decoder's fused base
+    matmuls, the members' A factors in one matmul, LoRA scalings on the small B factors (not on the
+    outputs), and causal attention without a mask: in a right-padded batch every real position sees
+    only real positions before it, and what padding positions compute is never read. On the bench's
+    20 M model, forward_backward runs ~1.3x as fast as through transformers + PEFT."""
+
+    def __init__(self, base: BaseWeights, adapter: str) -> None:
+        self._base = base
+        self._lora: dict[int, _TrainableLora] = {}
+        for layer in base.layers:
+            for projection in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                found = [_trainable_lora(module, adapter) for module in projection.modules()]
+                if all(lora is None for lora in found):
+                    continue
+                if any(lora is None for lora in found):
+                    raise _NotPlainLora(adapter)  # only part of a fused projection is adapted
+                pairs = [lora for lora in found if lora is not None]
+                self._lora[id(projection)] = _TrainableLora(
+                    tuple(a for a, _, _ in pairs), tuple((b, scale) for _, b, scale in pairs)
+                )
+
+    @classmethod
+    def build(cls, base: BaseWeights | None, adapter: str) -> QwenTrainingForward | None:
+        """The forward for `adapter`, or None when it cannot express it (transformers runs it then)."""
+        if base is None:
+            return None
+        try:
+            return cls(base, adapter)
+        except _NotPlainLora:
+            return None
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The final-norm hidden states (rows, length, hidden) of a right-padded batch."""
+        base = self._base
+        inner = base.causal_lm.model
+        x = inner.embed_tokens(input_ids)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        scale = base.head_dim**-0.5
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int) -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+
+        x = _decoder_layers(base, x, inner.rotary_emb(x, positions), self._project, attend)
+        return _rms_norm(x, inner.norm)
+
+    def _project(self, x: torch.Tensor, projection: _Projection) -> Sequence[torch.Tensor]:
+        outs = torch.split(x @ projection.weight_t, list(projection.splits), dim=-1)
+        lora = self._lora.get(id(projection))
+        if lora is None:
+            return outs
+        # The scaling goes on B (rank × out), not on the output (positions × out).
+        return [
+            out + (reduced @ (b.t() * scale)).to(out.dtype)
+            for out, reduced, (b, scale) in zip(outs, lora.down(x), lora.scaled_b, strict=True)
+        ]
+
+
+def _trainable_lora(module: Any, adapter: str) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """(A, B, scaling) of the adapter on `module` as live parameters; None when it has none there."""
+    if not isinstance(module, LoraLayer) or adapter not in module.lora_A:
+        return None
+    a: Any = module.lora_A[adapter]
+    b: Any = module.lora_B[adapter]
+    _check_plain(module, adapter, a, b)
+    return a.weight, b.weight, float(module.scaling[adapter])
+
+
 class _NotPlainLora(Exception):
     pass
 
@@ -225,6 +325,12 @@ def _plain_lora(module: Any, adapter: str | None) -> tuple[torch.Tensor, torch.T
         return None
     a: Any = module.lora_A[adapter]
     b: Any = module.lora_B[adapter]
+    _check_plain(module, adapter, a, b)
+    return a.weight, b.weight * float(module.scaling[adapter])
+
+
+def _check_plain(module: Any, adapter: str, a: Any, b: Any) -> None:
+    """Raise _NotPlainLora unless the adapter on `module` is x·Aᵀ·Bᵀ·scaling (no variant, dropout or bias)."""
     plain = (
         adapter not in module.lora_variant
         and isinstance(module.lora_dropout[adapter], torch.nn.Identity)
@@ -235,7 +341,6 @@ def _plain_lora(module: Any, adapter: str | None) -> tuple[torch.Tensor, torch.T
     )
     if not plain:
         raise _NotPlainLora(adapter)
-    return a.weight, b.weight * float(module.scaling[adapter])
 
 
 def _merged_weight(projection: _Projection, adapter: str | None) -> torch.Tensor | None:

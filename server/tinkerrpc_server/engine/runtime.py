@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tinkerrpc_server.engine import sampler
-from tinkerrpc_server.engine.decoder import QwenDecoder, fuse_base_weights
+from tinkerrpc_server.engine.decoder import QwenDecoder, QwenTrainingForward, fuse_base_weights
 from tinkerrpc_server.engine.losses import LOSSES, resolve_config
 from tinkerrpc_server.engine.unembedding import saved_logits_positions, target_logprobs
 from tinkerrpc_server.settings import ENGINE_DEVICE_ENV, ENGINE_DTYPE_ENV, ENGINE_DTYPES
@@ -332,10 +332,11 @@ class BaseModelRuntime:
         spec = LOSSES[loss_fn]
         logprobs: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(data)
         loss_total = 0.0
+        forward = QwenTrainingForward.build(self._decoder_weights, adapter.peft_name)
         with self._active(adapter.peft_name) as model, torch.set_grad_enabled(backward):
             micro_batch_tokens = min(MICRO_BATCH_TOKENS, saved_logits_positions(self.vocab_size))
             for batch in bucket_by_length([len(d.input_tokens) for d in data], micro_batch_tokens):
-                token_lp = self._target_logprobs(model, [prepared[i] for i in batch])
+                token_lp = self._target_logprobs(model, forward, [prepared[i] for i in batch])
                 losses = [
                     spec.fn(lp, prepared[i].inputs, config) for i, lp in zip(batch, token_lp, strict=True)
                 ]
@@ -349,9 +350,12 @@ class BaseModelRuntime:
             adapter.non_finite_loss = True
         return ForwardResult(logprobs=logprobs, metrics={"loss:sum": loss_total})
 
-    def _target_logprobs(self, model: torch.nn.Module, batch: list[_Prepared]) -> list[torch.Tensor]:
-        """Right-padded forward of one micro-batch; the learner logprob of every target token (the
-        logits of padding positions are never computed)."""
+    def _target_logprobs(
+        self, model: torch.nn.Module, forward: QwenTrainingForward | None, batch: list[_Prepared]
+    ) -> list[torch.Tensor]:
+        """Right-padded forward of one micro-batch (through `forward` when the model has one, else
+        transformers); the learner logprob of every target token (the logits of padding positions are
+        never computed)."""
         width = max(len(item.tokens) for item in batch)
         tokens = torch.zeros((len(batch), width), dtype=torch.long, device=self.device)
         targets = torch.zeros_like(tokens)
@@ -361,7 +365,9 @@ class BaseModelRuntime:
             tokens[row, :n] = item.tokens
             targets[row, :n] = item.targets
             mask[row, :n] = 1
-        lp = target_logprobs(model, tokens, mask, targets[mask.bool()])
+        lp = target_logprobs(
+            model, tokens, mask, targets[mask.bool()], forward.hidden_states if forward is not None else None
+        )
         ends = np.cumsum([len(item.tokens) for item in batch]).tolist()
         return [lp[end - len(item.tokens) : end] for item, end in zip(batch, ends, strict=True)]
 

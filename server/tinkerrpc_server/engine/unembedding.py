@@ -12,6 +12,7 @@ gradient onehot(target) − softmax(logits) per unit of upstream gradient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,18 +51,29 @@ class _Unembedding:
 
 
 def target_logprobs(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    targets: torch.Tensor,
+    hidden_states: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Logprobs of `targets` (one per real position of the right-padded batch, row by row) under
-    `model` (a causal LM, or a PeftModel around one) as fp32, differentiable."""
+    `model` (a causal LM, or a PeftModel around one) as fp32, differentiable. `hidden_states(input_ids,
+    attention_mask)`, when given, computes the decoder's last hidden states in its place (the engine's
+    own forward, engine/decoder.py)."""
     real = attention_mask.bool()
     causal_lm: Any = model.get_base_model() if isinstance(model, PeftModel) else model
     unembedding = _plain_unembedding(causal_lm)
     if unembedding is None:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         return torch.log_softmax(logits[real].float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    decoder = causal_lm.get_decoder()
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    if hidden_states is not None:
+        hidden = hidden_states(input_ids, attention_mask)
+    else:
+        decoder = causal_lm.get_decoder()
+        hidden = decoder(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        ).last_hidden_state
     lora = unembedding.lora
     args = (
         hidden[real],
