@@ -296,8 +296,7 @@ class _Rows:
         mask = self.mask.index_select(0, index)
         first = int(mask.any(dim=0).to(torch.int8).argmax())
         for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, index)[:, :, first:]
-            layer.values = layer.values.index_select(0, index)[:, :, first:]
+            layer.keep_rows(index, first)
         return _Rows(
             [self.rows[i] for i in indices],
             self.cache,
@@ -314,8 +313,7 @@ class _Rows:
         """Both batches' rows in one, the narrower side's cache and mask left-padded to the same width."""
         width = max(self.mask.shape[1], other.mask.shape[1])
         for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
-            mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
-            mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)])
+            mine.stack_rows(theirs, width)
         draws = max(self.uniforms.shape[1], other.uniforms.shape[1])
         return _Rows(
             self.rows + other.rows,
@@ -332,9 +330,9 @@ class _Rows:
 
 class _GrowingLayer(DynamicLayer):  # type: ignore[misc]  # transformers is untyped here
     """A cache layer whose keys and values are views of buffers with room to grow: a decode step writes
-    its keys in place instead of copying the whole cache (DynamicLayer's torch.cat) every step. The
-    batch's own edits (merge, dropped rows, trimmed columns) assign new tensors, which the next update
-    moves into a new buffer."""
+    its keys in place instead of copying the whole cache (DynamicLayer's torch.cat) every step, and the
+    batch's own edits (rows kept, rows merged in, the prompt KV copied to its rows) copy the cache once,
+    into a new buffer with room."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -351,6 +349,48 @@ class _GrowingLayer(DynamicLayer):  # type: ignore[misc]  # transformers is unty
         self.values, self.value_buffer = _appended(self.values, self.value_buffer, value_states)
         return self.keys, self.values
 
+    def keep_rows(self, index: torch.Tensor, first_column: int = 0) -> None:
+        """Only the rows at `index` (repeats allowed), from column `first_column` on."""
+        self.keys, self.key_buffer = _rows_kept(self.keys, index, first_column)
+        self.values, self.value_buffer = _rows_kept(self.values, index, first_column)
+
+    def stack_rows(self, other: _GrowingLayer, width: int) -> None:
+        """This layer's rows, then `other`'s, each left-padded with zeros to `width` columns."""
+        self.keys, self.key_buffer = _stacked(self.keys, other.keys, width)
+        self.values, self.value_buffer = _stacked(self.values, other.values, width)
+
+
+def _room(columns: int) -> int:
+    """Columns a buffer gets for `columns` in use: half as many again, so one is copied O(log) times as
+    its sequences grow."""
+    return columns + max(64, columns // 2)
+
+
+def _rows_kept(
+    tensor: torch.Tensor, index: torch.Tensor, first_column: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows at `index` of `tensor` from `first_column` on, as a view of a new buffer with room."""
+    _, heads, columns, dim = tensor.shape
+    width = columns - first_column
+    buffer = tensor.new_empty((len(index), heads, _room(width), dim))
+    kept = buffer[:, :, :width]
+    torch.index_select(tensor[:, :, first_column:], 0, index, out=kept)
+    return kept, buffer
+
+
+def _stacked(top: torch.Tensor, bottom: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`top`'s rows then `bottom`'s, right-aligned in `width` columns with zeros on the left (finite: a
+    masked column's value is still multiplied by its zero weight), as a view of a new buffer with room."""
+    heads, dim = top.shape[1], top.shape[-1]
+    buffer = top.new_empty((top.shape[0] + bottom.shape[0], heads, _room(width), dim))
+    start = 0
+    for part in (top, bottom):
+        rows, pad = part.shape[0], width - part.shape[-2]
+        buffer[start : start + rows, :, :pad].zero_()
+        buffer[start : start + rows, :, pad:width].copy_(part)
+        start += rows
+    return buffer[:, :, :width], buffer
+
 
 def _appended(
     current: torch.Tensor, buffer: torch.Tensor | None, new: torch.Tensor
@@ -364,8 +404,7 @@ def _appended(
         or buffer.shape[:2] != new.shape[:2]
         or buffer.shape[-2] < total
     ):
-        # Room for half as many columns again: a buffer is copied O(log) times as a sequence grows.
-        grown = new.new_empty((*new.shape[:2], total + max(64, total // 2), new.shape[-1]))
+        grown = new.new_empty((*new.shape[:2], _room(total), new.shape[-1]))
         if used:
             grown[:, :, :used] = current
         buffer = grown
@@ -490,8 +529,7 @@ class _Prefill:
         batch.feed.stats.shared_prefill_rows += len(prompts) - len(set(prompts))
         index = torch.tensor(prompts, dtype=torch.long, device=batch.device)
         for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, index)
-            layer.values = layer.values.index_select(0, index)
+            layer.keep_rows(index)
         new_rows = [r for o in self.requests if not o.dropped for r in o.rows]
         for new_row, prompt in zip(new_rows, prompts, strict=True):
             new_row.prefix, new_row.prefix_length = (self.serial, prompt), len(new_row.owner.request.prompt)
