@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -152,12 +152,7 @@ class QwenDecoder:
     @classmethod
     def build(cls, base: BaseWeights | None, adapter: str | None) -> QwenDecoder | None:
         """The decoder for `adapter` (None: the bare base), or None when it cannot express it."""
-        if base is None:
-            return None
-        try:
-            return cls(base, adapter)
-        except _NotPlainLora:
-            return None
+        return _built(cls, base, adapter)
 
     def __call__(
         self,
@@ -272,12 +267,7 @@ class QwenTrainingForward:
     @classmethod
     def build(cls, base: BaseWeights | None, adapter: str) -> QwenTrainingForward | None:
         """The forward for `adapter`, or None when it cannot express it (transformers runs it then)."""
-        if base is None:
-            return None
-        try:
-            return cls(base, adapter)
-        except _NotPlainLora:
-            return None
+        return _built(cls, base, adapter)
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The final-norm hidden states (rows, length, hidden) of a right-padded batch."""
@@ -317,6 +307,21 @@ def _trainable_lora(module: Any, adapter: str) -> tuple[torch.Tensor, torch.Tens
 
 class _NotPlainLora(Exception):
     pass
+
+
+Built = TypeVar("Built")
+
+
+def _built(
+    make: Callable[[BaseWeights, Any], Built], base: BaseWeights | None, adapter: str | None
+) -> Built | None:
+    """`make(base, adapter)`, or None without a covered base or when the adapter is not plain LoRA."""
+    if base is None:
+        return None
+    try:
+        return make(base, adapter)
+    except _NotPlainLora:
+        return None
 
 
 def _plain_lora(module: Any, adapter: str | None) -> tuple[torch.Tensor, torch.Tensor] | None:
