@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tinkerrpc_server.engine.futures import FailedResult, Outcome, RequestFuture
 from tinkerrpc_server.engine.runtime import (
@@ -75,16 +76,19 @@ def assert_same_samples(got: SampleOutput, expected: SampleOutput) -> None:
         np.testing.assert_allclose(mine.logprobs, theirs.logprobs, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize(("chunk_tokens", "chunks_in_decode_steps"), [(512, 1), (5, 3)])
 def test_a_request_joining_mid_batch_samples_what_it_samples_alone(
-    runtime: BaseModelRuntime, sampler_dir: Path
+    runtime: BaseModelRuntime, sampler_dir: Path, chunk_tokens: int, chunks_in_decode_steps: int
 ) -> None:
     long = SampleJob(PROMPT, 1, 40, seed=1, stop_token_ids=[])
     joiner = SampleJob(
         OTHER_PROMPT, 2, 12, seed=7, stop_token_ids=[], include_prompt_logprobs=True, topk_prompt_logprobs=2
     )
     feed = ScriptedFeed({0: [long], 5: [joiner]})
-    runtime.serve_samples(sampler_dir, feed)
+    runtime.serve_samples(sampler_dir, feed, policy=BatchPolicy(prefill_chunk_tokens=chunk_tokens))
     assert feed.stats.requests_joined_running_batch == 1
+    # Its prompt (12 tokens) was prefilled in the running row's decode passes, one chunk per pass.
+    assert feed.stats.prefill_chunks_in_decode_steps == chunks_in_decode_steps
     assert feed.answered_at[1] < feed.answered_at[0]  # answered while the long request still decodes
     assert_same_samples(output(feed, 0), runtime.sample(sampler_dir, [long])[0])
     alone = runtime.sample(sampler_dir, [joiner])[0]

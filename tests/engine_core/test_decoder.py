@@ -191,3 +191,55 @@ def test_training_runs_on_the_engines_forward(runtime: BaseModelRuntime, sampler
     assert (
         QwenTrainingForward.build(runtime._decoder_weights, runtime._adapters["policy"].peft_name) is not None
     )
+
+
+def test_calls_run_together_return_what_each_returns_alone(
+    runtime: BaseModelRuntime, sampler_dir: Path
+) -> None:
+    """A decode step and a prefill chunk in one pass (their tokens share the matmuls, each attends over
+    its own cache): the same logits, and the same keys and values in each cache, as two passes."""
+    decoder = QwenDecoder.build(runtime._decoder_weights, runtime._sampler_adapter(sampler_dir))
+    assert decoder is not None
+
+    def calls() -> list[dict[str, object]]:
+        """A 2-row batch one decode step in (after a prefill of PROMPTS) and a new 3-token prompt."""
+        width = max(len(p) for p in PROMPTS)
+        ids = torch.zeros((len(PROMPTS), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(PROMPTS):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = _new_cache()
+        decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        step_mask = torch.cat([mask, torch.ones((len(PROMPTS), 1), dtype=mask.dtype)], dim=-1)
+        new_prompt = torch.tensor([[9, 250, 31]])
+        return [
+            {
+                "input_ids": torch.tensor([[3], [4]]),
+                "attention_mask": step_mask,
+                "position_ids": positions[:, -1:] + 1,
+                "past_key_values": cache,
+            },
+            {
+                "input_ids": new_prompt,
+                "attention_mask": torch.ones_like(new_prompt),
+                "position_ids": torch.arange(3).unsqueeze(0),
+                "past_key_values": _new_cache(),
+                "logits_to_keep": 1,
+            },
+        ]
+
+    with torch.inference_mode():
+        alone_calls, together_calls = calls(), calls()
+        alone = [decoder(**call) for call in alone_calls]  # type: ignore[arg-type]
+        together = decoder.forward_together(together_calls)
+    assert [out.logits.shape for out in together] == [out.logits.shape for out in alone]
+    assert together[1].logits.shape[1] == 1  # logits_to_keep held per call
+    for mine, expected in zip(together, alone, strict=True):
+        torch.testing.assert_close(mine.logits, expected.logits, atol=LOGITS_ATOL, rtol=0)
+        for my_layer, their_layer in zip(
+            mine.past_key_values.layers, expected.past_key_values.layers, strict=True
+        ):
+            torch.testing.assert_close(my_layer.keys, their_layer.keys, atol=LOGITS_ATOL, rtol=0)
+            torch.testing.assert_close(my_layer.values, their_layer.values, atol=LOGITS_ATOL, rtol=0)

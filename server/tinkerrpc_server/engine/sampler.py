@@ -103,6 +103,7 @@ class DecodeStats:
     rows_left_early: int = 0  # rows that stopped and left while other rows kept decoding
     requests_joined_running_batch: int = 0
     prefill_chunks: int = 0
+    prefill_chunks_in_decode_steps: int = 0  # chunks run in the same forward pass as a decode step
     shared_prefill_rows: int = 0  # rows whose prompt KV was copied from another row's prefill
     # Decode steps whose rows all held one prompt's KV: its columns were read once for all of them.
     shared_prompt_decode_steps: int = 0
@@ -481,23 +482,30 @@ class _Prefill:
     def done(self) -> bool:
         return self.last_logits is not None
 
-    def run_chunk(self, model: SamplingModel) -> None:
-        start, width = self.done_columns, self.input_ids.shape[1]
-        end = min(width, start + self.columns_per_chunk)
-        out = model(
-            input_ids=self.input_ids[:, start:end],
-            attention_mask=self.mask[:, :end],
-            position_ids=self.positions[:, start:end],
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=0 if self.wants_logprobs else 1,
-        )
+    def next_chunk(self) -> dict[str, Any]:
+        """The model call that prefills the next chunk of columns."""
+        start, end = self.done_columns, self._chunk_end()
+        return {
+            "input_ids": self.input_ids[:, start:end],
+            "attention_mask": self.mask[:, :end],
+            "position_ids": self.positions[:, start:end],
+            "past_key_values": self.cache,
+            "use_cache": True,
+            "logits_to_keep": 0 if self.wants_logprobs else 1,
+        }
+
+    def take_chunk(self, out: Any) -> None:
+        """Record what the `next_chunk` call returned."""
+        start, end, width = self.done_columns, self._chunk_end(), self.input_ids.shape[1]
         self.cache = out.past_key_values
         if self.wants_logprobs:
             self._record_prompt_logprobs(out.logits, start, end)
         self.done_columns = end
         if end == width:
             self.last_logits = out.logits[:, -1, :].float()
+
+    def _chunk_end(self) -> int:
+        return min(self.input_ids.shape[1], self.done_columns + self.columns_per_chunk)
 
     def _record_prompt_logprobs(self, logits: torch.Tensor, start: int, end: int) -> None:
         stop = min(end, self.input_ids.shape[1] - 1)
@@ -598,10 +606,7 @@ class _Batch:
                     self.idle = True
                     return
             self._admit()
-            if self.prefill is not None:
-                self._prefill_chunk(model)
-            if self.decoding is not None:
-                self._step(model)
+            self._forward(model)
             if self.feed.other_work_waiting():
                 return
 
@@ -648,9 +653,32 @@ class _Batch:
             self.feed.stats.requests_joined_running_batch += len(admitted)
         self.prefill = _Prefill(self, admitted)
 
-    def _prefill_chunk(self, model: SamplingModel) -> None:
+    def _forward(self, model: SamplingModel) -> None:
+        """A decode step for the running rows and the next chunk of the prefill in progress: in one pass
+        when the model runs several calls together (their tokens share the matmuls, which at a few dozen
+        rows cost little more for more rows), else the chunk first, its rows joining at once."""
+        run_together = getattr(model, "forward_together", None)
+        if run_together is None or self.prefill is None or self.decoding is None:
+            if self.prefill is not None:
+                self._take_prefill_chunk(model(**self.prefill.next_chunk()))
+            if self.decoding is not None:
+                step = self._sample()
+                if step is not None:
+                    self._take_step(model(**step))
+            return
+        step = self._sample()
+        if step is None:
+            self._take_prefill_chunk(model(**self.prefill.next_chunk()))
+            return
+        step_out, chunk_out = run_together([step, self.prefill.next_chunk()])
+        self.feed.stats.prefill_chunks_in_decode_steps += 1
+        self._take_step(step_out)
+        self._take_prefill_chunk(chunk_out)
+
+    def _take_prefill_chunk(self, out: Any) -> None:
+        """Record a prefill chunk's output; a finished prefill's rows join the decoding rows."""
         assert self.prefill is not None
-        self.prefill.run_chunk(model)
+        self.prefill.take_chunk(out)
         self.feed.stats.prefill_chunks += 1
         if not self.prefill.done:
             return
@@ -659,9 +687,9 @@ class _Batch:
         if joined is not None:
             self.decoding = joined if self.decoding is None else self.decoding.merge(joined)
 
-    def _step(self, model: SamplingModel) -> None:
-        """Sample one token for every row, answer the requests that completed, and run the remaining
-        rows through the model for their next logits."""
+    def _sample(self) -> dict[str, Any] | None:
+        """Sample one token for every row and answer the requests that completed; the model call that
+        gives the remaining rows their next logits (None when no row remains)."""
         batch = self.decoding
         assert batch is not None
         drawn = torch.tensor([len(row.tokens) for row in batch.rows], device=self.device)
@@ -687,7 +715,7 @@ class _Batch:
                 self.feed.stats.rows_left_early += len(batch.rows) - len(live)
             self._keep(live)
             if self.decoding is None:
-                return
+                return None
             tokens = tokens.index_select(0, torch.tensor(live, dtype=torch.long, device=self.device))
             batch = self.decoding
         feed = tokens.unsqueeze(-1)
@@ -696,13 +724,18 @@ class _Batch:
             self.feed.stats.shared_prompt_decode_steps += 1
         batch.mask = torch.cat([batch.mask, torch.ones_like(feed)], dim=-1)
         batch.last_positions = batch.last_positions + 1
-        out = model(
-            input_ids=feed,
-            attention_mask=batch.mask,
-            position_ids=batch.last_positions,
-            past_key_values=batch.cache,
-            use_cache=True,
-        )
+        return {
+            "input_ids": feed,
+            "attention_mask": batch.mask,
+            "position_ids": batch.last_positions,
+            "past_key_values": batch.cache,
+            "use_cache": True,
+        }
+
+    def _take_step(self, out: Any) -> None:
+        """Record the output of the `_sample` call: the rows' next logits."""
+        batch = self.decoding
+        assert batch is not None
         batch.cache = out.past_key_values
         batch.next_logits = out.logits[:, -1, :].float()
         stats = self.feed.stats
