@@ -252,3 +252,23 @@ def test_the_worker_feeds_requests_arriving_during_a_batch_into_it() -> None:
     }
     stats = worker.stats
     assert (stats.sample_batches, stats.sample_requests, stats.sample_requests_joined_later) == (3, 4, 1)
+
+
+def test_rows_leaving_from_anywhere_in_the_batch_keep_the_others_samples(
+    runtime: BaseModelRuntime, sampler_dir: Path
+) -> None:
+    """Rows leave from the front and the middle (the last rows move into their places), a long prompt
+    leaves (its padding columns are cut off), and a request joins after them: every request samples
+    what it samples alone."""
+    jobs = [
+        SampleJob(PROMPT * 4, 1, 3, seed=21, stop_token_ids=[]),  # 64-token prompt, leaves first
+        SampleJob(OTHER_PROMPT, 2, 14, seed=22, stop_token_ids=[]),
+        SampleJob([7, 8, 9], 1, 6, seed=23, stop_token_ids=[]),  # leaves from the middle
+        SampleJob(PROMPT, 3, 18, seed=24, stop_token_ids=[]),
+    ]
+    late = SampleJob(OTHER_PROMPT[:5], 2, 9, seed=25, stop_token_ids=[])
+    feed = ScriptedFeed({0: jobs, 8: [late]})
+    runtime.serve_samples(sampler_dir, feed)
+    assert feed.stats.rows_left_early >= 2 and feed.stats.requests_joined_running_batch == 1
+    for key, job in enumerate([*jobs, late]):
+        assert_same_samples(output(feed, key), runtime.sample(sampler_dir, [job])[0])

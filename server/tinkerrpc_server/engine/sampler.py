@@ -291,17 +291,31 @@ class _Rows:
     top_ks: torch.Tensor
     top_ps: torch.Tensor
 
-    def select(self, indices: list[int]) -> _Rows:
-        """Only the rows at `indices`, without the leading columns none of them needs."""
-        index = torch.tensor(indices, dtype=torch.long, device=self.mask.device)
+    def keep(self, indices: list[int]) -> _Rows:
+        """Only the rows at `indices` (ascending). Kept rows past the new end move into the places the
+        others left, so only they are copied; the leading columns none of the kept rows needs are cut
+        off (a copy of every row) once they are a quarter of the width."""
+        count = len(indices)
+        kept = set(indices)
+        holes = [i for i in range(count) if i not in kept]
+        movers = [i for i in indices if i >= count]
+        order = list(range(count))
+        for hole, mover in zip(holes, movers, strict=True):
+            order[hole] = mover
+        index = torch.tensor(order, dtype=torch.long, device=self.mask.device)
         mask = self.mask.index_select(0, index)
         first = int(mask.any(dim=0).to(torch.int8).argmax())
-        for layer in self.cache.layers:
-            layer.keep_rows(index, first)
+        if first * 4 >= mask.shape[1] > 0 and first > 0:
+            for layer in self.cache.layers:
+                layer.keep_rows(index, first)
+            mask = mask[:, first:]
+        else:
+            for layer in self.cache.layers:
+                layer.move_rows(holes, movers, count)
         return _Rows(
-            [self.rows[i] for i in indices],
+            [self.rows[i] for i in order],
             self.cache,
-            mask[:, first:],
+            mask,
             self.last_positions.index_select(0, index),
             self.next_logits.index_select(0, index),
             self.uniforms.index_select(0, index),
@@ -330,10 +344,11 @@ class _Rows:
 
 
 class _GrowingLayer(DynamicLayer):  # type: ignore[misc]  # transformers is untyped here
-    """A cache layer whose keys and values are views of buffers with room to grow: a decode step writes
-    its keys in place instead of copying the whole cache (DynamicLayer's torch.cat) every step, and the
-    batch's own edits (rows kept, rows merged in, the prompt KV copied to its rows) copy the cache once,
-    into a new buffer with room."""
+    """A cache layer whose keys and values are leading views (rows, columns) of buffers with room for
+    more of both: a decode step writes its keys in place instead of copying the whole cache
+    (DynamicLayer's torch.cat) every step; rows joining are written after the others and rows leaving
+    are replaced by the last ones, copying only those rows; what does not fit is copied once, into new
+    buffers with room."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -351,14 +366,23 @@ class _GrowingLayer(DynamicLayer):  # type: ignore[misc]  # transformers is unty
         return self.keys, self.values
 
     def keep_rows(self, index: torch.Tensor, first_column: int = 0) -> None:
-        """Only the rows at `index` (repeats allowed), from column `first_column` on."""
+        """Only the rows at `index` (repeats allowed), from column `first_column` on (a copy of all)."""
         self.keys, self.key_buffer = _rows_kept(self.keys, index, first_column)
         self.values, self.value_buffer = _rows_kept(self.values, index, first_column)
 
+    def move_rows(self, holes: list[int], movers: list[int], count: int) -> None:
+        """Row `movers[i]` copied into row `holes[i]`, then only the first `count` rows kept."""
+        if holes:
+            destination = torch.tensor(holes, dtype=torch.long, device=self.keys.device)
+            source = torch.tensor(movers, dtype=torch.long, device=self.keys.device)
+            for tensor in (self.keys, self.values):
+                tensor.index_copy_(0, destination, tensor.index_select(0, source))
+        self.keys, self.values = self.keys[:count], self.values[:count]
+
     def stack_rows(self, other: _GrowingLayer, width: int) -> None:
         """This layer's rows, then `other`'s, each left-padded with zeros to `width` columns."""
-        self.keys, self.key_buffer = _stacked(self.keys, other.keys, width)
-        self.values, self.value_buffer = _stacked(self.values, other.values, width)
+        self.keys, self.key_buffer = _stacked(self.keys, self.key_buffer, other.keys, width)
+        self.values, self.value_buffer = _stacked(self.values, self.value_buffer, other.values, width)
 
 
 def _room(columns: int) -> int:
@@ -367,30 +391,54 @@ def _room(columns: int) -> int:
     return columns + max(64, columns // 2)
 
 
+def _row_room(rows: int) -> int:
+    """Rows a buffer gets for `rows` in use: room for a few more to join without a copy."""
+    return rows + max(4, rows // 4)
+
+
+def _in_place(view: torch.Tensor, buffer: torch.Tensor | None, rows: int, columns: int) -> bool:
+    """Whether `view` is the leading part of `buffer` and the buffer holds `rows` × `columns`."""
+    return (
+        buffer is not None
+        and view.dim() == 4
+        and view.data_ptr() == buffer.data_ptr()
+        and view.stride() == buffer.stride()
+        and buffer.shape[0] >= rows
+        and buffer.shape[-2] >= columns
+    )
+
+
 def _rows_kept(
     tensor: torch.Tensor, index: torch.Tensor, first_column: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows at `index` of `tensor` from `first_column` on, as a view of a new buffer with room."""
     _, heads, columns, dim = tensor.shape
     width = columns - first_column
-    buffer = tensor.new_empty((len(index), heads, _room(width), dim))
-    kept = buffer[:, :, :width]
+    buffer = tensor.new_empty((_row_room(len(index)), heads, _room(width), dim))
+    kept = buffer[: len(index), :, :width]
     torch.index_select(tensor[:, :, first_column:], 0, index, out=kept)
     return kept, buffer
 
 
-def _stacked(top: torch.Tensor, bottom: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _stacked(
+    top: torch.Tensor, buffer: torch.Tensor | None, bottom: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`top`'s rows then `bottom`'s, right-aligned in `width` columns with zeros on the left (finite: a
-    masked column's value is still multiplied by its zero weight), as a view of a new buffer with room."""
-    heads, dim = top.shape[1], top.shape[-1]
-    buffer = top.new_empty((top.shape[0] + bottom.shape[0], heads, _room(width), dim))
-    start = 0
-    for part in (top, bottom):
-        rows, pad = part.shape[0], width - part.shape[-2]
-        buffer[start : start + rows, :, :pad].zero_()
-        buffer[start : start + rows, :, pad:width].copy_(part)
-        start += rows
-    return buffer[:, :, :width], buffer
+    masked column's value is still multiplied by its zero weight). Written after `top` in its buffer when
+    that has room and `top` needs no padding; else both are copied into a new buffer with room."""
+    rows, joining = top.shape[0], bottom.shape[0]
+    if top.shape[-2] == width and _in_place(top, buffer, rows + joining, width):
+        assert buffer is not None
+        parts = [(rows, bottom)]
+    else:
+        heads, dim = top.shape[1], top.shape[-1]
+        buffer = top.new_empty((_row_room(rows + joining), heads, _room(width), dim))
+        parts = [(0, top), (rows, bottom)]
+    for start, part in parts:
+        pad = width - part.shape[-2]
+        buffer[start : start + part.shape[0], :, :pad].zero_()
+        buffer[start : start + part.shape[0], :, pad:width].copy_(part)
+    return buffer[: rows + joining, :, :width], buffer
 
 
 def _appended(
@@ -399,18 +447,13 @@ def _appended(
     """`current` with `new` appended along the sequence dimension, as a view of a (new) buffer."""
     used = current.shape[-2] if current.dim() == 4 else 0
     total = used + new.shape[-2]
-    if (
-        buffer is None
-        or buffer.data_ptr() != current.data_ptr()
-        or buffer.shape[:2] != new.shape[:2]
-        or buffer.shape[-2] < total
-    ):
-        grown = new.new_empty((*new.shape[:2], _room(total), new.shape[-1]))
+    rows = new.shape[0]
+    if not _in_place(current, buffer, rows, total) or buffer is None or buffer.shape[1] != new.shape[1]:
+        buffer = new.new_empty((_row_room(rows), new.shape[1], _room(total), new.shape[-1]))
         if used:
-            grown[:, :, :used] = current
-        buffer = grown
-    buffer[:, :, used:total] = new
-    return buffer[:, :, :total], buffer
+            buffer[:rows, :, :used] = current
+    buffer[:rows, :, used:total] = new
+    return buffer[:rows, :, :total], buffer
 
 
 class _SamplerCache(DynamicCache):  # type: ignore[misc]  # transformers is untyped here
@@ -716,8 +759,9 @@ class _Batch:
             self._keep(live)
             if self.decoding is None:
                 return None
-            tokens = tokens.index_select(0, torch.tensor(live, dtype=torch.long, device=self.device))
             batch = self.decoding
+            # The rows kept may have moved: each row's input is the token it just sampled.
+            tokens = torch.tensor([row.tokens[-1] for row in batch.rows], device=self.device)
         feed = tokens.unsqueeze(-1)
         batch.cache.shared_columns = _shared_columns(batch)
         if batch.cache.shared_columns is not None:
@@ -748,7 +792,7 @@ class _Batch:
         assert self.decoding is not None
         if len(indices) == len(self.decoding.rows):
             return
-        self.decoding = self.decoding.select(indices) if indices else None
+        self.decoding = self.decoding.keep(indices) if indices else None
 
     def _deliver(self, owner: _Request) -> None:
         if self.policy.continuous:
