@@ -14,7 +14,8 @@ from tinkerrpc_server.engine.futures import Outcome
 from tinkerrpc_server.engine.storage import CheckpointRecord
 
 
-def _engine(request: Request) -> Engine:
+async def _engine(request: Request) -> Engine:
+    # async: FastAPI runs a plain function dependency on its thread pool, a thread hop per request.
     engine: Engine = request.app.state.engine
     return engine
 
