@@ -11,7 +11,7 @@ import torch
 from peft import LoraConfig
 
 from tinkerrpc_server.engine.decoder import QwenDecoder, QwenTrainingForward
-from tinkerrpc_server.engine.runtime import BaseModelRuntime, DatumArrays
+from tinkerrpc_server.engine.runtime import SAMPLER_CACHE_SIZE, BaseModelRuntime, DatumArrays, LoraSpec
 from tinkerrpc_server.engine.sampler import _new_cache
 
 # float32 on tiny-chat: the two forwards order their sums differently (fused matmuls, LoRA as a
@@ -243,3 +243,26 @@ def test_calls_run_together_return_what_each_returns_alone(
         ):
             torch.testing.assert_close(my_layer.keys, their_layer.keys, atol=LOGITS_ATOL, rtol=0)
             torch.testing.assert_close(my_layer.values, their_layer.values, atol=LOGITS_ATOL, rtol=0)
+
+
+def test_one_decoder_is_kept_for_the_sampler_weights_sampled_last(
+    runtime: BaseModelRuntime, sampler_dir: Path, tmp_path: Path
+) -> None:
+    """Sample batches in a row on the same weights reuse their decoder (its merged layers are built
+    once); other weights replace it, and it goes when its adapter leaves the sampler cache."""
+
+    def decoder_of(weights: Path | None) -> object:
+        with runtime._sampling_model(weights)() as model:
+            return model
+
+    first = decoder_of(sampler_dir)
+    assert decoder_of(sampler_dir) is first
+    assert decoder_of(None) is not first
+    rebuilt = decoder_of(sampler_dir)
+    assert rebuilt is not first and isinstance(rebuilt, QwenDecoder)
+    runtime.create_adapter("other", LoraSpec(rank=4, seed=9))
+    for index in range(SAMPLER_CACHE_SIZE):  # other sampler weights push the first out of the cache
+        runtime.save_state("other", tmp_path / f"other-{index}", include_optimizer=False)
+        runtime._sampler_adapter(tmp_path / f"other-{index}")
+    assert runtime._last_decoder is None
+    assert decoder_of(sampler_dir) is not rebuilt
