@@ -372,11 +372,10 @@ class _GrowingLayer(DynamicLayer):  # type: ignore[misc]  # transformers is unty
 
     def move_rows(self, holes: list[int], movers: list[int], count: int) -> None:
         """Row `movers[i]` copied into row `holes[i]`, then only the first `count` rows kept."""
-        if holes:
-            destination = torch.tensor(holes, dtype=torch.long, device=self.keys.device)
-            source = torch.tensor(movers, dtype=torch.long, device=self.keys.device)
-            for tensor in (self.keys, self.values):
-                tensor.index_copy_(0, destination, tensor.index_select(0, source))
+        for hole, mover in zip(holes, movers, strict=True):
+            # One strided copy per row: index_select/index_copy_ on these views take a slow path.
+            self.keys[hole].copy_(self.keys[mover])
+            self.values[hole].copy_(self.values[mover])
         self.keys, self.values = self.keys[:count], self.values[:count]
 
     def stack_rows(self, other: _GrowingLayer, width: int) -> None:
