@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from peft.tuners.lora import LoraLayer
 from transformers.activations import ACT2FN
-from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+from transformers.models.qwen3.modeling_qwen3 import rotate_half
 
 SUPPORTED_MODEL_TYPES = ("qwen3",)
 _ATTENTION = ("q_proj", "k_proj", "v_proj")
@@ -57,8 +57,9 @@ class _Layer:
     down: _Projection
     input_norm: Any  # Qwen3RMSNorm modules
     post_attention_norm: Any
-    q_norm: Any
-    k_norm: Any
+    # q_norm's weight once per query head, then k_norm's once per kv head: q and k normalized together.
+    qk_norm_weight: torch.Tensor  # (heads + kv heads, head_dim)
+    qk_norm_eps: float
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,13 @@ def fuse_base_weights(causal_lm: Any) -> BaseWeights | None:
                 down=_fused(mlp, ("down_proj",)),
                 input_norm=block.input_layernorm,
                 post_attention_norm=block.post_attention_layernorm,
-                q_norm=attn.q_norm,
-                k_norm=attn.k_norm,
+                qk_norm_weight=torch.cat(
+                    [
+                        attn.q_norm.weight.detach().expand(config.num_attention_heads, -1),
+                        attn.k_norm.weight.detach().expand(config.num_key_value_heads, -1),
+                    ]
+                ),
+                qk_norm_eps=float(attn.q_norm.variance_epsilon),
             )
         )
     return BaseWeights(
@@ -260,6 +266,8 @@ class _Segment:
 
 def _segment_slices(x: torch.Tensor, segments: Sequence[_Segment]) -> list[torch.Tensor]:
     """The tokens of each segment in `x` (tokens, ...), in order."""
+    if len(segments) == 1:
+        return [x]
     parts = []
     start = 0
     for segment in segments:
@@ -279,17 +287,20 @@ def _decoder_layers(
     dim = base.head_dim
     for index, layer in enumerate(base.layers):
         q, k, v = project(_rms_norm(x, layer.input_norm), layer.qkv)
-        q = _rms_norm(q.view(tokens, base.num_heads, dim), layer.q_norm)
-        k = _rms_norm(k.view(tokens, base.num_kv_heads, dim), layer.k_norm)
+        # q and k (adjacent heads of one tensor) take their norm and rotary together: half the ops.
+        qk = torch.cat([q, k], dim=-1).view(tokens, -1, dim)
+        normalized = F.rms_norm(qk.float(), (dim,), eps=layer.qk_norm_eps)
+        qk = layer.qk_norm_weight * normalized.to(qk.dtype)
         v = v.view(tokens, base.num_kv_heads, dim)
         attended = []
-        for segment, (sq, sk, sv) in zip(
-            segments, zip(*(_segment_slices(t, segments) for t in (q, k, v)), strict=True), strict=True
+        for segment, (sqk, sv) in zip(
+            segments, zip(*(_segment_slices(t, segments) for t in (qk, v)), strict=True), strict=True
         ):
             rows, length = segment.rows, segment.length
-            sq, sk, sv = (t.view(rows, length, -1, dim).transpose(1, 2) for t in (sq, sk, sv))
-            sq, sk = apply_rotary_pos_emb(sq, sk, *segment.rotary)
-            out = segment.attend(sq, sk, sv, index)
+            sqk, sv = (t.view(rows, length, -1, dim).transpose(1, 2) for t in (sqk, sv))
+            cos, sin = (part.unsqueeze(1) for part in segment.rotary)
+            sqk = sqk * cos + rotate_half(sqk) * sin
+            out = segment.attend(sqk[:, : base.num_heads], sqk[:, base.num_heads :], sv, index)
             attended.append(out.transpose(1, 2).reshape(rows * length, -1))
         (o,) = project(attended[0] if len(attended) == 1 else torch.cat(attended), layer.o)
         x = x + o
