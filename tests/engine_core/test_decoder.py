@@ -20,15 +20,21 @@ LOGITS_ATOL = 1e-4
 PROMPTS = [[5, 17, 300, 42, 8, 99, 7], [61, 2, 14]]
 
 
-def run_forward(model: object, steps: int) -> list[torch.Tensor]:
-    """Prefill PROMPTS left-padded in two chunks, then `steps` greedy decode steps; every call's logits."""
+def left_padded_prompts() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PROMPTS as one left-padded batch: token ids, attention mask, positions."""
     width = max(len(p) for p in PROMPTS)
     ids = torch.zeros((len(PROMPTS), width), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, prompt in enumerate(PROMPTS):
         ids[row, width - len(prompt) :] = torch.tensor(prompt)
         mask[row, width - len(prompt) :] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def run_forward(model: object, steps: int) -> list[torch.Tensor]:
+    """Prefill PROMPTS left-padded in two chunks, then `steps` greedy decode steps; every call's logits."""
+    ids, mask, positions = left_padded_prompts()
+    width = ids.shape[1]
     cache = _new_cache()
     seen = []
     with torch.inference_mode():
@@ -203,13 +209,7 @@ def test_calls_run_together_return_what_each_returns_alone(
 
     def calls() -> list[dict[str, object]]:
         """A 2-row batch one decode step in (after a prefill of PROMPTS) and a new 3-token prompt."""
-        width = max(len(p) for p in PROMPTS)
-        ids = torch.zeros((len(PROMPTS), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, prompt in enumerate(PROMPTS):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, positions = left_padded_prompts()
         cache = _new_cache()
         decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
         step_mask = torch.cat([mask, torch.ones((len(PROMPTS), 1), dtype=mask.dtype)], dim=-1)
