@@ -10,7 +10,7 @@ import threading
 import uuid
 from collections import deque
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import pydantic
@@ -21,12 +21,13 @@ ErrorCategory = Literal["user", "server"]
 @dataclass
 class JsonResult:
     payload: pydantic.BaseModel  # one of the SDK's response types, sent as JSON
+    size: int = field(init=False, default=0)  # bytes of its JSON
 
     def __post_init__(self) -> None:
         # Checked where the work runs: a value JSON cannot carry (NaN, infinity) fails the request, which
         # the SDK reports, instead of an HTTP 500 from retrieve_future, which the SDK retries without end.
         try:
-            json.dumps(self.payload.model_dump(mode="json"), allow_nan=False)
+            self.size = len(json.dumps(self.payload.model_dump(mode="json"), allow_nan=False))
         except ValueError as error:
             raise UnencodableResultError(
                 f"{type(self.payload).__name__} holds a value JSON cannot carry ({error})"
@@ -41,11 +42,19 @@ class UnencodableResultError(ValueError):
 class ProtoResult:
     payload: bytes
 
+    @property
+    def size(self) -> int:
+        return len(self.payload)
+
 
 @dataclass
 class FailedResult:
     message: str
     category: ErrorCategory
+
+    @property
+    def size(self) -> int:
+        return len(self.message)
 
 
 Outcome = JsonResult | ProtoResult | FailedResult
@@ -80,16 +89,24 @@ class RequestFuture(concurrent.futures.Future[Outcome]):
 
 
 class FutureTable:
-    """request id → outcome. Finished outcomes are kept for the `keep_finished` requests that finished
-    last, so a client that lost a poll response can ask again; pending ones until they finish."""
+    """request id → outcome. Pending requests are kept until they finish; finished outcomes are kept, so
+    a client that lost a poll response can ask again, for the requests that finished last: at most
+    `keep_finished` of them and `keep_finished_bytes` of their payloads (sample outcomes with top-k
+    prompt logprobs run to megabytes), but always the last `always_kept`."""
 
-    def __init__(self, keep_finished: int = 4096) -> None:
+    def __init__(
+        self, keep_finished: int = 4096, keep_finished_bytes: int = 256 * 2**20, always_kept: int = 64
+    ) -> None:
         self._lock = threading.Lock()
         self._futures: dict[str, RequestFuture] = {}
-        # In the order they finished: creating a request forgets the oldest beyond keep_finished in
-        # O(1), where scanning every kept future cost ~2 ms a request once thousands were kept.
-        self._finished: deque[str] = deque()
+        # (request id, payload bytes) in the order they finished: creating a request forgets the oldest
+        # beyond the bounds in O(1), where scanning every kept future cost ~2 ms a request once thousands
+        # were kept.
+        self._finished: deque[tuple[str, int]] = deque()
+        self._finished_bytes = 0
         self._keep_finished = keep_finished
+        self._keep_finished_bytes = keep_finished_bytes
+        self._always_kept = always_kept
         self._counter = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:8]
 
@@ -98,17 +115,24 @@ class FutureTable:
         future = RequestFuture()
         with self._lock:
             self._futures[request_id] = future
-            while len(self._finished) > self._keep_finished:
-                del self._futures[self._finished.popleft()]
-        future.add_done_callback(lambda _: self._record_finished(request_id))
+            while len(self._finished) > self._always_kept and (
+                len(self._finished) > self._keep_finished or self._finished_bytes > self._keep_finished_bytes
+            ):
+                forgotten, size = self._finished.popleft()
+                self._finished_bytes -= size
+                del self._futures[forgotten]
+        future.add_done_callback(lambda done: self._record_finished(request_id, done))
         return request_id, future
 
-    def _record_finished(self, request_id: str) -> None:
+    def _record_finished(self, request_id: str, future: concurrent.futures.Future[Outcome]) -> None:
+        size = future.result().size
         with self._lock:
-            self._finished.append(request_id)
+            self._finished.append((request_id, size))
+            self._finished_bytes += size
 
     def __len__(self) -> int:
-        """Requests kept: pending ones and at most keep_finished finished ones (+1 until the next create)."""
+        """Requests kept: pending ones and the finished ones within the bounds (until the next create,
+        one more)."""
         with self._lock:
             return len(self._futures)
 
