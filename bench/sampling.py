@@ -3,8 +3,9 @@
 1. throughput of one round of equal requests vs sequential `model.generate()` with a KV cache on the
    same model and the same unmerged LoRA;
 2. staggered arrivals (requests arriving over ~2 s on a seeded schedule, different lengths):
-   throughput vs sequential `generate()`, and median request latency vs gather-then-run batching (the
-   same engine code started with TINKERRPC_ENGINE_BATCHING=gather, in the same run);
+   throughput vs sequential `generate()`, and median request latency vs gather-then-run batching, the
+   engine's batching before continuous batching (the same engine code started with
+   TINKERRPC_ENGINE_BATCHING=gather, in the same run);
 3. shared prompts: one request for n samples of a long prompt vs n separate requests for one sample
    each on the gather-then-run engine (which prefills every row on its own).
 """
@@ -296,7 +297,8 @@ def _staggered(
             detail=(
                 f"{schedule}; median request latency over {sizes.staggered_rounds} rounds of each side, "
                 f"alternating; baseline: the same engine code with "
-                f"{BATCHING_ENV}=gather (requests join only an empty batch and are answered when it has finished)"
+                f"{BATCHING_ENV}=gather, the engine's batching before continuous batching (requests join only "
+                f"an empty batch, whose rows all compute until its last one stops, and are answered then)"
             ),
         ),
     ]

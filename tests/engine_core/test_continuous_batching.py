@@ -184,6 +184,10 @@ def test_gather_then_run_admits_only_into_an_empty_batch_and_answers_when_it_is_
     feed = ScriptedFeed({0: [long, short], 3: [late]})
     runtime.serve_samples(sampler_dir, feed, policy=BatchPolicy(continuous=False, share_prompts=False))
     assert feed.stats.requests_joined_running_batch == 0 and feed.stats.shared_prefill_rows == 0
+    # As the engine batched before continuous batching: the short row computes until the long one
+    # stops (14 decode passes of 2 rows), then the late request's batch runs (3 passes of 1 row).
+    assert feed.stats.rows_left_early == 0
+    assert (feed.stats.decode_steps, feed.stats.decoded_rows) == (14 + 3, 2 * 14 + 3)
     assert feed.answered_at[0] == feed.answered_at[1] < feed.answered_at[2]
     for key, job in enumerate((long, short, late)):
         assert_same_samples(output(feed, key), runtime.sample(sampler_dir, [job])[0])

@@ -57,9 +57,9 @@ class RequestResult:
 
 
 # Baseline/diagnostic switch, read when a batch starts: "gather" is the engine's batching before
-# continuous batching, which bench/sampling.py measures against: requests join only an empty batch,
-# are answered when the whole batch has finished (gather, then run to completion), and every row is
-# prefilled on its own.
+# continuous batching (a9353ed), which bench/sampling.py measures against: requests join only an empty
+# batch, every row is computed until the batch's last row stops, all are answered then (gather, then run
+# to completion), and every row is prefilled on its own.
 BATCHING_ENV = "TINKERRPC_ENGINE_BATCHING"
 
 
@@ -80,8 +80,9 @@ class BatchPolicy:
     max_rows: int = 64
     max_kv_tokens: int = 64 * 1024
     prefill_chunk_tokens: int = 512
-    # Requests join a running batch and are answered as soon as their rows finish; off: they join only
-    # an empty batch and are answered when it has finished (the gather-then-run baseline).
+    # Requests join a running batch, their rows leave it as they stop, and they are answered as soon as
+    # those have; off: they join only an empty batch, whose rows all compute until its last one stops,
+    # and are answered then (the gather-then-run baseline).
     continuous: bool = True
     # Rows with the same prompt (a request's n samples, identical concurrent prompts) share one prefill.
     share_prompts: bool = True
@@ -734,7 +735,9 @@ class _Batch:
         gives the remaining rows their next logits (None when no row remains)."""
         batch = self.decoding
         assert batch is not None
+        # (A stopped row still in a gather-then-run batch draws past its end; what it samples is unused.)
         drawn = torch.tensor([len(row.tokens) for row in batch.rows], device=self.device)
+        drawn = drawn.clamp_(max=batch.uniforms.shape[1] - 1)
         uniforms = batch.uniforms.gather(1, drawn.unsqueeze(-1)).squeeze(-1)
         tokens, logprobs = _choose(
             batch.next_logits, batch.temperatures, batch.top_ks, batch.top_ps, uniforms
@@ -743,6 +746,8 @@ class _Batch:
         for index, (row, token, logprob) in enumerate(
             zip(batch.rows, tokens.tolist(), logprobs.tolist(), strict=True)
         ):
+            if row.stop_reason is not None:
+                continue
             row.tokens.append(token)
             row.logprobs.append(logprob)
             row.stop_reason = _stop_reason(row, self.tokenizer)
@@ -752,7 +757,7 @@ class _Batch:
                 row.owner.unfinished -= 1
                 if row.owner.unfinished == 0:
                     self._deliver(row.owner)
-        if len(live) < len(batch.rows):
+        if len(live) < len(batch.rows) and (self.policy.continuous or not live):
             if live:
                 self.feed.stats.rows_left_early += len(batch.rows) - len(live)
             self._keep(live)
