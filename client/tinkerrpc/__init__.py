@@ -26,22 +26,19 @@ from tinkerrpc._gather import (
     gather_groups,
     gather_trajectories,
 )
+from tinkerrpc._messages import Message, SampledTurn, Tool, ToolCall
 from tinkerrpc._openai import messages_from_response_input
 from tinkerrpc._retry import RetryPolicy
 from tinkerrpc._server_info import ServerInfo, ServerLimits
 from tinkerrpc._types import (
     CheckpointInfo,
     ExportedWeights,
-    Message,
     ModelEvent,
     ModelInfo,
     RunHistory,
     RunStep,
     Sample,
-    SampledTurn,
     SupervisedExample,
-    Tool,
-    ToolCall,
     TopLogprob,
     TrainMetrics,
     TrainResult,

@@ -19,23 +19,21 @@ from google.protobuf.message import Message as ProtoMessage
 
 from tinkerrpc import _convert as convert
 from tinkerrpc._export import WeightsWriter, check_export_target
+from tinkerrpc._messages import MessageLike, Tool, as_messages
 from tinkerrpc._server_info import ServerInfo, server_info_from_proto
 from tinkerrpc._types import (
     CheckpointInfo,
     CheckpointKind,
     ExportedWeights,
-    MessageLike,
     ModelEvent,
     ModelInfo,
     RunHistory,
     Sample,
     SupervisedExample,
-    Tool,
     TrainOn,
     TrainResult,
     Trajectory,
     TrajectoryGroup,
-    as_messages,
     check_trainable,
 )
 from tinkerrpc.v1 import trainer_service_pb2 as service_pb

@@ -7,22 +7,18 @@ from datetime import datetime, timezone
 
 from google.protobuf import timestamp_pb2
 
+from tinkerrpc._messages import Message, Role, SampledTurn, Tool, ToolCall
 from tinkerrpc._types import (
     CheckpointInfo,
     CheckpointKind,
-    Message,
     ModelEvent,
     ModelEventKind,
     ModelInfo,
-    Role,
     RunHistory,
     RunStep,
     Sample,
-    SampledTurn,
     StopReason,
     SupervisedExample,
-    Tool,
-    ToolCall,
     TopLogprob,
     TrainMetrics,
     TrainOn,

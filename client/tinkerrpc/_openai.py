@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tinkerrpc._types import Message, SampledTurn, ToolCall
+from tinkerrpc._messages import Message, SampledTurn, ToolCall
 
 # An `openai.types.chat.ChatCompletion` (anything with `model_dump()`) or its dict form.
 ChatCompletionLike = object

@@ -14,8 +14,9 @@ from art import dev
 from tinkerrpc._async_client import AsyncClient, AsyncModel
 from tinkerrpc._channel import TlsOption
 from tinkerrpc._errors import FailedPreconditionError
+from tinkerrpc._messages import SampledTurn
 from tinkerrpc._openai_client import sidecar_connection
-from tinkerrpc._types import CheckpointInfo, SampledTurn, SupervisedExample, TrainResult
+from tinkerrpc._types import CheckpointInfo, SupervisedExample, TrainResult
 from tinkerrpc.art._trajectories import UnscoredTurn, convert_groups, sft_conversation
 from tinkerrpc.v1.errors_pb2 import ErrorReason
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import art
 
-from tinkerrpc._types import Message, SampledTurn, Tool, Trajectory, TrajectoryGroup
+from tinkerrpc._messages import Message, SampledTurn, Tool
+from tinkerrpc._types import Trajectory, TrajectoryGroup
 
 
 @dataclass
