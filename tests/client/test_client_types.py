@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 import pytest
+import server_side_convert as server_side
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from openai.types.chat import ChatCompletion
@@ -53,16 +54,16 @@ def full_trajectory() -> tinkerrpc.Trajectory:
 def test_trajectory_round_trips_through_protobuf_bytes() -> None:
     traj = full_trajectory()
     wire = convert.trajectory_to_proto(traj).SerializeToString()
-    back = convert.trajectory_from_proto(pb.Trajectory.FromString(wire))
+    back = server_side.trajectory_from_proto(pb.Trajectory.FromString(wire))
     assert back == traj
     assert back.messages[2].tool_calls[0].parsed_arguments() == {"city": "Paris"}
     group = tinkerrpc.TrajectoryGroup([traj, full_trajectory()])
-    assert convert.group_from_proto(convert.group_to_proto(group)) == group
+    assert server_side.group_from_proto(convert.group_to_proto(group)) == group
 
 
 def test_every_other_dataclass_round_trips() -> None:
     example = tinkerrpc.SupervisedExample(full_trajectory().messages, tools=(WEATHER_TOOL,), train_on="last")
-    assert convert.example_from_proto(convert.example_to_proto(example)) == example
+    assert server_side.example_from_proto(convert.example_to_proto(example)) == example
 
     checkpoint = tinkerrpc.CheckpointInfo(
         model="run",
@@ -72,7 +73,7 @@ def test_every_other_dataclass_round_trips() -> None:
         tinker_path="tinker://x",
         create_time=WHEN,
     )
-    assert convert.checkpoint_from_proto(convert.checkpoint_to_proto(checkpoint)) == checkpoint
+    assert convert.checkpoint_from_proto(server_side.checkpoint_to_proto(checkpoint)) == checkpoint
 
     info = tinkerrpc.ModelInfo(
         name="run",
@@ -88,7 +89,7 @@ def test_every_other_dataclass_round_trips() -> None:
         vocab_size=471,
         max_context_length=512,
     )
-    assert convert.model_info_from_proto(convert.model_info_to_proto(info)) == info
+    assert convert.model_info_from_proto(server_side.model_info_to_proto(info)) == info
 
     result = tinkerrpc.TrainResult(
         policy_version=5,
@@ -103,7 +104,7 @@ def test_every_other_dataclass_round_trips() -> None:
         state_checkpoint=None,
         replayed=True,
     )
-    assert convert.train_result_from_proto(convert.train_result_to_proto(result)) == result
+    assert convert.train_result_from_proto(server_side.train_result_to_proto(result)) == result
 
     sample = tinkerrpc.Sample(
         tokens=(4, 5),
@@ -118,7 +119,7 @@ def test_every_other_dataclass_round_trips() -> None:
         prompt_logprobs=(math.nan, -1.0, -2.0),
     )
     response = service_pb.SampleResponse(
-        sequences=[convert.sample_to_proto(sample)],
+        sequences=[server_side.sample_to_proto(sample)],
         prompt_token_ids=sample.prompt_token_ids,
         prompt_logprobs=sample.prompt_logprobs,
         policy_version=2,
@@ -136,7 +137,7 @@ def test_every_other_dataclass_round_trips() -> None:
 def test_unset_proto_fields_map_to_documented_defaults() -> None:
     info = convert.model_info_from_proto(pb.ModelInfo(name="m", lora=pb.LoraConfig(rank=4)))
     assert (info.train_mlp, info.train_attn, info.train_unembed, info.create_time) == (True, True, True, None)
-    assert convert.example_from_proto(pb.SupervisedExample()).train_on == "all"
+    assert server_side.example_from_proto(pb.SupervisedExample()).train_on == "all"
     with pytest.raises(ValueError, match="role"):
         convert.message_from_proto(pb.Message(content="no role"))
 
