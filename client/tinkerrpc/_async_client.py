@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import grpc
 from google.protobuf.message import Message as ProtoMessage
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tinkerrpc import _calls as calls
+from tinkerrpc._calls import Call, StreamCall, WatchCall
 from tinkerrpc._channel import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -29,23 +29,17 @@ from tinkerrpc._channel import (
     unreachable,
 )
 from tinkerrpc._errors import UnavailableError
-from tinkerrpc._openai_client import import_openai, sidecar_connection
+from tinkerrpc._methods import AsyncTransport, ModelHandle
 from tinkerrpc._retry import RetryPolicy, call_with_retry_async
-from tinkerrpc._server_info import ServerInfo
-from tinkerrpc._types import ModelInfo
 from tinkerrpc._watch import AsyncEventStream
 from tinkerrpc.v1 import trainer_service_pb2_grpc as service_grpc
-
-if TYPE_CHECKING:
-    import openai
 
 Req = TypeVar("Req", bound=ProtoMessage)
 Resp = TypeVar("Resp", bound=ProtoMessage)
 T = TypeVar("T")
-P = ParamSpec("P")
 
 
-class AsyncClient:
+class AsyncClient(AsyncTransport["AsyncModel"]):
     """An asyncio connection to a tinkerrpc server; the options are those of `Client`, with
     `interceptors` of type grpc.aio.UnaryUnaryClientInterceptor.
 
@@ -164,7 +158,21 @@ class AsyncClient:
 
         return await call_with_retry_async(self.retry, safe_to_repeat, attempt)
 
-    async def _receive(self, call: calls.StreamCall[T]) -> T:
+    def _handle(self, name: str) -> AsyncModel:
+        return AsyncModel(self, name)
+
+    async def _send(self, call: Call[T] | StreamCall[T]) -> T:
+        if isinstance(call, StreamCall):
+            return await self._receive(call)
+        response = await self.call(
+            getattr(self.stub, call.rpc),
+            call.request,
+            timeout=call.timeout,
+            safe_to_repeat=call.safe_to_repeat,
+        )
+        return call.read(response)
+
+    async def _receive(self, call: StreamCall[T]) -> T:
         await self.connect()
         method = getattr(self.stub, call.rpc)
         deadline = call.timeout if call.timeout is not None else self.timeout
@@ -181,147 +189,14 @@ class AsyncClient:
 
         return await call_with_retry_async(self.retry, True, attempt)
 
-    def _watch(self, call: calls.WatchCall[T]) -> AsyncEventStream[T]:
-        async def start(started: calls.WatchCall[T]) -> Any:
+    def _watch(self, call: WatchCall[T]) -> AsyncEventStream[T]:
+        async def start(started: WatchCall[T]) -> Any:
             await self.connect()
             method = getattr(self.stub, started.rpc)
             return method(started.request, timeout=started.timeout, metadata=self._metadata)
 
         return AsyncEventStream(call, start)
 
-    async def _send(self, call: calls.Call[T]) -> T:
-        response = await self.call(
-            getattr(self.stub, call.rpc),
-            call.request,
-            timeout=call.timeout,
-            safe_to_repeat=call.safe_to_repeat,
-        )
-        return call.read(response)
 
-    async def create_model(
-        self,
-        name: str,
-        base_model: str,
-        *,
-        lora_rank: int = 32,
-        renderer: str | None = None,
-        seed: int | None = None,
-        train_mlp: bool = True,
-        train_attn: bool = True,
-        train_unembed: bool = True,
-        exist_ok: bool = False,
-        timeout: float | None = None,
-    ) -> AsyncModel:
-        """Create a model (a fresh LoRA run at policy version 0) and return its handle; with
-        `exist_ok=True`, the existing model of that name when its base model, LoRA shape and renderer
-        match (AlreadyExistsError naming the differences otherwise)."""
-        await self._send(
-            calls.create_model(
-                name,
-                base_model,
-                lora_rank=lora_rank,
-                renderer=renderer,
-                seed=seed,
-                train_mlp=train_mlp,
-                train_attn=train_attn,
-                train_unembed=train_unembed,
-                exist_ok=exist_ok,
-                timeout=timeout,
-            )
-        )
-        return AsyncModel(self, name)
-
-    def model(self, name: str) -> AsyncModel:
-        """A handle on an existing model; no network call."""
-        if not name:
-            raise ValueError("model name must not be empty")
-        return AsyncModel(self, name)
-
-    async def get_model(self, name: str, *, timeout: float | None = None) -> ModelInfo:
-        return await self._send(calls.get_model(name, timeout=timeout))
-
-    async def server_info(self, *, timeout: float | None = None) -> ServerInfo:
-        """The server's version, backend, hosted OpenAI sidecar URL and request limits."""
-        return await self._send(calls.server_info(self.target, timeout=timeout))
-
-    async def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
-        return await self._send(calls.list_models(timeout=timeout))
-
-    async def delete_model(self, name: str, *, timeout: float | None = None) -> None:
-        await self._send(calls.delete_model(name, timeout=timeout))
-
-
-def _sends(
-    prepare: Callable[Concatenate[str, P], calls.Call[T]],
-) -> Callable[Concatenate[AsyncModel, P], Coroutine[Any, Any, T]]:
-    """The AsyncModel method that sends what `prepare` builds for the handle's model."""
-
-    async def method(self: AsyncModel, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return await self.client._send(prepare(self.name, *args, **kwargs))
-
-    calls.handle_method(method, prepare, "AsyncModel")
-    return method
-
-
-def _receives(
-    prepare: Callable[Concatenate[str, P], calls.StreamCall[T]],
-) -> Callable[Concatenate[AsyncModel, P], Coroutine[Any, Any, T]]:
-    """The AsyncModel method that receives the stream `prepare` builds for the handle's model."""
-
-    async def method(self: AsyncModel, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return await self.client._receive(prepare(self.name, *args, **kwargs))
-
-    calls.handle_method(method, prepare, "AsyncModel")
-    return method
-
-
-def _watches(
-    prepare: Callable[Concatenate[str, P], calls.WatchCall[T]],
-) -> Callable[Concatenate[AsyncModel, P], AsyncEventStream[T]]:
-    """The AsyncModel method that opens (on its first event) the stream `prepare` builds for the handle's
-    model; not a coroutine: `async for event in model.watch(...)`."""
-
-    def method(self: AsyncModel, /, *args: P.args, **kwargs: P.kwargs) -> AsyncEventStream[T]:
-        return self.client._watch(prepare(self.name, *args, **kwargs))
-
-    calls.handle_method(method, prepare, "AsyncModel")
-    return method
-
-
-class AsyncModel(calls.ModelHandle[AsyncClient]):
+class AsyncModel(ModelHandle[AsyncClient], client_type=AsyncClient):
     """A handle on one model of an AsyncClient; every method is one awaitable RPC."""
-
-    async def info(self, *, timeout: float | None = None) -> ModelInfo:
-        return await self.client.get_model(self.name, timeout=timeout)
-
-    async def openai_client(
-        self, *, api_key: str | None = None, sidecar_url: str | None = None, **openai_options: Any
-    ) -> openai.OpenAI:
-        """As `Model.openai_client`: an `openai.OpenAI` on the sidecar (awaited: it asks the server
-        for the sidecar's URL unless `sidecar_url=` is given). Requests pass `model=model.name`."""
-        info = None if sidecar_url else await self.client.server_info()
-        base_url, key = sidecar_connection(info, sidecar_url, api_key)
-        client: openai.OpenAI = import_openai().OpenAI(base_url=base_url, api_key=key, **openai_options)
-        return client
-
-    async def async_openai_client(
-        self, *, api_key: str | None = None, sidecar_url: str | None = None, **openai_options: Any
-    ) -> openai.AsyncOpenAI:
-        """As `Model.async_openai_client`: an `openai.AsyncOpenAI` on the sidecar."""
-        info = None if sidecar_url else await self.client.server_info()
-        base_url, key = sidecar_connection(info, sidecar_url, api_key)
-        client: openai.AsyncOpenAI = import_openai().AsyncOpenAI(
-            base_url=base_url, api_key=key, **openai_options
-        )
-        return client
-
-    sample = _sends(calls.sample)
-    train = _sends(calls.train)
-    train_supervised = _sends(calls.train_supervised)
-    save_checkpoint = _sends(calls.save_checkpoint)
-    checkpoints = _sends(calls.checkpoints)
-    restore = _sends(calls.restore)
-    delete_checkpoint = _sends(calls.delete_checkpoint)
-    export_weights = _receives(calls.export_weights)
-    history = _sends(calls.history)
-    watch = _watches(calls.watch)

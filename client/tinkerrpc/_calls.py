@@ -2,12 +2,11 @@
 
 A function here takes the public method's exact arguments (it is the method's signature and docstring),
 validates them, so bad input raises before any network call, and returns a `Call`: the request plus how
-to send it and read the answer. `Client` and `AsyncClient` only send calls, so they mirror by construction.
+to send it and read the answer. _methods.py makes each one a method of the clients or the model handles.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -41,7 +40,6 @@ from tinkerrpc.v1 import types_pb2 as pb
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
-ClientT = TypeVar("ClientT")
 
 LossName = Literal["importance_sampling", "ppo", "cispo", "dro", "cross_entropy"]
 Prompt = str | Sequence[int] | Sequence[MessageLike]
@@ -92,43 +90,6 @@ class WatchCall(Generic[T]):
     timeout: float | None  # None: no deadline (NOT the client's default: a watch has no end of its own)
 
 
-class ModelHandle(Generic[ClientT]):
-    """What the sync and async model handles share: a client and a model name. Cheap; no I/O here."""
-
-    def __init__(self, client: ClientT, name: str) -> None:
-        self.client = client
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r})"
-
-
-def handle_method(
-    method: Callable[..., Any],
-    prepare: Callable[..., Call[Any] | StreamCall[Any] | WatchCall[Any]],
-    owner: str,
-) -> None:
-    """Give `owner.<name>`, which sends what `prepare` builds for its model, `prepare`'s name, docstring
-    and signature (the model name becomes `self`, `Call[T]` becomes `T`), so help() shows the real API."""
-    signature = inspect.signature(prepare)
-    model_name, *options = signature.parameters.values()
-    # With postponed annotations the return annotation is the source text, e.g. "Call[list[Sample]]".
-    returns = str(signature.return_annotation)
-    wrapper = next((w for w in ("Call[", "StreamCall[", "WatchCall[") if returns.startswith(w)), None)
-    if wrapper is None or not returns.endswith("]"):
-        raise TypeError(f"{prepare.__name__} must be annotated as returning Call[...], not {returns!r}")
-    returned = returns.removeprefix(wrapper).removesuffix("]")
-    if wrapper == "WatchCall[":
-        returned = f"{'AsyncEventStream' if owner.startswith('Async') else 'EventStream'}[{returned}]"
-    method.__name__ = prepare.__name__
-    method.__qualname__ = f"{owner}.{prepare.__name__}"
-    method.__doc__ = prepare.__doc__
-    method.__signature__ = signature.replace(  # type: ignore[attr-defined]
-        parameters=[model_name.replace(name="self", annotation=inspect.Parameter.empty), *options],
-        return_annotation=returned,
-    )
-
-
 def create_model(
     name: str,
     base_model: str,
@@ -141,7 +102,7 @@ def create_model(
     train_unembed: bool = True,
     exist_ok: bool = False,
     timeout: float | None = None,
-) -> Call[None]:
+) -> Call[str]:
     """Create a model (a fresh LoRA run at policy version 0) and return its handle.
 
     With `exist_ok=True` an existing model of that name is returned as it is (at its current version)
@@ -163,9 +124,10 @@ def create_model(
         seed=seed,
         exist_ok=exist_ok,
     )
+    # The result is the model's name, which the client turns into its handle.
     # Without exist_ok not safe to repeat on a deadline: a second attempt could hit ALREADY_EXISTS for
     # our own model. With it a repeat returns the model the first attempt made.
-    return Call("CreateModel", request, _nothing, safe_to_repeat=exist_ok, timeout=timeout)
+    return Call("CreateModel", request, lambda response: name, safe_to_repeat=exist_ok, timeout=timeout)
 
 
 def server_info(target: str, *, timeout: float | None = None) -> Call[ServerInfo]:

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import Message as ProtoMessage
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tinkerrpc import _calls as calls
+from tinkerrpc._calls import Call, StreamCall, WatchCall
 from tinkerrpc._channel import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -28,23 +28,17 @@ from tinkerrpc._channel import (
     unreachable,
 )
 from tinkerrpc._errors import UnavailableError
-from tinkerrpc._openai_client import import_openai, sidecar_connection
+from tinkerrpc._methods import ModelHandle, SyncTransport
 from tinkerrpc._retry import RetryPolicy, call_with_retry
-from tinkerrpc._server_info import ServerInfo
-from tinkerrpc._types import ModelInfo
 from tinkerrpc._watch import EventStream
 from tinkerrpc.v1 import trainer_service_pb2_grpc as service_grpc
-
-if TYPE_CHECKING:
-    import openai
 
 Req = TypeVar("Req", bound=ProtoMessage)
 Resp = TypeVar("Resp", bound=ProtoMessage)
 T = TypeVar("T")
-P = ParamSpec("P")
 
 
-class Client:
+class Client(SyncTransport["Model"]):
     """A blocking connection to a tinkerrpc server.
 
     `Client("127.0.0.1:50051")` connects and waits (up to `connect_timeout` seconds) until the
@@ -159,7 +153,21 @@ class Client:
             lambda: method(request, timeout=deadline, metadata=self._metadata),
         )
 
-    def _receive(self, call: calls.StreamCall[T]) -> T:
+    def _handle(self, name: str) -> Model:
+        return Model(self, name)
+
+    def _send(self, call: Call[T] | StreamCall[T]) -> T:
+        if isinstance(call, StreamCall):
+            return self._receive(call)
+        response = self.call(
+            getattr(self.stub, call.rpc),
+            call.request,
+            timeout=call.timeout,
+            safe_to_repeat=call.safe_to_repeat,
+        )
+        return call.read(response)
+
+    def _receive(self, call: StreamCall[T]) -> T:
         method = getattr(self.stub, call.rpc)
         deadline = call.timeout if call.timeout is not None else self.timeout
 
@@ -175,142 +183,10 @@ class Client:
 
         return call_with_retry(self.retry, True, attempt)
 
-    def _watch(self, call: calls.WatchCall[T]) -> EventStream[T]:
+    def _watch(self, call: WatchCall[T]) -> EventStream[T]:
         method = getattr(self.stub, call.rpc)
         return EventStream(call, lambda c: method(c.request, timeout=c.timeout, metadata=self._metadata))
 
-    def _send(self, call: calls.Call[T]) -> T:
-        response = self.call(
-            getattr(self.stub, call.rpc),
-            call.request,
-            timeout=call.timeout,
-            safe_to_repeat=call.safe_to_repeat,
-        )
-        return call.read(response)
 
-    def create_model(
-        self,
-        name: str,
-        base_model: str,
-        *,
-        lora_rank: int = 32,
-        renderer: str | None = None,
-        seed: int | None = None,
-        train_mlp: bool = True,
-        train_attn: bool = True,
-        train_unembed: bool = True,
-        exist_ok: bool = False,
-        timeout: float | None = None,
-    ) -> Model:
-        """Create a model (a fresh LoRA run at policy version 0) and return its handle; with
-        `exist_ok=True`, the existing model of that name when its base model, LoRA shape and renderer
-        match (AlreadyExistsError naming the differences otherwise)."""
-        self._send(
-            calls.create_model(
-                name,
-                base_model,
-                lora_rank=lora_rank,
-                renderer=renderer,
-                seed=seed,
-                train_mlp=train_mlp,
-                train_attn=train_attn,
-                train_unembed=train_unembed,
-                exist_ok=exist_ok,
-                timeout=timeout,
-            )
-        )
-        return Model(self, name)
-
-    def model(self, name: str) -> Model:
-        """A handle on an existing model; no network call."""
-        if not name:
-            raise ValueError("model name must not be empty")
-        return Model(self, name)
-
-    def get_model(self, name: str, *, timeout: float | None = None) -> ModelInfo:
-        return self._send(calls.get_model(name, timeout=timeout))
-
-    def server_info(self, *, timeout: float | None = None) -> ServerInfo:
-        """The server's version, backend, hosted OpenAI sidecar URL and request limits."""
-        return self._send(calls.server_info(self.target, timeout=timeout))
-
-    def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
-        return self._send(calls.list_models(timeout=timeout))
-
-    def delete_model(self, name: str, *, timeout: float | None = None) -> None:
-        self._send(calls.delete_model(name, timeout=timeout))
-
-
-def _sends(prepare: Callable[Concatenate[str, P], calls.Call[T]]) -> Callable[Concatenate[Model, P], T]:
-    """The Model method that sends what `prepare` builds for the handle's model."""
-
-    def method(self: Model, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return self.client._send(prepare(self.name, *args, **kwargs))
-
-    calls.handle_method(method, prepare, "Model")
-    return method
-
-
-def _receives(
-    prepare: Callable[Concatenate[str, P], calls.StreamCall[T]],
-) -> Callable[Concatenate[Model, P], T]:
-    """The Model method that receives the stream `prepare` builds for the handle's model."""
-
-    def method(self: Model, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return self.client._receive(prepare(self.name, *args, **kwargs))
-
-    calls.handle_method(method, prepare, "Model")
-    return method
-
-
-def _watches(
-    prepare: Callable[Concatenate[str, P], calls.WatchCall[T]],
-) -> Callable[Concatenate[Model, P], EventStream[T]]:
-    """The Model method that opens the event stream `prepare` builds for the handle's model."""
-
-    def method(self: Model, /, *args: P.args, **kwargs: P.kwargs) -> EventStream[T]:
-        return self.client._watch(prepare(self.name, *args, **kwargs))
-
-    calls.handle_method(method, prepare, "Model")
-    return method
-
-
-class Model(calls.ModelHandle[Client]):
+class Model(ModelHandle[Client], client_type=Client):
     """A handle on one model of a Client. Cheap to create; every method is one RPC."""
-
-    def info(self, *, timeout: float | None = None) -> ModelInfo:
-        return self.client.get_model(self.name, timeout=timeout)
-
-    def openai_client(
-        self, *, api_key: str | None = None, sidecar_url: str | None = None, **openai_options: Any
-    ) -> openai.OpenAI:
-        """An `openai.OpenAI` client on the server's hosted sidecar (the URL from GetServerInfo, or
-        `sidecar_url=` for a standalone one), with `api_key=` or $TINKERRPC_SIDECAR_API_KEY. Requests
-        pass `model=model.name`: the openai client has no default model. `openai_options` go to
-        `openai.OpenAI` (timeout, max_retries, ...). Needs `pip install 'tinkerrpc[openai]'`."""
-        info = None if sidecar_url else self.client.server_info()
-        base_url, key = sidecar_connection(info, sidecar_url, api_key)
-        client: openai.OpenAI = import_openai().OpenAI(base_url=base_url, api_key=key, **openai_options)
-        return client
-
-    def async_openai_client(
-        self, *, api_key: str | None = None, sidecar_url: str | None = None, **openai_options: Any
-    ) -> openai.AsyncOpenAI:
-        """As `openai_client`, an `openai.AsyncOpenAI`."""
-        info = None if sidecar_url else self.client.server_info()
-        base_url, key = sidecar_connection(info, sidecar_url, api_key)
-        client: openai.AsyncOpenAI = import_openai().AsyncOpenAI(
-            base_url=base_url, api_key=key, **openai_options
-        )
-        return client
-
-    sample = _sends(calls.sample)
-    train = _sends(calls.train)
-    train_supervised = _sends(calls.train_supervised)
-    save_checkpoint = _sends(calls.save_checkpoint)
-    checkpoints = _sends(calls.checkpoints)
-    restore = _sends(calls.restore)
-    delete_checkpoint = _sends(calls.delete_checkpoint)
-    export_weights = _receives(calls.export_weights)
-    history = _sends(calls.history)
-    watch = _watches(calls.watch)
