@@ -3,33 +3,26 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
 import grpc
 from google.protobuf.message import Message as ProtoMessage
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
-from tinkerrpc._calls import Call, StreamCall, WatchCall
+from tinkerrpc._calls import Blocking, StreamCall, WatchCall
 from tinkerrpc._channel import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TIMEOUT,
-    HEALTH_SERVICE_NAMES,
     TlsOption,
     auth_metadata,
     channel_credentials,
     channel_options,
-    check_serving,
     check_target,
-    first_contact_problem,
-    remaining,
-    unreachable,
 )
-from tinkerrpc._errors import UnavailableError
-from tinkerrpc._methods import AsyncTransport, ModelHandle
+from tinkerrpc._methods import AsyncTransport, ModelHandle, Step
 from tinkerrpc._retry import RetryPolicy, call_with_retry_async
 from tinkerrpc._watch import AsyncEventStream
 from tinkerrpc.v1 import trainer_service_pb2_grpc as service_grpc
@@ -78,6 +71,7 @@ class AsyncClient(AsyncTransport["AsyncModel"]):
         )
         # The stub's overloads type it as TrainerServiceAsyncStub (a stubs-only name) for an aio channel.
         self.stub = service_grpc.TrainerServiceStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
         self._healthy = not check_health
         self._health_lock = asyncio.Lock()
 
@@ -88,43 +82,6 @@ class AsyncClient(AsyncTransport["AsyncModel"]):
                 await self.wait_until_serving(self.connect_timeout)
                 self._healthy = True
         return self
-
-    async def wait_until_serving(self, timeout: float = DEFAULT_CONNECT_TIMEOUT) -> None:
-        """Wait for the connection and check gRPC health; UnavailableError unless SERVING within `timeout`."""
-        health = health_pb2_grpc.HealthStub(self.channel)
-        deadline = time.monotonic() + timeout
-        last_error: grpc.RpcError | None = None
-        for service in HEALTH_SERVICE_NAMES:
-            try:
-                response = await self._check_health(health, service, deadline)
-            except grpc.RpcError as error:
-                last_error = error
-                if error.code() == grpc.StatusCode.NOT_FOUND:
-                    continue
-                raise unreachable(self.target, timeout, error) from error
-            check_serving(self.target, service, response)
-            return
-        assert last_error is not None
-        raise unreachable(self.target, timeout, last_error) from last_error
-
-    async def _check_health(
-        self, health: health_pb2_grpc.HealthStub, service: str, deadline: float
-    ) -> health_pb2.HealthCheckResponse:
-        """One health check, failing fast with the reason when the connection does (see Client)."""
-        request = health_pb2.HealthCheckRequest(service=service)
-        try:
-            return await health.Check(
-                request, timeout=remaining(deadline), metadata=self._metadata, wait_for_ready=False
-            )
-        except grpc.RpcError as error:
-            if error.code() != grpc.StatusCode.UNAVAILABLE:
-                raise
-            problem = await asyncio.to_thread(first_contact_problem, self.target, self._tls)
-            if problem is not None:
-                raise UnavailableError(grpc.StatusCode.UNAVAILABLE, problem) from error
-        return await health.Check(
-            request, timeout=remaining(deadline), metadata=self._metadata, wait_for_ready=True
-        )
 
     async def close(self) -> None:
         await self.channel.close(None)
@@ -161,16 +118,17 @@ class AsyncClient(AsyncTransport["AsyncModel"]):
     def _handle(self, name: str) -> AsyncModel:
         return AsyncModel(self, name)
 
-    async def _send(self, call: Call[T] | StreamCall[T]) -> T:
-        if isinstance(call, StreamCall):
-            return await self._receive(call)
-        response = await self.call(
-            getattr(self.stub, call.rpc),
-            call.request,
-            timeout=call.timeout,
-            safe_to_repeat=call.safe_to_repeat,
+    async def _send(self, step: Step[T]) -> T:
+        if isinstance(step, Blocking):
+            return await asyncio.to_thread(step.function)
+        if isinstance(step, StreamCall):
+            return await self._receive(step)
+        if step.service == "health":
+            return step.read(await self._health.Check(step.request, **self._health_options(step)))
+        method = getattr(self.stub, step.rpc)
+        return step.read(
+            await self.call(method, step.request, timeout=step.timeout, safe_to_repeat=step.safe_to_repeat)
         )
-        return call.read(response)
 
     async def _receive(self, call: StreamCall[T]) -> T:
         await self.connect()

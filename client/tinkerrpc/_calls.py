@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from google.protobuf.message import Message as ProtoMessage
+from grpc_health.v1 import health_pb2
 
 from tinkerrpc import _convert as convert
+from tinkerrpc._channel import remaining
 from tinkerrpc._export import WeightsWriter, check_export_target
 from tinkerrpc._messages import MessageLike, Tool, as_messages
 from tinkerrpc._server_info import ServerInfo, server_info_from_proto
@@ -58,6 +60,18 @@ class Call(Generic[T]):
     # May a retry resend it after a deadline (see RetryPolicy)? Train is, thanks to its idempotency key.
     safe_to_repeat: bool
     timeout: float | None  # None: the client's default deadline
+    # "health": a gRPC health check, sent once with this wait_for_ready: the caller's plan decides what
+    # a failure means, so it is neither retried nor held until the client is connected.
+    service: Literal["trainer", "health"] = "trainer"
+    wait_for_ready: bool | None = None
+
+
+@dataclass(frozen=True)
+class Blocking(Generic[T]):
+    """A step of a plan that blocks without the network stack (a socket probe): the async client runs
+    it in a thread."""
+
+    function: Callable[[], T]
 
 
 class StreamReader(Protocol[T_co]):
@@ -138,6 +152,22 @@ def server_info(target: str, *, timeout: float | None = None) -> Call[ServerInfo
         lambda response: server_info_from_proto(response, target),
         safe_to_repeat=True,
         timeout=timeout,
+    )
+
+
+def health_check(
+    service: str, *, deadline: float, wait_for_ready: bool
+) -> Call[health_pb2.HealthCheckResponse]:
+    """One gRPC health check of `service` ("" for the server as a whole), answered by `deadline` (a
+    time.monotonic() value)."""
+    return Call(
+        "Check",
+        health_pb2.HealthCheckRequest(service=service),
+        lambda response: response,
+        safe_to_repeat=False,
+        timeout=remaining(deadline),
+        service="health",
+        wait_for_ready=wait_for_ready,
     )
 
 

@@ -2,33 +2,26 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import Message as ProtoMessage
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
-from tinkerrpc._calls import Call, StreamCall, WatchCall
+from tinkerrpc._calls import Blocking, StreamCall, WatchCall
 from tinkerrpc._channel import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TIMEOUT,
-    HEALTH_SERVICE_NAMES,
     TlsOption,
     auth_metadata,
     channel_credentials,
     channel_options,
-    check_serving,
     check_target,
-    first_contact_problem,
-    remaining,
-    unreachable,
 )
-from tinkerrpc._errors import UnavailableError
-from tinkerrpc._methods import ModelHandle, SyncTransport
+from tinkerrpc._methods import ModelHandle, Step, SyncTransport
 from tinkerrpc._retry import RetryPolicy, call_with_retry
 from tinkerrpc._watch import EventStream
 from tinkerrpc.v1 import trainer_service_pb2_grpc as service_grpc
@@ -81,50 +74,13 @@ class Client(SyncTransport["Model"]):
             grpc.intercept_channel(channel, *interceptors) if interceptors else channel
         )
         self.stub = service_grpc.TrainerServiceStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
         if check_health:
             try:
                 self.wait_until_serving(connect_timeout)
             except BaseException:
                 self.channel.close()
                 raise
-
-    def wait_until_serving(self, timeout: float = DEFAULT_CONNECT_TIMEOUT) -> None:
-        """Wait for the connection and check gRPC health; UnavailableError unless SERVING within `timeout`."""
-        health = health_pb2_grpc.HealthStub(self.channel)
-        deadline = time.monotonic() + timeout
-        last_error: grpc.RpcError | None = None
-        for service in HEALTH_SERVICE_NAMES:
-            try:
-                response = self._check_health(health, service, deadline)
-            except grpc.RpcError as error:
-                last_error = error
-                if error.code() == grpc.StatusCode.NOT_FOUND:
-                    continue
-                raise unreachable(self.target, timeout, error) from error
-            check_serving(self.target, service, response)
-            return
-        assert last_error is not None
-        raise unreachable(self.target, timeout, last_error) from last_error
-
-    def _check_health(
-        self, health: health_pb2_grpc.HealthStub, service: str, deadline: float
-    ) -> health_pb2.HealthCheckResponse:
-        """One health check. It first fails fast when the connection does, so that a refused port or an
-        HTTP server is named at once; only a server the probe cannot explain is waited for."""
-        request = health_pb2.HealthCheckRequest(service=service)
-        try:
-            return health.Check(
-                request, timeout=remaining(deadline), metadata=self._metadata, wait_for_ready=False
-            )
-        except grpc.RpcError as error:
-            if error.code() != grpc.StatusCode.UNAVAILABLE:
-                raise
-            problem = first_contact_problem(self.target, self._tls)
-            if problem is not None:
-                raise UnavailableError(grpc.StatusCode.UNAVAILABLE, problem) from error
-        return health.Check(
-            request, timeout=remaining(deadline), metadata=self._metadata, wait_for_ready=True
-        )
 
     def close(self) -> None:
         self.channel.close()
@@ -156,16 +112,17 @@ class Client(SyncTransport["Model"]):
     def _handle(self, name: str) -> Model:
         return Model(self, name)
 
-    def _send(self, call: Call[T] | StreamCall[T]) -> T:
-        if isinstance(call, StreamCall):
-            return self._receive(call)
-        response = self.call(
-            getattr(self.stub, call.rpc),
-            call.request,
-            timeout=call.timeout,
-            safe_to_repeat=call.safe_to_repeat,
+    def _send(self, step: Step[T]) -> T:
+        if isinstance(step, Blocking):
+            return step.function()
+        if isinstance(step, StreamCall):
+            return self._receive(step)
+        if step.service == "health":
+            return step.read(self._health.Check(step.request, **self._health_options(step)))
+        method = getattr(self.stub, step.rpc)
+        return step.read(
+            self.call(method, step.request, timeout=step.timeout, safe_to_repeat=step.safe_to_repeat)
         )
-        return call.read(response)
 
     def _receive(self, call: StreamCall[T]) -> T:
         method = getattr(self.stub, call.rpc)

@@ -11,13 +11,28 @@ APIs mirror by construction. The descriptors' overloads give each method its syn
 from __future__ import annotations
 
 import inspect
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Coroutine, Generator
+from collections.abc import Callable, Coroutine, Generator, Iterator
+from contextlib import contextmanager
+from functools import partial
 from types import MethodType
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
+import grpc
+from grpc_health.v1 import health_pb2
+
 from tinkerrpc import _calls as calls
-from tinkerrpc._calls import Call, StreamCall, WatchCall
+from tinkerrpc._calls import Blocking, Call, StreamCall, WatchCall
+from tinkerrpc._channel import (
+    DEFAULT_CONNECT_TIMEOUT,
+    HEALTH_SERVICE_NAMES,
+    Metadata,
+    check_serving,
+    first_contact_problem,
+    unreachable,
+)
+from tinkerrpc._errors import UnavailableError
 from tinkerrpc._openai_client import import_openai, sidecar_connection
 from tinkerrpc._server_info import ServerInfo
 from tinkerrpc._watch import AsyncEventStream, EventStream
@@ -31,13 +46,16 @@ P = ParamSpec("P")
 HandleT = TypeVar("HandleT")
 ClientT_co = TypeVar("ClientT_co", bound="ClientMethods[Any]", covariant=True)
 
-# A method's plan: it yields calls, is sent each one's result, and returns the method's result.
-Plan = Generator[Call[Any] | StreamCall[Any], Any, T]
-# What a method body returns: a single call, or a plan of several.
+# One step of a plan: what the transport runs for it.
+Step = Call[T] | StreamCall[T] | Blocking[T]
+# A method's plan: it yields steps, is sent each one's result (or has its grpc.RpcError raised at the
+# yield), and returns the method's result.
+Plan = Generator[Step[Any], Any, T]
+# What a method body returns: a single call, or a plan of steps.
 Sendable = Call[T] | StreamCall[T] | Plan[T]
 
 
-def ask(call: Call[T] | StreamCall[T]) -> Plan[T]:
+def ask(call: Step[T]) -> Plan[T]:
     """Within a plan, `result = yield from ask(call)`: the call's result, typed."""
     result: T = yield call
     return result
@@ -48,20 +66,35 @@ def as_plan(sendable: Sendable[T]) -> Plan[T]:
 
 
 class Steps(Generic[T]):
-    """One run of a method: `call` is what to send next, None once the plan has returned `result`."""
+    """One run of a method: `step` is what to run next, None once the plan has returned `result`."""
 
     def __init__(self, sendable: Sendable[T]) -> None:
         self._plan = as_plan(sendable)
-        self.call: Call[Any] | StreamCall[Any] | None = None
+        self.step: Step[Any] | None = None
         self.result: T
-        self.answer(None)
+        self._answer(None)
 
-    def answer(self, result: Any) -> None:
-        """Hand the plan the result of the call just sent (None to start it)."""
+    def _answer(self, result: Any) -> None:
+        """Hand the plan the result of the step just run (None to start it)."""
+        self._resume(lambda: self._plan.send(result))
+
+    @contextmanager
+    def sending(self) -> Iterator[Callable[[Any], None]]:
+        """Around the send of `step`: what is given to the yielded function is handed to the plan after
+        the block; a grpc.RpcError of the send is raised in the plan instead, which may handle it."""
+        results: list[Any] = []
         try:
-            self.call = self._plan.send(result)
+            yield results.append
+        except grpc.RpcError as error:
+            self._resume(partial(self._plan.throw, error))
+        else:
+            self._answer(results[0])
+
+    def _resume(self, resume: Callable[[], Step[Any]]) -> None:
+        try:
+            self.step = resume()
         except StopIteration as finished:
-            self.call = None
+            self.step = None
             self.result = finished.value
 
 
@@ -307,6 +340,8 @@ class ClientMethods(ABC, Generic[HandleT]):
     """The methods of a client that are not a model's."""
 
     target: str
+    _tls: bool
+    _metadata: Metadata
 
     def model(self, name: str) -> HandleT:
         """A handle on an existing model; no network call."""
@@ -318,10 +353,46 @@ class ClientMethods(ABC, Generic[HandleT]):
     def _handle(self, name: str) -> HandleT:
         """The client's handle (Model or AsyncModel) on model `name`."""
 
+    def _health_options(self, check: Call[Any]) -> dict[str, Any]:
+        """The options of a health check's one attempt (no retry: its plan decides what a failure means)."""
+        return {"timeout": check.timeout, "metadata": self._metadata, "wait_for_ready": check.wait_for_ready}
+
     create_model = OpensModel(on_client(calls.create_model))
     get_model = Method(on_client(calls.get_model))
     list_models = Method(on_client(calls.list_models))
     delete_model = Method(on_client(calls.delete_model))
+
+    @Method
+    def wait_until_serving(self, /, timeout: float = DEFAULT_CONNECT_TIMEOUT) -> Plan[None]:
+        """Wait for the connection and check gRPC health; UnavailableError unless SERVING within `timeout`."""
+        deadline = time.monotonic() + timeout
+        last_error: grpc.RpcError | None = None
+        for service in HEALTH_SERVICE_NAMES:
+            try:
+                response = yield from self._check_health(service, deadline)
+            except grpc.RpcError as error:
+                last_error = error
+                if error.code() == grpc.StatusCode.NOT_FOUND:
+                    continue
+                raise unreachable(self.target, timeout, error) from error
+            check_serving(self.target, service, response)
+            return
+        assert last_error is not None
+        raise unreachable(self.target, timeout, last_error) from last_error
+
+    def _check_health(self, service: str, deadline: float) -> Plan[health_pb2.HealthCheckResponse]:
+        """One health check. It first fails fast when the connection does, so that a refused port or an
+        HTTP server is named at once; only a server the probe cannot explain is waited for."""
+        try:
+            return (yield from ask(calls.health_check(service, deadline=deadline, wait_for_ready=False)))
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            probe = Blocking(partial(first_contact_problem, self.target, self._tls))
+            problem = yield from ask(probe)
+            if problem is not None:
+                raise UnavailableError(grpc.StatusCode.UNAVAILABLE, problem) from error
+        return (yield from ask(calls.health_check(service, deadline=deadline, wait_for_ready=True)))
 
     @Method
     def server_info(self, /, *, timeout: float | None = None) -> Call[ServerInfo]:
@@ -333,15 +404,16 @@ class SyncTransport(ClientMethods[HandleT]):
     """A client whose methods block: it sends one call at a time and returns its result."""
 
     @abstractmethod
-    def _send(self, call: Call[T] | StreamCall[T]) -> T: ...
+    def _send(self, step: Step[T]) -> T: ...
 
     @abstractmethod
     def _watch(self, call: WatchCall[T]) -> EventStream[T]: ...
 
     def _run(self, sendable: Sendable[T]) -> T:
         steps = Steps(sendable)
-        while steps.call is not None:
-            steps.answer(self._send(steps.call))
+        while steps.step is not None:
+            with steps.sending() as answer:
+                answer(self._send(steps.step))
         return steps.result
 
     @staticmethod
@@ -359,15 +431,16 @@ class AsyncTransport(ClientMethods[HandleT]):
     """A client whose methods are coroutines: it awaits one call at a time."""
 
     @abstractmethod
-    async def _send(self, call: Call[T] | StreamCall[T]) -> T: ...
+    async def _send(self, step: Step[T]) -> T: ...
 
     @abstractmethod
     def _watch(self, call: WatchCall[T]) -> AsyncEventStream[T]: ...
 
     async def _run(self, sendable: Sendable[T]) -> T:
         steps = Steps(sendable)
-        while steps.call is not None:
-            steps.answer(await self._send(steps.call))
+        while steps.step is not None:
+            with steps.sending() as answer:
+                answer(await self._send(steps.step))
         return steps.result
 
     @staticmethod
