@@ -1,4 +1,5 @@
-"""The asyncio client (grpc.aio) and its model handle: the sync API, awaitable; requests are built by the same code."""
+"""The asyncio client (grpc.aio) and its model handle: how a call is awaited; the methods (the sync API,
+awaitable) are those of _methods.py."""
 
 from __future__ import annotations
 
@@ -17,10 +18,6 @@ from tinkerrpc._channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TIMEOUT,
     TlsOption,
-    auth_metadata,
-    channel_credentials,
-    channel_options,
-    check_target,
 )
 from tinkerrpc._methods import AsyncTransport, ModelHandle, Step
 from tinkerrpc._retry import RetryPolicy, call_with_retry_async
@@ -53,15 +50,10 @@ class AsyncClient(AsyncTransport["AsyncModel"]):
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         interceptors: Sequence[grpc.aio.UnaryUnaryClientInterceptor[Any, Any]] = (),
     ) -> None:
-        check_target(target)
-        self.target = target
-        self.timeout = timeout
-        self.retry = retry or RetryPolicy()
+        credentials, options = self._configure(
+            target, token, tls, tls_server_name, timeout, retry, max_message_bytes
+        )
         self.connect_timeout = connect_timeout
-        self._metadata = auth_metadata(token)
-        credentials = channel_credentials(tls)
-        self._tls = credentials is not None
-        options = channel_options(max_message_bytes, tls_server_name)
         # grpc-stubs leaves aio's interceptor type as a placeholder that must be cast.
         aio_interceptors = cast("list[grpc.aio.ClientInterceptor]", list(interceptors))
         self.channel: grpc.aio.Channel = (

@@ -1,4 +1,4 @@
-"""The blocking client and its model handle."""
+"""The blocking client and its model handle: how a call is sent; the methods are those of _methods.py."""
 
 from __future__ import annotations
 
@@ -16,10 +16,6 @@ from tinkerrpc._channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TIMEOUT,
     TlsOption,
-    auth_metadata,
-    channel_credentials,
-    channel_options,
-    check_target,
 )
 from tinkerrpc._methods import ModelHandle, Step, SyncTransport
 from tinkerrpc._retry import RetryPolicy, call_with_retry
@@ -56,14 +52,9 @@ class Client(SyncTransport["Model"]):
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         interceptors: Sequence[grpc.UnaryUnaryClientInterceptor[Any, Any]] = (),
     ) -> None:
-        check_target(target)
-        self.target = target
-        self.timeout = timeout
-        self.retry = retry or RetryPolicy()
-        self._metadata = auth_metadata(token)
-        credentials = channel_credentials(tls)
-        self._tls = credentials is not None
-        options = channel_options(max_message_bytes, tls_server_name)
+        credentials, options = self._configure(
+            target, token, tls, tls_server_name, timeout, retry, max_message_bytes
+        )
         channel = (
             grpc.secure_channel(target, credentials, options)
             if credentials is not None

@@ -2,10 +2,11 @@
 
 A method is a body (a function of its owner, the client or the model handle, and the method's own
 arguments) that returns what to send: one prepared call from _calls.py, or a plan, a generator that
-yields calls and receives their results (`value = yield from ask(call)`) when a method needs more than
-one call or works on the answer. `ClientMethods` and `ModelHandle` hold the method table;
-`SyncTransport` (Client) and `AsyncTransport` (AsyncClient) only say how one call is sent, so the two
-APIs mirror by construction. The descriptors' overloads give each method its sync or async type.
+yields steps (calls, or a blocking socket probe) and is sent their results (`value = yield from
+ask(call)`), for a method that needs more than one call or works on the answer. `ClientMethods` and
+`ModelHandle` hold the method tables; `SyncTransport` (Client) and `AsyncTransport` (AsyncClient) only
+say how one step is run, so the two APIs mirror by construction. The descriptors' overloads give each
+method its sync or async type.
 """
 
 from __future__ import annotations
@@ -28,12 +29,18 @@ from tinkerrpc._channel import (
     DEFAULT_CONNECT_TIMEOUT,
     HEALTH_SERVICE_NAMES,
     Metadata,
+    TlsOption,
+    auth_metadata,
+    channel_credentials,
+    channel_options,
     check_serving,
+    check_target,
     first_contact_problem,
     unreachable,
 )
 from tinkerrpc._errors import UnavailableError
 from tinkerrpc._openai_client import import_openai, sidecar_connection
+from tinkerrpc._retry import RetryPolicy
 from tinkerrpc._server_info import ServerInfo
 from tinkerrpc._watch import AsyncEventStream, EventStream
 
@@ -340,8 +347,31 @@ class ClientMethods(ABC, Generic[HandleT]):
     """The methods of a client that are not a model's."""
 
     target: str
+    timeout: float | None
+    retry: RetryPolicy
     _tls: bool
     _metadata: Metadata
+
+    def _configure(
+        self,
+        target: str,
+        token: str | None,
+        tls: TlsOption,
+        tls_server_name: str | None,
+        timeout: float | None,
+        retry: RetryPolicy | None,
+        max_message_bytes: int,
+    ) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, int | str]]]:
+        """Check and keep the options both clients take (see Client); returns the channel's credentials
+        (None: plaintext) and options."""
+        check_target(target)
+        self.target = target
+        self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+        self._metadata = auth_metadata(token)
+        credentials = channel_credentials(tls)
+        self._tls = credentials is not None
+        return credentials, channel_options(max_message_bytes, tls_server_name)
 
     def model(self, name: str) -> HandleT:
         """A handle on an existing model; no network call."""
