@@ -310,6 +310,29 @@ def test_sync_and_async_handles_document_the_same_signature(method: str) -> None
     assert inspect.iscoroutinefunction(awaitable) and not inspect.iscoroutinefunction(blocking)
 
 
+@pytest.mark.parametrize(
+    "method",
+    ["create_model", "get_model", "list_models", "delete_model", "server_info", "wait_until_serving"],
+)
+def test_sync_and_async_clients_document_the_same_signature(method: str) -> None:
+    blocking, awaitable = getattr(tinkerrpc.Client, method), getattr(tinkerrpc.AsyncClient, method)
+    signature, async_signature = inspect.signature(blocking), inspect.signature(awaitable)
+    assert signature.parameters == async_signature.parameters
+    assert next(iter(signature.parameters)) == "self"
+    assert blocking.__doc__ and blocking.__doc__ == awaitable.__doc__
+    assert blocking.__qualname__ == f"Client.{method}" and awaitable.__qualname__ == f"AsyncClient.{method}"
+    assert inspect.iscoroutinefunction(awaitable) and not inspect.iscoroutinefunction(blocking)
+
+
+def test_client_methods_return_their_own_handles_and_streams() -> None:
+    assert inspect.signature(tinkerrpc.Client.create_model).return_annotation == "Model"
+    assert inspect.signature(tinkerrpc.AsyncClient.create_model).return_annotation == "AsyncModel"
+    assert inspect.signature(tinkerrpc.Model.watch).return_annotation == "EventStream[ModelEvent]"
+    assert inspect.signature(tinkerrpc.AsyncModel.watch).return_annotation == "AsyncEventStream[ModelEvent]"
+    assert not inspect.iscoroutinefunction(tinkerrpc.AsyncModel.watch)
+    assert inspect.iscoroutinefunction(tinkerrpc.AsyncModel.openai_client)
+
+
 def test_handle_signatures_keep_their_defaults_and_return_types() -> None:
     sample = inspect.signature(tinkerrpc.Model.sample)
     assert sample.parameters["max_tokens"].default == 256 and sample.return_annotation == "list[Sample]"
