@@ -227,10 +227,11 @@ def create_app(upstream: GrpcUpstream, api_key: str | None) -> FastAPI:
         responses.create_router(sample),
         run_view.create_router(client, api_key),
     )
+    # An included router is matched as a whole, without a template; its own routes carry theirs.
+    labelled_routes.extend(app.router.routes)
     for router in routers:
         app.include_router(router)
-    labelled_routes.extend(app.router.routes)
-    labelled_routes.extend(route for router in routers for route in router.routes)
+        labelled_routes.extend(router.routes)
     return app
 
 

@@ -7,15 +7,15 @@ enable_thinking) are honoured here; the sampling knobs are shared with the other
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Response
 
 from tinkerrpc import Sample
+from tinkerrpc_server.sidecar.completion_route import CompletionFamily, answer
 from tinkerrpc_server.sidecar.errors import bad_request
-from tinkerrpc_server.sidecar.models import ModelRef, parse_model_id
+from tinkerrpc_server.sidecar.models import ModelRef
 from tinkerrpc_server.sidecar.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -32,8 +32,6 @@ from tinkerrpc_server.sidecar.sample_output import (
     ReplyHead,
     chat_logprob_entry,
     parse_chat_choice,
-    prompt_token_ids,
-    response_json,
     rl_fields_asked,
     split_by_tokens,
     usage_of,
@@ -46,7 +44,6 @@ from tinkerrpc_server.sidecar.sampling_args import (
     sampling_fields_args,
     tool_options,
 )
-from tinkerrpc_server.sidecar.streaming import chunk_stream
 
 ROUTE = "/v1/chat/completions"
 
@@ -161,7 +158,7 @@ def chat_sample_args(request: ChatCompletionRequest, ref: ModelRef) -> SampleArg
         request.tool_choice,
         request.parallel_tool_calls,
     )
-    return sampling_fields_args(request, ref, max_tokens, top_logprobs, tools, enable_thinking=thinking)
+    return sampling_fields_args(request, ref, max_tokens, top_logprobs, enable_thinking=thinking, **tools)
 
 
 def chat_echo(request: ChatCompletionRequest) -> str:
@@ -197,13 +194,7 @@ def build_chat_completion(
                 policy_version=sample.policy_version,
             )
         )
-    return ChatCompletion(
-        **head.fields(),
-        choices=choices,
-        usage=usage_of(samples),
-        prompt_token_ids=prompt_token_ids(samples),
-        policy_version=head.policy_version,
-    )
+    return ChatCompletion(**head.body_fields(samples), choices=choices)
 
 
 def chat_stream_chunks(
@@ -270,18 +261,14 @@ def chat_stream_chunks(
         yield chunk([], usage=usage_of(samples))
 
 
+CHAT = CompletionFamily(ROUTE, chat_sample_args, chat_messages, build_chat_completion, chat_stream_chunks)
+
+
 def create_router(sample: Sampler) -> APIRouter:
     router = APIRouter()
 
     @router.post(ROUTE, response_model=None)
     async def chat_completions(request: ChatCompletionRequest) -> Response:
-        ref = parse_model_id(request.model)
-        args = chat_sample_args(request, ref)
-        samples = await sample(ROUTE, ref, chat_messages(request), args)
-        created = int(time.time())
-        if request.stream:
-            return chunk_stream(chat_stream_chunks(request, ref, args, samples, created))
-        body = build_chat_completion(request, ref, args, samples, created)
-        return Response(response_json(body, request), media_type="application/json")
+        return await answer(CHAT, request, sample)
 
     return router

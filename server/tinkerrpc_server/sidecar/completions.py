@@ -6,20 +6,18 @@ prompt's text before the sampled one.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 from fastapi import APIRouter, Response
 
 from tinkerrpc import Sample
+from tinkerrpc_server.sidecar.completion_route import CompletionFamily, answer
 from tinkerrpc_server.sidecar.errors import bad_request
-from tinkerrpc_server.sidecar.models import ModelRef, parse_model_id
+from tinkerrpc_server.sidecar.models import ModelRef
 from tinkerrpc_server.sidecar.protocol import Completion, CompletionChoice, CompletionRequest, LegacyLogprobs
 from tinkerrpc_server.sidecar.sample_output import (
     ReplyHead,
-    prompt_token_ids,
-    response_json,
     rl_fields_asked,
     split_by_tokens,
     stop_truncated,
@@ -28,13 +26,11 @@ from tinkerrpc_server.sidecar.sample_output import (
     usage_of,
 )
 from tinkerrpc_server.sidecar.sampling_args import (
-    NO_TOOLS,
     SampleArgs,
     Sampler,
     check_sampling_fields,
     sampling_fields_args,
 )
-from tinkerrpc_server.sidecar.streaming import chunk_stream
 
 ROUTE = "/v1/completions"
 
@@ -70,7 +66,7 @@ def completion_sample_args(request: CompletionRequest, ref: ModelRef) -> SampleA
         raise bad_request("best_of is not supported (only best_of == n)", "best_of")
     max_tokens = request.max_tokens if request.max_tokens is not None else 16
     return sampling_fields_args(
-        request, ref, max_tokens, request.logprobs or 0, NO_TOOLS, return_prompt_text=request.echo
+        request, ref, max_tokens, request.logprobs or 0, return_prompt_text=request.echo
     )
 
 
@@ -128,13 +124,7 @@ def build_completion(
         )
         for index, sample in enumerate(samples)
     ]
-    return Completion(
-        **head.fields(),
-        choices=choices,
-        usage=usage_of(samples),
-        prompt_token_ids=prompt_token_ids(samples),
-        policy_version=head.policy_version,
-    )
+    return Completion(**head.body_fields(samples), choices=choices)
 
 
 def completion_stream_chunks(
@@ -186,18 +176,16 @@ def completion_stream_chunks(
         yield chunk([], usage=usage_of(samples))
 
 
+COMPLETIONS = CompletionFamily(
+    ROUTE, completion_sample_args, completion_prompt, build_completion, completion_stream_chunks
+)
+
+
 def create_router(sample: Sampler) -> APIRouter:
     router = APIRouter()
 
     @router.post(ROUTE, response_model=None)
     async def completions(request: CompletionRequest) -> Response:
-        ref = parse_model_id(request.model)
-        args = completion_sample_args(request, ref)
-        samples = await sample(ROUTE, ref, completion_prompt(request), args)
-        created = int(time.time())
-        if request.stream:
-            return chunk_stream(completion_stream_chunks(request, ref, args, samples, created))
-        body = build_completion(request, ref, args, samples, created)
-        return Response(response_json(body, request), media_type="application/json")
+        return await answer(COMPLETIONS, request, sample)
 
     return router

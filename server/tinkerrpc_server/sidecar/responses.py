@@ -17,6 +17,7 @@ from fastapi import APIRouter, Response
 from pydantic import BaseModel, ValidationError
 
 from tinkerrpc import Sample, messages_from_response_input
+from tinkerrpc_server.sidecar import sample_output
 from tinkerrpc_server.sidecar.errors import bad_request, param_from_loc
 from tinkerrpc_server.sidecar.models import ModelRef, parse_model_id
 from tinkerrpc_server.sidecar.protocol import (
@@ -28,14 +29,6 @@ from tinkerrpc_server.sidecar.protocol import (
     ResponseObject,
     ResponseRequest,
     ResponseUsage,
-)
-from tinkerrpc_server.sidecar.sample_output import (
-    chat_logprob_entry,
-    new_id,
-    parse_chat_choice,
-    rl_fields_asked,
-    split_by_tokens,
-    usage_of,
 )
 from tinkerrpc_server.sidecar.sampling_args import (
     DEFAULT_CHAT_MAX_TOKENS,
@@ -124,24 +117,19 @@ def sample_args(request: ResponseRequest, ref: ModelRef) -> SampleArgs:
         {"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})} for t in tools
     ]
     return base_sample_args(
+        request,
         ref,
         n=1,
         max_tokens=request.max_output_tokens or DEFAULT_CHAT_MAX_TOKENS,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=request.top_k,
-        seed=request.seed,
         top_logprobs=(request.top_logprobs or 0) if request.logprobs_asked else 0,
-        tool_options=tool_options(
-            offered, [t.name for t in tools], request.tool_choice, request.parallel_tool_calls
-        ),
+        **tool_options(offered, [t.name for t in tools], request.tool_choice, request.parallel_tool_calls),
     )
 
 
 def build_response(
     request: ResponseRequest, ref: ModelRef, sample: Sample, created: int, *, rl_fields: bool
 ) -> ResponseObject:
-    parsed = parse_chat_choice(sample, ())
+    parsed = sample_output.parse_chat_choice(sample, ())
     status: Literal["completed", "incomplete"] = (
         "incomplete" if parsed.finish_reason == "length" else "completed"
     )
@@ -156,15 +144,15 @@ def build_response(
     output: list[OutputMessage | OutputFunctionCall] = []
     if parsed.content or not parsed.tool_calls:
         logprobs = (
-            [chat_logprob_entry(sample, p, False) for p in range(len(sample.tokens))]
+            [sample_output.chat_logprob_entry(sample, p, False) for p in range(len(sample.tokens))]
             if request.logprobs_asked
             else None
         )
         text = OutputText(text=parsed.content or "", logprobs=logprobs)
-        output.append(OutputMessage(id=new_id("msg"), content=[text], **stamp))
+        output.append(OutputMessage(id=sample_output.new_id("msg"), content=[text], **stamp))
     output.extend(
         OutputFunctionCall(
-            id=new_id("fc"),
+            id=sample_output.new_id("fc"),
             call_id=call.id,
             name=call.function.name,
             arguments=call.function.arguments,
@@ -172,9 +160,9 @@ def build_response(
         )
         for call in parsed.tool_calls
     )
-    usage = usage_of([sample])
+    usage = sample_output.usage_of([sample])
     return ResponseObject(
-        id=new_id("resp"),
+        id=sample_output.new_id("resp"),
         created_at=created,
         completed_at=int(time.time()),
         status=status,
@@ -234,7 +222,7 @@ def stream_events(final: ResponseObject, sample: Sample) -> Iterator[dict[str, A
             yield event(
                 "response.content_part.added", **where, content_index=0, part=_dump(OutputText(text=""))
             )
-            pieces = split_by_tokens(part.text, sample.token_texts, len(sample.tokens))
+            pieces = sample_output.split_by_tokens(part.text, sample.token_texts, len(sample.tokens))
             for position, piece in enumerate(pieces):
                 if piece:
                     entries = part.logprobs[position : position + 1] if part.logprobs else []
@@ -271,7 +259,7 @@ def create_router(sample: Sampler) -> APIRouter:
         (sampled,) = samples
         created = int(time.time())
         if request.stream:
-            rl_fields = rl_fields_asked(request.return_token_ids, request.logprobs_asked)
+            rl_fields = sample_output.rl_fields_asked(request.return_token_ids, request.logprobs_asked)
             final = build_response(request, ref, sampled, created, rl_fields=rl_fields)
             return typed_event_stream(stream_events(final, sampled))
         body = build_response(request, ref, sampled, created, rl_fields=request.return_token_ids is not False)

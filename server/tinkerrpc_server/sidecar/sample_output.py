@@ -179,9 +179,14 @@ class ReplyHead:
     def fields(self) -> dict[str, Any]:
         return {"id": self.id, "created": self.created, "model": self.model}
 
-
-def prompt_token_ids(samples: Sequence[Sample]) -> list[int]:
-    return list(samples[0].prompt_token_ids) if samples else []
+    def body_fields(self, samples: Sequence[Sample]) -> dict[str, Any]:
+        """A plain (not streamed) response's fields besides its choices: usage and the RL fields too."""
+        return {
+            **self.fields(),
+            "usage": usage_of(samples),
+            "prompt_token_ids": list(samples[0].prompt_token_ids) if samples else [],
+            "policy_version": self.policy_version,
+        }
 
 
 def rl_fields_asked(return_token_ids: bool | None, asked_logprobs: bool) -> bool:

@@ -1,7 +1,8 @@
 """What every endpoint's request becomes: the keyword arguments of the SDK's `model.sample(...)`.
 
-The endpoint modules decide their own fields (budget, logprobs, tools); the sampling knobs they share
-(temperature, top_p, top_k, seed, stop strings and the vLLM extensions) are translated here once.
+The endpoint modules decide their own fields (budget, logprobs, tools); what they share is translated
+here once: temperature, top_p, top_k, seed and the pinned version for every endpoint, and for chat and
+legacy completions the stop conditions and vLLM's extensions.
 Pure functions: no I/O, so every mapping is testable without a server.
 """
 
@@ -9,13 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tinkerrpc import Sample
 from tinkerrpc_server.sidecar.errors import bad_request
 from tinkerrpc_server.sidecar.models import ModelRef
-from tinkerrpc_server.sidecar.protocol import MAX_STOP_SEQUENCES, SamplingFields
+from tinkerrpc_server.sidecar.protocol import MAX_STOP_SEQUENCES, ResponseRequest, SamplingFields
 
 # Chat and Responses requests that set no token budget get this one.
 DEFAULT_CHAT_MAX_TOKENS = 512
@@ -30,19 +31,19 @@ class SampleArgs:
     temperature: float
     top_p: float | None
     top_k: int
-    stop: list[str]
-    stop_token_ids: list[int]
     seed: int | None
     policy_version: int | None
-    tools: list[dict[str, Any]] | None
     top_logprobs: int
     # Always on: stream deltas and OpenAI logprob tokens are built from the tokens' texts.
-    return_token_texts: bool
-    ignore_default_stops: bool
+    return_token_texts: bool = True
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_default_stops: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     return_prompt_text: bool = False
+    tools: list[dict[str, Any]] | None = None
     enable_thinking: bool | None = None
     # True: a call to any of the tools; a name: a call to that function.
     force_tool_call: bool | str = False
@@ -55,45 +56,31 @@ class SampleArgs:
 # What the SDK accepts as a prompt: raw text, token ids, or OpenAI-style message dicts.
 Prompt = str | list[int] | list[dict[str, Any]]
 
-# The tool arguments of an endpoint without tools (legacy completions).
-NO_TOOLS: dict[str, Any] = {"tools": None}
-
 # The app's one Sample call, as the endpoint routes reach it: (route, model, prompt, arguments);
 # it maps gRPC failures to OpenAI errors and counts the route's tokens.
 Sampler = Callable[[str, ModelRef, Prompt, SampleArgs], Awaitable[list[Sample]]]
 
 
 def base_sample_args(
+    request: SamplingFields | ResponseRequest,
     ref: ModelRef,
     *,
     n: int,
     max_tokens: int,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    seed: int | None,
     top_logprobs: int,
-    tool_options: dict[str, Any],
-    stop: list[str] | None = None,
-    stop_token_ids: list[int] | None = None,
-    ignore_eos: bool = False,
     **options: Any,
 ) -> SampleArgs:
-    """The knobs every endpoint shares, with OpenAI's defaults: temperature 1, and top_k off at -1 or 0."""
+    """The knobs every endpoint's request shares, with OpenAI's defaults (temperature 1; top_k off at
+    -1 or 0), and the pinned policy version of the model id; `options` are the endpoint's own."""
     return SampleArgs(
         n=n,
         max_tokens=max_tokens,
-        temperature=1.0 if temperature is None else temperature,
-        top_p=top_p,
-        top_k=max(top_k or 0, 0),
-        stop=stop or [],
-        stop_token_ids=stop_token_ids or [],
-        seed=seed,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=request.top_p,
+        top_k=max(request.top_k or 0, 0),
+        seed=request.seed,
         policy_version=ref.version,
         top_logprobs=top_logprobs,
-        return_token_texts=True,
-        ignore_default_stops=ignore_eos,
-        **tool_options,
         **options,
     )
 
@@ -132,31 +119,23 @@ def check_sampling_fields(request: SamplingFields) -> None:
 
 
 def sampling_fields_args(
-    request: SamplingFields,
-    ref: ModelRef,
-    max_tokens: int,
-    top_logprobs: int,
-    tool_options: dict[str, Any],
-    **options: Any,
+    request: SamplingFields, ref: ModelRef, max_tokens: int, top_logprobs: int, **options: Any
 ) -> SampleArgs:
-    """The arguments of a chat or legacy completion request (checked by `check_sampling_fields`)."""
+    """The arguments of a chat or legacy completion request (checked by `check_sampling_fields`),
+    with the stop conditions and vLLM's decoding options that both take."""
     if request.min_tokens > max_tokens:
         raise bad_request(
             f"min_tokens ({request.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens"
         )
     return base_sample_args(
+        request,
         ref,
         n=request.n,
         max_tokens=max_tokens,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=request.top_k,
-        seed=request.seed,
         top_logprobs=top_logprobs,
-        tool_options=tool_options,
         stop=_stop_list(request.stop),
         stop_token_ids=list(request.stop_token_ids or ()),
-        ignore_eos=request.ignore_eos,
+        ignore_default_stops=request.ignore_eos,
         min_tokens=request.min_tokens,
         skip_special_tokens=request.skip_special_tokens,
         spaces_between_special_tokens=request.spaces_between_special_tokens,
