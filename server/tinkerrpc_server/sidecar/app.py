@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP sidecar: FastAPI in front of the tinkerrpc gRPC server.
 
-It reaches the server only through the SDK's `tinkerrpc.AsyncClient`; every gRPC failure is
-translated to HTTP in `errors.from_rpc_error`.
+The app itself holds what every route shares: the API key check, request metrics, the error handlers,
+GET /health and GET /metrics, and the one Sample call the endpoint routers (models, chat, completions,
+responses, runs) are given. It reaches the server only through the SDK's `tinkerrpc.AsyncClient`;
+every gRPC failure is translated to HTTP in `errors.from_rpc_error`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-MEDIA_TYPE = "text/event-stream"
+SSE_MEDIA_TYPE = "text/event-stream"
 
 
 def sse_frame(data: str, event: str | None = None, event_id: int | None = None) -> str:
@@ -35,9 +35,9 @@ def _typed_frames(events: Iterable[dict[str, Any]]) -> Iterator[str]:
 
 def chunk_stream(chunks: Iterable[BaseModel]) -> StreamingResponse:
     """Chat and legacy completion chunks, unnamed events ended by `data: [DONE]` as OpenAI sends them."""
-    return StreamingResponse(_openai_frames(chunks), media_type=MEDIA_TYPE)
+    return StreamingResponse(_openai_frames(chunks), media_type=SSE_MEDIA_TYPE)
 
 
 def typed_event_stream(events: Iterable[dict[str, Any]]) -> StreamingResponse:
     """Responses API events: each named by its `type`, with no end marker (the last event says so)."""
-    return StreamingResponse(_typed_frames(events), media_type=MEDIA_TYPE)
+    return StreamingResponse(_typed_frames(events), media_type=SSE_MEDIA_TYPE)

@@ -25,7 +25,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, StreamingResponse
 
 from tinkerrpc import AsyncClient, CheckpointInfo, ModelEvent, ModelInfo, NotFoundError, RPCError, RunStep
-from tinkerrpc_server.sidecar.streaming import sse_frame
+from tinkerrpc_server.sidecar.streaming import SSE_MEDIA_TYPE, sse_frame
 
 STATIC_DIR = Path(__file__).parent / "static"
 STATIC_FILES = {
@@ -249,7 +249,7 @@ def create_router(client: Callable[[], AsyncClient], api_key: str | None) -> API
             return JSONResponse({"error": "from_version must be >= 0"}, status_code=400)
         return StreamingResponse(
             _relay(client(), name, from_version),
-            media_type="text/event-stream",
+            media_type=SSE_MEDIA_TYPE,
             headers={"cache-control": "no-store"},
         )
 
