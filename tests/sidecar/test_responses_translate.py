@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 
 from tinkerrpc import Message, Sample, ToolCall, Trajectory, messages_from_response_input
-from tinkerrpc_server.sidecar import responses, translate
+from tinkerrpc_server.sidecar import models, protocol, responses
 from tinkerrpc_server.sidecar.errors import OpenAIError
 
 
-def request(**fields: Any) -> responses.ResponseRequest:
-    return responses.ResponseRequest.model_validate({"model": "run", "input": "hi", **fields})
+def request(**fields: Any) -> protocol.ResponseRequest:
+    return protocol.ResponseRequest.model_validate({"model": "run", "input": "hi", **fields})
 
 
 def tool_sample() -> Sample:
@@ -69,15 +69,13 @@ def test_unsupported_input_is_refused_by_name() -> None:
             responses.prompt_messages(request(**fields))
         assert caught.value.param == param, fields
     with pytest.raises(OpenAIError) as caught:
-        responses.sample_args(
-            request(text={"format": {"type": "json_object"}}), translate.parse_model_id("run")
-        )
+        responses.sample_args(request(text={"format": {"type": "json_object"}}), models.parse_model_id("run"))
     assert caught.value.param == "text.format"
 
 
 def test_sample_arguments_withhold_tools_under_tool_choice_none() -> None:
     tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
-    ref = translate.parse_model_id("run@3")
+    ref = models.parse_model_id("run@3")
     args = responses.sample_args(request(tools=[tool], max_output_tokens=9, top_logprobs=2), ref)
     assert args.tools == [
         {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
@@ -88,10 +86,10 @@ def test_sample_arguments_withhold_tools_under_tool_choice_none() -> None:
 
 def test_a_tool_call_streams_as_function_call_events_and_trains_as_one_turn() -> None:
     sample = tool_sample()
-    asked = request(include=[responses.LOGPROBS_INCLUDE])
-    final = responses.build_response(asked, translate.parse_model_id("run"), sample, 0, rl_fields=True)
+    asked = request(include=[protocol.LOGPROBS_INCLUDE])
+    final = responses.build_response(asked, models.parse_model_id("run"), sample, 0, rl_fields=True)
     (item,) = final.output
-    assert isinstance(item, responses.OutputFunctionCall) and item.call_id == "call_7"
+    assert isinstance(item, protocol.OutputFunctionCall) and item.call_id == "call_7"
     assert (final.status, final.model, item.token_ids, item.token_logprobs) == (
         "completed",
         "run@2",
@@ -115,6 +113,6 @@ def test_a_tool_call_streams_as_function_call_events_and_trains_as_one_turn() ->
     traj = Trajectory.from_openai_response("hi", dumped, reward=1.0)
     assert traj.turns[0] == sample.to_turn()
     assert traj.messages[-1].tool_calls == sample.message.tool_calls  # type: ignore[union-attr]
-    without = responses.build_response(request(), translate.parse_model_id("run"), sample, 0, rl_fields=False)
+    without = responses.build_response(request(), models.parse_model_id("run"), sample, 0, rl_fields=False)
     with pytest.raises(ValueError, match="no token_ids"):
         Trajectory.from_openai_response("hi", without.model_dump(exclude_none=True))

@@ -8,13 +8,15 @@ from __future__ import annotations
 import base64
 import json
 import os
+import queue
 import shutil
 import subprocess
 import tempfile
-import time
+import threading
 import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,6 @@ import pytest
 from websockets.sync.client import ClientConnection, connect
 
 import tinkerrpc
-from tinkerrpc_server.local.processes import free_port
 from tinkerrpc_server.local.stack import LocalStack
 
 SIDECAR_KEY = "run-view-test-key"
@@ -106,13 +107,12 @@ def test_the_view_needs_the_sidecars_key(stack: LocalStack, model: tinkerrpc.Mod
 
 
 class Browser:
-    """Headless Chromium with the DevTools protocol on a local port, and one page to drive."""
+    """Headless Chromium with the DevTools protocol on a port it picks itself, and one page to drive."""
 
     def __init__(self, profile: Path, log_path: Path) -> None:
         binary = shutil.which("chromium")
         if binary is None:
             pytest.fail("chromium is not on PATH: scripts/setup.sh installs Debian's chromium package")
-        self.port = free_port()
         self._log = log_path.open("wb")
         self.process = subprocess.Popen(
             [
@@ -125,55 +125,107 @@ class Browser:
                 "--disable-sync",
                 "--no-first-run",
                 f"--user-data-dir={profile}",
-                f"--remote-debugging-port={self.port}",
+                # Port 0: chromium binds a free port and names it in its "DevTools listening" line.
+                "--remote-debugging-port=0",
                 "--window-size=1280,1400",
                 "about:blank",
             ],
             stdout=self._log,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.PIPE,
         )
-        self.page = self._connect()
+        self._browser_url: queue.Queue[str | None] = queue.Queue()
+        # Copies chromium's log to the file (a full pipe would block it) and hands over the DevTools address.
+        self._log_copier = threading.Thread(target=self._copy_log, daemon=True)
+        self._log_copier.start()
+        self.page = self._open_page()
         self._next_id = 0
 
-    def _connect(self) -> ClientConnection:
-        deadline = time.monotonic() + BROWSER_START_TIMEOUT
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/json/list", timeout=5) as response:
-                    pages = [t for t in json.load(response) if t["type"] == "page"]
-                if pages:
-                    return connect(pages[0]["webSocketDebuggerUrl"], max_size=64 * 1024 * 1024)
-            except OSError:
-                pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"chromium did not start its DevTools endpoint (exit {self.process.poll()})"
-                )
-            time.sleep(0.2)
+    def _copy_log(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self._log.write(line)
+            if line.startswith(b"DevTools listening on "):
+                self._browser_url.put(line.split(b" on ", 1)[1].strip().decode())
+        self._browser_url.put(None)  # chromium's stderr closed: it exited
 
-    def call(self, method: str, **params: Any) -> dict[str, Any]:
+    def _open_page(self) -> ClientConnection:
+        try:
+            browser_url = self._browser_url.get(timeout=BROWSER_START_TIMEOUT)
+        except queue.Empty:
+            browser_url = None
+        if browser_url is None:
+            raise RuntimeError(f"chromium did not start its DevTools endpoint (exit {self.process.poll()})")
+        # A page made over the browser's own endpoint exists once the answer comes: nothing to wait for.
+        with connect(browser_url) as browser:
+            browser.send(
+                json.dumps({"id": 1, "method": "Target.createTarget", "params": {"url": "about:blank"}})
+            )
+            while (message := json.loads(browser.recv(timeout=PAGE_TIMEOUT))).get("id") != 1:
+                pass
+        target_id = message["result"]["targetId"]
+        port = urllib.parse.urlsplit(browser_url).port
+        return connect(f"ws://127.0.0.1:{port}/devtools/page/{target_id}", max_size=64 * 1024 * 1024)
+
+    def _receive_until(self, done: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any]:
+        while True:
+            message: dict[str, Any] = json.loads(self.page.recv(timeout=timeout))
+            if done(message):
+                return message
+
+    def _send(self, method: str, params: dict[str, Any]) -> int:
         self._next_id += 1
         self.page.send(json.dumps({"id": self._next_id, "method": method, "params": params}))
-        while True:
-            message = json.loads(self.page.recv(timeout=PAGE_TIMEOUT))
-            if message.get("id") == self._next_id:
-                if "error" in message:
-                    raise RuntimeError(f"{method}: {message['error']}")
-                result: dict[str, Any] = message["result"]
-                return result
+        return self._next_id
+
+    def call(self, method: str, timeout: float = PAGE_TIMEOUT, **params: Any) -> dict[str, Any]:
+        sent = self._send(method, params)
+        message = self._receive_until(lambda m: m.get("id") == sent, timeout)
+        if "error" in message:
+            raise RuntimeError(f"{method}: {message['error']}")
+        result: dict[str, Any] = message["result"]
+        return result
+
+    def navigate(self, url: str) -> None:
+        """Open `url` and return once its load event has fired (Page.enable first)."""
+        sent = self._send("Page.navigate", {"url": url})
+        seen: set[str] = set()
+
+        def loaded(message: dict[str, Any]) -> bool:
+            if message.get("id") == sent:
+                if "error" in message or message["result"].get("errorText"):
+                    raise RuntimeError(f"Page.navigate {url}: {message}")
+                seen.add("navigated")
+            elif message.get("method") == "Page.loadEventFired":
+                seen.add("loaded")
+            return seen == {"navigated", "loaded"}
+
+        self._receive_until(loaded, PAGE_TIMEOUT)
 
     def evaluate(self, expression: str) -> Any:
         result = self.call("Runtime.evaluate", expression=expression, returnByValue=True)
         return result["result"].get("value")
 
     def wait_for(self, expression: str, what: str) -> Any:
-        deadline = time.monotonic() + PAGE_TIMEOUT
-        while time.monotonic() < deadline:
-            value = self.evaluate(expression)
-            if value:
-                return value
-            time.sleep(0.2)
-        raise AssertionError(f"the page never showed {what}: {self.evaluate('document.body.innerText')!r}")
+        """The first truthy value of `expression`, evaluated in the page now and after each change of its
+        DOM (each condition here is read from the DOM), within PAGE_TIMEOUT."""
+        script = (
+            "new Promise((resolve, reject) => {"
+            " const check = () => { let value = null; try { value = (" + expression + "); } catch (e) {}"
+            "  if (value) { observer.disconnect(); clearTimeout(timer); resolve(value); } };"
+            " const observer = new MutationObserver(check);"
+            " const timer = setTimeout(() => { observer.disconnect(); reject(new Error('timed out')); },"
+            f" {PAGE_TIMEOUT * 1000:.0f});"
+            " observer.observe(document, {subtree: true, childList: true, attributes: true, characterData: true});"
+            " check(); })"
+        )
+        result = self.call(
+            "Runtime.evaluate", PAGE_TIMEOUT + 30, expression=script, awaitPromise=True, returnByValue=True
+        )
+        if "exceptionDetails" in result:
+            raise AssertionError(
+                f"the page never showed {what}: {self.evaluate('document.body.innerText')!r}"
+            )
+        return result["result"].get("value")
 
     def close(self) -> None:
         self.page.close()
@@ -183,6 +235,7 @@ class Browser:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        self._log_copier.join()
         self._log.close()
 
 
@@ -209,7 +262,7 @@ def test_the_run_view_draws_the_run_and_follows_a_train_live(
 ) -> None:
     browser.call("Page.enable")
     # The keyed address, as `tinkerrpc demo` prints it: the cookie is set and the page loads without the key.
-    browser.call("Page.navigate", url=f"{stack.sidecar_url}/runs/{MODEL}?key={SIDECAR_KEY}")
+    browser.navigate(f"{stack.sidecar_url}/runs/{MODEL}?key={SIDECAR_KEY}")
     browser.wait_for(
         "(() => { const r = document.getElementById('run');"
         " return r && r.dataset.latestVersion === '2' && r.dataset.stream === 'open'; })()",

@@ -36,6 +36,10 @@ def test_missing_or_wrong_key_is_401_in_openai_shape(orphan_sidecar: Sidecar) ->
     # The key is never echoed or logged.
     assert API_KEY not in bare.text and API_KEY not in orphan_sidecar.log()
     assert requests_counted(orphan_sidecar, "/v1/chat/completions", 401) >= 1
+    # Every endpoint router's route is labelled by its template, refused before routing or not.
+    refused = httpx.post(f"{orphan_sidecar.openai_base_url}/responses", json={}, timeout=10)
+    assert refused.status_code == 401
+    assert requests_counted(orphan_sidecar, "/v1/responses", 401) >= 1
 
 
 def test_bad_parameters_are_400_naming_the_parameter(orphan_sidecar: Sidecar) -> None:

@@ -19,7 +19,7 @@ from tinkerrpc import (
     TopLogprob,
     UnavailableError,
 )
-from tinkerrpc_server.sidecar import translate
+from tinkerrpc_server.sidecar import chat, completions, models, sample_output, sampling_args
 from tinkerrpc_server.sidecar.errors import OpenAIError, from_rpc_error, param_from_loc
 from tinkerrpc_server.sidecar.metrics import SidecarMetrics
 from tinkerrpc_server.sidecar.protocol import ChatCompletionRequest, CompletionRequest
@@ -32,7 +32,7 @@ def chat_request(**fields: Any) -> ChatCompletionRequest:
 
 def refused_param(request: ChatCompletionRequest) -> str | None:
     with pytest.raises(OpenAIError) as caught:
-        translate.chat_sample_args(request, translate.parse_model_id(request.model))
+        chat.chat_sample_args(request, models.parse_model_id(request.model))
     assert caught.value.status == 400
     return caught.value.param
 
@@ -60,11 +60,11 @@ def make_sample(
 
 
 def test_model_ids_parse_latest_and_pinned_versions() -> None:
-    assert translate.parse_model_id("my-run") == translate.ModelRef("my-run", "my-run", None)
-    assert translate.parse_model_id("my-run@4") == translate.ModelRef("my-run@4", "my-run", 4)
+    assert models.parse_model_id("my-run") == models.ModelRef("my-run", "my-run", None)
+    assert models.parse_model_id("my-run@4") == models.ModelRef("my-run@4", "my-run", 4)
     for bad in ("my-run@", "my-run@x", "my-run@-1", "@3", "a b"):
         with pytest.raises(OpenAIError) as caught:
-            translate.parse_model_id(bad)
+            models.parse_model_id(bad)
         assert (caught.value.status, caught.value.code, caught.value.param) == (
             404,
             "model_not_found",
@@ -93,7 +93,7 @@ def test_chat_parameters_map_onto_sample_arguments() -> None:
         service_tier="auto",
         response_format={"type": "text"},
     )
-    args = translate.chat_sample_args(request, translate.parse_model_id(request.model))
+    args = chat.chat_sample_args(request, models.parse_model_id(request.model))
     assert args.sdk_kwargs() == {
         "n": 3,
         "max_tokens": 7,
@@ -116,8 +116,8 @@ def test_chat_parameters_map_onto_sample_arguments() -> None:
         "force_tool_call": False,
         "parallel_tool_calls": True,
     }
-    assert translate.chat_sample_args(chat_request(), translate.parse_model_id("run")).max_tokens == (
-        translate.DEFAULT_CHAT_MAX_TOKENS
+    assert chat.chat_sample_args(chat_request(), models.parse_model_id("run")).max_tokens == (
+        sampling_args.DEFAULT_CHAT_MAX_TOKENS
     )
 
 
@@ -139,9 +139,9 @@ def test_parameters_the_sampler_cannot_honour_are_refused_by_name() -> None:
     for param, fields in cases.items():
         assert refused_param(chat_request(**fields)) == param, param
     # Neutral values of the same parameters are fine.
-    translate.chat_sample_args(
+    chat.chat_sample_args(
         chat_request(presence_penalty=0, frequency_penalty=0.0, logit_bias={}, modalities=["text"]),
-        translate.parse_model_id("run"),
+        models.parse_model_id("run"),
     )
 
 
@@ -182,7 +182,7 @@ def test_messages_are_checked_per_role_and_flattened_for_the_sdk() -> None:
             {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
         ]
     )
-    converted = translate.chat_messages(request)
+    converted = chat.chat_messages(request)
     assert converted[0] == {"role": "system", "content": "be brief"}
     assert converted[2]["tool_calls"][0]["function"] == {"name": "get", "arguments": '{"city": "Oslo"}'}
     assert converted[3] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
@@ -200,21 +200,21 @@ def test_messages_are_checked_per_role_and_flattened_for_the_sdk() -> None:
     }
     for param, messages in bad_messages.items():
         with pytest.raises(OpenAIError) as caught:
-            translate.chat_messages(chat_request(messages=messages))
+            chat.chat_messages(chat_request(messages=messages))
         assert caught.value.param == param
 
 
 def test_tool_choice_none_withholds_the_tools() -> None:
     tools = [{"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}]
-    ref = translate.parse_model_id("run")
-    offered = translate.chat_sample_args(chat_request(tools=tools, tool_choice="auto"), ref).tools
+    ref = models.parse_model_id("run")
+    offered = chat.chat_sample_args(chat_request(tools=tools, tool_choice="auto"), ref).tools
     assert offered == [{"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}]
-    assert translate.chat_sample_args(chat_request(tools=tools, tool_choice="none"), ref).tools is None
+    assert chat.chat_sample_args(chat_request(tools=tools, tool_choice="none"), ref).tools is None
 
 
 def test_completion_prompts_accept_one_text_or_token_prompt() -> None:
     def prompt_of(prompt: Any) -> Any:
-        return translate.completion_prompt(CompletionRequest(model="run", prompt=prompt))
+        return completions.completion_prompt(CompletionRequest(model="run", prompt=prompt))
 
     assert prompt_of("hello") == "hello"
     assert prompt_of([4, 5, 6]) == [4, 5, 6]
@@ -231,31 +231,31 @@ def test_completion_prompts_accept_one_text_or_token_prompt() -> None:
     )
     for fields, param in refused:
         with pytest.raises(OpenAIError) as caught:
-            translate.completion_sample_args(
-                CompletionRequest(model="run", prompt="p", **fields), translate.parse_model_id("run")
+            completions.completion_sample_args(
+                CompletionRequest(model="run", prompt="p", **fields), models.parse_model_id("run")
             )
         assert caught.value.param == param
-    args = translate.completion_sample_args(
-        CompletionRequest(model="run", prompt="p", logprobs=2), translate.parse_model_id("run")
+    args = completions.completion_sample_args(
+        CompletionRequest(model="run", prompt="p", logprobs=2), models.parse_model_id("run")
     )
     assert (args.max_tokens, args.top_logprobs, args.tools) == (16, 2, None)
 
 
 def test_split_by_tokens_aligns_content_with_token_texts() -> None:
     texts = ["<think>", "\n\n", "</think>", "\n\n", "Hel", "lo", "<|im_end|>"]
-    pieces = translate.split_by_tokens("Hello", texts, len(texts))
+    pieces = sample_output.split_by_tokens("Hello", texts, len(texts))
     assert pieces == ["", "", "", "", "Hel", "lo", ""]
     # Content that is not a substring of the tokens' texts still joins back exactly.
-    assert "".join(translate.split_by_tokens("other", texts, len(texts))) == "other"
-    assert translate.split_by_tokens("", texts, len(texts)) == [""] * len(texts)
+    assert "".join(sample_output.split_by_tokens("other", texts, len(texts))) == "other"
+    assert sample_output.split_by_tokens("", texts, len(texts)) == [""] * len(texts)
 
 
 def test_chat_completion_carries_rl_fields_and_openai_logprobs() -> None:
     request = chat_request(model="run", n=2, logprobs=True, top_logprobs=2, stop=["!"])
-    ref = translate.parse_model_id(request.model)
-    args = translate.chat_sample_args(request, ref)
+    ref = models.parse_model_id(request.model)
+    args = chat.chat_sample_args(request, ref)
     samples = [make_sample(["a", "b!", "c"]), make_sample(["x", "y"], stop_reason="length")]
-    body = translate.build_chat_completion(request, ref, args, samples, created=123).model_dump(mode="json")
+    body = chat.build_chat_completion(request, ref, args, samples, created=123).model_dump(mode="json")
     assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
     assert (body["model"], body["policy_version"], body["prompt_token_ids"]) == ("run@3", 3, [1, 2, 3])
     first, second = body["choices"]
@@ -279,7 +279,7 @@ def test_chat_completion_carries_rl_fields_and_openai_logprobs() -> None:
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
 
     as_ids = chat_request(model="run", logprobs=True, top_logprobs=1, return_tokens_as_token_ids=True)
-    body = translate.build_chat_completion(as_ids, ref, args, samples[:1], created=1).model_dump(mode="json")
+    body = chat.build_chat_completion(as_ids, ref, args, samples[:1], created=1).model_dump(mode="json")
     assert [e["token"] for e in body["choices"][0]["logprobs"]["content"]] == [
         "token_id:100",
         "token_id:101",
@@ -292,11 +292,9 @@ def test_tool_calls_become_openai_tool_calls_with_finish_reason_tool_calls() -> 
     call = ToolCall(id="call_7", name="get_weather", arguments='{"city": "Paris"}')
     sample = make_sample(["<tool_call>", "...", "</tool_call>"], content="", tool_calls=(call,))
     request = chat_request()
-    ref = translate.parse_model_id("run")
-    args = translate.chat_sample_args(request, ref)
-    choice = translate.build_chat_completion(request, ref, args, [sample], 1).model_dump(mode="json")[
-        "choices"
-    ][0]
+    ref = models.parse_model_id("run")
+    args = chat.chat_sample_args(request, ref)
+    choice = chat.build_chat_completion(request, ref, args, [sample], 1).model_dump(mode="json")["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] is None
     (tool_call,) = choice["message"]["tool_calls"]
@@ -306,13 +304,13 @@ def test_tool_calls_become_openai_tool_calls_with_finish_reason_tool_calls() -> 
 
 def test_stream_chunks_interleave_choices_and_reassemble_the_completion() -> None:
     request = chat_request(n=2, stream=True, stream_options={"include_usage": True}, logprobs=True)
-    ref = translate.parse_model_id("run")
-    args = translate.chat_sample_args(request, ref)
+    ref = models.parse_model_id("run")
+    args = chat.chat_sample_args(request, ref)
     call = ToolCall(id="call_1", name="f", arguments="{}")
     samples = [make_sample(["He", "llo", "."]), make_sample(["Hi"], content="Hi", tool_calls=(call,))]
     chunks = [
         c.model_dump(mode="json", exclude_none=True)
-        for c in translate.chat_stream_chunks(request, ref, args, samples, 5)
+        for c in chat.chat_stream_chunks(request, ref, args, samples, 5)
     ]
     assert len({c["id"] for c in chunks}) == 1 and all(c["model"] == "run@3" for c in chunks)
     assert chunks[0]["prompt_token_ids"] == [1, 2, 3]
@@ -342,24 +340,24 @@ def test_completion_uses_the_legacy_logprobs_shape() -> None:
     request = CompletionRequest(
         model="run@3", prompt="p", logprobs=1, stream=True, stream_options={"include_usage": True}
     )
-    ref = translate.parse_model_id(request.model)
-    args = translate.completion_sample_args(request, ref)
+    ref = models.parse_model_id(request.model)
+    args = completions.completion_sample_args(request, ref)
     sample = make_sample(["ab", "c", "de"])
-    body = translate.build_completion(request, ref, args, [sample], 9).model_dump(mode="json")
+    body = completions.build_completion(request, ref, args, [sample], 9).model_dump(mode="json")
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
     logprobs = body["choices"][0]["logprobs"]
     assert logprobs["tokens"] == ["ab", "c", "de"]
     assert logprobs["token_logprobs"] == [-0.5, -1.0, -1.5]
     assert logprobs["text_offset"] == [0, 2, 3]
     assert logprobs["top_logprobs"][0] == {"alt100": -0.1, "seven": -2.0}
-    chunks = list(translate.completion_stream_chunks(request, ref, args, [sample], 9))
+    chunks = list(completions.completion_stream_chunks(request, ref, args, [sample], 9))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == "abcde"
     assert [c.choices[0].logprobs.text_offset for c in chunks if c.choices and c.choices[0].logprobs] == [
         [0],
         [2],
         [3],
     ]
-    assert chunks[-1].choices == [] and chunks[-1].usage == translate.usage_of([sample])
+    assert chunks[-1].choices == [] and chunks[-1].usage == sample_output.usage_of([sample])
 
 
 def test_grpc_failures_map_to_http_in_one_place() -> None:

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP sidecar: FastAPI in front of the tinkerrpc gRPC server.
 
-It reaches the server only through the SDK's `tinkerrpc.AsyncClient`; every gRPC failure is
-translated to HTTP in `errors.from_rpc_error`.
+The app itself holds what every route shares: the API key check, request metrics, the error handlers,
+GET /health and GET /metrics, and the one Sample call the endpoint routers (models, chat, completions,
+responses, runs) are given. It reaches the server only through the SDK's `tinkerrpc.AsyncClient`;
+every gRPC failure is translated to HTTP in `errors.from_rpc_error`.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -18,18 +20,18 @@ import grpc
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match
+from starlette.routing import BaseRoute, Match
 
-from tinkerrpc import AsyncClient, RetryPolicy, RPCError, Sample
+from tinkerrpc import AsyncClient, ModelInfo, RetryPolicy, RPCError, Sample
 from tinkerrpc_server.local.uvicorn_serving import serve_until_signalled, serve_until_stopped
-from tinkerrpc_server.sidecar import responses, translate
+from tinkerrpc_server.sidecar import chat, completions, models, responses
 from tinkerrpc_server.sidecar.errors import OpenAIError, from_rpc_error, param_from_loc
 from tinkerrpc_server.sidecar.metrics import SidecarMetrics
-from tinkerrpc_server.sidecar.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from tinkerrpc_server.sidecar.runs import routes as run_view
+from tinkerrpc_server.sidecar.sample_output import usage_of
+from tinkerrpc_server.sidecar.sampling_args import Prompt, SampleArgs
 
 log = logging.getLogger("tinkerrpc.sidecar")
 
@@ -91,18 +93,13 @@ def _validation_error(error: RequestValidationError) -> OpenAIError:
     return OpenAIError(400, f"Invalid value for {param}: {detail}" if param else detail, param=param)
 
 
-def _route_label(app: FastAPI, request: Request) -> str:
-    """The matched route's template (bounded label values); requests refused before routing are matched here."""
+def _route_label(routes: list[BaseRoute], request: Request) -> str:
+    """The matched route's template (bounded label values); requests refused before routing are matched
+    here, against every route of the app and of its endpoint routers."""
     route = request.scope.get("route") or next(
-        (r for r in app.router.routes if r.matches(request.scope)[0] == Match.FULL), None
+        (r for r in routes if r.matches(request.scope)[0] == Match.FULL), None
     )
     return str(getattr(route, "path", "unmatched"))
-
-
-def _sse(chunks: Iterator[BaseModel]) -> Iterator[str]:
-    for chunk in chunks:
-        yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
-    yield "data: [DONE]\n\n"
 
 
 def create_app(upstream: GrpcUpstream, api_key: str | None) -> FastAPI:
@@ -111,6 +108,8 @@ def create_app(upstream: GrpcUpstream, api_key: str | None) -> FastAPI:
         raise ValueError("api_key must be None (no auth) or a non-empty string")
     metrics = SidecarMetrics()
     clients: list[AsyncClient] = []
+    # Filled once the routers are made below; the middleware reads it per request.
+    labelled_routes: list[BaseRoute] = []
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -154,7 +153,7 @@ def create_app(upstream: GrpcUpstream, api_key: str | None) -> FastAPI:
                 response = await call_next(request)
         else:
             response = await call_next(request)
-        route_path = _route_label(app, request)
+        route_path = _route_label(labelled_routes, request)
         metrics.requests.labels(route_path, str(response.status_code)).inc()
         metrics.latency.labels(route_path).observe(time.perf_counter() - started)
         if response.status_code >= 400:
@@ -186,27 +185,24 @@ def create_app(upstream: GrpcUpstream, api_key: str | None) -> FastAPI:
             500, f"internal error: {type(error).__name__}", error_type="server_error"
         ).to_response()
 
-    async def sample(
-        ref: translate.ModelRef, prompt: translate.Prompt, args: translate.SampleArgs
-    ) -> list[Sample]:
+    async def sample(route: str, ref: models.ModelRef, prompt: Prompt, args: SampleArgs) -> list[Sample]:
         try:
-            return await client().model(ref.name).sample(prompt, **args.sdk_kwargs())
+            samples = await client().model(ref.name).sample(prompt, **args.sdk_kwargs())
         except RPCError as error:
             raise from_rpc_error(error, ref.requested) from error
         except ValueError as error:
             # The SDK refuses some requests before any network call.
             raise OpenAIError(400, str(error)) from error
-
-    async def list_cards() -> ModelList:
-        try:
-            return translate.model_cards(await client().list_models())
-        except RPCError as error:
-            raise from_rpc_error(error, "") from error
-
-    def count_tokens(route: str, samples: list[Sample]) -> None:
-        usage = translate.usage_of(samples)
+        usage = usage_of(samples)
         metrics.generated_tokens.labels(route).inc(usage.completion_tokens)
         metrics.prompt_tokens.labels(route).inc(usage.prompt_tokens)
+        return samples
+
+    async def fetch_models() -> list[ModelInfo]:
+        try:
+            return await client().list_models()
+        except RPCError as error:
+            raise from_rpc_error(error, "") from error
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -226,42 +222,18 @@ def create_app(upstream: GrpcUpstream, api_key: str | None) -> FastAPI:
     async def prometheus_metrics() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(), media_type=SidecarMetrics.CONTENT_TYPE)
 
-    @app.get("/v1/models")
-    async def list_models() -> ModelList:
-        return await list_cards()
-
-    @app.get("/v1/models/{model_id:path}")
-    async def retrieve_model(model_id: str) -> ModelCard:
-        return translate.find_card(await list_cards(), model_id)
-
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(request: ChatCompletionRequest) -> Response:
-        ref = translate.parse_model_id(request.model)
-        args = translate.chat_sample_args(request, ref)
-        samples = await sample(ref, translate.chat_messages(request), args)
-        count_tokens("/v1/chat/completions", samples)
-        created = int(time.time())
-        if request.stream:
-            chunks = translate.chat_stream_chunks(request, ref, args, samples, created)
-            return StreamingResponse(_sse(chunks), media_type="text/event-stream")
-        body = translate.build_chat_completion(request, ref, args, samples, created)
-        return Response(translate.response_json(body, request), media_type="application/json")
-
-    @app.post("/v1/completions", response_model=None)
-    async def completions(request: CompletionRequest) -> Response:
-        ref = translate.parse_model_id(request.model)
-        args = translate.completion_sample_args(request, ref)
-        samples = await sample(ref, translate.completion_prompt(request), args)
-        count_tokens("/v1/completions", samples)
-        created = int(time.time())
-        if request.stream:
-            chunks = translate.completion_stream_chunks(request, ref, args, samples, created)
-            return StreamingResponse(_sse(chunks), media_type="text/event-stream")
-        body = translate.build_completion(request, ref, args, samples, created)
-        return Response(translate.response_json(body, request), media_type="application/json")
-
-    app.include_router(responses.create_router(sample, count_tokens))
-    app.include_router(run_view.create_router(client, api_key))
+    routers = (
+        models.create_router(fetch_models),
+        chat.create_router(sample),
+        completions.create_router(sample),
+        responses.create_router(sample),
+        run_view.create_router(client, api_key),
+    )
+    # An included router is matched as a whole, without a template; its own routes carry theirs.
+    labelled_routes.extend(app.router.routes)
+    for router in routers:
+        app.include_router(router)
+        labelled_routes.extend(router.routes)
     return app
 
 

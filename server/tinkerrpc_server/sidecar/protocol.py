@@ -1,8 +1,9 @@
-"""Pydantic models of the OpenAI API subset the sidecar serves, with vLLM-style RL extensions.
+"""Pydantic models of the OpenAI API subset the sidecar serves (chat and legacy completions, the
+Responses API, model cards), with vLLM-style RL extensions.
 
 Requests forbid unknown fields (OpenAI answers "Unrecognized request argument" too), so a typo
 never silently changes sampling. Fields that do not affect sampling are declared and ignored;
-fields the sampler cannot honour are declared so that `unsupported_*` can name them in a 400.
+fields the sampler cannot honour are declared so that the endpoint modules can name them in a 400.
 """
 
 from __future__ import annotations
@@ -278,7 +279,7 @@ class Completion(BaseModel):
     usage: Usage | None = None
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None
-    # Set on plain responses; on stream chunks only when asked (see translate.completion_stream_chunks).
+    # Set on plain responses; on stream chunks only when asked (see completions.completion_stream_chunks).
     policy_version: int | None = None
 
 
@@ -296,3 +297,156 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---------------------------------------------------------------- the Responses API
+# The shapes of the `openai` package's `openai.types.responses`.
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+class _InputItem(BaseModel):
+    # Items echoed from an earlier response's output carry ids, status and the RL fields.
+    model_config = ConfigDict(extra="ignore")
+
+
+class InputTextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class InputMessage(_InputItem):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputTextPart]
+
+
+class FunctionCallInput(_InputItem):
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class FunctionCallOutputInput(_InputItem):
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str | list[InputTextPart]
+
+
+INPUT_ITEMS: dict[str, type[_InputItem]] = {
+    "message": InputMessage,
+    "function_call": FunctionCallInput,
+    "function_call_output": FunctionCallOutputInput,
+}
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseRequest(_Request):
+    model: str = Field(min_length=1)
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    include: list[str] | None = None
+    stream: bool = False
+    previous_response_id: str | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    background: bool | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    # Accepted and ignored: they do not change what is sampled (nothing is stored).
+    store: bool | None = None
+    stream_options: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
+    truncation: str | None = None
+    # RL extensions (vLLM names), as on chat completions.
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = None
+    return_token_ids: bool | None = None
+
+    @property
+    def logprobs_asked(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or ()) or bool(self.top_logprobs)
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[TokenLogprobEntry] | None = None
+
+
+class _OutputItem(BaseModel):
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    # RL extensions: the turn's tokens, shared by every output item of the turn.
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    policy_version: int | None = None
+    token_logprobs: list[float] | None = None
+
+
+class OutputMessage(_OutputItem):
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText]
+
+
+class OutputFunctionCall(_OutputItem):
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int] = {"cached_tokens": 0, "cache_write_tokens": 0}
+    output_tokens: int
+    output_tokens_details: dict[str, int] = {"reasoning_tokens": 0}
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    completed_at: int | None = None
+    status: Literal["in_progress", "completed", "incomplete"]
+    incomplete_details: dict[str, str] | None = None
+    error: None = None
+    model: str
+    instructions: str | None
+    output: list[OutputMessage | OutputFunctionCall]
+    parallel_tool_calls: bool
+    tool_choice: str | dict[str, Any]
+    tools: list[FunctionTool]
+    temperature: float | None
+    top_p: float | None
+    top_logprobs: int | None
+    max_output_tokens: int | None
+    store: bool = False
+    text: dict[str, Any] = {"format": {"type": "text"}}
+    metadata: dict[str, str] = Field(default_factory=dict)
+    usage: ResponseUsage | None = None

@@ -5,118 +5,41 @@ conversation as `input`. One sample per request (the Responses API has no `n`). 
 of the sampled turn carries the RL fields `token_ids`, `prompt_token_ids`, `policy_version` and,
 when logprobs are asked, `token_logprobs` (one per token id) — on plain responses unless
 `return_token_ids` is false, in a stream only when logprobs or `return_token_ids` ask.
-The shapes follow the `openai` package's `openai.types.responses`. (Slightly over 400 lines: the
-request, response and stream shapes of this one endpoint are read together.)
 """
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Response
-from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from tinkerrpc import Sample, messages_from_response_input
-from tinkerrpc_server.sidecar import translate
+from tinkerrpc_server.sidecar import sample_output
 from tinkerrpc_server.sidecar.errors import bad_request, param_from_loc
-from tinkerrpc_server.sidecar.protocol import MAX_TOP_LOGPROBS, TokenLogprobEntry
+from tinkerrpc_server.sidecar.models import ModelRef, parse_model_id
+from tinkerrpc_server.sidecar.protocol import (
+    INPUT_ITEMS,
+    FunctionTool,
+    OutputFunctionCall,
+    OutputMessage,
+    OutputText,
+    ResponseObject,
+    ResponseRequest,
+    ResponseUsage,
+)
+from tinkerrpc_server.sidecar.sampling_args import (
+    DEFAULT_CHAT_MAX_TOKENS,
+    SampleArgs,
+    Sampler,
+    base_sample_args,
+    tool_options,
+)
+from tinkerrpc_server.sidecar.streaming import typed_event_stream
 
-LOGPROBS_INCLUDE = "message.output_text.logprobs"
-
-# ---------------------------------------------------------------- request
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class _InputItem(BaseModel):
-    # Items echoed from an earlier response's output carry ids, status and the RL fields.
-    model_config = ConfigDict(extra="ignore")
-
-
-class InputTextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["input_text", "output_text", "text"]
-    text: str
-
-
-class InputMessage(_InputItem):
-    type: Literal["message"] = "message"
-    role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputTextPart]
-
-
-class FunctionCallInput(_InputItem):
-    type: Literal["function_call"]
-    call_id: str = Field(min_length=1)
-    name: str = Field(min_length=1)
-    arguments: str
-
-
-class FunctionCallOutputInput(_InputItem):
-    type: Literal["function_call_output"]
-    call_id: str = Field(min_length=1)
-    output: str | list[InputTextPart]
-
-
-_INPUT_ITEMS: dict[str, type[_InputItem]] = {
-    "message": InputMessage,
-    "function_call": FunctionCallInput,
-    "function_call_output": FunctionCallOutputInput,
-}
-
-
-class FunctionTool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["function"] = "function"
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ResponseRequest(_Request):
-    model: str = Field(min_length=1)
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    include: list[str] | None = None
-    stream: bool = False
-    previous_response_id: str | None = None
-    text: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None
-    background: bool | None = None
-    conversation: str | dict[str, Any] | None = None
-    prompt: dict[str, Any] | None = None
-    # Accepted and ignored: they do not change what is sampled (nothing is stored).
-    store: bool | None = None
-    stream_options: dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    max_tool_calls: int | None = None
-    metadata: dict[str, str] | None = None
-    user: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    service_tier: str | None = None
-    truncation: str | None = None
-    # RL extensions (vLLM names), as on chat completions.
-    top_k: int | None = Field(None, ge=-1)
-    seed: int | None = None
-    return_token_ids: bool | None = None
-
-    @property
-    def logprobs_asked(self) -> bool:
-        return LOGPROBS_INCLUDE in (self.include or ()) or bool(self.top_logprobs)
+ROUTE = "/v1/responses"
 
 
 def _validated(model: type[BaseModel], raw: dict[str, Any], where: str) -> Any:
@@ -173,12 +96,12 @@ def prompt_messages(request: ResponseRequest) -> list[dict[str, Any]]:
         checked = []
         for i, raw in enumerate(items):
             kind = raw.get("type", "message")
-            if kind not in _INPUT_ITEMS:
+            if kind not in INPUT_ITEMS:
                 raise bad_request(
-                    f"input item type {kind!r} is not supported; supported: {', '.join(_INPUT_ITEMS)}",
+                    f"input item type {kind!r} is not supported; supported: {', '.join(INPUT_ITEMS)}",
                     f"input[{i}].type",
                 )
-            checked.append(_validated(_INPUT_ITEMS[kind], raw, f"input[{i}]").model_dump())
+            checked.append(_validated(INPUT_ITEMS[kind], raw, f"input[{i}]").model_dump())
         items = checked
     try:
         messages = messages_from_response_input(items, request.instructions)
@@ -187,101 +110,26 @@ def prompt_messages(request: ResponseRequest) -> list[dict[str, Any]]:
     return [m.to_openai() for m in messages]
 
 
-def sample_args(request: ResponseRequest, ref: translate.ModelRef) -> translate.SampleArgs:
+def sample_args(request: ResponseRequest, ref: ModelRef) -> SampleArgs:
     _check_request(request)
     tools = function_tools(request)
     offered = [
         {"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})} for t in tools
     ]
-    return translate.SampleArgs(
+    return base_sample_args(
+        request,
+        ref,
         n=1,
-        max_tokens=request.max_output_tokens or translate.DEFAULT_CHAT_MAX_TOKENS,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=request.top_p,
-        top_k=max(request.top_k or 0, 0),
-        stop=[],
-        stop_token_ids=[],
-        seed=request.seed,
-        policy_version=ref.version,
-        # With tool_choice "none" the tools are not offered to the model at all.
-        tools=offered if offered and request.tool_choice != "none" else None,
+        max_tokens=request.max_output_tokens or DEFAULT_CHAT_MAX_TOKENS,
         top_logprobs=(request.top_logprobs or 0) if request.logprobs_asked else 0,
-        return_token_texts=True,
-        ignore_default_stops=False,
-        force_tool_call=translate.forced_tool_call(request.tool_choice, [t.name for t in tools]),
-        parallel_tool_calls=request.parallel_tool_calls is not False,
+        **tool_options(offered, [t.name for t in tools], request.tool_choice, request.parallel_tool_calls),
     )
 
 
-# ---------------------------------------------------------------- response
-
-
-class OutputText(BaseModel):
-    type: Literal["output_text"] = "output_text"
-    text: str
-    annotations: list[Any] = Field(default_factory=list)
-    logprobs: list[TokenLogprobEntry] | None = None
-
-
-class _OutputItem(BaseModel):
-    id: str
-    status: Literal["in_progress", "completed", "incomplete"]
-    # RL extensions: the turn's tokens, shared by every output item of the turn.
-    token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | None = None
-    policy_version: int | None = None
-    token_logprobs: list[float] | None = None
-
-
-class OutputMessage(_OutputItem):
-    type: Literal["message"] = "message"
-    role: Literal["assistant"] = "assistant"
-    content: list[OutputText]
-
-
-class OutputFunctionCall(_OutputItem):
-    type: Literal["function_call"] = "function_call"
-    call_id: str
-    name: str
-    arguments: str
-
-
-class ResponseUsage(BaseModel):
-    input_tokens: int
-    input_tokens_details: dict[str, int] = {"cached_tokens": 0, "cache_write_tokens": 0}
-    output_tokens: int
-    output_tokens_details: dict[str, int] = {"reasoning_tokens": 0}
-    total_tokens: int
-
-
-class ResponseObject(BaseModel):
-    id: str
-    object: Literal["response"] = "response"
-    created_at: int
-    completed_at: int | None = None
-    status: Literal["in_progress", "completed", "incomplete"]
-    incomplete_details: dict[str, str] | None = None
-    error: None = None
-    model: str
-    instructions: str | None
-    output: list[OutputMessage | OutputFunctionCall]
-    parallel_tool_calls: bool
-    tool_choice: str | dict[str, Any]
-    tools: list[FunctionTool]
-    temperature: float | None
-    top_p: float | None
-    top_logprobs: int | None
-    max_output_tokens: int | None
-    store: bool = False
-    text: dict[str, Any] = {"format": {"type": "text"}}
-    metadata: dict[str, str] = Field(default_factory=dict)
-    usage: ResponseUsage | None = None
-
-
 def build_response(
-    request: ResponseRequest, ref: translate.ModelRef, sample: Sample, created: int, *, rl_fields: bool
+    request: ResponseRequest, ref: ModelRef, sample: Sample, created: int, *, rl_fields: bool
 ) -> ResponseObject:
-    parsed = translate.parse_chat_choice(sample, ())
+    parsed = sample_output.parse_chat_choice(sample, ())
     status: Literal["completed", "incomplete"] = (
         "incomplete" if parsed.finish_reason == "length" else "completed"
     )
@@ -296,15 +144,15 @@ def build_response(
     output: list[OutputMessage | OutputFunctionCall] = []
     if parsed.content or not parsed.tool_calls:
         logprobs = (
-            [translate.chat_logprob_entry(sample, p, False) for p in range(len(sample.tokens))]
+            [sample_output.chat_logprob_entry(sample, p, False) for p in range(len(sample.tokens))]
             if request.logprobs_asked
             else None
         )
         text = OutputText(text=parsed.content or "", logprobs=logprobs)
-        output.append(OutputMessage(id=translate.new_id("msg"), content=[text], **stamp))
+        output.append(OutputMessage(id=sample_output.new_id("msg"), content=[text], **stamp))
     output.extend(
         OutputFunctionCall(
-            id=translate.new_id("fc"),
+            id=sample_output.new_id("fc"),
             call_id=call.id,
             name=call.function.name,
             arguments=call.function.arguments,
@@ -312,9 +160,9 @@ def build_response(
         )
         for call in parsed.tool_calls
     )
-    usage = translate.usage_of([sample])
+    usage = sample_output.usage_of([sample])
     return ResponseObject(
-        id=translate.new_id("resp"),
+        id=sample_output.new_id("resp"),
         created_at=created,
         completed_at=int(time.time()),
         status=status,
@@ -374,7 +222,7 @@ def stream_events(final: ResponseObject, sample: Sample) -> Iterator[dict[str, A
             yield event(
                 "response.content_part.added", **where, content_index=0, part=_dump(OutputText(text=""))
             )
-            pieces = translate.split_by_tokens(part.text, sample.token_texts, len(sample.tokens))
+            pieces = sample_output.split_by_tokens(part.text, sample.token_texts, len(sample.tokens))
             for position, piece in enumerate(pieces):
                 if piece:
                     entries = part.logprobs[position : position + 1] if part.logprobs else []
@@ -400,32 +248,20 @@ def stream_events(final: ResponseObject, sample: Sample) -> Iterator[dict[str, A
     yield event(ending, response=_dump(final))
 
 
-def _sse(events: Iterator[dict[str, Any]]) -> Iterator[str]:
-    for payload in events:
-        yield f"event: {payload['type']}\ndata: {json.dumps(payload)}\n\n"
-
-
-Sampler = Callable[[translate.ModelRef, translate.Prompt, translate.SampleArgs], Awaitable[list[Sample]]]
-
-
-def create_router(sample: Sampler, count_tokens: Callable[[str, list[Sample]], None]) -> APIRouter:
-    """The `/v1/responses` route, sampling through the app's `sample` (which maps gRPC errors)."""
+def create_router(sample: Sampler) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/responses", response_model=None)
+    @router.post(ROUTE, response_model=None)
     async def create_response(request: ResponseRequest) -> Response:
-        ref = translate.parse_model_id(request.model)
+        ref = parse_model_id(request.model)
         args = sample_args(request, ref)
-        samples = await sample(ref, prompt_messages(request), args)
-        count_tokens("/v1/responses", samples)
+        samples = await sample(ROUTE, ref, prompt_messages(request), args)
         (sampled,) = samples
         created = int(time.time())
         if request.stream:
-            rl_fields = bool(request.return_token_ids) or (
-                request.logprobs_asked and request.return_token_ids is not False
-            )
+            rl_fields = sample_output.rl_fields_asked(request.return_token_ids, request.logprobs_asked)
             final = build_response(request, ref, sampled, created, rl_fields=rl_fields)
-            return StreamingResponse(_sse(stream_events(final, sampled)), media_type="text/event-stream")
+            return typed_event_stream(stream_events(final, sampled))
         body = build_response(request, ref, sampled, created, rl_fields=request.return_token_ids is not False)
         return Response(body.model_dump_json(exclude_none=True), media_type="application/json")
 

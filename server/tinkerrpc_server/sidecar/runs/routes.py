@@ -25,6 +25,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, StreamingResponse
 
 from tinkerrpc import AsyncClient, CheckpointInfo, ModelEvent, ModelInfo, NotFoundError, RPCError, RunStep
+from tinkerrpc_server.sidecar.streaming import SSE_MEDIA_TYPE, sse_frame
 
 STATIC_DIR = Path(__file__).parent / "static"
 STATIC_FILES = {
@@ -94,11 +95,6 @@ def event_json(event: ModelEvent) -> dict[str, Any]:
         "step": step_json(event.step) if event.step is not None else None,
         "checkpoint": checkpoint_json(event.checkpoint) if event.checkpoint is not None else None,
     }
-
-
-def _sse(event: str, data: dict[str, Any], event_id: int | None = None) -> str:
-    head = f"id: {event_id}\n" if event_id is not None else ""
-    return f"{head}event: {event}\ndata: {json.dumps(data)}\n\n"
 
 
 def _page(title: str, body: str) -> str:
@@ -253,7 +249,7 @@ def create_router(client: Callable[[], AsyncClient], api_key: str | None) -> API
             return JSONResponse({"error": "from_version must be >= 0"}, status_code=400)
         return StreamingResponse(
             _relay(client(), name, from_version),
-            media_type="text/event-stream",
+            media_type=SSE_MEDIA_TYPE,
             headers={"cache-control": "no-store"},
         )
 
@@ -278,11 +274,11 @@ async def _relay(client: AsyncClient, name: str, from_version: int | None) -> As
                     event = pending.result()
                     if event is None:
                         return
-                    yield _sse(event.kind, event_json(event), event.policy_version)
+                    yield sse_frame(json.dumps(event_json(event)), event.kind, event.policy_version)
                     pending = asyncio.ensure_future(next_event())
             finally:
                 pending.cancel()
     except NotFoundError:
-        yield _sse("deleted", {"model": name})
+        yield sse_frame(json.dumps({"model": name}), "deleted")
     except RPCError as error:
-        yield _sse("failed", {"error": str(error)})
+        yield sse_frame(json.dumps({"error": str(error)}), "failed")

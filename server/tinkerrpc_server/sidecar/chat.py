@@ -1,0 +1,274 @@
+"""`POST /v1/chat/completions`: a conversation in, one Sample call, a chat completion or its stream out.
+
+The messages pass to the SDK as OpenAI-style dicts after each role's rules are checked; the server
+renders them with the model's renderer. vLLM's chat extensions (`echo`, `chat_template_kwargs`'
+enable_thinking) are honoured here; the sampling knobs are shared with the other endpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from fastapi import APIRouter, Response
+
+from tinkerrpc import Sample
+from tinkerrpc_server.sidecar.completion_route import CompletionFamily, answer
+from tinkerrpc_server.sidecar.errors import bad_request
+from tinkerrpc_server.sidecar.models import ModelRef
+from tinkerrpc_server.sidecar.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatMessageParam,
+    ChoiceLogprobs,
+    ToolCallDelta,
+)
+from tinkerrpc_server.sidecar.sample_output import (
+    ReplyHead,
+    chat_logprob_entry,
+    parse_chat_choice,
+    rl_fields_asked,
+    split_by_tokens,
+    usage_of,
+)
+from tinkerrpc_server.sidecar.sampling_args import (
+    DEFAULT_CHAT_MAX_TOKENS,
+    SampleArgs,
+    Sampler,
+    check_sampling_fields,
+    sampling_fields_args,
+    tool_options,
+)
+
+ROUTE = "/v1/chat/completions"
+
+
+# chat_template_kwargs keys that mean something here: each maps to a renderer option.
+CHAT_TEMPLATE_KWARGS = ("enable_thinking",)
+
+
+def enable_thinking(kwargs: dict[str, Any] | None) -> bool | None:
+    """chat_template_kwargs' enable_thinking (None when unset), after refusing keys the renderer cannot
+    honour: a chat template's variables are not ours to render, only the renderer's variants are."""
+    for key in kwargs or {}:
+        if key not in CHAT_TEMPLATE_KWARGS:
+            raise bad_request(
+                f"chat_template_kwargs key {key!r} is not supported: the model's renderer takes only "
+                f"{', '.join(CHAT_TEMPLATE_KWARGS)} (its thinking or thinking-disabled variant)",
+                f"chat_template_kwargs.{key}",
+            )
+    value = (kwargs or {}).get("enable_thinking")
+    if value is not None and not isinstance(value, bool):
+        raise bad_request(
+            "chat_template_kwargs.enable_thinking must be a boolean", "chat_template_kwargs.enable_thinking"
+        )
+    return value
+
+
+def _check_unsupported_chat(request: ChatCompletionRequest) -> None:
+    refused: list[tuple[str, bool]] = [
+        ("audio", request.audio is not None),
+        ("modalities", any(m != "text" for m in request.modalities or ())),
+        ("prediction", request.prediction is not None),
+        ("reasoning_effort", request.reasoning_effort is not None),
+        ("verbosity", request.verbosity is not None),
+        ("web_search_options", request.web_search_options is not None),
+        ("functions", request.functions is not None),
+        ("function_call", request.function_call is not None),
+        *(
+            (f"messages[{i}].function_call", m.function_call is not None)
+            for i, m in enumerate(request.messages)
+        ),
+    ]
+    for param, is_set in refused:
+        if is_set:
+            raise bad_request(f"{param} is not supported by the tinkerrpc sidecar", param)
+    if request.response_format is not None and request.response_format.get("type") != "text":
+        raise bad_request(
+            "only response_format {'type': 'text'} is supported: Tinker's sampler has no constrained "
+            "decoding to hold a reply to a JSON schema",
+            "response_format",
+        )
+    if request.top_logprobs and not request.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    if (
+        request.max_tokens is not None
+        and request.max_completion_tokens is not None
+        and request.max_tokens != request.max_completion_tokens
+    ):
+        raise bad_request("max_tokens and max_completion_tokens disagree; set one", "max_completion_tokens")
+
+
+def _message_text(message: ChatMessageParam, index: int) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    texts: list[str] = []
+    for j, part in enumerate(message.content):
+        if part.type != "text" or part.text is None:
+            raise bad_request(
+                f"content part type {part.type!r} is not supported; only text parts are",
+                f"messages[{index}].content[{j}]",
+            )
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The conversation as OpenAI-style dicts the SDK converts, after checking each role's rules."""
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(request.messages):
+        where = f"messages[{i}]"
+        if message.tool_calls and message.role != "assistant":
+            raise bad_request("only assistant messages carry tool_calls", f"{where}.tool_calls")
+        if message.role == "tool" and not message.tool_call_id:
+            raise bad_request("a tool message needs tool_call_id", f"{where}.tool_call_id")
+        if message.role != "tool" and message.tool_call_id:
+            raise bad_request("only tool messages carry tool_call_id", f"{where}.tool_call_id")
+        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+            raise bad_request("content is required (except for an assistant message with tool_calls)", where)
+        converted: dict[str, Any] = {
+            # OpenAI's `developer` role is the newer name of `system`.
+            "role": "system" if message.role == "developer" else message.role,
+            "content": _message_text(message, i),
+        }
+        if message.name:
+            converted["name"] = message.name
+        if message.tool_call_id:
+            converted["tool_call_id"] = message.tool_call_id
+        if message.tool_calls:
+            converted["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        out.append(converted)
+    return out
+
+
+def chat_sample_args(request: ChatCompletionRequest, ref: ModelRef) -> SampleArgs:
+    check_sampling_fields(request)
+    _check_unsupported_chat(request)
+    max_tokens = request.max_completion_tokens or request.max_tokens or DEFAULT_CHAT_MAX_TOKENS
+    top_logprobs = (request.top_logprobs or 0) if request.logprobs else 0
+    thinking = enable_thinking(request.chat_template_kwargs)
+    tools = tool_options(
+        [t.model_dump(exclude_none=True) for t in request.tools or ()],
+        [t.function.name for t in request.tools or ()],
+        request.tool_choice,
+        request.parallel_tool_calls,
+    )
+    return sampling_fields_args(request, ref, max_tokens, top_logprobs, enable_thinking=thinking, **tools)
+
+
+def chat_echo(request: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's text when it is the assistant's (the reply continues it)."""
+    last = request.messages[-1]
+    return _message_text(last, len(request.messages) - 1) if request.echo and last.role == "assistant" else ""
+
+
+def build_chat_completion(
+    request: ChatCompletionRequest, ref: ModelRef, args: SampleArgs, samples: Sequence[Sample], created: int
+) -> ChatCompletion:
+    head = ReplyHead.of("chatcmpl", ref, samples, created)
+    choices: list[ChatChoice] = []
+    for index, sample in enumerate(samples):
+        parsed = parse_chat_choice(sample, args.stop, request, chat_echo(request))
+        logprobs = (
+            ChoiceLogprobs(
+                content=[
+                    chat_logprob_entry(sample, p, request.return_tokens_as_token_ids)
+                    for p in range(len(sample.tokens))
+                ]
+            )
+            if request.logprobs
+            else None
+        )
+        choices.append(
+            ChatChoice(
+                index=index,
+                message=AssistantMessage(content=parsed.content, tool_calls=parsed.tool_calls or None),
+                finish_reason=parsed.finish_reason,
+                logprobs=logprobs,
+                token_ids=list(sample.tokens),
+                policy_version=sample.policy_version,
+            )
+        )
+    return ChatCompletion(**head.body_fields(samples), choices=choices)
+
+
+def chat_stream_chunks(
+    request: ChatCompletionRequest, ref: ModelRef, args: SampleArgs, samples: Sequence[Sample], created: int
+) -> Iterator[ChatCompletionChunk]:
+    """The chunks OpenAI would stream for these samples, interleaved by choice index.
+
+    When asked (`rl_fields_asked`), the first chunk carries `prompt_token_ids` and each
+    choice's first chunk its complete `token_ids` and `policy_version`: openai's stream
+    accumulator (`.stream()`'s `get_final_completion()`) keeps a choice's extra fields from its
+    first chunk only, so that is where they survive into the accumulated completion.
+    """
+    head = ReplyHead.of("chatcmpl", ref, samples, created)
+    rl_fields = rl_fields_asked(request.return_token_ids, request.logprobs)
+
+    def chunk(choices: list[ChatChunkChoice], **extra: Any) -> ChatCompletionChunk:
+        return ChatCompletionChunk(**head.fields(), choices=choices, **extra)
+
+    echo = chat_echo(request)
+    parsed = [parse_chat_choice(s, args.stop, request, echo) for s in samples]
+    pieces = [
+        split_by_tokens((p.content or "")[len(echo) :], s.token_texts, len(s.tokens))
+        for p, s in zip(parsed, samples, strict=True)
+    ]
+    for index, sample in enumerate(samples):
+        first = ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=echo))
+        if not rl_fields:
+            yield chunk([first])
+            continue
+        first.token_ids, first.policy_version = list(sample.tokens), sample.policy_version
+        yield chunk(
+            [first],
+            prompt_token_ids=list(sample.prompt_token_ids) if index == 0 else None,
+            policy_version=head.policy_version,
+        )
+    for position in range(max((len(p) for p in pieces), default=0)):
+        for index, sample in enumerate(samples):
+            if position >= len(pieces[index]):
+                continue
+            logprobs = (
+                ChoiceLogprobs(
+                    content=[chat_logprob_entry(sample, position, request.return_tokens_as_token_ids)]
+                )
+                if request.logprobs and position < len(sample.tokens)
+                else None
+            )
+            yield chunk(
+                [
+                    ChatChunkChoice(
+                        index=index, delta=ChatDelta(content=pieces[index][position]), logprobs=logprobs
+                    )
+                ]
+            )
+    for index, choice in enumerate(parsed):
+        if choice.tool_calls:
+            deltas = [
+                ToolCallDelta(index=k, id=call.id, function=call.function)
+                for k, call in enumerate(choice.tool_calls)
+            ]
+            yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=deltas))])
+    for index, choice in enumerate(parsed):
+        yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=choice.finish_reason)])
+    if request.stream_options is not None and request.stream_options.include_usage:
+        yield chunk([], usage=usage_of(samples))
+
+
+CHAT = CompletionFamily(ROUTE, chat_sample_args, chat_messages, build_chat_completion, chat_stream_chunks)
+
+
+def create_router(sample: Sampler) -> APIRouter:
+    router = APIRouter()
+
+    @router.post(ROUTE, response_model=None)
+    async def chat_completions(request: ChatCompletionRequest) -> Response:
+        return await answer(CHAT, request, sample)
+
+    return router

@@ -1,0 +1,44 @@
+"""What a chat or legacy completion route does, written once: translate the request, sample once, and
+answer the completion body or, when `stream` is set, its chunks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from fastapi import Response
+from pydantic import BaseModel
+
+from tinkerrpc import Sample
+from tinkerrpc_server.sidecar.models import ModelRef, parse_model_id
+from tinkerrpc_server.sidecar.protocol import ChatCompletion, Completion, SamplingFields
+from tinkerrpc_server.sidecar.sample_output import response_json
+from tinkerrpc_server.sidecar.sampling_args import Prompt, SampleArgs, Sampler
+from tinkerrpc_server.sidecar.streaming import chunk_stream
+
+RequestT = TypeVar("RequestT", bound=SamplingFields)
+
+
+@dataclass(frozen=True)
+class CompletionFamily(Generic[RequestT]):
+    """One endpoint family's translations: request → Sample arguments and prompt, samples → body
+    and stream chunks (both given the request, model, arguments, samples and creation time)."""
+
+    route: str
+    sample_args: Callable[[RequestT, ModelRef], SampleArgs]
+    prompt: Callable[[RequestT], Prompt]
+    build: Callable[[RequestT, ModelRef, SampleArgs, Sequence[Sample], int], ChatCompletion | Completion]
+    stream_chunks: Callable[[RequestT, ModelRef, SampleArgs, Sequence[Sample], int], Iterable[BaseModel]]
+
+
+async def answer(family: CompletionFamily[RequestT], request: RequestT, sample: Sampler) -> Response:
+    ref = parse_model_id(request.model)
+    args = family.sample_args(request, ref)
+    samples = await sample(family.route, ref, family.prompt(request), args)
+    created = int(time.time())
+    if request.stream:
+        return chunk_stream(family.stream_chunks(request, ref, args, samples, created))
+    body = family.build(request, ref, args, samples, created)
+    return Response(response_json(body, request), media_type="application/json")

@@ -1,0 +1,94 @@
+"""`GET /v1/models` and `/v1/models/{id}`, and what a requested model id means everywhere.
+
+A model id is `name` (the latest policy version) or `name@N` (pinned policy version N); responses
+echo `name@N` for the version that sampled them, and the model list names both forms.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from fastapi import APIRouter
+
+from tinkerrpc import ModelInfo
+from tinkerrpc_server.sidecar.errors import model_not_found
+from tinkerrpc_server.sidecar.protocol import ModelCard, ModelList
+
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A requested model id: `name` (latest version) or `name@N` (pinned policy version N)."""
+
+    requested: str
+    name: str
+    version: int | None
+
+    def served_id(self, produced_version: int) -> str:
+        return f"{self.name}@{produced_version}"
+
+
+def parse_model_id(model: str) -> ModelRef:
+    name, at, version_text = model.partition("@")
+    if not _MODEL_NAME.fullmatch(name):
+        raise model_not_found(model, "model ids are `name` or `name@<policy version>`")
+    if not at:
+        return ModelRef(model, name, None)
+    if not version_text.isdigit():
+        raise model_not_found(model, f"`{version_text}` is not a policy version (a non-negative integer)")
+    return ModelRef(model, name, int(version_text))
+
+
+def model_cards(models: Sequence[ModelInfo]) -> ModelList:
+    """Each model as `name` (its latest version) and `name@N` for every sampleable version."""
+    cards: list[ModelCard] = []
+    for info in models:
+        created = int(info.create_time.timestamp()) if info.create_time is not None else 0
+        max_len = info.max_context_length or None
+        cards.append(
+            ModelCard(
+                id=info.name,
+                created=created,
+                parent=info.base_model,
+                root=info.base_model,
+                max_model_len=max_len,
+                policy_version=info.policy_version,
+            )
+        )
+        cards.extend(
+            ModelCard(
+                id=f"{info.name}@{version}",
+                created=created,
+                parent=info.name,
+                root=info.base_model,
+                max_model_len=max_len,
+                policy_version=version,
+            )
+            for version in info.sampleable_versions
+        )
+    return ModelList(data=cards)
+
+
+def find_card(cards: ModelList, model_id: str) -> ModelCard:
+    for card in cards.data:
+        if card.id == model_id:
+            return card
+    raise model_not_found(model_id, "no such model or sampleable version")
+
+
+def create_router(fetch_models: Callable[[], Awaitable[Sequence[ModelInfo]]]) -> APIRouter:
+    """The model routes over the app's `fetch_models` (which maps gRPC errors)."""
+    router = APIRouter()
+
+    @router.get("/v1/models")
+    async def list_models() -> ModelList:
+        return model_cards(await fetch_models())
+
+    @router.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> ModelCard:
+        return find_card(model_cards(await fetch_models()), model_id)
+
+    return router
