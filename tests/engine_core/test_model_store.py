@@ -16,6 +16,7 @@ from tinker_cookbook.renderers import get_renderer
 from tinker_cookbook.tokenizer_utils import get_tokenizer
 
 from tinkerrpc_server import model_store
+from tinkerrpc_server.engine.core import Engine
 from tinkerrpc_server.engine.runtime import BaseModelRuntime, DatumArrays, EngineUserError, LoraSpec
 from tinkerrpc_server.model_store import (
     GGUF_MODELS,
@@ -217,6 +218,11 @@ def test_smollm2_is_built_once_and_listed_by_name(
     monkeypatch.setattr(model_store, "hf_hub_cache", lambda: tmp_path / "hub")
     assert resolve_base_model(SMOLLM2, smollm2.parent.parent) == smollm2
     assert SMOLLM2 in listed_builtin_models() and TINY_CHAT in listed_builtin_models()
+    engine = Engine(tmp_path / "data", tmp_path / "no-models-yet")
+    try:
+        assert {TINY_CHAT, SMOLLM2} <= set(engine.supported_models())
+    finally:
+        engine.close()
     assert sorted(p.name for p in smollm2.parent.iterdir()) == [smollm2.name]  # no staging leftovers
 
 
