@@ -9,12 +9,12 @@ import pytest
 import torch
 from engine_core_ref import load_plain_model
 
+from tinkerrpc_server.engine.compute.samples import SampleJob
 from tinkerrpc_server.engine.runtime import (
     BaseModelRuntime,
     DatumArrays,
     EngineUserError,
     LoraSpec,
-    SampleJob,
 )
 
 PROMPT = [1, 291, 201, 420, 311, 408, 14, 338, 310, 409, 16, 2, 201, 1, 293, 201]

@@ -16,7 +16,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -25,11 +25,19 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tinkerrpc_server.engine import sampler
+from tinkerrpc_server.engine.compute.feed import MappedFeed, RequestFeed
+from tinkerrpc_server.engine.compute.samples import SampleJob, SampleOutput
+from tinkerrpc_server.engine.compute.scheduler import (
+    BatchPolicy,
+    ModelContext,
+    SamplingModel,
+    decode,
+    generate,
+)
 from tinkerrpc_server.engine.decoder import QwenDecoder, QwenTrainingForward, fuse_base_weights
 from tinkerrpc_server.engine.losses import LOSSES, resolve_config
 from tinkerrpc_server.engine.unembedding import saved_logits_positions, target_logprobs
-from tinkerrpc_server.settings import ENGINE_DEVICE_ENV, ENGINE_DTYPE_ENV, ENGINE_DTYPES
+from tinkerrpc_server.settings import ENGINE_DTYPES
 
 log = logging.getLogger("tinkerrpc.engine")
 
@@ -96,35 +104,6 @@ class ForwardResult:
 
 
 @dataclass
-class SampleJob:
-    prompt_tokens: list[int]
-    num_samples: int
-    max_tokens: int
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    stop_token_ids: list[int] | None = None
-    stop_strings: list[str] = field(default_factory=list)
-    seed: int | None = None
-    include_prompt_logprobs: bool = False
-    topk_prompt_logprobs: int = 0
-
-
-@dataclass
-class SampledSeq:
-    tokens: list[int]
-    logprobs: list[float]
-    stop_reason: str
-
-
-@dataclass
-class SampleOutput:
-    sequences: list[SampledSeq]
-    prompt_logprobs: list[float | None] | None
-    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None
-
-
-@dataclass
 class _Adapter:
     peft_name: str
     spec: LoraSpec
@@ -141,14 +120,14 @@ class PlacementError(ValueError):
 def resolve_placement(
     device: str | None = None, dtype: str | None = None
 ) -> tuple[torch.device, torch.dtype]:
-    """The device and base-weight dtype of the engine: the arguments, else $TINKERRPC_ENGINE_DEVICE and
-    $TINKERRPC_ENGINE_DTYPE (settings.py), else CUDA when there is one, bfloat16 on CUDA, float32 elsewhere.
+    """The device and base-weight dtype of the engine: the arguments (None: the default), by default CUDA
+    when there is one, bfloat16 on CUDA, float32 elsewhere.
 
     bfloat16 halves the base model's memory and runs on the GPU's tensor cores; float32 stays the CPU
     default, where bfloat16 matmuls are no faster and the reference tests compare float32 numerics.
     """
-    device = device or os.environ.get(ENGINE_DEVICE_ENV) or None
-    dtype = dtype or os.environ.get(ENGINE_DTYPE_ENV) or None
+    device = device or None
+    dtype = dtype or None
     try:
         resolved = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError as error:
@@ -173,13 +152,20 @@ def resolve_placement(
 
 
 class BaseModelRuntime:
-    """`device` and `dtype` (of the base weights) as in resolve_placement. Whatever the base dtype, LoRA
+    """`device` and `dtype` (of the base weights) as in resolve_placement, `policy` how samples are batched. Whatever the base dtype, LoRA
     weights, their gradients and AdamW state are float32: PEFT runs each LoRA branch in its weights'
     dtype (it casts the activations in, and the sum back to the base layer's dtype), and logprobs and
     losses are taken from float32 logits."""
 
-    def __init__(self, model_path: Path, device: str | None = None, dtype: str | None = None) -> None:
+    def __init__(
+        self,
+        model_path: Path,
+        device: str | None = None,
+        dtype: str | None = None,
+        policy: BatchPolicy | None = None,
+    ) -> None:
         self.base_model_path = Path(model_path)
+        self.policy = policy or BatchPolicy()  # how its samples are batched unless a call says otherwise
         self.device, self.dtype = resolve_placement(device, dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(self.base_model_path)
         base = AutoModelForCausalLM.from_pretrained(
@@ -619,56 +605,51 @@ class BaseModelRuntime:
     # ---------------------------------------------------------------- sampling
 
     def sample(
-        self, weights_dir: Path | None, jobs: list[SampleJob], policy: sampler.BatchPolicy | None = None
+        self, weights_dir: Path | None, jobs: list[SampleJob], policy: BatchPolicy | None = None
     ) -> list[SampleOutput]:
-        """Sample `jobs` together (continuously batched under `policy`, by default the environment's);
+        """Sample `jobs` together (continuously batched under `policy`, by default the runtime's);
         a bad job raises before anything runs."""
-        requests = [self._validate_job(index, job) for index, job in enumerate(jobs)]
-        if not requests:
+        checked = [self._validate_job(index, job) for index, job in enumerate(jobs)]
+        if not checked:
             raise EngineUserError("no sampling jobs given")
-        results = sampler.generate(
-            self._sampling_model(weights_dir),
-            requests,
-            self.tokenizer,
-            self.device,
-            policy or sampler.BatchPolicy.from_environment(),
+        return generate(
+            self._sampling_model(weights_dir), checked, self.tokenizer, self.device, policy or self.policy
         )
-        return [_sample_output(result) for result in results]
 
     def serve_samples(
         self,
         weights_dir: Path | None,
-        feed: sampler.RequestFeed[SampleJob, SampleOutput | EngineUserError],
-        policy: sampler.BatchPolicy | None = None,
+        feed: RequestFeed[SampleJob, SampleOutput | EngineUserError],
+        policy: BatchPolicy | None = None,
     ) -> None:
         """Sample the jobs `feed` brings, as they come, in one continuously batched decode (under
-        `policy`, by default the environment's); a bad job is answered with its EngineUserError
-        without running."""
+        `policy`, by default the runtime's); a bad job is answered with its EngineUserError without
+        running."""
 
-        def validated(key: int, job: SampleJob) -> sampler.SampleRequest | None:
+        def validated(key: int, job: SampleJob) -> SampleJob | None:
             try:
                 return self._validate_job(key, job)
             except EngineUserError as exc:
                 feed.deliver(key, exc)
                 return None
 
-        def output(key: int, result: sampler.RequestResult) -> SampleOutput | EngineUserError:
-            return _sample_output(result)
+        def output(key: int, result: SampleOutput) -> SampleOutput | EngineUserError:
+            return result
 
-        sampler.decode(
+        decode(
             self._sampling_model(weights_dir),
-            sampler.MappedFeed(feed, validated, output),
+            MappedFeed(feed, validated, output),
             self.tokenizer,
             self.device,
-            policy or sampler.BatchPolicy.from_environment(),
+            policy or self.policy,
         )
 
-    def _sampling_model(self, weights_dir: Path | None) -> sampler.ModelContext:
+    def _sampling_model(self, weights_dir: Path | None) -> ModelContext:
         peft_name = None if weights_dir is None else self._sampler_adapter(Path(weights_dir))
         decoder = self._decoder(peft_name)
 
         @contextmanager
-        def sampling_model() -> Iterator[sampler.SamplingModel]:
+        def sampling_model() -> Iterator[SamplingModel]:
             # inference_mode, not no_grad: decoding never feeds autograd, so skip version counters too.
             if decoder is not None:
                 with torch.inference_mode():
@@ -689,7 +670,8 @@ class BaseModelRuntime:
         self._last_decoder = (peft_name, decoder)
         return decoder
 
-    def _validate_job(self, index: int, job: SampleJob) -> sampler.SampleRequest:
+    def _validate_job(self, index: int, job: SampleJob) -> SampleJob:
+        """`job` checked, its default stops filled in."""
         where = f"sample job {index}"
         prompt = self._check_tokens(np.asarray(job.prompt_tokens, dtype=np.int64), f"{where} prompt")
         if len(prompt) == 0:
@@ -707,26 +689,22 @@ class BaseModelRuntime:
             raise EngineUserError(f"{where}: temperature must be >= 0, got {job.temperature}")
         if not (0 < job.top_p <= 1):
             raise EngineUserError(f"{where}: top_p must be in (0, 1], got {job.top_p}")
-        if job.top_k < -1:
-            raise EngineUserError(f"{where}: top_k must be -1 (off) or positive, got {job.top_k}")
+        if job.top_k < 0:
+            raise EngineUserError(f"{where}: top_k must be 0 (off) or positive, got {job.top_k}")
         if job.topk_prompt_logprobs < 0:
             raise EngineUserError(f"{where}: topk_prompt_logprobs must be >= 0")
+        last_n = job.prompt_logprobs_last_n
+        if last_n is not None and not 1 <= last_n < len(prompt):
+            raise EngineUserError(f"{where}: prompt_logprobs_last_n must be in [1, {len(prompt) - 1}]")
         stop_ids = self.default_stop_token_ids if job.stop_token_ids is None else job.stop_token_ids
         self._check_tokens(np.asarray(stop_ids, dtype=np.int64), f"{where} stop")
         if any(not s for s in job.stop_strings):
             raise EngineUserError(f"{where}: stop strings must not be empty")
-        return sampler.SampleRequest(
-            prompt=[int(t) for t in prompt],
-            num_samples=job.num_samples,
-            max_tokens=job.max_tokens,
-            temperature=job.temperature,
-            top_k=job.top_k if job.top_k > 0 else 0,
-            top_p=job.top_p,
-            stop_token_ids=frozenset(int(t) for t in stop_ids),
+        return replace(
+            job,
+            prompt_tokens=[int(t) for t in prompt],
+            stop_token_ids=[int(t) for t in stop_ids],
             stop_strings=list(job.stop_strings),
-            seed=job.seed,
-            include_prompt_logprobs=job.include_prompt_logprobs,
-            topk_prompt_logprobs=job.topk_prompt_logprobs,
         )
 
     def _sampler_adapter(self, weights_dir: Path) -> str:
@@ -758,14 +736,6 @@ class BaseModelRuntime:
             if marker in vocab:
                 ids.add(int(vocab[marker]))
         return sorted(ids)
-
-
-def _sample_output(result: sampler.RequestResult) -> SampleOutput:
-    return SampleOutput(
-        sequences=[SampledSeq(s.tokens, s.logprobs, s.stop_reason) for s in result.sequences],
-        prompt_logprobs=result.prompt_logprobs,
-        topk_prompt_logprobs=result.topk_prompt_logprobs,
-    )
 
 
 # What an optimizer step changes, per parameter: its value and its AdamW state (None before its first step).
