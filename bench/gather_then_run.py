@@ -17,16 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from tinkerrpc_server import settings
 from tinkerrpc_server.engine.compute.scheduler import BatchPolicy
 from tinkerrpc_server.local.stack import LocalEngine
-from tinkerrpc_server.settings import (
-    ENGINE_API_KEY_ENV,
-    ENGINE_DEVICE_ENV,
-    ENGINE_DTYPE_ENV,
-    configure_logging,
-    default_log_level,
-    set_process_defaults,
-)
 
 JobT = TypeVar("JobT")
 
@@ -70,8 +63,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--data-dir", type=Path, required=True)
     parser.add_argument("--model-dir", type=Path, required=True)
     args = parser.parse_args(argv)
-    set_process_defaults()
-    configure_logging(default_log_level())
+    # As `tinkerrpc engine` starts: the baseline runs under the same process settings.
+    settings.set_process_defaults()
+    settings.configure_logging(settings.default_log_level())
     from tinkerrpc_server.engine.app import run_engine
 
     run_engine(
@@ -79,9 +73,9 @@ def main(argv: list[str]) -> int:
         args.port,
         args.data_dir,
         args.model_dir,
-        os.environ[ENGINE_API_KEY_ENV],
-        device=os.environ.get(ENGINE_DEVICE_ENV),
-        dtype=os.environ.get(ENGINE_DTYPE_ENV),
+        os.environ[settings.ENGINE_API_KEY_ENV],
+        device=os.environ.get(settings.ENGINE_DEVICE_ENV),
+        dtype=os.environ.get(settings.ENGINE_DTYPE_ENV),
         policy=GATHER_THEN_RUN,
     )
     return 0

@@ -107,10 +107,10 @@ def test_base_is_bf16_while_lora_gradients_and_adam_state_are_fp32_and_training_
 ) -> None:
     runtime = bf16_runtime
     runtime.create_adapter("learner", LoraSpec(rank=8, seed=1))
-    assert runtime.model.peft is not None
-    base_dtypes = {p.dtype for name, p in runtime.model.peft.named_parameters() if ".lora_" not in name}
+    assert runtime._peft is not None
+    base_dtypes = {p.dtype for name, p in runtime._peft.named_parameters() if ".lora_" not in name}
     assert base_dtypes == {torch.bfloat16}
-    assert runtime.model.peft.config._attn_implementation == "sdpa"
+    assert runtime._peft.config._attn_implementation == "sdpa"
     lora = runtime.adapter_parameters("learner")
     assert lora and {p.dtype for p in lora.values()} == {torch.float32}
 

@@ -70,7 +70,7 @@ def train_step(
 
 def state_of(runtime: BaseModelRuntime, model_id: str) -> dict[str, torch.Tensor]:
     """Weights and AdamW moments by name."""
-    adapter = runtime.model.adapters[model_id]
+    adapter = runtime._adapters[model_id]
     state: dict[str, torch.Tensor] = {}
     for name, param in adapter.params.items():
         state[name] = param.detach().clone()
@@ -144,7 +144,7 @@ def test_a_first_step_that_overflows_leaves_no_optimizer_state(runtime: BaseMode
     poisoned, twin = twins(runtime)
     with pytest.raises(NonFiniteUpdateError):
         train_step(runtime, poisoned, learning_rate=1e39, grad_clip_norm=0.0)
-    assert runtime.model.adapters[poisoned].optimizer.state == {}
+    assert runtime._adapters[poisoned].optimizer.state == {}
     for model_id in (poisoned, twin):
         train_step(runtime, model_id)
     assert_same(state_of(runtime, poisoned), state_of(runtime, twin))

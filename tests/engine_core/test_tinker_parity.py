@@ -15,12 +15,12 @@ from tinkerrpc_server.engine.runtime import LORA_ALPHA, BaseModelRuntime, LoraSp
 
 
 def _lora_layers(runtime: BaseModelRuntime) -> list[LoraLayer]:
-    assert runtime.model.peft is not None
-    return [m for m in runtime.model.peft.modules() if isinstance(m, LoraLayer)]
+    assert runtime._peft is not None
+    return [m for m in runtime._peft.modules() if isinstance(m, LoraLayer)]
 
 
 def _peft_name(runtime: BaseModelRuntime, model_id: str) -> str:
-    return runtime.model.require(model_id).peft_name
+    return runtime._require_adapter(model_id).peft_name
 
 
 @pytest.mark.parametrize("rank", [1, 8, 32, 64])
@@ -83,7 +83,7 @@ def test_adam_defaults_are_the_sdk_s_and_reach_the_optimizer(runtime: BaseModelR
             adam.weight_decay,
             adam.grad_clip_norm,
         )
-        optimizer = runtime.model.require("adam").optimizer
+        optimizer = runtime._require_adapter("adam").optimizer
         assert isinstance(optimizer, torch.optim.AdamW)
         for group in optimizer.param_groups:
             assert group["lr"] == 1e-4 and group["betas"] == (0.9, 0.95)

@@ -68,36 +68,32 @@ class AdaptedModel:
         base.eval()  # no dropout anywhere: training steps are deterministic functions of the data
         for param in base.parameters():
             param.requires_grad_(False)
-        self.decoder_weights = fuse_base_weights(base)
-        self.base = base
-        self.peft: PeftModel | None = None
+        self._decoder_weights = fuse_base_weights(base)
+        self._base = base
+        self._peft: PeftModel | None = None
         self.vocab_size = int(base.get_output_embeddings().weight.shape[0])
         self.max_context_length = int(
             getattr(base.config, "max_position_embeddings", None) or self.tokenizer.model_max_length
         )
-        self.adapters: dict[str, Adapter] = {}
-        self.next_peft_id = 0
+        self._adapters: dict[str, Adapter] = {}
+        self._next_peft_id = 0
         log.info("base model %s on %s, base weights %s", self.base_model_path.name, self.device, self.dtype)
 
     def has_adapter(self, model_id: str) -> bool:
-        return model_id in self.adapters
+        return model_id in self._adapters
 
     def create_adapter(self, model_id: str, lora: LoraSpec) -> None:
-        if model_id in self.adapters:
+        if model_id in self._adapters:
             raise EngineUserError(f"model {model_id!r} already exists")
         config = self._lora_config(lora)
-        peft_name = self.add_peft_adapter(config, seed=lora.seed)
-        self.adapters[model_id] = self.register(peft_name, lora)
-        self.restore_trainability()
+        peft_name = self._add_peft_adapter(config, seed=lora.seed)
+        self._adapters[model_id] = self._register(peft_name, lora)
+        self._restore_trainability()
 
     def delete_adapter(self, model_id: str) -> None:
-        adapter = self.require(model_id)
-        self.remove_peft_adapter(adapter.peft_name)
-        del self.adapters[model_id]
-
-    def adapter_parameters(self, model_id: str) -> dict[str, torch.nn.Parameter]:
-        """The live LoRA parameters of a model, by their adapter-independent PEFT names."""
-        return dict(self.require(model_id).params)
+        adapter = self._require_adapter(model_id)
+        self._remove_peft_adapter(adapter.peft_name)
+        del self._adapters[model_id]
 
     def _lora_config(self, lora: LoraSpec) -> LoraConfig:
         if lora.rank < 1:
@@ -117,9 +113,9 @@ class AdaptedModel:
             base_model_name_or_path=str(self.base_model_path),
         )
 
-    def add_peft_adapter(self, config: LoraConfig, seed: int) -> str:
-        peft_name = f"adapter{self.next_peft_id}"
-        self.next_peft_id += 1
+    def _add_peft_adapter(self, config: LoraConfig, seed: int) -> str:
+        peft_name = f"adapter{self._next_peft_id}"
+        self._next_peft_id += 1
         # Adapter init is a function of the seed alone (PEFT draws it on the CPU); the global RNG is left
         # untouched, CUDA's too (manual_seed seeds every device).
         cuda_devices = list(range(torch.cuda.device_count())) if self.device.type == "cuda" else []
@@ -127,70 +123,76 @@ class AdaptedModel:
         # ones to float32 (so on bf16 base weights the initial A is bf16-rounded; B starts at zero).
         with torch.random.fork_rng(devices=cuda_devices):
             torch.manual_seed(seed)
-            if self.peft is None:
-                self.peft = get_peft_model(
-                    self.base, config, adapter_name=peft_name, autocast_adapter_dtype=True
+            if self._peft is None:
+                self._peft = get_peft_model(
+                    self._base, config, adapter_name=peft_name, autocast_adapter_dtype=True
                 )
             else:
-                self.peft.add_adapter(peft_name, config, autocast_adapter_dtype=True)
-        self.peft.to(self.device)
+                self._peft.add_adapter(peft_name, config, autocast_adapter_dtype=True)
+        self._peft.to(self.device)
         return peft_name
 
-    def remove_peft_adapter(self, peft_name: str) -> None:
-        assert self.peft is not None
+    def _remove_peft_adapter(self, peft_name: str) -> None:
+        assert self._peft is not None
         with warnings.catch_warnings():
             # peft warns when the deleted adapter was the active one; every call sets its own.
             warnings.simplefilter("ignore", UserWarning)
-            self.peft.delete_adapter(peft_name)
+            self._peft.delete_adapter(peft_name)
 
-    def register(self, peft_name: str, spec: LoraSpec) -> Adapter:
-        assert self.peft is not None
+    def _register(self, peft_name: str, spec: LoraSpec) -> Adapter:
+        assert self._peft is not None
         marker = f".{peft_name}."
         params = {
-            name.replace(marker, "."): param for name, param in self.peft.named_parameters() if marker in name
+            name.replace(marker, "."): param
+            for name, param in self._peft.named_parameters()
+            if marker in name
         }
         optimizer = torch.optim.AdamW(list(params.values()), lr=0.0)
         return Adapter(peft_name, spec, params, optimizer)
 
-    def require(self, model_id: str) -> Adapter:
-        adapter = self.adapters.get(model_id)
+    def _require_adapter(self, model_id: str) -> Adapter:
+        adapter = self._adapters.get(model_id)
         if adapter is None:
             raise EngineUserError(f"unknown model {model_id!r}")
         return adapter
 
     @contextmanager
-    def active(self, peft_name: str | None) -> Iterator[torch.nn.Module]:
+    def _active(self, peft_name: str | None) -> Iterator[torch.nn.Module]:
         """Run with one adapter (or the bare base for None) active, restoring what was active."""
-        if self.peft is None:
+        if self._peft is None:
             assert peft_name is None
-            yield self.base
+            yield self._base
             return
-        previous = self.peft.active_adapter
+        previous = self._peft.active_adapter
         if previous == peft_name:
             # Already active: switching walks every module twice (~10 ms per call on tiny-chat).
-            yield self.peft
+            yield self._peft
             return
         if peft_name is None:
-            with self.peft.disable_adapter():
-                yield self.peft
+            with self._peft.disable_adapter():
+                yield self._peft
             return
-        self.peft.set_adapter(peft_name)
-        self.restore_trainability()
+        self._peft.set_adapter(peft_name)
+        self._restore_trainability()
         try:
-            yield self.peft
+            yield self._peft
         finally:
-            if previous in self.peft.peft_config:
-                self.peft.set_adapter(previous)
-                self.restore_trainability()
+            if previous in self._peft.peft_config:
+                self._peft.set_adapter(previous)
+                self._restore_trainability()
 
-    def restore_trainability(self) -> None:
+    def _restore_trainability(self) -> None:
         """peft's set_adapter freezes inactive adapters; every training adapter keeps its grads on."""
-        assert self.peft is not None
-        training = {id(p) for adapter in self.adapters.values() for p in adapter.params.values()}
-        for param in self.peft.parameters():
+        assert self._peft is not None
+        training = {id(p) for adapter in self._adapters.values() for p in adapter.params.values()}
+        for param in self._peft.parameters():
             param.requires_grad_(id(param) in training)
 
-    def check_tokens(self, tokens: np.ndarray, what: str) -> np.ndarray:
+    def adapter_parameters(self, model_id: str) -> dict[str, torch.nn.Parameter]:
+        """The live LoRA parameters of a model, by their adapter-independent PEFT names."""
+        return dict(self._require_adapter(model_id).params)
+
+    def _check_tokens(self, tokens: np.ndarray, what: str) -> np.ndarray:
         if tokens.ndim != 1:
             raise EngineUserError(f"{what} tokens must be one-dimensional, got shape {tokens.shape}")
         if tokens.size and not np.issubdtype(tokens.dtype, np.integer):

@@ -37,111 +37,111 @@ class ForwardResult:
     metrics: dict[str, float]
 
 
-def forward_backward(
-    adapted: AdaptedModel,
-    model_id: str,
-    data: list[DatumArrays],
-    loss_fn: str,
-    loss_fn_config: dict[str, float] | None,
-    backward: bool,
-) -> ForwardResult:
-    adapter = adapted.require(model_id)
-    config, prepared = validate_batch(adapted, data, loss_fn, loss_fn_config)
-    spec = LOSSES[loss_fn]
-    logprobs: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(data)
-    loss_total = 0.0
-    forward = QwenTrainingForward.build(adapted.decoder_weights, adapter.peft_name)
-    with adapted.active(adapter.peft_name) as model, torch.set_grad_enabled(backward):
-        micro_batch_tokens = min(MICRO_BATCH_TOKENS, saved_logits_positions(adapted.vocab_size))
-        for batch in bucket_by_length([len(d.input_tokens) for d in data], micro_batch_tokens):
-            token_lp = micro_batch_logprobs(adapted, model, forward, [prepared[i] for i in batch])
-            losses = [spec.fn(lp, prepared[i].inputs, config) for i, lp in zip(batch, token_lp, strict=True)]
-            batch_loss = torch.stack(losses).sum()
-            if backward:
-                batch_loss.backward()
-            loss_total += float(batch_loss.detach())
-            for i, lp in zip(batch, token_lp, strict=True):
-                logprobs[i] = lp.detach().to("cpu", torch.float32).numpy()
-    if backward and not math.isfinite(loss_total):
-        adapter.non_finite_loss = True
-    return ForwardResult(logprobs=logprobs, metrics={"loss:sum": loss_total})
+class Training(AdaptedModel):
+    """Forward and backward passes of datums through an adapter."""
 
+    def forward_backward(
+        self,
+        model_id: str,
+        data: list[DatumArrays],
+        loss_fn: str,
+        loss_fn_config: dict[str, float] | None,
+        backward: bool,
+    ) -> ForwardResult:
+        adapter = self._require_adapter(model_id)
+        config, prepared = self._validate_batch(data, loss_fn, loss_fn_config)
+        spec = LOSSES[loss_fn]
+        logprobs: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(data)
+        loss_total = 0.0
+        forward = QwenTrainingForward.build(self._decoder_weights, adapter.peft_name)
+        with self._active(adapter.peft_name) as model, torch.set_grad_enabled(backward):
+            micro_batch_tokens = min(MICRO_BATCH_TOKENS, saved_logits_positions(self.vocab_size))
+            for batch in bucket_by_length([len(d.input_tokens) for d in data], micro_batch_tokens):
+                token_lp = self._target_logprobs(model, forward, [prepared[i] for i in batch])
+                losses = [
+                    spec.fn(lp, prepared[i].inputs, config) for i, lp in zip(batch, token_lp, strict=True)
+                ]
+                batch_loss = torch.stack(losses).sum()
+                if backward:
+                    batch_loss.backward()
+                loss_total += float(batch_loss.detach())
+                for i, lp in zip(batch, token_lp, strict=True):
+                    logprobs[i] = lp.detach().to("cpu", torch.float32).numpy()
+        if backward and not math.isfinite(loss_total):
+            adapter.non_finite_loss = True
+        return ForwardResult(logprobs=logprobs, metrics={"loss:sum": loss_total})
 
-def micro_batch_logprobs(
-    adapted: AdaptedModel,
-    model: torch.nn.Module,
-    forward: QwenTrainingForward | None,
-    batch: list[PreparedDatum],
-) -> list[torch.Tensor]:
-    """Right-padded forward of one micro-batch (through `forward` when the model has one, else
-    transformers); the learner logprob of every target token (the logits of padding positions are
-    never computed)."""
-    width = max(len(item.tokens) for item in batch)
-    tokens = torch.zeros((len(batch), width), dtype=torch.long, device=adapted.device)
-    targets = torch.zeros_like(tokens)
-    mask = torch.zeros_like(tokens)
-    for row, item in enumerate(batch):
-        n = len(item.tokens)
-        tokens[row, :n] = item.tokens
-        targets[row, :n] = item.targets
-        mask[row, :n] = 1
-    lp = target_logprobs(
-        model, tokens, mask, targets[mask.bool()], forward.hidden_states if forward is not None else None
-    )
-    ends = np.cumsum([len(item.tokens) for item in batch]).tolist()
-    return [lp[end - len(item.tokens) : end] for item, end in zip(batch, ends, strict=True)]
-
-
-def validate_batch(
-    adapted: AdaptedModel, data: list[DatumArrays], loss_fn: str, loss_fn_config: dict[str, float] | None
-) -> tuple[dict[str, float], list[PreparedDatum]]:
-    if loss_fn not in LOSSES:
-        raise EngineUserError(f"unknown loss_fn {loss_fn!r}; expected one of {', '.join(LOSSES)}")
-    try:
-        config = resolve_config(loss_fn, loss_fn_config)
-    except ValueError as error:
-        raise EngineUserError(str(error)) from None
-    if not data:
-        raise EngineUserError("data is empty: forward_backward needs at least one datum")
-    required = {"target_tokens", *LOSSES[loss_fn].float_inputs}
-    prepared = []
-    for index, datum in enumerate(data):
-        where = f"datum {index}"
-        tokens = adapted.check_tokens(np.asarray(datum.input_tokens), f"{where} model_input")
-        if len(tokens) == 0:
-            raise EngineUserError(f"{where} has no input tokens")
-        if len(tokens) > adapted.max_context_length:
-            raise EngineUserError(
-                f"{where} has {len(tokens)} tokens, more than the model's context of "
-                f"{adapted.max_context_length}"
-            )
-        missing = sorted(required - set(datum.loss_fn_inputs))
-        if missing:
-            raise EngineUserError(f"{where}: {loss_fn} needs loss_fn_inputs {missing}")
-        unexpected = sorted(set(datum.loss_fn_inputs) - required)
-        if unexpected:
-            raise EngineUserError(f"{where}: loss_fn_inputs {unexpected} are not used by {loss_fn}")
-        for key, values in datum.loss_fn_inputs.items():
-            if np.asarray(values).shape != tokens.shape:
-                raise EngineUserError(
-                    f"{where}: loss_fn_inputs[{key!r}] has shape {np.asarray(values).shape}, "
-                    f"model_input has {len(tokens)} tokens"
-                )
-        targets = adapted.check_tokens(np.asarray(datum.loss_fn_inputs["target_tokens"]), f"{where} target")
-        inputs = {}
-        for key in LOSSES[loss_fn].float_inputs:
-            values = np.asarray(datum.loss_fn_inputs[key], dtype=np.float64)
-            if not np.all(np.isfinite(values)):
-                raise EngineUserError(f"{where}: loss_fn_inputs[{key!r}] has non-finite values")
-            inputs[key] = torch.tensor(values, dtype=torch.float32, device=adapted.device)
-        prepared.append(
-            PreparedDatum(
-                torch.tensor(tokens, dtype=torch.long, device=adapted.device),
-                torch.tensor(targets, dtype=torch.long, device=adapted.device),
-                inputs,
-            )
+    def _target_logprobs(
+        self, model: torch.nn.Module, forward: QwenTrainingForward | None, batch: list[PreparedDatum]
+    ) -> list[torch.Tensor]:
+        """Right-padded forward of one micro-batch (through `forward` when the model has one, else
+        transformers); the learner logprob of every target token (the logits of padding positions are
+        never computed)."""
+        width = max(len(item.tokens) for item in batch)
+        tokens = torch.zeros((len(batch), width), dtype=torch.long, device=self.device)
+        targets = torch.zeros_like(tokens)
+        mask = torch.zeros_like(tokens)
+        for row, item in enumerate(batch):
+            n = len(item.tokens)
+            tokens[row, :n] = item.tokens
+            targets[row, :n] = item.targets
+            mask[row, :n] = 1
+        lp = target_logprobs(
+            model, tokens, mask, targets[mask.bool()], forward.hidden_states if forward is not None else None
         )
-    return config, prepared
+        ends = np.cumsum([len(item.tokens) for item in batch]).tolist()
+        return [lp[end - len(item.tokens) : end] for item, end in zip(batch, ends, strict=True)]
+
+    def _validate_batch(
+        self, data: list[DatumArrays], loss_fn: str, loss_fn_config: dict[str, float] | None
+    ) -> tuple[dict[str, float], list[PreparedDatum]]:
+        if loss_fn not in LOSSES:
+            raise EngineUserError(f"unknown loss_fn {loss_fn!r}; expected one of {', '.join(LOSSES)}")
+        try:
+            config = resolve_config(loss_fn, loss_fn_config)
+        except ValueError as error:
+            raise EngineUserError(str(error)) from None
+        if not data:
+            raise EngineUserError("data is empty: forward_backward needs at least one datum")
+        required = {"target_tokens", *LOSSES[loss_fn].float_inputs}
+        prepared = []
+        for index, datum in enumerate(data):
+            where = f"datum {index}"
+            tokens = self._check_tokens(np.asarray(datum.input_tokens), f"{where} model_input")
+            if len(tokens) == 0:
+                raise EngineUserError(f"{where} has no input tokens")
+            if len(tokens) > self.max_context_length:
+                raise EngineUserError(
+                    f"{where} has {len(tokens)} tokens, more than the model's context of "
+                    f"{self.max_context_length}"
+                )
+            missing = sorted(required - set(datum.loss_fn_inputs))
+            if missing:
+                raise EngineUserError(f"{where}: {loss_fn} needs loss_fn_inputs {missing}")
+            unexpected = sorted(set(datum.loss_fn_inputs) - required)
+            if unexpected:
+                raise EngineUserError(f"{where}: loss_fn_inputs {unexpected} are not used by {loss_fn}")
+            for key, values in datum.loss_fn_inputs.items():
+                if np.asarray(values).shape != tokens.shape:
+                    raise EngineUserError(
+                        f"{where}: loss_fn_inputs[{key!r}] has shape {np.asarray(values).shape}, "
+                        f"model_input has {len(tokens)} tokens"
+                    )
+            targets = self._check_tokens(np.asarray(datum.loss_fn_inputs["target_tokens"]), f"{where} target")
+            inputs = {}
+            for key in LOSSES[loss_fn].float_inputs:
+                values = np.asarray(datum.loss_fn_inputs[key], dtype=np.float64)
+                if not np.all(np.isfinite(values)):
+                    raise EngineUserError(f"{where}: loss_fn_inputs[{key!r}] has non-finite values")
+                inputs[key] = torch.tensor(values, dtype=torch.float32, device=self.device)
+            prepared.append(
+                PreparedDatum(
+                    torch.tensor(tokens, dtype=torch.long, device=self.device),
+                    torch.tensor(targets, dtype=torch.long, device=self.device),
+                    inputs,
+                )
+            )
+        return config, prepared
 
 
 @dataclass
