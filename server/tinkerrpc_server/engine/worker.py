@@ -4,10 +4,10 @@ Scheduling rules:
 - training operations of one model run in seq_id order (the SDK numbers a model's requests from 1;
   creation is seq 0); a request whose predecessor never arrives runs after `gap_timeout` seconds;
 - sample requests that are pending together for the same weights go to the runtime as ONE batch, and
-  requests for those weights that arrive while it runs join it (the sampler admits them at its next
-  decode step; see compute/scheduler.py BatchPolicy), unless requests for other weights have waited longer: then
-  the batch takes no one new, finishes, and the other weights' batch runs next; each request is
-  answered as soon as its own sequences finish;
+  requests for those weights that arrive while it runs join it (the scheduler admits them at its next
+  decode step; see BatchPolicy in compute/scheduler.py), unless requests for other weights have waited
+  longer: then the batch takes no one new, finishes, and the other weights' batch runs next; each
+  request is answered as soon as its own sequences finish;
 - the worker alternates between a training operation and a sample batch whenever both are waiting,
   so sampling keeps being served while training requests queue (and vice versa); a running sample
   batch also lets one waiting training operation run between two of its decode steps, so a long

@@ -165,7 +165,7 @@ class AdaptedModel:
             return
         previous = self._peft.active_adapter
         if previous == peft_name:
-            # Already active: switching walks every module twice (~10 ms per call on tiny-chat).
+            # Already active: switching walks every module twice, a cost every call would pay.
             yield self._peft
             return
         if peft_name is None:

@@ -19,8 +19,8 @@ from tinkerrpc_server.engine.unembedding import saved_logits_positions, target_l
 # vocabulary the logits kept for backward bound it lower (unembedding.saved_logits_positions).
 MICRO_BATCH_TOKENS = 8192
 # A datum joins the current micro-batch if padding it wastes at most this share of the batch
-# width, or at most the fixed cost of one more forward/backward (in token equivalents, measured
-# on CPU: short sequences are cheaper padded together than run as separate micro-batches).
+# width, or at most the fixed cost of one more forward/backward (in token equivalents): short sequences
+# are cheaper padded together than run as separate micro-batches.
 MAX_PADDING_FRACTION = 0.25
 MICRO_BATCH_OVERHEAD_TOKENS = 64
 
