@@ -173,6 +173,12 @@ def test_chunked_prefill_and_bounded_batches_sample_the_same(
     assert feed.stats.prefill_chunks > 3
 
 
+@pytest.mark.parametrize("field", ["max_rows", "max_kv_tokens", "prefill_chunk_tokens"])
+def test_a_policy_bound_below_one_is_refused(field: str) -> None:
+    with pytest.raises(ValueError, match=f"{field} must be at least 1"):
+        BatchPolicy(**{field: 0})  # type: ignore[arg-type]
+
+
 def test_gather_then_run_admits_only_into_an_empty_batch_and_answers_when_it_is_done(
     runtime: BaseModelRuntime, sampler_dir: Path
 ) -> None:

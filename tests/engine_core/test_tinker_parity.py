@@ -10,7 +10,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 from tinker import types
 
-from tinkerrpc_server.engine.protocol import sample_job
+from tinkerrpc_server.engine.protocol import BadRequest, sample_job
 from tinkerrpc_server.engine.runtime import LORA_ALPHA, BaseModelRuntime, LoraSpec
 
 
@@ -105,4 +105,10 @@ def test_sampling_defaults_are_the_sdk_s() -> None:
     )
     job = sample_job(request)
     assert (job.temperature, job.top_k, job.top_p, job.max_tokens) == (1.0, 0, 1.0, -1)
+    # tinker's top_k convention is converted once, here; a value it does not define is refused here.
+    assert (
+        sample_job(request.model_copy(update={"sampling_params": types.SamplingParams(top_k=5)})).top_k == 5
+    )
+    with pytest.raises(BadRequest, match="top_k must be -1"):
+        sample_job(request.model_copy(update={"sampling_params": types.SamplingParams(top_k=-2)}))
     assert job.stop_token_ids is None and job.stop_strings == [] and job.seed is None

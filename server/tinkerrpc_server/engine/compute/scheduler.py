@@ -96,6 +96,11 @@ class BatchPolicy:
     # Made once per batch: a strategy may keep state for the batch it runs.
     batching: Callable[[], BatchingStrategy] = ContinuousBatching
 
+    def __post_init__(self) -> None:
+        for name in ("max_rows", "max_kv_tokens", "prefill_chunk_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"BatchPolicy.{name} must be at least 1, got {getattr(self, name)}")
+
 
 def generate(
     model_context: ModelContext,
