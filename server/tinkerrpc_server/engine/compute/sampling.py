@@ -27,7 +27,7 @@ from tinkerrpc_server.engine.compute.scheduler import (
 from tinkerrpc_server.engine.compute.state_io import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, StateIO
 from tinkerrpc_server.engine.decoder import QwenDecoder
 
-# Sampler weights kept loaded as read-only adapters, most recently sampled first.
+# Sampler weights kept loaded as read-only adapters; the least recently sampled is unloaded first.
 SAMPLER_CACHE_SIZE = 8
 
 
