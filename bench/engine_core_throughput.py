@@ -21,8 +21,10 @@ import torch
 from bench.sampling import baseline_generation_config, generate_round
 from bench.training import PaddedLoopTrainer, load_lora_model
 from bench.workload import FULL, SHORT, prepare_model, token_sequences
-from tinkerrpc_server.engine.runtime import BaseModelRuntime, DatumArrays, LoraSpec, SampleJob
+from tinkerrpc_server.engine.compute.samples import SampleJob
+from tinkerrpc_server.engine.runtime import BaseModelRuntime, DatumArrays, LoraSpec
 from tinkerrpc_server.model_store import default_model_dir
+from tinkerrpc_server.settings import ENGINE_DEVICE_ENV, ENGINE_DTYPE_ENV
 
 
 def _rate(tokens: int, run: Callable[[], None], repeats: int) -> float:
@@ -45,7 +47,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     settings = SHORT if args.short else FULL
     model = prepare_model(settings, args.model_dir)
-    runtime = BaseModelRuntime(model.path)  # where load_lora_model puts the baseline (bench.workload)
+    # Where load_lora_model puts the baseline (bench.workload).
+    runtime = BaseModelRuntime(
+        model.path, os.environ.get(ENGINE_DEVICE_ENV), os.environ.get(ENGINE_DTYPE_ENV)
+    )
     runtime.create_adapter("bench", LoraSpec(rank=settings.lora_rank, seed=0))
     baseline = load_lora_model(model, settings.lora_rank)
     pad_id = int(baseline.config.pad_token_id or 0)

@@ -4,20 +4,18 @@
    same model and the same unmerged LoRA;
 2. staggered arrivals (requests arriving over ~2 s on a seeded schedule, different lengths):
    throughput vs sequential `generate()`, and median request latency vs gather-then-run batching, the
-   engine's batching before continuous batching (the same engine code started with
-   TINKERRPC_ENGINE_BATCHING=gather, in the same run);
+   engine's batching before continuous batching (the same engine built with bench/gather_then_run.py's
+   strategy, in the same run);
 3. shared prompts: one request for n samples of a long prompt vs n separate requests for one sample
    each on the gather-then-run engine (which prefills every row on its own).
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import threading
 import time
 from dataclasses import dataclass
-from unittest import mock
 
 import numpy as np
 import tinker
@@ -26,11 +24,11 @@ from peft import PeftModel
 from tinker import types
 from transformers import GenerationConfig
 
+from bench.gather_then_run import gather_then_run_engine
 from bench.machine import synchronize
 from bench.report import Figure
 from bench.training import load_lora_model
 from bench.workload import BenchModel, Settings, token_sequences
-from tinkerrpc_server.engine.sampler import BATCHING_ENV
 from tinkerrpc_server.local.stack import LocalEngine
 
 SAMPLING_GOAL = 5.0
@@ -167,8 +165,7 @@ def _sampling_client(engine: LocalEngine, model: BenchModel, rank: int) -> tinke
 def _gather_then_run_engine(engine: LocalEngine) -> LocalEngine:
     """Another engine like `engine`, with continuous batching and shared prompts switched off."""
     work = engine.data_dir.parent / "engine-gather-then-run"
-    with mock.patch.dict(os.environ, {BATCHING_ENV: "gather"}):
-        return LocalEngine(work / "data", engine.model_dir, work / "engine.log")
+    return gather_then_run_engine(work / "data", engine.model_dir, work / "engine.log")
 
 
 def measure(
@@ -296,8 +293,8 @@ def _staggered(
             direction="<=",
             detail=(
                 f"{schedule}; median request latency over {sizes.staggered_rounds} rounds of each side, "
-                f"alternating; baseline: the same engine code with "
-                f"{BATCHING_ENV}=gather, the engine's batching before continuous batching (requests join only "
+                f"alternating; baseline: the same engine code with bench/gather_then_run.py's strategy, "
+                f"the engine's batching before continuous batching (requests join only "
                 f"an empty batch, whose rows all compute until its last one stops, and are answered then)"
             ),
         ),
@@ -327,7 +324,7 @@ def _shared_prompts(
             f"n = {sizes.shared_samples} samples of one {sizes.shared_prompt_tokens}-token prompt, "
             f"{sizes.shared_new_tokens} new tokens each; ours: one request (the prompt prefilled once); "
             f"baseline: {sizes.shared_samples} concurrent single-sample requests (seeds as the rows of "
-            f"ours) on the engine with {BATCHING_ENV}=gather (every row prefilled on its own); median "
+            f"ours) on the gather-then-run engine (every row prefilled on its own); median "
             f"of {sizes.shared_timed_rounds} rounds"
         ),
     )

@@ -307,12 +307,10 @@ def _engine(args: argparse.Namespace) -> int:
     except PlacementError as error:
         print(f"tinkerrpc engine: cannot start: {error}", file=sys.stderr)
         return 2
-    # The runtime reads them where it loads a base model (engine/runtime.py resolve_placement).
-    for name, value in ((ENGINE_DEVICE_ENV, args.device), (ENGINE_DTYPE_ENV, args.dtype)):
-        if value:
-            os.environ[name] = value
     model_dir = args.model_dir or default_model_dir(os.environ)
-    run_engine(args.host, args.port, args.data_dir, model_dir, api_key, args.session_timeout)
+    run_engine(
+        args.host, args.port, args.data_dir, model_dir, api_key, args.session_timeout, args.device, args.dtype
+    )
     return 0
 
 

@@ -9,14 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.gather_then_run import GATHER_THEN_RUN
+from tinkerrpc_server.engine.compute.feed import DecodeStats, RequestFeed
+from tinkerrpc_server.engine.compute.samples import SampleJob, SampleOutput
+from tinkerrpc_server.engine.compute.scheduler import BatchPolicy
 from tinkerrpc_server.engine.futures import FailedResult, Outcome, RequestFuture
-from tinkerrpc_server.engine.runtime import (
-    BaseModelRuntime,
-    EngineUserError,
-    SampleJob,
-    SampleOutput,
-)
-from tinkerrpc_server.engine.sampler import BatchPolicy, DecodeStats, RequestFeed
+from tinkerrpc_server.engine.runtime import BaseModelRuntime, EngineUserError
 from tinkerrpc_server.engine.worker import ComputeWorker
 
 PROMPT = [1, 291, 201, 420, 311, 408, 14, 338, 310, 409, 16, 2, 201, 1, 293, 201]
@@ -175,6 +173,12 @@ def test_chunked_prefill_and_bounded_batches_sample_the_same(
     assert feed.stats.prefill_chunks > 3
 
 
+@pytest.mark.parametrize("field", ["max_rows", "max_kv_tokens", "prefill_chunk_tokens"])
+def test_a_policy_bound_below_one_is_refused(field: str) -> None:
+    with pytest.raises(ValueError, match=f"{field} must be at least 1"):
+        BatchPolicy(**{field: 0})  # type: ignore[arg-type]
+
+
 def test_gather_then_run_admits_only_into_an_empty_batch_and_answers_when_it_is_done(
     runtime: BaseModelRuntime, sampler_dir: Path
 ) -> None:
@@ -182,7 +186,7 @@ def test_gather_then_run_admits_only_into_an_empty_batch_and_answers_when_it_is_
     short = SampleJob(PROMPT, 1, 3, seed=3, stop_token_ids=[])
     late = SampleJob(OTHER_PROMPT, 1, 4, seed=2, stop_token_ids=[])
     feed = ScriptedFeed({0: [long, short], 3: [late]})
-    runtime.serve_samples(sampler_dir, feed, policy=BatchPolicy(continuous=False, share_prompts=False))
+    runtime.serve_samples(sampler_dir, feed, policy=GATHER_THEN_RUN)
     assert feed.stats.requests_joined_running_batch == 0 and feed.stats.shared_prefill_rows == 0
     # As the engine batched before continuous batching: the short row computes until the long one
     # stops (14 decode passes of 2 rows), then the late request's batch runs (3 passes of 1 row).

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 from test_non_finite_guard import state_of
 
+from tinkerrpc_server.engine.compute.samples import SampleJob
 from tinkerrpc_server.engine.runtime import (
     ADAPTER_WEIGHTS_FILE,
     OPTIMIZER_FILE,
@@ -22,7 +23,6 @@ from tinkerrpc_server.engine.runtime import (
     DatumArrays,
     LoraSpec,
     PlacementError,
-    SampleJob,
     resolve_placement,
 )
 from tinkerrpc_server.settings import ENGINE_API_KEY_ENV, ENGINE_DEVICE_ENV, ENGINE_DTYPE_ENV
@@ -81,11 +81,12 @@ def test_placement_defaults_settings_and_errors(monkeypatch: pytest.MonkeyPatch)
         resolve_placement("meta")
     with pytest.raises(PlacementError, match="not a torch device"):
         resolve_placement("gpu")
-    # The settings apply where no argument is given (how `serve`'s engine child and harnesses get them).
-    monkeypatch.setenv(ENGINE_DEVICE_ENV, "cpu")
-    monkeypatch.setenv(ENGINE_DTYPE_ENV, "bfloat16")
-    assert resolve_placement() == (torch.device("cpu"), torch.bfloat16)
-    assert resolve_placement(dtype="float32") == (torch.device("cpu"), torch.float32)
+    # The settings are read by the entry points (the CLI, `serve`'s engine child), which pass them in:
+    # the engine's compute code never reads the environment.
+    monkeypatch.setenv(ENGINE_DEVICE_ENV, "meta")
+    monkeypatch.setenv(ENGINE_DTYPE_ENV, "float16")
+    assert resolve_placement("cpu", "bfloat16") == (torch.device("cpu"), torch.bfloat16)
+    assert resolve_placement("cpu") == (torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

@@ -9,12 +9,12 @@ import pytest
 import torch
 from engine_core_ref import load_plain_model
 
+from tinkerrpc_server.engine.compute.samples import SampleJob
 from tinkerrpc_server.engine.runtime import (
     BaseModelRuntime,
     DatumArrays,
     EngineUserError,
     LoraSpec,
-    SampleJob,
 )
 
 PROMPT = [1, 291, 201, 420, 311, 408, 14, 338, 310, 409, 16, 2, 201, 1, 293, 201]
@@ -83,6 +83,16 @@ def test_prompt_logprobs_match_the_learner(runtime: BaseModelRuntime, sampler_di
         assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
         assert top[0][1] >= out.prompt_logprobs[position] - 1e-6  # type: ignore[operator]
     runtime.delete_adapter("policy-copy")
+
+
+def test_prompt_logprobs_of_the_last_n_positions_only(runtime: BaseModelRuntime, sampler_dir: Path) -> None:
+    every = SampleJob(PROMPT, 1, 1, include_prompt_logprobs=True)
+    last_three = SampleJob(PROMPT, 1, 1, include_prompt_logprobs=True, prompt_logprobs_last_n=3)
+    full, trimmed = runtime.sample(sampler_dir, [every, last_three])
+    assert full.prompt_logprobs is not None and trimmed.prompt_logprobs is not None
+    assert len(trimmed.prompt_logprobs) == len(PROMPT)
+    assert trimmed.prompt_logprobs[:-3] == [None] * (len(PROMPT) - 3)
+    np.testing.assert_allclose(trimmed.prompt_logprobs[-3:], full.prompt_logprobs[-3:], atol=1e-5)  # type: ignore[arg-type]
 
 
 def test_stop_token_ids_default_stops_and_max_tokens(runtime: BaseModelRuntime, sampler_dir: Path) -> None:
@@ -166,6 +176,9 @@ def test_base_model_samples_differ_from_the_adapter(runtime: BaseModelRuntime, s
         (SampleJob([1, 2], 1, 4, temperature=-1.0), "temperature"),
         (SampleJob([1, 2], 1, 4, top_p=0.0), "top_p"),
         (SampleJob([1, 2], 1, 4, top_k=-5), "top_k"),
+        (SampleJob([1, 2], 1, 4, top_k=-1), "top_k must be 0 \\(off\\)"),
+        (SampleJob([1, 2, 3], 1, 4, prompt_logprobs_last_n=3), "prompt_logprobs_last_n"),
+        (SampleJob([1, 2, 3], 1, 4, prompt_logprobs_last_n=0), "prompt_logprobs_last_n"),
         (SampleJob([1, 2], 1, 4, stop_token_ids=[10**6]), "outside the vocabulary"),
         (SampleJob([1, 2], 1, 4, stop_strings=[""]), "stop strings"),
     ],

@@ -10,7 +10,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 from tinker import types
 
-from tinkerrpc_server.engine.protocol import sample_job
+from tinkerrpc_server.engine.protocol import BadRequest, sample_job
 from tinkerrpc_server.engine.runtime import LORA_ALPHA, BaseModelRuntime, LoraSpec
 
 
@@ -93,8 +93,9 @@ def test_adam_defaults_are_the_sdk_s_and_reach_the_optimizer(runtime: BaseModelR
 
 
 def test_sampling_defaults_are_the_sdk_s() -> None:
-    """Default SamplingParams: temperature 1, no top-k (-1), no nucleus (top_p 1), EOS stops (stop None),
-    and no max_tokens means until the context is full (-1, filled in when the model is known)."""
+    """Default SamplingParams: temperature 1, no top-k (tinker's -1, the engine's 0), no nucleus (top_p 1),
+    EOS stops (stop None), and no max_tokens means until the context is full (-1, filled in when the
+    model is known)."""
     request = types.SampleRequest(
         sampling_session_id="s:sample:0",
         seq_id=0,
@@ -102,6 +103,12 @@ def test_sampling_defaults_are_the_sdk_s() -> None:
         prompt=types.ModelInput.from_ints([1, 2, 3]),
         sampling_params=types.SamplingParams(),
     )
-    job, _ = sample_job(request)
-    assert (job.temperature, job.top_k, job.top_p, job.max_tokens) == (1.0, -1, 1.0, -1)
+    job = sample_job(request)
+    assert (job.temperature, job.top_k, job.top_p, job.max_tokens) == (1.0, 0, 1.0, -1)
+    # tinker's top_k convention is converted once, here; a value it does not define is refused here.
+    assert (
+        sample_job(request.model_copy(update={"sampling_params": types.SamplingParams(top_k=5)})).top_k == 5
+    )
+    with pytest.raises(BadRequest, match="top_k must be -1"):
+        sample_job(request.model_copy(update={"sampling_params": types.SamplingParams(top_k=-2)}))
     assert job.stop_token_ids is None and job.stop_strings == [] and job.seed is None

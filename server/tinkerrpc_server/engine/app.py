@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 
 from tinkerrpc_server.engine import protocol
 from tinkerrpc_server.engine.auth import ApiKeyMiddleware
+from tinkerrpc_server.engine.compute.scheduler import BatchPolicy
 from tinkerrpc_server.engine.core import DEFAULT_SESSION_TIMEOUT_SECONDS, Engine, NotFound
 from tinkerrpc_server.engine.routes import models, sampling, training, weights
 from tinkerrpc_server.engine.routes.common import future
@@ -57,10 +58,14 @@ def create_app(
     model_dir: Path,
     api_key: str | None,
     session_timeout: float = DEFAULT_SESSION_TIMEOUT_SECONDS,
+    device: str | None = None,
+    dtype: str | None = None,
+    policy: BatchPolicy | None = None,
 ) -> FastAPI:
     """The engine's app; with `api_key`, every request but the health check and signed downloads needs
-    it (engine.auth), with None the engine serves anyone who reaches its port."""
-    engine = Engine(data_dir, model_dir, session_timeout)
+    it (engine.auth), with None the engine serves anyone who reaches its port. `device`, `dtype` and
+    `policy` as in core.Engine."""
+    engine = Engine(data_dir, model_dir, session_timeout, device, dtype, policy)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -105,13 +110,16 @@ def run_engine(
     model_dir: Path,
     api_key: str | None,
     session_timeout: float = DEFAULT_SESSION_TIMEOUT_SECONDS,
+    device: str | None = None,
+    dtype: str | None = None,
+    policy: BatchPolicy | None = None,
 ) -> None:
     """Serve the engine until SIGTERM/SIGINT, then return normally."""
     # Everything the engine writes (weights, optimizer state, its index) is its owner's alone.
     os.umask(0o077)
     # Before listening: once the engine answers, clients can load the built-in models by name.
     prepare_builtin_models(model_dir)
-    app = create_app(data_dir, model_dir, api_key, session_timeout)
+    app = create_app(data_dir, model_dir, api_key, session_timeout, device, dtype, policy)
     log.info(
         "engine on http://%s:%d (data %s, models %s, %s)",
         host,

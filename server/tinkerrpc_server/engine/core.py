@@ -29,6 +29,9 @@ from pathlib import Path
 from tinker import types
 
 from tinkerrpc_server.engine import protocol
+from tinkerrpc_server.engine.compute.feed import MappedFeed, RequestFeed
+from tinkerrpc_server.engine.compute.samples import SampleJob, SampleOutput
+from tinkerrpc_server.engine.compute.scheduler import BatchPolicy
 from tinkerrpc_server.engine.futures import (
     FailedResult,
     FutureTable,
@@ -37,14 +40,7 @@ from tinkerrpc_server.engine.futures import (
     ProtoResult,
     RequestFuture,
 )
-from tinkerrpc_server.engine.runtime import (
-    BaseModelRuntime,
-    EngineUserError,
-    LoraSpec,
-    SampleJob,
-    SampleOutput,
-)
-from tinkerrpc_server.engine.sampler import MappedFeed, RequestFeed
+from tinkerrpc_server.engine.runtime import BaseModelRuntime, EngineUserError, LoraSpec
 from tinkerrpc_server.engine.storage import (
     CheckpointKind,
     CheckpointRecord,
@@ -102,11 +98,20 @@ def classify_error(exc: BaseException) -> FailedResult:
 
 class Engine:
     def __init__(
-        self, data_dir: Path, model_dir: Path, session_timeout: float = DEFAULT_SESSION_TIMEOUT_SECONDS
+        self,
+        data_dir: Path,
+        model_dir: Path,
+        session_timeout: float = DEFAULT_SESSION_TIMEOUT_SECONDS,
+        device: str | None = None,
+        dtype: str | None = None,
+        policy: BatchPolicy | None = None,
     ) -> None:
+        """`device` and `dtype` place every base model (runtime.resolve_placement; None: the default),
+        `policy` batches its samples (default: continuous batching)."""
         if not 0 < session_timeout < float("inf"):
             raise ValueError(f"session timeout must be a positive number of seconds, got {session_timeout}")
         self.model_dir = model_dir
+        self._device, self._dtype, self._policy = device, dtype, policy
         self.session_timeout = session_timeout
         self.storage = Storage(data_dir)
         self.futures = FutureTable()
@@ -196,7 +201,7 @@ class Engine:
         runtime = self._runtimes.get(path)
         if runtime is None:
             started = time.perf_counter()
-            runtime = self._runtimes[path] = BaseModelRuntime(path)
+            runtime = self._runtimes[path] = BaseModelRuntime(path, self._device, self._dtype, self._policy)
             log.info(
                 "loaded base model %s from %s in %.1f s", base_model, path, time.perf_counter() - started
             )
@@ -424,52 +429,35 @@ class Engine:
             raise protocol.BadRequest("base_model is required")
         return Sampler("", base_model, None, None)
 
-    def run_sample_batch(
-        self, sampler: Sampler, feed: RequestFeed[tuple[SampleJob, int | None], Outcome]
-    ) -> None:
-        """Run the sample requests `feed` brings for one sampler as one continuously batched decode
+    def run_sample_batch(self, sampler: Sampler, feed: RequestFeed[SampleJob, Outcome]) -> None:
+        """Run the sample jobs `feed` brings for one sampler as one continuously batched decode
         (compute thread): each is answered as soon as it finishes, a bad one alone fails, and `feed`
         runs queued training between decode steps."""
         runtime = self.runtime(sampler.base_model)
         if sampler.weights_dir is not None and not sampler.weights_dir.is_dir():
             raise EngineUserError(f"the weights of {sampler.model_path} were deleted")
-        last_n_of: dict[int, int | None] = {}
 
-        def job_of(key: int, payload: tuple[SampleJob, int | None]) -> SampleJob:
-            job, last_n_of[key] = payload
+        def job_of(key: int, job: SampleJob) -> SampleJob:
             return fill_max_tokens(job, runtime)
 
         def outcome_of(key: int, result: SampleOutput | EngineUserError) -> Outcome:
             if isinstance(result, EngineUserError):
                 return FailedResult(str(result), "user")
-            last_n = last_n_of.pop(key)
-            if last_n is not None and result.prompt_logprobs is not None:
-                # Only the last N prompt positions were asked for; the SDK checks the rest are None.
-                keep_from = len(result.prompt_logprobs) - last_n
-                result.prompt_logprobs = [
-                    None if j < keep_from else lp for j, lp in enumerate(result.prompt_logprobs)
-                ]
             return ProtoResult(protocol.encode_sample_output(result))
 
         runtime.serve_samples(sampler.weights_dir, MappedFeed(feed, job_of, outcome_of))
 
-    def submit_sample(
-        self,
-        sampler: Sampler,
-        job: SampleJob,
-        last_n: int | None,
-        future: RequestFuture,
-    ) -> None:
-        """Queue one sample request; requests for the same weights run in one continuously batched decode."""
+    def submit_sample(self, sampler: Sampler, job: SampleJob, future: RequestFuture) -> None:
+        """Queue one sample job; jobs for the same weights run in one continuously batched decode."""
 
-        def run_batch(feed: RequestFeed[tuple[SampleJob, int | None], Outcome]) -> None:
+        def run_batch(feed: RequestFeed[SampleJob, Outcome]) -> None:
             self.run_sample_batch(sampler, feed)
 
         self.worker.submit_sample(
             (sampler.base_model, sampler.weights_dir),
             sampler.model_path or sampler.base_model,
             run_batch,
-            (job, last_n),
+            job,
             future,
         )
 

@@ -100,8 +100,7 @@ class FutureTable:
         self._lock = threading.Lock()
         self._futures: dict[str, RequestFuture] = {}
         # (request id, payload bytes) in the order they finished: creating a request forgets the oldest
-        # beyond the bounds in O(1), where scanning every kept future cost ~2 ms a request once thousands
-        # were kept.
+        # beyond the bounds in O(1), not by scanning the thousands of futures it may keep.
         self._finished: deque[tuple[str, int]] = deque()
         self._finished_bytes = 0
         self._keep_finished = keep_finished

@@ -1,4 +1,4 @@
-"""Tinker wire formats the SDK's pydantic types do not cover, and requests into runtime inputs.
+"""Tinker wire formats the SDK's pydantic types do not cover, and requests into the engine's inputs.
 
 The tinker SDK sends forward_backward as a protobuf `ForwardBackwardRequest` (maybe zstd-compressed) and
 expects forward_backward and sample results as protobuf: this module decodes and encodes those. Every
@@ -17,7 +17,8 @@ import zstandard
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
-from tinkerrpc_server.engine.runtime import DatumArrays, ForwardResult, SampleJob, SampleOutput
+from tinkerrpc_server.engine.compute.samples import SampleJob, SampleOutput
+from tinkerrpc_server.engine.runtime import DatumArrays, ForwardResult
 
 PROTOBUF_CONTENT_TYPE = "application/x-protobuf"
 
@@ -175,11 +176,12 @@ def prompt_tokens(prompt: types.ModelInput) -> list[int]:
     return tokens
 
 
-def sample_job(request: types.SampleRequest) -> tuple[SampleJob, int | None]:
-    """Translate a SampleRequest into a runtime SampleJob and its prompt_logprobs_last_n.
+def sample_job(request: types.SampleRequest) -> SampleJob:
+    """Translate a SampleRequest into the engine's SampleJob.
 
     The runtime checks the values; this checks only what the wire encodes differently. An unset
     max_tokens becomes -1: the worker fills in "until the context is full" once the model is loaded.
+    tinker's top_k -1 (off) becomes the engine's 0.
     Stop semantics: `stop` None keeps the model's default EOS stop; any list, including [], is the
     complete set of stops and replaces EOS: token ids stop on those ids, strings stop when the decoded
     text contains one of them.
@@ -195,24 +197,23 @@ def sample_job(request: types.SampleRequest) -> tuple[SampleJob, int | None]:
     tokens = prompt_tokens(request.prompt)
     if params.max_tokens is not None and params.max_tokens < 0:
         raise BadRequest(f"max_tokens must be >= 0, got {params.max_tokens}")
-    last_n = request.prompt_logprobs_last_n
-    if last_n is not None and not 1 <= last_n < len(tokens):
-        raise BadRequest(f"prompt_logprobs_last_n must be in [1, {len(tokens) - 1}]")
+    if params.top_k < -1:
+        raise BadRequest(f"top_k must be -1 (off) or positive, got {params.top_k}")
     stop = [params.stop] if isinstance(params.stop, str) else params.stop
-    job = SampleJob(
+    return SampleJob(
         prompt_tokens=tokens,
         num_samples=request.num_samples,
         max_tokens=-1 if params.max_tokens is None else params.max_tokens,
         temperature=params.temperature,
-        top_k=params.top_k,
+        top_k=0 if params.top_k == -1 else params.top_k,
         top_p=params.top_p,
         stop_token_ids=None if stop is None else [s for s in stop if isinstance(s, int)],
         stop_strings=[] if stop is None else [s for s in stop if isinstance(s, str)],
         seed=params.seed,
         include_prompt_logprobs=bool(request.prompt_logprobs) or request.topk_prompt_logprobs > 0,
         topk_prompt_logprobs=request.topk_prompt_logprobs,
+        prompt_logprobs_last_n=request.prompt_logprobs_last_n,
     )
-    return job, last_n
 
 
 class WeightsInfoRequest(pydantic.BaseModel):

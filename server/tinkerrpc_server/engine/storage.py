@@ -144,7 +144,7 @@ def parse_tinker_path(path: str) -> tuple[str, CheckpointKind, str]:
     return check_id("model_id", parts[0]), _SEGMENT_KIND[parts[1]], parts[2]
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -268,7 +268,7 @@ class Storage:
         except BaseException:
             Path(tmp_name).unlink(missing_ok=True)
             raise
-        _fsync_directory(index_path.parent)
+        fsync_directory(index_path.parent)
         if self._journal is not None:
             self._journal.close()
         self._journal = index_path.open("a")

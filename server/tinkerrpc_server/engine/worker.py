@@ -4,10 +4,10 @@ Scheduling rules:
 - training operations of one model run in seq_id order (the SDK numbers a model's requests from 1;
   creation is seq 0); a request whose predecessor never arrives runs after `gap_timeout` seconds;
 - sample requests that are pending together for the same weights go to the runtime as ONE batch, and
-  requests for those weights that arrive while it runs join it (the sampler admits them at its next
-  decode step; see sampler.BatchPolicy), unless requests for other weights have waited longer: then
-  the batch takes no one new, finishes, and the other weights' batch runs next; each request is
-  answered as soon as its own sequences finish;
+  requests for those weights that arrive while it runs join it (the scheduler admits them at its next
+  decode step; see BatchPolicy in compute/scheduler.py), unless requests for other weights have waited
+  longer: then the batch takes no one new, finishes, and the other weights' batch runs next; each
+  request is answered as soon as its own sequences finish;
 - the worker alternates between a training operation and a sample batch whenever both are waiting,
   so sampling keeps being served while training requests queue (and vice versa); a running sample
   batch also lets one waiting training operation run between two of its decode steps, so a long
@@ -28,8 +28,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tinkerrpc_server.engine.compute.feed import DecodeStats, RequestFeed
 from tinkerrpc_server.engine.futures import FailedResult, Outcome, RequestFuture
-from tinkerrpc_server.engine.sampler import DecodeStats, RequestFeed
 
 log = logging.getLogger("tinkerrpc.engine")
 
@@ -63,7 +63,7 @@ class _ModelQueue:
 
 
 @dataclass
-class _SampleRequest:
+class _PendingSample:
     payload: Any
     future: RequestFuture
 
@@ -72,7 +72,7 @@ class _SampleRequest:
 class _SampleGroup:
     run_batch: BatchWork
     description: str
-    requests: list[_SampleRequest] = field(default_factory=list)
+    requests: list[_PendingSample] = field(default_factory=list)
     created: float = field(default_factory=time.monotonic)
 
 
@@ -155,7 +155,7 @@ class ComputeWorker:
             group = self._samples.get(group_key)
             if group is None:
                 group = self._samples[group_key] = _SampleGroup(run_batch, description)
-            group.requests.append(_SampleRequest(payload, future))
+            group.requests.append(_PendingSample(payload, future))
             self._cond.notify()
 
     def stop(self) -> None:
@@ -281,7 +281,7 @@ class ComputeWorker:
             session.failures,
         )
 
-    def _drop_abandoned_samples(self, requests: list[_SampleRequest]) -> None:
+    def _drop_abandoned_samples(self, requests: list[_PendingSample]) -> None:
         if requests:
             self.stats.abandoned_sample_requests += len(requests)
             log.info("sample: %d request(s) dropped, their callers stopped waiting", len(requests))
@@ -301,7 +301,7 @@ class ComputeWorker:
             self.stats.training_ops_between_decode_steps += 1
             self._run_training_op(op)
 
-    def take_joining_samples(self, group_key: Hashable) -> list[_SampleRequest]:
+    def take_joining_samples(self, group_key: Hashable) -> list[_PendingSample]:
         """Requests for a running batch's weights that arrived while it ran, unless requests for other
         weights have waited longer (they go first: the running batch then takes no one new)."""
         with self._cond:
@@ -315,11 +315,11 @@ class _SampleBatch:
     requests as they arrive, their answers, which of them were abandoned, and the training operations
     waiting meanwhile."""
 
-    def __init__(self, worker: ComputeWorker, group_key: Hashable, first: list[_SampleRequest]) -> None:
+    def __init__(self, worker: ComputeWorker, group_key: Hashable, first: list[_PendingSample]) -> None:
         self._worker = worker
         self._group_key = group_key
-        self._arrived: list[_SampleRequest] = first
-        self._unanswered: dict[int, _SampleRequest] = {}
+        self._arrived: list[_PendingSample] = first
+        self._unanswered: dict[int, _PendingSample] = {}
         self._keys = itertools.count()
         self.taken = self.joined_later = self.failures = 0
 

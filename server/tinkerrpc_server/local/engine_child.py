@@ -24,6 +24,8 @@ from pathlib import Path
 from tinkerrpc_server.local.ownership import own_data_dir
 from tinkerrpc_server.settings import (
     ENGINE_API_KEY_ENV,
+    ENGINE_DEVICE_ENV,
+    ENGINE_DTYPE_ENV,
     configure_logging,
     default_log_level,
     set_process_defaults,
@@ -65,14 +67,16 @@ def main(argv: list[str]) -> int:
     # After the defaults: these import torch.
     from tinkerrpc_server.engine.runtime import PlacementError, resolve_placement
 
+    device, dtype = os.environ.get(ENGINE_DEVICE_ENV), os.environ.get(ENGINE_DTYPE_ENV)
     try:
-        resolve_placement()  # here, not when the first model loads: the server reports the exit at start
+        # Here, not when the first model loads: the server reports the exit at start.
+        resolve_placement(device, dtype)
     except PlacementError as error:
         print(f"tinkerrpc engine: cannot start: {error}", file=sys.stderr)
         return 1
     from tinkerrpc_server.engine.app import run_engine
 
-    run_engine(args.host, args.port, args.data_dir, args.model_dir, api_key)
+    run_engine(args.host, args.port, args.data_dir, args.model_dir, api_key, device=device, dtype=dtype)
     return 0
 
 

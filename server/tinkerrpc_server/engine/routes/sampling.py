@@ -58,9 +58,9 @@ async def asample(request: types.SampleRequest, engine: EngineDep) -> types.Unty
     )
     try:
         sampler = engine.sampler_for(request.sampling_session_id, request.model_path, request.base_model)
-        job, last_n = protocol.sample_job(request)
+        job = protocol.sample_job(request)
     except (protocol.BadRequest, NotFound, UnknownPathError, InvalidNameError) as exc:
         result.set_result(FailedResult(str(exc), "user"))
         return response
-    engine.submit_sample(sampler, job, last_n, result)
+    engine.submit_sample(sampler, job, result)
     return response

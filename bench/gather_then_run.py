@@ -1,0 +1,85 @@
+"""The gather-then-run baseline that bench/sampling.py measures continuous batching against: the engine's
+batching before continuous batching, as a strategy the engine is built with here, not a mode of it.
+
+Jobs join only an empty batch, every row computes until the batch's last row stops, all are answered
+then, and every row is prefilled on its own. `gather_then_run_engine` starts an engine so built:
+`python -m bench.gather_then_run --port P --data-dir D --model-dir M`, with its clients' API key in
+$TINKERRPC_ENGINE_API_KEY and its placement in $TINKERRPC_ENGINE_DEVICE/$TINKERRPC_ENGINE_DTYPE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from tinkerrpc_server import settings
+from tinkerrpc_server.engine.compute.scheduler import BatchPolicy
+from tinkerrpc_server.local.stack import LocalEngine
+
+JobT = TypeVar("JobT")
+
+
+class GatherThenRun:
+    """A BatchingStrategy: nothing joins a running batch, stopped rows stay in it until all have
+    stopped, and its jobs are answered when it drains."""
+
+    def __init__(self) -> None:
+        self._answers: list[Callable[[], None]] = []
+
+    def admits_into_running_batch(self) -> bool:
+        return False
+
+    def rows_kept(self, live: list[int], rows: int) -> list[int]:
+        return list(range(rows)) if live else []
+
+    def finished(self, job: JobT, answer: Callable[[JobT], None]) -> None:
+        self._answers.append(functools.partial(answer, job))
+
+    def batch_drained(self) -> None:
+        answers, self._answers = self._answers, []
+        for answer in answers:
+            answer()
+
+
+GATHER_THEN_RUN = BatchPolicy(share_prompts=False, batching=GatherThenRun)
+
+
+def gather_then_run_engine(data_dir: Path, model_dir: Path, log_path: Path) -> LocalEngine:
+    """An unstarted engine batching as GATHER_THEN_RUN, on a free port of 127.0.0.1."""
+    engine = LocalEngine(data_dir, model_dir, log_path)
+    engine.cmd = [sys.executable, "-m", "bench.gather_then_run", "--port", str(engine.port)]
+    engine.cmd += ["--data-dir", str(data_dir), "--model-dir", str(model_dir)]
+    return engine
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="bench.gather_then_run")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--data-dir", type=Path, required=True)
+    parser.add_argument("--model-dir", type=Path, required=True)
+    args = parser.parse_args(argv)
+    # As `tinkerrpc engine` starts: the baseline runs under the same process settings.
+    settings.set_process_defaults()
+    settings.configure_logging(settings.default_log_level())
+    from tinkerrpc_server.engine.app import run_engine
+
+    run_engine(
+        "127.0.0.1",
+        args.port,
+        args.data_dir,
+        args.model_dir,
+        os.environ[settings.ENGINE_API_KEY_ENV],
+        device=os.environ.get(settings.ENGINE_DEVICE_ENV),
+        dtype=os.environ.get(settings.ENGINE_DTYPE_ENV),
+        policy=GATHER_THEN_RUN,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,45 @@
+"""The engine's one sample request and one sample result, from the HTTP route to the decode loop and back.
+
+The route translates the tinker wire types into a `SampleJob` once (engine/protocol.py); the runtime
+checks it, the scheduler decodes it and answers with a `SampleOutput`, which the route encodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+StopReason = Literal["stop", "length"]
+
+
+@dataclass
+class SampleJob:
+    prompt_tokens: list[int]
+    num_samples: int
+    # -1: until the context is full (filled in once the base model is known).
+    max_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off (tinker's -1 is converted at the edge)
+    top_p: float = 1.0
+    # None: the model's default stops (its EOS tokens); a list, [] included, replaces them.
+    stop_token_ids: list[int] | None = None
+    stop_strings: list[str] = field(default_factory=list)
+    seed: int | None = None
+    include_prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    # Only the last N prompt positions get a logprob (the others are None); None: all of them.
+    prompt_logprobs_last_n: int | None = None
+
+
+@dataclass
+class SampledSeq:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: StopReason
+
+
+@dataclass
+class SampleOutput:
+    sequences: list[SampledSeq]
+    prompt_logprobs: list[float | None] | None
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None

@@ -1,0 +1,162 @@
+"""An adapter's state on disk: its PEFT config and LoRA weights, its LoRA spec, and optionally its AdamW
+state, written to a staging directory and published in one rename; and adapters loaded back from one."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+
+from tinkerrpc_server.engine.compute.adapters import (
+    ATTN_MODULES,
+    MLP_MODULES,
+    UNEMBED_MODULES,
+    AdaptedModel,
+    Adapter,
+    LoraSpec,
+)
+from tinkerrpc_server.engine.compute.errors import EngineUserError
+from tinkerrpc_server.engine.storage import fsync_directory
+
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+LORA_SPEC_FILE = "tinkerrpc_lora.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
+OPTIMIZER_META_FILE = "optimizer.json"
+
+
+class StateIO(AdaptedModel):
+    """Adapters saved to and loaded from directories."""
+
+    def save_state(self, model_id: str, directory: Path, include_optimizer: bool) -> None:
+        adapter = self._require_adapter(model_id)
+        assert self._peft is not None
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+        try:
+            self._peft.peft_config[adapter.peft_name].save_pretrained(str(staging))
+            # The base lm_head stays in the base model: only LoRA factors go into the file.
+            weights = get_peft_model_state_dict(
+                self._peft, adapter_name=adapter.peft_name, save_embedding_layers=False
+            )
+            save_file(
+                {k: v.detach().cpu().contiguous() for k, v in weights.items()},
+                str(staging / ADAPTER_WEIGHTS_FILE),
+                metadata={"format": "pt"},
+            )
+            (staging / LORA_SPEC_FILE).write_text(json.dumps(asdict(adapter.spec)))
+            if include_optimizer:
+                self._save_optimizer(adapter, staging)
+            _publish_directory(staging, directory)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+
+    def _save_optimizer(self, adapter: Adapter, directory: Path) -> None:
+        tensors: dict[str, torch.Tensor] = {}
+        steps: dict[str, float] = {}
+        for name, param in adapter.params.items():
+            state = adapter.optimizer.state.get(param)
+            if not state:
+                continue
+            tensors[f"{name}.exp_avg"] = state["exp_avg"].detach().cpu().contiguous()
+            tensors[f"{name}.exp_avg_sq"] = state["exp_avg_sq"].detach().cpu().contiguous()
+            steps[name] = float(state["step"])
+        save_file(tensors, str(directory / OPTIMIZER_FILE))
+        (directory / OPTIMIZER_META_FILE).write_text(json.dumps({"steps": steps}))
+
+    def load_state(self, model_id: str, directory: Path, include_optimizer: bool) -> LoraSpec:
+        directory = Path(directory)
+        if (
+            not (directory / ADAPTER_CONFIG_FILE).is_file()
+            or not (directory / ADAPTER_WEIGHTS_FILE).is_file()
+        ):
+            raise EngineUserError(f"no saved adapter at {directory}")
+        if include_optimizer and not (directory / OPTIMIZER_FILE).is_file():
+            raise EngineUserError(f"checkpoint {directory} has no optimizer state (saved for sampling only)")
+        config = LoraConfig.from_pretrained(str(directory))
+        spec = self._read_lora_spec(directory, config)
+        peft_name = self._load_peft_adapter(directory, config)
+        try:
+            adapter = self._register(peft_name, spec)
+            if include_optimizer:
+                self._load_optimizer(adapter, directory)
+        except Exception:
+            self._remove_peft_adapter(peft_name)
+            raise
+        previous = self._adapters.get(model_id)
+        if previous is not None:
+            self._remove_peft_adapter(previous.peft_name)
+        self._adapters[model_id] = adapter
+        self._restore_trainability()
+        return spec
+
+    def _read_lora_spec(self, directory: Path, config: LoraConfig) -> LoraSpec:
+        spec_file = directory / LORA_SPEC_FILE
+        if spec_file.is_file():
+            return LoraSpec(**json.loads(spec_file.read_text()))
+        # A plain PEFT adapter saved elsewhere: recover what its config says.
+        targets = set(config.target_modules or [])
+        return LoraSpec(
+            rank=int(config.r),
+            seed=0,
+            train_mlp=bool(targets & set(MLP_MODULES)),
+            train_attn=bool(targets & set(ATTN_MODULES)),
+            train_unembed=bool(targets & set(UNEMBED_MODULES)),
+        )
+
+    def _load_peft_adapter(self, directory: Path, config: LoraConfig) -> str:
+        config.inference_mode = False
+        peft_name = self._add_peft_adapter(config, seed=0)
+        assert self._peft is not None
+        try:
+            weights = load_file(str(directory / ADAPTER_WEIGHTS_FILE), device=str(self.device))
+            result = set_peft_model_state_dict(self._peft, weights, adapter_name=peft_name)
+            # peft annotates its return as `namedtuple` (a function, not a type); it is torch's
+            # load_state_dict result, which has missing_keys.
+            missing = [k for k in result.missing_keys if f".{peft_name}." in k]  # type: ignore[attr-defined]
+            if missing:
+                raise EngineUserError(f"adapter at {directory} lacks weights for {missing[:3]}")
+        except EngineUserError:
+            self._remove_peft_adapter(peft_name)
+            raise
+        except (RuntimeError, ValueError) as error:
+            self._remove_peft_adapter(peft_name)
+            raise EngineUserError(f"adapter at {directory} does not fit this base model: {error}") from None
+        return peft_name
+
+    def _load_optimizer(self, adapter: Adapter, directory: Path) -> None:
+        tensors = load_file(str(directory / OPTIMIZER_FILE), device=str(self.device))
+        steps = json.loads((directory / OPTIMIZER_META_FILE).read_text())["steps"]
+        for name, param in adapter.params.items():
+            if name not in steps:
+                continue
+            adapter.optimizer.state[param] = {
+                "step": torch.tensor(float(steps[name]), dtype=torch.float32),
+                "exp_avg": tensors[f"{name}.exp_avg"].to(param.dtype),
+                "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].to(param.dtype),
+            }
+
+
+def _publish_directory(staging: Path, final: Path) -> None:
+    """Durably move a fully written directory into place, replacing any previous one."""
+    for file in staging.iterdir():
+        with open(file, "rb") as handle:
+            os.fsync(handle.fileno())
+    fsync_directory(staging)
+    retired: Path | None = None
+    if final.exists():
+        retired = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+        os.rename(final, retired / final.name)
+    os.rename(staging, final)
+    fsync_directory(final.parent)
+    if retired is not None:
+        shutil.rmtree(retired, ignore_errors=True)

@@ -1,0 +1,91 @@
+"""Token choice: one token per row from its logits, temperature, top-k, top-p and its own uniform draw,
+and whether a row stops there (stop token, stop string, or its max_tokens)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tinkerrpc_server.engine.compute.samples import SampleJob, StopReason
+
+# Tokens decoded before the ones that can hold a new stop string: a token holds at least one byte of
+# text, and the text of a tail that starts inside a UTF-8 character differs from the whole row's text
+# in its first 3 bytes at most (the decoder is in step again at the next character).
+_RESYNC_TOKENS = 3
+# A stop string with this character could match a tail's broken first character, not the row's text.
+_REPLACEMENT_CHARACTER = "\ufffd"
+
+
+def choose(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row; return it with its logprob.
+
+    The logprob is log-softmax(logits / T) over the whole vocabulary (T = 1 for greedy rows):
+    the model's distribution with temperature applied, before top-k/top-p truncation — the same
+    number the learner computes at T = 1, which is what importance ratios compare against.
+    """
+    greedy = temperatures <= 0
+    scale = torch.where(greedy, torch.ones_like(temperatures), temperatures)
+    logprobs = torch.log_softmax(logits / scale.unsqueeze(-1), dim=-1)
+    # Rows without top-k/top-p draw from the cumulative distribution in vocabulary order, which needs no
+    # sort over the vocabulary; rows with them always take the sorted path. Either way a row's token
+    # depends on its own logits and uniform only.
+    cdf = logprobs.exp().cumsum(-1)
+    sampled = _searchsorted(cdf, uniforms)
+    truncated = (top_ks > 0) | (top_ps < 1)
+    if bool(truncated.any()):
+        sorted_logprobs, order = torch.sort(logprobs, dim=-1, descending=True, stable=True)
+        sorted_probs = sorted_logprobs.exp()
+        ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+        keep = (top_ks.unsqueeze(-1) <= 0) | (ranks < top_ks.unsqueeze(-1))
+        # Nucleus: keep a token while the mass strictly before it is under top_p (the first always stays).
+        keep &= (sorted_probs.cumsum(-1) - sorted_probs) < top_ps.unsqueeze(-1)
+        kept_cdf = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs)).cumsum(-1)
+        picked = _searchsorted(kept_cdf, uniforms)
+        sampled = torch.where(truncated, order.gather(-1, picked.unsqueeze(-1)).squeeze(-1), sampled)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
+    return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def _searchsorted(cdf: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose cumulative mass exceeds uniform × the row's total mass."""
+    targets = (uniforms * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, targets, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+
+
+class StopCheck:
+    """Whether a row of `job` stops at the token it just sampled.
+
+    A row stops on a stop token, once its decoded text contains a stop string, or at max_tokens. The
+    stop strings are checked after every token, so a match is new: it ends in the new token's text or
+    in the last broken character before it. Only the tail that can hold such a match is decoded (the
+    whole row would make a row's checks quadratic in its length)."""
+
+    def __init__(self, job: SampleJob, stop_token_ids: frozenset[int], tokenizer: Any) -> None:
+        self.stop_token_ids = stop_token_ids
+        self.stop_strings = list(job.stop_strings)
+        self.max_tokens = job.max_tokens
+        self._tokenizer = tokenizer
+        longest = max((len(stop.encode()) for stop in self.stop_strings), default=0)
+        exact_tail = not any(_REPLACEMENT_CHARACTER in stop for stop in self.stop_strings)
+        # None: the whole row. Else the new token, the broken character before it, the longest stop
+        # string's bytes and the resync margin.
+        self.tail_tokens: int | None = 1 + 3 + longest + _RESYNC_TOKENS if exact_tail else None
+
+    def reason(self, tokens: list[int]) -> StopReason | None:
+        if tokens[-1] in self.stop_token_ids:
+            return "stop"
+        if self.stop_strings:
+            tail = tokens if self.tail_tokens is None else tokens[-self.tail_tokens :]
+            text: str = self._tokenizer.decode(tail)
+            if any(stop in text for stop in self.stop_strings):
+                return "stop"
+        if len(tokens) >= self.max_tokens:
+            return "length"
+        return None
