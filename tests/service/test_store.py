@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tinkerrpc_server.server import ServerConfig, serve
 from tinkerrpc_server.service import store as store_module
 from tinkerrpc_server.service.store import (
     KIND_SAMPLER,
@@ -245,3 +246,14 @@ def test_step_records_after_the_recovery_point_and_rollback(tmp_path: Path) -> N
     assert store.sampleable_versions("m") == [1, 2, 3, 4]
     row = store.get_model("m")
     assert row is not None and row.policy_version == 4
+
+
+async def test_serve_does_not_start_on_a_newer_database(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    data_dir = tmp_path / "data"
+    Store(data_dir / "tinkerrpc.sqlite3").close()
+    with sqlite3.connect(data_dir / "tinkerrpc.sqlite3") as db:
+        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    assert await serve(ServerConfig(data_dir=data_dir), engine=None) == 1
+    assert f"cannot start: {data_dir / 'tinkerrpc.sqlite3'} has schema version" in caplog.text
