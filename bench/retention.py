@@ -3,9 +3,11 @@ state every step) trains 500 supervised steps. Disk: the engine's files (checkpo
 the end vs at step 50. Step time: the run's last steps vs the first steps of a fresh run (a second server
 on a new data dir, started near the end), the two runs' steps alternating, so both sides are measured in
 the same minute: the machine's speed drifts by ±30% over minutes, which swamped a comparison of steps
-taken minutes apart. Short mode (40 steps, 20 of them alternating) checks the harness only. The server's
-SQLite is reported beside: it keeps each step's metrics and idempotency record by design (the run
-history), a few hundred bytes a step."""
+taken minutes apart. Restores: on the fresh server, the step time after RESTORES restores of a named
+state checkpoint vs just before them (each restore replaces the training client; a client left loaded
+would make every later step dearer). Short mode (40 steps, 20 of them alternating, 5 restores) checks the
+harness only. The server's SQLite is reported beside: it keeps each step's metrics and idempotency
+record by design (the run history), a few hundred bytes a step."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ STEP_TIME_GOAL = 1.5
 # its first FRESH_WARMUP (its compile and allocation steps), all taken alternating with each other.
 WINDOW = 20
 FRESH_WARMUP = {"full": 30, "short": 0}
+RESTORES = {"full": 50, "short": 5}
 _EXAMPLE = [tinkerrpc.Message.user("respond with yes"), tinkerrpc.Message.assistant("yes")]
 
 
@@ -52,6 +55,18 @@ def _model(client: tinkerrpc.Client) -> tinkerrpc.Model:
     return client.create_model("long-run", base_model="tinkerrpc/tiny-chat", lora_rank=1)
 
 
+def _step_time(comparison: str, ours_seconds: float, baseline_seconds: float, detail: str) -> Figure:
+    return Figure(
+        name=f"retention: step time {comparison}",
+        ours=ours_seconds * 1000,
+        baseline=baseline_seconds * 1000,
+        unit="ms",
+        goal=STEP_TIME_GOAL,
+        direction="<=",
+        detail=detail,
+    )
+
+
 def measure(settings: Settings, work_dir: Path, model_dir: Path) -> list[Figure]:
     early, late = (20, 40) if settings.mode == "short" else (50, 500)
     warmup = FRESH_WARMUP[settings.mode]
@@ -74,6 +89,11 @@ def measure(settings: Settings, work_dir: Path, model_dir: Path) -> list[Figure]
             for _ in range(alternating):
                 late_times.append(_timed_step(model))
                 fresh_times.append(_timed_step(fresh_model))
+            fresh_model.save_checkpoint("base")
+            before_restores = statistics.median(_timed_step(fresh_model) for _ in range(WINDOW))
+            for _ in range(RESTORES[settings.mode]):
+                fresh_model.restore("base")
+            after_restores = statistics.median(_timed_step(fresh_model) for _ in range(WINDOW))
         disk_late, sqlite_late = _disk(data_dir / "engine"), _sqlite_bytes(data_dir)
     time_late = statistics.median(late_times[-WINDOW:])
     time_fresh = statistics.median(fresh_times[-WINDOW:])
@@ -91,17 +111,19 @@ def measure(settings: Settings, work_dir: Path, model_dir: Path) -> list[Figure]
                 f"the server's SQLite (with its WAL) was {sqlite_late / 2**20:.2f} vs {sqlite_early / 2**20:.2f} MiB"
             ),
         ),
-        Figure(
-            name="retention: step time late in a run vs early",
-            ours=time_late * 1000,
-            baseline=time_fresh * 1000,
-            unit="ms",
-            goal=STEP_TIME_GOAL,
-            direction="<=",
-            detail=(
-                f"median Train latency of steps {late - WINDOW + 1}-{late} of the run vs steps "
-                f"{warmup + 1}-{warmup + WINDOW} of a fresh run (its own server and data dir), one step of "
-                f"each in turn; {policy}"
-            ),
+        _step_time(
+            "late in a run vs early",
+            time_late,
+            time_fresh,
+            f"median Train latency of steps {late - WINDOW + 1}-{late} of the run vs steps "
+            f"{warmup + 1}-{warmup + WINDOW} of a fresh run (its own server and data dir), one step of "
+            f"each in turn; {policy}",
+        ),
+        _step_time(
+            "after restores vs before",
+            after_restores,
+            before_restores,
+            f"median Train latency of {WINDOW} steps after {RESTORES[settings.mode]} RestoreCheckpoint "
+            f"calls vs {WINDOW} steps just before them, on the fresh run's model; {policy}",
         ),
     ]

@@ -5,6 +5,7 @@ error, INVALID_ARGUMENT, not an UNKNOWN with a traceback in the log)."""
 from __future__ import annotations
 
 import hmac
+import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -40,8 +41,9 @@ def _replaced(
     behaviour: Behaviour,
     request_deserializer: Callable[[bytes], Any] | None,
 ) -> grpc.RpcMethodHandler[Any, Any]:
-    """A handler of the same kind as `handler` running `behaviour` (an async generator function for a
-    streaming response) on requests decoded by `request_deserializer`."""
+    """A handler of the same kind as `handler` running `behaviour` (for a streaming response: an async
+    generator function, or a coroutine function that writes its responses to the context) on requests
+    decoded by `request_deserializer`."""
     make = _HANDLER_MAKERS[(handler.request_streaming, handler.response_streaming)]
     return make(
         behaviour,
@@ -132,10 +134,19 @@ class RequestDecodingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[ty
             serve_stream = handler.unary_stream
             assert serve_stream is not None
 
+            if not inspect.isasyncgenfunction(serve_stream):
+                # A handler that writes its responses itself (health checking's Watch: context.write).
+                async def behaviour_writes(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                    if isinstance(request, _Undecodable):
+                        await refuse(request.error, context)
+                    return await serve_stream(request, context)  # type: ignore[arg-type,misc]
+
+                return _replaced(handler, behaviour_writes, decode_or_mark)
+
             async def behaviour_stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
                 if isinstance(request, _Undecodable):
                     await refuse(request.error, context)
-                async for response in serve_stream(request, context):  # type: ignore[arg-type,attr-defined]
+                async for response in serve_stream(request, context):  # type: ignore[arg-type]
                     yield response
 
             return _replaced(handler, behaviour_stream, decode_or_mark)

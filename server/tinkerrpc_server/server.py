@@ -78,13 +78,17 @@ async def serve(config: ServerConfig, engine: EmbeddedEngine | None) -> int:
     from tinkerrpc_server.service.backend import connect_backend
     from tinkerrpc_server.service.rendering import ChatCodecs
     from tinkerrpc_server.service.servicer import Hosting, TrainerService
-    from tinkerrpc_server.service.store import Store
+    from tinkerrpc_server.service.store import SchemaTooNewError, Store
 
     problem = probe_data_dir(config.data_dir) or own_data_dir(config.data_dir)
     if problem is not None:
         log.error("cannot start: %s", problem)
         return 1
-    store = Store(config.data_dir / "tinkerrpc.sqlite3")
+    try:
+        store = Store(config.data_dir / "tinkerrpc.sqlite3")
+    except SchemaTooNewError as err:
+        log.error("cannot start: %s", err)
+        return 1
     codecs = ChatCodecs(config.model_dir, allow_remote_tokenizers=engine is None)
     # Tokenizers load while the engine boots.
     preload = asyncio.create_task(

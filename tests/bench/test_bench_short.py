@@ -29,6 +29,7 @@ EXPECTED_FIGURES = {
     "memory: peak PSS of server + engine in the demo",
     "retention: disk late in a run vs early",
     "retention: step time late in a run vs early",
+    "retention: step time after restores vs before",
     "engine training throughput (Qwen3-0.6B width)",
     "training MFU (6·P·tokens/s ÷ matmul peak) (Qwen3-0.6B width)",
     "engine sampling throughput (Qwen3-0.6B width)",

@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 from svc import Server
 
+from tinkerrpc_server.service.rendering import ChatCodecs
+
 
 @pytest.fixture(scope="session")
 def service_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -21,3 +23,9 @@ def server(tmp_path_factory: pytest.TempPathFactory, service_model_dir: Path) ->
     running = Server(tmp / "data", service_model_dir, tmp / "serve.log")
     yield running
     assert running.close() == 0, running.proc.log()[-3000:]
+
+
+@pytest.fixture(scope="session")
+def codecs(service_model_dir: Path) -> ChatCodecs:
+    """The chat codecs of the in-process service tests (tiny-chat's tokenizer and renderer, loaded once)."""
+    return ChatCodecs(service_model_dir, allow_remote_tokenizers=False)

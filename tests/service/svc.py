@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -53,6 +55,17 @@ class Server:
     def close(self) -> int | None:
         self.channel.close()
         return self.proc.stop()
+
+
+def poll_until(condition: Callable[[], bool], seconds: float, interval: float = 0.1) -> bool:
+    """Whether `condition` holds within `seconds`, checked every `interval`: for states of another process
+    that no event announces (its log, an engine's counters); anything awaitable is awaited instead."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+    return True
 
 
 def create_model(

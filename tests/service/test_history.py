@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -181,8 +180,10 @@ def test_watch_replays_from_a_version_then_follows_live_events(trained: Server) 
 
 def test_watch_of_a_deleted_model_ends_not_found(server: Server) -> None:
     create_model(server.stub, "history-doomed")
+    _train(server, "history-doomed", seed=1)
     watcher = Watcher(server, pb.WatchModelRequest(model="history-doomed", from_version=0))
-    time.sleep(0.5)
+    # The replayed step comes after the subscription: the stream now follows the model live.
+    assert watcher.next().replayed
     server.stub.DeleteModel(pb.DeleteModelRequest(name="history-doomed"), timeout=CALL_TIMEOUT)
     assert watcher.error().code() == grpc.StatusCode.NOT_FOUND
 

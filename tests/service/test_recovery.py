@@ -6,7 +6,7 @@ Train must work."""
 from __future__ import annotations
 
 import os
-import time
+import select
 from pathlib import Path
 
 import grpc
@@ -18,25 +18,18 @@ from tinkerrpc.v1 import trainer_service_pb2 as pb
 MODEL = "crashy"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie has exited but awaits its reaper; it no longer runs.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _wait_gone(pid: int, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            return True
-        time.sleep(0.1)
-    return False
+    """Whether process `pid` (the server's child, not ours) ends within `timeout`: its pidfd turns
+    readable as it exits, before any reaper collects it."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        readable, _, _ = select.select([pidfd], [], [], timeout)
+        return bool(readable)
+    finally:
+        os.close(pidfd)
 
 
 def _start(tmp: Path, model_dir: Path, tag: str, crash_at: str = "") -> Server:

@@ -12,78 +12,105 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS models (
-    name TEXT PRIMARY KEY,
-    base_model TEXT NOT NULL,
-    lora_rank INTEGER NOT NULL,
-    train_mlp INTEGER NOT NULL,
-    train_attn INTEGER NOT NULL,
-    train_unembed INTEGER NOT NULL,
-    renderer TEXT NOT NULL,
-    seed INTEGER NOT NULL,
-    vocab_size INTEGER NOT NULL,
-    max_context_length INTEGER NOT NULL,
-    create_time REAL NOT NULL,
-    tinker_run_id TEXT NOT NULL,
-    policy_version INTEGER NOT NULL,
-    -- The full-state checkpoint training resumes from (restart, cancelled step): its version is
-    -- the recovery point; the versions after it are rebuilt by replaying their step_inputs.
-    recovery_version INTEGER NOT NULL,
-    recovery_path TEXT NOT NULL,
-    -- Retention asked for at CreateModel; NULL: the server's --keep-* flag.
-    keep_sampler_versions INTEGER,
-    keep_state_checkpoints INTEGER
-);
-CREATE TABLE IF NOT EXISTS checkpoints (
-    model TEXT NOT NULL REFERENCES models(name) ON DELETE CASCADE,
-    kind INTEGER NOT NULL,
-    name TEXT NOT NULL,
-    policy_version INTEGER NOT NULL,
-    tinker_path TEXT NOT NULL,
-    create_time REAL NOT NULL,
-    automatic INTEGER NOT NULL,
-    -- As the backend reported it after the save; NULL until then (or if it never does).
-    size_bytes INTEGER,
-    PRIMARY KEY (model, kind, name)
-);
-CREATE TABLE IF NOT EXISTS idempotency (
-    model TEXT NOT NULL REFERENCES models(name) ON DELETE CASCADE,
-    key TEXT NOT NULL,
-    request_hash TEXT NOT NULL,
-    policy_version INTEGER NOT NULL,
-    response BLOB NOT NULL,
-    PRIMARY KEY (model, key)
-);
--- What a committed step without a state checkpoint sent the backend (service/recovery.py encodes it),
--- replayed on top of the recovery point; only versions after the recovery point are kept.
-CREATE TABLE IF NOT EXISTS step_inputs (
-    model TEXT NOT NULL REFERENCES models(name) ON DELETE CASCADE,
-    policy_version INTEGER NOT NULL,
-    header TEXT NOT NULL,
-    arrays BLOB NOT NULL,
-    PRIMARY KEY (model, policy_version)
-);
-CREATE TABLE IF NOT EXISTS step_metrics (
-    model TEXT NOT NULL REFERENCES models(name) ON DELETE CASCADE,
-    policy_version INTEGER NOT NULL,
-    metrics BLOB NOT NULL,
-    create_time REAL NOT NULL,
-    PRIMARY KEY (model, policy_version)
-);
-"""
+# The schema as numbered migrations: MIGRATIONS[i] takes a database from user_version i to i + 1, in
+# one transaction with the version bump. Releases before the numbering left user_version 0 with the
+# tables of migration 1 and, depending on the release, some of what migrations 2 and 3 add: those two
+# skip what is already there.
 
-# Columns added after the first release: (table, column, type), added to older databases at open.
-_ADDED_COLUMNS = (
-    ("models", "keep_sampler_versions", "INTEGER"),
-    ("models", "keep_state_checkpoints", "INTEGER"),
-    ("checkpoints", "size_bytes", "INTEGER"),
+
+def _create_first_tables(tx: sqlite3.Connection) -> None:
+    tx.execute("""
+        CREATE TABLE IF NOT EXISTS models (
+            name TEXT PRIMARY KEY,
+            base_model TEXT NOT NULL,
+            lora_rank INTEGER NOT NULL,
+            train_mlp INTEGER NOT NULL,
+            train_attn INTEGER NOT NULL,
+            train_unembed INTEGER NOT NULL,
+            renderer TEXT NOT NULL,
+            seed INTEGER NOT NULL,
+            vocab_size INTEGER NOT NULL,
+            max_context_length INTEGER NOT NULL,
+            create_time REAL NOT NULL,
+            tinker_run_id TEXT NOT NULL,
+            policy_version INTEGER NOT NULL,
+            -- The full-state checkpoint training resumes from (restart, cancelled step): its version is
+            -- the recovery point; the versions after it are rebuilt by replaying their step_inputs.
+            recovery_version INTEGER NOT NULL,
+            recovery_path TEXT NOT NULL
+        )""")
+    tx.execute("""
+        CREATE TABLE IF NOT EXISTS checkpoints (
+            model TEXT NOT NULL REFERENCES models(name) ON DELETE CASCADE,
+            kind INTEGER NOT NULL,
+            name TEXT NOT NULL,
+            policy_version INTEGER NOT NULL,
+            tinker_path TEXT NOT NULL,
+            create_time REAL NOT NULL,
+            automatic INTEGER NOT NULL,
+            PRIMARY KEY (model, kind, name)
+        )""")
+    tx.execute("""
+        CREATE TABLE IF NOT EXISTS idempotency (
+            model TEXT NOT NULL REFERENCES models(name) ON DELETE CASCADE,
+            key TEXT NOT NULL,
+            request_hash TEXT NOT NULL,
+            policy_version INTEGER NOT NULL,
+            response BLOB NOT NULL,
+            PRIMARY KEY (model, key)
+        )""")
+    tx.execute("""
+        CREATE TABLE IF NOT EXISTS step_metrics (
+            model TEXT NOT NULL REFERENCES models(name) ON DELETE CASCADE,
+            policy_version INTEGER NOT NULL,
+            metrics BLOB NOT NULL,
+            create_time REAL NOT NULL,
+            PRIMARY KEY (model, policy_version)
+        )""")
+
+
+def _add_retention_columns(tx: sqlite3.Connection) -> None:
+    """Retention asked for at CreateModel (NULL: the server's --keep-* flag), and each checkpoint's size
+    as the backend reported it after the save (NULL until then, or if it never does)."""
+    for table, column in (
+        ("models", "keep_sampler_versions"),
+        ("models", "keep_state_checkpoints"),
+        ("checkpoints", "size_bytes"),
+    ):
+        present = {str(r[1]) for r in tx.execute(f"PRAGMA table_info({table})")}
+        if column not in present:
+            tx.execute(f"ALTER TABLE {table} ADD COLUMN {column} INTEGER")
+
+
+def _create_step_inputs(tx: sqlite3.Connection) -> None:
+    # What a committed step without a state checkpoint sent the backend (service/recovery.py encodes
+    # it), replayed on top of the recovery point; only versions after the recovery point are kept.
+    tx.execute("""
+        CREATE TABLE IF NOT EXISTS step_inputs (
+            model TEXT NOT NULL REFERENCES models(name) ON DELETE CASCADE,
+            policy_version INTEGER NOT NULL,
+            header TEXT NOT NULL,
+            arrays BLOB NOT NULL,
+            PRIMARY KEY (model, policy_version)
+        )""")
+
+
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
+    _create_first_tables,
+    _add_retention_columns,
+    _create_step_inputs,
 )
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class SchemaTooNewError(Exception):
+    """The database was written by a newer tinkerrpc than this one."""
+
 
 # Values of the `kind` column, equal to tinkerrpc.v1.CheckpointKind numbers.
 KIND_STATE = 1
@@ -155,11 +182,29 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA foreign_keys=ON")
-        self._db.executescript(SCHEMA)
-        for table, column, column_type in _ADDED_COLUMNS:
-            present = {str(r[1]) for r in self._db.execute(f"PRAGMA table_info({table})")}
-            if column not in present:
-                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {column_type}")
+        try:
+            self._migrate(path)
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _migrate(self, path: Path) -> None:
+        """Apply the migrations the database lacks, each in its own transaction with its version bump
+        (a crash between two leaves a database at the earlier version, which the next start resumes)."""
+        while True:
+            with self.transaction() as tx:
+                version = int(tx.execute("PRAGMA user_version").fetchone()[0])
+                if version > SCHEMA_VERSION:
+                    raise SchemaTooNewError(
+                        f"{path} has schema version {version}, newer than the {SCHEMA_VERSION} this "
+                        "tinkerrpc knows: it was written by a newer release; run that release (or a "
+                        "later one) on this data directory, or start with another --data-dir"
+                    )
+                if version == SCHEMA_VERSION:
+                    return
+                MIGRATIONS[version](tx)
+                # PRAGMA takes no bound parameters; the value is our own integer.
+                tx.execute(f"PRAGMA user_version = {version + 1}")
 
     def close(self) -> None:
         self._db.close()

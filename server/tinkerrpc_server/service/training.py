@@ -122,10 +122,14 @@ class Trainer:
             check_train_request(request, row.policy_version, codec.vocab_size, codec.max_context_length)
             batch = await build_batch(request, row.policy_version, codec)
             if not batch.datums:
+                emptied_by = (
+                    "dropping stale trajectories and zero-variance groups"
+                    if request.groups
+                    else "rendering the supervised examples (the renderer made no sequence of them)"
+                )
                 raise errors.failed_precondition(
                     errors.NOTHING_TO_TRAIN,
-                    "nothing left to train after dropping stale trajectories and zero-variance groups; "
-                    "the model was not changed",
+                    f"nothing left to train after {emptied_by}; the model was not changed",
                     {
                         "dropped_stale": batch.dropped_stale,
                         "dropped_zero_variance": batch.dropped_zero_variance,

@@ -1,0 +1,378 @@
+"""Every request check of service/validation.py in-process: each malformed field is a field violation
+naming it (and only it), size limits are RESOURCE_EXHAUSTED naming the flag, a wrong expected version is
+FAILED_PRECONDITION. The live bad-input campaign (tests/hardening) sends such requests end to end."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2  # type: ignore[import-untyped]
+
+from tinkerrpc.v1 import trainer_service_pb2 as pb
+from tinkerrpc.v1 import types_pb2
+from tinkerrpc_server.service import validation
+from tinkerrpc_server.service.errors import ServiceError
+from tinkerrpc_server.service.limits import Limits
+from tinkerrpc_server.service.store import ModelRow
+
+VERSION = 3
+VOCAB = 100
+CONTEXT = 64
+LIMITS = Limits(max_sample_n=8, max_sample_tokens=32, max_train_trajectories=2, max_train_tokens=50)
+# Over the context's text bound (validation.MAX_TEXT_BYTES_PER_TOKEN bytes per token).
+TOO_MUCH_TEXT = "x" * (CONTEXT * validation.MAX_TEXT_BYTES_PER_TOKEN + 1)
+
+
+def _violated(check: Callable[[], object]) -> list[str]:
+    with pytest.raises(ServiceError) as err:
+        check()
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value.message
+    (bad,) = [d for d in err.value.details if isinstance(d, error_details_pb2.BadRequest)]
+    return [v.field for v in bad.field_violations]
+
+
+def _message(role: types_pb2.Role.ValueType, content: str = "hi") -> types_pb2.Message:
+    return types_pb2.Message(role=role, content=content)
+
+
+def _rl() -> pb.TrainRequest:
+    request = pb.TrainRequest(
+        model="m",
+        adam=types_pb2.AdamParams(learning_rate=1e-3),
+        loss=types_pb2.LossConfig(function=types_pb2.LOSS_FUNCTION_IMPORTANCE_SAMPLING),
+    )
+    trajectory = request.groups.add().trajectories.add(reward=1.0)
+    trajectory.turns.add(
+        prompt_token_ids=[1, 2],
+        completion_token_ids=[3, 4],
+        completion_logprobs=[-0.5, -0.1],
+        policy_version=3,
+    )
+    return request
+
+
+def _sft() -> pb.TrainRequest:
+    request = pb.TrainRequest(model="m", adam=types_pb2.AdamParams(learning_rate=1e-3))
+    request.examples.add(messages=[_message(types_pb2.ROLE_USER), _message(types_pb2.ROLE_ASSISTANT)])
+    return request
+
+
+UNKNOWN_ROLE = cast(types_pb2.Role.ValueType, 99)
+TRAJECTORY = "groups[0].trajectories[0]"
+TURN = f"{TRAJECTORY}.turns[0]"
+
+
+def _trajectory(request: pb.TrainRequest) -> types_pb2.Trajectory:
+    return request.groups[0].trajectories[0]
+
+
+def _turn(request: pb.TrainRequest) -> types_pb2.SampledTurn:
+    return request.groups[0].trajectories[0].turns[0]
+
+
+def _extend(values: object, *items: object) -> None:
+    values.extend(items)  # type: ignore[attr-defined]
+
+
+TRAIN_CASES: list[tuple[str, Callable[[], pb.TrainRequest], Callable[[pb.TrainRequest], object], list[str]]] = [
+    ("empty batch", _rl, lambda r: r.ClearField("groups"), ["groups"]),
+    ("groups and examples", _rl, lambda r: r.examples.add().CopyFrom(_sft().examples[0]), ["groups", "loss.function"]),
+    ("no learning rate", _rl, lambda r: r.adam.ClearField("learning_rate"), ["adam.learning_rate"]),
+    ("learning rate too high", _rl, lambda r: setattr(r.adam, "learning_rate", 11), ["adam.learning_rate"]),
+    ("learning rate nan", _rl, lambda r: setattr(r.adam, "learning_rate", float("nan")), ["adam.learning_rate"]),
+    ("beta1 of 1", _rl, lambda r: setattr(r.adam, "beta1", 1.0), ["adam.beta1"]),
+    ("beta2 negative", _rl, lambda r: setattr(r.adam, "beta2", -0.1), ["adam.beta2"]),
+    ("eps 0", _rl, lambda r: setattr(r.adam, "eps", 0.0), ["adam.eps"]),
+    ("weight decay over 1", _rl, lambda r: setattr(r.adam, "weight_decay", 2.0), ["adam.weight_decay"]),
+    ("grad clip negative", _rl, lambda r: setattr(r.adam, "grad_clip_norm", -1.0), ["adam.grad_clip_norm"]),
+    ("unknown loss", _rl, lambda r: setattr(r.loss, "function", 99), ["loss.function"]),
+    ("examples with ppo", _sft, lambda r: setattr(r.loss, "function", types_pb2.LOSS_FUNCTION_PPO), ["loss.function"]),
+    (
+        "groups with cross-entropy", _rl,
+        lambda r: setattr(r.loss, "function", types_pb2.LOSS_FUNCTION_CROSS_ENTROPY), ["loss.function"],
+    ),
+    ("clip low 0", _rl, lambda r: setattr(r.loss, "clip_low_threshold", 0.0), ["loss.clip_low_threshold"]),
+    ("clip high under 1", _rl, lambda r: setattr(r.loss, "clip_high_threshold", 0.5), ["loss.clip_high_threshold"]),
+    ("beta too large", _rl, lambda r: setattr(r.loss, "beta", 1e4), ["loss.beta"]),
+    ("negative max staleness", _rl, lambda r: setattr(r, "max_staleness", -1), ["max_staleness"]),
+    ("strict without max", _rl, lambda r: setattr(r, "strict_staleness", True), ["strict_staleness"]),
+    ("negative expected version", _rl, lambda r: setattr(r, "expected_policy_version", -1), ["expected_policy_version"]),
+    ("empty group", _rl, lambda r: r.groups.add(), ["groups[1].trajectories"]),
+    ("infinite reward", _rl, lambda r: setattr(_trajectory(r), "reward", float("inf")), [f"{TRAJECTORY}.reward"]),
+    ("reward too large", _rl, lambda r: setattr(_trajectory(r), "reward", 1e7), [f"{TRAJECTORY}.reward"]),
+    (
+        "nan metric", _rl, lambda r: _trajectory(r).metrics.__setitem__("score", float("nan")),
+        [f"{TRAJECTORY}.metrics[score]"],
+    ),
+    ("no turns", _rl, lambda r: _trajectory(r).ClearField("turns"), [f"{TRAJECTORY}.turns"]),
+    (
+        "empty completion", _rl, lambda r: _turn(r).ClearField("completion_token_ids"),
+        [f"{TURN}.completion_token_ids", f"{TURN}.completion_logprobs"],
+    ),
+    ("logprob count", _rl, lambda r: _extend(_turn(r).completion_logprobs, -1.0), [f"{TURN}.completion_logprobs"]),
+    ("positive logprob", _rl, lambda r: _turn(r).completion_logprobs.__setitem__(0, 0.5), [f"{TURN}.completion_logprobs"]),
+    ("logprob too low", _rl, lambda r: _turn(r).completion_logprobs.__setitem__(0, -1e5), [f"{TURN}.completion_logprobs"]),
+    (
+        "completion token outside the vocabulary", _rl, lambda r: _turn(r).completion_token_ids.__setitem__(0, VOCAB),
+        [f"{TURN}.completion_token_ids"],
+    ),
+    (
+        "negative prompt token", _rl, lambda r: _turn(r).prompt_token_ids.__setitem__(1, -1),
+        [f"{TURN}.prompt_token_ids"],
+    ),
+    (
+        "no prompt and no assistant message", _rl, lambda r: _turn(r).ClearField("prompt_token_ids"),
+        [f"{TURN}.prompt_token_ids"],
+    ),
+    ("future policy version", _rl, lambda r: setattr(_turn(r), "policy_version", VERSION + 1), [f"{TURN}.policy_version"]),
+    ("negative policy version", _rl, lambda r: setattr(_turn(r), "policy_version", -1), [f"{TURN}.policy_version"]),
+    (
+        "unknown role", _rl, lambda r: _trajectory(r).messages.add(role=UNKNOWN_ROLE, content="x"),
+        [f"{TRAJECTORY}.messages[0].role"],
+    ),
+    (
+        "tool call arguments not an object", _rl,
+        lambda r: _trajectory(r).messages.add(role=types_pb2.ROLE_ASSISTANT).tool_calls.add(arguments_json="[1]"),
+        [f"{TRAJECTORY}.messages[0].tool_calls[0].arguments_json"],
+    ),
+    (
+        "tool without a name", _rl, lambda r: _trajectory(r).tools.add(parameters_json="{}"),
+        [f"{TRAJECTORY}.tools[0].name"],
+    ),
+    (
+        "tool parameters not JSON", _rl, lambda r: _trajectory(r).tools.add(name="f", parameters_json="{"),
+        [f"{TRAJECTORY}.tools[0].parameters_json"],
+    ),
+    (
+        "trajectory text over the context", _rl,
+        lambda r: _trajectory(r).messages.add(role=types_pb2.ROLE_USER, content=TOO_MUCH_TEXT),
+        [f"{TRAJECTORY}.messages"],
+    ),
+    (
+        "example text over the context", _sft, lambda r: setattr(r.examples[0].messages[0], "content", TOO_MUCH_TEXT),
+        ["examples[0].messages"],
+    ),
+    ("example without assistant", _sft, lambda r: r.examples[0].messages.pop(), ["examples[0].messages"]),
+    ("unknown train_on", _sft, lambda r: setattr(r.examples[0], "train_on", 99), ["examples[0].train_on"]),
+    ("example role", _sft, lambda r: setattr(r.examples[0].messages[0], "role", 99), ["examples[0].messages[0].role"]),
+    ("example tool", _sft, lambda r: r.examples[0].tools.add(parameters_json="1"), [
+        "examples[0].tools[0].name", "examples[0].tools[0].parameters_json",
+    ]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("base", "mutate", "fields"), [c[1:] for c in TRAIN_CASES], ids=[c[0] for c in TRAIN_CASES]
+)
+def test_train_request_violations(
+    base: Callable[[], pb.TrainRequest], mutate: Callable[[pb.TrainRequest], object], fields: list[str]
+) -> None:
+    validation.check_train_request(base(), VERSION, VOCAB, CONTEXT)  # the unchanged request is valid
+    request = base()
+    mutate(request)
+    assert _violated(lambda: validation.check_train_request(request, VERSION, VOCAB, CONTEXT)) == fields
+
+
+def test_every_violation_of_a_request_is_reported_at_once() -> None:
+    request = _rl()
+    request.adam.learning_rate = 0
+    _turn(request).policy_version = 9
+    request.groups.add()
+    assert _violated(lambda: validation.check_train_request(request, VERSION, VOCAB, CONTEXT)) == [
+        "adam.learning_rate",
+        f"{TURN}.policy_version",
+        "groups[1].trajectories",
+    ]
+
+
+def _create(**fields: object) -> pb.CreateModelRequest:
+    request = pb.CreateModelRequest(name="m", base_model="tinkerrpc/tiny-chat")
+    for name, value in fields.items():
+        target = request.lora if name == "rank" else request
+        setattr(target, name, value)
+    return request
+
+
+@pytest.mark.parametrize(
+    ("request_", "fields"),
+    [
+        (_create(name=""), ["name"]),
+        (_create(name="-starts-with-a-dash"), ["name"]),
+        (_create(name="has/slash"), ["name"]),
+        (_create(name="x" * 65), ["name"]),
+        (_create(base_model=""), ["base_model"]),
+        (_create(rank=-1), ["lora.rank"]),
+        (_create(keep_sampler_versions=0), ["keep_sampler_versions"]),
+        (_create(keep_state_checkpoints=0), ["keep_state_checkpoints"]),
+        (_create(name="", base_model="", rank=-2), ["name", "base_model", "lora.rank"]),
+    ],
+)
+def test_create_model_violations(request_: pb.CreateModelRequest, fields: list[str]) -> None:
+    assert _violated(lambda: validation.check_create_model(request_)) == fields
+
+
+def test_valid_create_model_and_checkpoint_names_pass() -> None:
+    validation.check_create_model(_create(name="a.b_c-1", rank=4, keep_sampler_versions=1))
+    validation.check_checkpoint_name("")  # the automatic name
+    validation.check_checkpoint_name("mark-1")
+    validation.check_checkpoint_kind(types_pb2.CHECKPOINT_KIND_STATE)
+    validation.check_checkpoint_kind(types_pb2.CHECKPOINT_KIND_SAMPLER)
+
+
+def test_checkpoint_name_and_kind_violations() -> None:
+    assert _violated(lambda: validation.check_checkpoint_name("../escape")) == ["name"]
+    assert _violated(lambda: validation.check_checkpoint_kind(0)) == ["kind"]
+
+
+def _chat(*messages: types_pb2.Message, tools: tuple[str, ...] = ()) -> pb.SampleRequest:
+    request = pb.SampleRequest(model="m", chat=pb.ChatPrompt(messages=messages))
+    for name in tools:
+        request.chat.tools.add(name=name, parameters_json="{}")
+    return request
+
+
+def _forced(request: pb.SampleRequest, name: str) -> pb.SampleRequest:
+    request.chat.forced_tool_call.function_name = name
+    return request
+
+
+USER = _message(types_pb2.ROLE_USER)
+
+
+@pytest.mark.parametrize(
+    ("request_", "fields"),
+    [
+        (pb.SampleRequest(model="m"), ["prompt"]),
+        (pb.SampleRequest(model="m", text=TOO_MUCH_TEXT), ["text"]),
+        (_chat(), ["chat.messages"]),
+        (_chat(_message(types_pb2.ROLE_USER, TOO_MUCH_TEXT)), ["chat.messages"]),
+        (_chat(types_pb2.Message(role=UNKNOWN_ROLE)), ["chat.messages[0].role"]),
+        (_chat(USER, tools=("",)), ["chat.tools[0].name"]),
+        (_forced(_chat(USER), ""), ["chat.forced_tool_call"]),
+        (_forced(_chat(USER, tools=("search",)), "other"), ["chat.forced_tool_call.function_name"]),
+    ],
+)
+def test_prompt_violations(request_: pb.SampleRequest, fields: list[str]) -> None:
+    assert _violated(lambda: validation.check_prompt(request_, CONTEXT)) == fields
+
+
+def test_prompt_token_violations() -> None:
+    tokens = pb.SampleRequest(model="m", tokens=pb.TokenPrompt(token_ids=[1, VOCAB]))
+    validation.check_prompt(tokens, CONTEXT)
+    assert _violated(lambda: validation.check_prompt_tokens(tokens, [1, VOCAB], VOCAB)) == [
+        "tokens.token_ids"
+    ]
+    assert _violated(lambda: validation.check_prompt_tokens(_chat(USER), [], VOCAB)) == ["chat"]
+    validation.check_prompt(_forced(_chat(USER, tools=("search",)), "search"), CONTEXT)
+    validation.check_prompt_tokens(tokens, [1, 2], VOCAB)
+
+
+def _params(**fields: object) -> types_pb2.SamplingParams:
+    params = types_pb2.SamplingParams(max_tokens=8)
+    for name, value in fields.items():
+        if isinstance(value, list):
+            getattr(params, name).extend(value)
+        else:
+            setattr(params, name, value)
+    return params
+
+
+@pytest.mark.parametrize(
+    ("params", "prompt_length", "fields"),
+    [
+        (_params(n=-1), 4, ["params.n"]),
+        (_params(n=LIMITS.max_sample_n + 1), 4, ["params.n"]),
+        (_params(), CONTEXT, ["prompt", "params.max_tokens"]),
+        (_params(max_tokens=0), 4, ["params.max_tokens"]),
+        (_params(max_tokens=LIMITS.max_sample_tokens + 1), 4, ["params.max_tokens"]),
+        (_params(max_tokens=30), CONTEXT - 20, ["params.max_tokens"]),
+        (_params(temperature=1e-4), 4, ["params.temperature"]),
+        (_params(temperature=101.0), 4, ["params.temperature"]),
+        (_params(top_p=0.0), 4, ["params.top_p"]),
+        (_params(top_p=1.5), 4, ["params.top_p"]),
+        (_params(top_k=-1), 4, ["params.top_k"]),
+        (_params(top_logprobs=validation.MAX_TOP_LOGPROBS + 1), 4, ["params.top_logprobs"]),
+        (_params(stop_token_ids=[0] * (validation.MAX_STOP_TOKEN_IDS + 1)), 4, ["params.stop_token_ids"]),
+        (_params(stop_token_ids=[VOCAB]), 4, ["params.stop_token_ids"]),
+        (_params(stop=["x"] * (validation.MAX_STOP_STRINGS + 1)), 4, ["params.stop"]),
+        (_params(stop=[""]), 4, ["params.stop"]),
+        (_params(stop=["é" * validation.MAX_STOP_STRING_BYTES]), 4, ["params.stop"]),
+        (_params(min_tokens=-1), 4, ["params.min_tokens"]),
+        (_params(min_tokens=9), 4, ["params.min_tokens"]),
+    ],
+)
+def test_sampling_param_violations(
+    params: types_pb2.SamplingParams, prompt_length: int, fields: list[str]
+) -> None:
+    check = lambda: validation.check_sampling_params(params, prompt_length, VOCAB, CONTEXT, LIMITS)  # noqa: E731
+    assert _violated(check) == fields
+
+
+def test_valid_sampling_params_pass() -> None:
+    greedy = _params(n=LIMITS.max_sample_n, temperature=0.0, top_p=1.0, top_k=5, stop=["\n"], min_tokens=8)
+    validation.check_sampling_params(greedy, CONTEXT - 8, VOCAB, CONTEXT, LIMITS)
+
+
+def test_export_history_and_watch_violations() -> None:
+    export = pb.ExportWeightsRequest(model="m", expected_policy_version=-1, policy_version=-1)
+    assert _violated(lambda: validation.check_export_request(export)) == [
+        "expected_policy_version",
+        "policy_version",
+    ]
+    history = pb.GetRunHistoryRequest
+    assert _violated(lambda: validation.check_history_request(history(model="m", from_version=-1))) == [
+        "from_version"
+    ]
+    assert _violated(
+        lambda: validation.check_history_request(history(model="m", from_version=5, to_version=4))
+    ) == ["to_version"]
+    assert _violated(lambda: validation.check_history_request(history(model="m", page_size=1001))) == [
+        "page_size"
+    ]
+    assert _violated(lambda: validation.check_history_request(history(model="m", page_token="abc"))) == [
+        "page_token"
+    ]
+    assert _violated(
+        lambda: validation.check_history_request(history(model="m", from_version=7, page_token="7"))
+    ) == ["page_token"]
+    assert validation.check_history_request(history(model="m", from_version=2, page_token="9")) == 9
+    assert validation.check_history_request(history(model="m")) == 0
+    watch = pb.WatchModelRequest(model="m", from_version=-1)
+    assert _violated(lambda: validation.check_watch_request(watch)) == ["from_version"]
+
+
+def test_size_limits_are_resource_exhausted_naming_the_flag() -> None:
+    request = _rl()
+    request.groups[0].trajectories.add().CopyFrom(request.groups[0].trajectories[0])
+    validation.check_train_size(request, LIMITS)
+    request.groups[0].trajectories.add().CopyFrom(request.groups[0].trajectories[0])
+    checks: list[tuple[Callable[[], None], str]] = [
+        (lambda: validation.check_train_size(request, LIMITS), "--max-train-trajectories"),
+        (lambda: validation.check_train_tokens(LIMITS.max_train_tokens + 1, LIMITS), "--max-train-tokens"),
+    ]
+    for check, flag in checks:
+        with pytest.raises(ServiceError) as err:
+            check()
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        (quota,) = err.value.details
+        assert isinstance(quota, error_details_pb2.QuotaFailure)
+        assert [v.subject for v in quota.violations] == [flag]
+    validation.check_train_tokens(LIMITS.max_train_tokens, LIMITS)
+
+
+def test_an_unexpected_version_is_failed_precondition() -> None:
+    row = ModelRow(
+        "m", "b", 1, True, True, True, "r", 0, VOCAB, CONTEXT, 0.0, "run", VERSION, VERSION, "tinker://s"
+    )
+    validation.check_expected_version(row, pb.TrainRequest(model="m"))
+    validation.check_expected_version(row, pb.TrainRequest(model="m", expected_policy_version=VERSION))
+    with pytest.raises(ServiceError) as err:
+        validation.check_expected_version(row, pb.ExportWeightsRequest(model="m", expected_policy_version=1))
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    (info,) = err.value.details
+    assert isinstance(info, error_details_pb2.ErrorInfo)
+    assert info.reason == "VERSION_MISMATCH"
+    assert dict(info.metadata) == {"current_version": str(VERSION), "expected_version": "1"}
