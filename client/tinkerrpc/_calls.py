@@ -45,7 +45,7 @@ T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 ClientT = TypeVar("ClientT")
 
-LossName = Literal["importance_sampling", "ppo", "cispo", "dro", "cross_entropy"]
+LossName = Literal["importance_sampling", "ppo", "cispo", "dro", "stable_reinforce", "gspo", "cross_entropy"]
 Prompt = str | Sequence[int] | Sequence[MessageLike]
 ToolLike = Tool | Mapping[str, Any]
 GroupLike = TrajectoryGroup | Sequence[Trajectory]
