@@ -379,3 +379,50 @@ def test_gspo_and_stable_reinforce_train_through_the_tinker_sdk(engine: LocalEng
             learner = moved
         with pytest.raises(tinker.RequestFailedError, match="kl_coeff"):
             client.forward(data, "stable_reinforce", {"kl_coeff": -1.0}).result()
+
+
+def test_stable_reinforce_takes_datums_with_provenance_from_a_recording_sampler(engine: LocalEngine) -> None:
+    """Tinker's stable_reinforce flow (cookbook 0.6 rl_loop.py): a sampling client made with
+    record_stability_info, a datum naming its sampled sequence_id through provenance spans. The engine
+    records nothing (docs/tinker_parity.md) but takes both, and trains."""
+    with engine.service_client() as service:
+        client = service.create_lora_training_client(TINY_CHAT, rank=4, seed=9).result()
+        sampler = client.save_weights_and_get_sampling_client(record_stability_info=True).result()
+        prompt = types.ModelInput.from_ints([5, 6, 7, 8])
+        params = types.SamplingParams(max_tokens=4, seed=1)
+        sequence = sampler.sample(prompt=prompt, num_samples=1, sampling_params=params).result().sequences[0]
+        assert sequence.sequence_id and sequence.logprobs is not None
+        n, prompt_positions = len(sequence.tokens), prompt.length - 1
+        datum = types.Datum(
+            model_input=prompt.append(types.EncodedTextChunk(tokens=sequence.tokens[:-1])),
+            loss_fn_inputs={
+                "target_tokens": types.TensorData.from_numpy(
+                    np.array([0] * prompt_positions + sequence.tokens)
+                ),
+                "logprobs": types.TensorData.from_numpy(
+                    np.array([0.0] * prompt_positions + sequence.logprobs, np.float32)
+                ),
+                "advantages": types.TensorData.from_numpy(
+                    np.array([0.0] * prompt_positions + [1.0] * n, np.float32)
+                ),
+            },
+        ).with_provenance(
+            model_input=[
+                types.PromptProvenanceSpan(sequence_id=sequence.sequence_id, length=prompt.length),
+                types.SampledProvenanceSpan(sequence_id=sequence.sequence_id, length=n - 1),
+            ],
+            loss_fn_inputs=[
+                types.PromptProvenanceSpan(
+                    sequence_id=sequence.sequence_id, offset=1, length=prompt_positions
+                ),
+                types.SampledProvenanceSpan(sequence_id=sequence.sequence_id, length=n),
+            ],
+        )
+        output = client.forward_backward([datum], "stable_reinforce").result()
+        lp = torch.tensor(output.loss_fn_outputs[0]["logprobs"].to_numpy())
+        inputs = _as_tensors(
+            {k: v.to_numpy() for k, v in datum.loss_fn_inputs.items() if k != "target_tokens"}
+        )
+        expected = float(reference_stable_reinforce(lp, inputs, {}))
+        assert output.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4, abs=1e-4)
+        assert client.optim_step(types.AdamParams(learning_rate=1e-2)).result() is not None
