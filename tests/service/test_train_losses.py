@@ -251,21 +251,28 @@ def test_normalize_std_divides_the_advantages_by_the_group_std(
     assert loss == pytest.approx(normalized, abs=LOSS_TOLERANCE)
 
 
+def _assert_trains_by(
+    stub: trainer_service_pb2_grpc.TrainerServiceStub,
+    data: StepData,
+    model: str,
+    loss: types_pb2.LossConfig,
+    expected: float,
+    others: list[float],
+) -> None:
+    """The step reports `expected`, a loss the data tells apart from each of `others` (another loss or
+    another config) by far more than the tolerance."""
+    assert all(abs(expected - other) > 20 * LOSS_TOLERANCE for other in others)
+    assert _train(stub, data, model, loss) == pytest.approx(expected, abs=LOSS_TOLERANCE)
+
+
 def test_stable_reinforce_weighs_reinforce_by_the_detached_ratio(
     stub: trainer_service_pb2_grpc.TrainerServiceStub, data: StepData
 ) -> None:
     tokens = data.tokens(normalize_std=False)
     expected = expected_loss("stable_reinforce", tokens, {})
-    assert abs(expected - expected_loss("importance_sampling", tokens, {})) > 20 * LOSS_TOLERANCE
-    assert abs(expected - expected_loss("cispo", tokens, DEFAULT_CLIP)) > 20 * LOSS_TOLERANCE
-
-    loss = _train(
-        stub,
-        data,
-        "loss-twin-stable-reinforce",
-        types_pb2.LossConfig(function=types_pb2.LOSS_FUNCTION_STABLE_REINFORCE),
-    )
-    assert loss == pytest.approx(expected, abs=LOSS_TOLERANCE)
+    others = [expected_loss("importance_sampling", tokens, {}), expected_loss("cispo", tokens, DEFAULT_CLIP)]
+    config = types_pb2.LossConfig(function=types_pb2.LOSS_FUNCTION_STABLE_REINFORCE)
+    _assert_trains_by(stub, data, "loss-twin-stable-reinforce", config, expected, others)
 
 
 def test_gspo_takes_one_ratio_per_sampled_turn_and_its_clip_thresholds(
@@ -273,22 +280,12 @@ def test_gspo_takes_one_ratio_per_sampled_turn_and_its_clip_thresholds(
 ) -> None:
     sequences = data.sequences(normalize_std=False)
     expected = expected_gspo_loss(sequences, data.prompt_positions, TIGHT_CLIP)
-    assert (
-        abs(expected - expected_gspo_loss(sequences, data.prompt_positions, DEFAULT_CLIP))
-        > 20 * LOSS_TOLERANCE
-    )
-    assert (
-        abs(expected - expected_loss("ppo", data.tokens(normalize_std=False), TIGHT_CLIP))
-        > 20 * LOSS_TOLERANCE
-    )
-
-    loss = _train(
-        stub,
-        data,
-        "loss-twin-gspo",
-        types_pb2.LossConfig(function=types_pb2.LOSS_FUNCTION_GSPO, **TIGHT_CLIP),
-    )
-    assert loss == pytest.approx(expected, abs=LOSS_TOLERANCE)
+    others = [
+        expected_gspo_loss(sequences, data.prompt_positions, DEFAULT_CLIP),
+        expected_loss("ppo", data.tokens(normalize_std=False), TIGHT_CLIP),
+    ]
+    config = types_pb2.LossConfig(function=types_pb2.LOSS_FUNCTION_GSPO, **TIGHT_CLIP)
+    _assert_trains_by(stub, data, "loss-twin-gspo", config, expected, others)
 
 
 SDK_PROMPT = [tinkerrpc.Message.user("respond with yes or no")]
