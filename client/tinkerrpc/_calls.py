@@ -43,7 +43,7 @@ from tinkerrpc.v1 import types_pb2 as pb
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
-LossName = Literal["importance_sampling", "ppo", "cispo", "dro", "cross_entropy"]
+LossName = Literal["importance_sampling", "ppo", "cispo", "dro", "stable_reinforce", "gspo", "cross_entropy"]
 Prompt = str | Sequence[int] | Sequence[MessageLike]
 ToolLike = Tool | Mapping[str, Any]
 GroupLike = TrajectoryGroup | Sequence[Trajectory]

@@ -59,6 +59,8 @@ LOSS_TO_PB: dict[str, pb.LossFunction.ValueType] = {
     "ppo": pb.LOSS_FUNCTION_PPO,
     "cispo": pb.LOSS_FUNCTION_CISPO,
     "dro": pb.LOSS_FUNCTION_DRO,
+    "stable_reinforce": pb.LOSS_FUNCTION_STABLE_REINFORCE,
+    "gspo": pb.LOSS_FUNCTION_GSPO,
 }
 
 

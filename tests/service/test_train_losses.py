@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import pytest
-from svc import CALL_TIMEOUT, Server, create_model, prompt_logprobs, rl_request, sample_chat
+from svc import CALL_TIMEOUT, TINY, Server, create_model, prompt_logprobs, rl_request, sample_chat
 
+import tinkerrpc
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import trainer_service_pb2_grpc, types_pb2
 
@@ -41,7 +43,8 @@ class Token:
 
 
 def expected_loss(function: str, tokens: list[Token], config: dict[str, float]) -> float:
-    """Tinker's per-token loss for `function`, summed over every target position (TINKER_FACTS.md)."""
+    """Tinker's per-token loss for `function`, summed over every target position (TINKER_FACTS.md;
+    stable_reinforce as docs/tinker_parity.md defines it, its default kl_coeff 0)."""
     total = 0.0
     for t in tokens:
         ratio = math.exp(t.lp - t.q)
@@ -55,8 +58,25 @@ def expected_loss(function: str, tokens: list[Token], config: dict[str, float]) 
             total -= clipped * t.lp * t.advantage
         elif function == "dro":
             total -= t.lp * t.advantage - 0.5 * config["beta"] * (t.lp - t.q) ** 2
+        elif function == "stable_reinforce":
+            total -= ratio * t.lp * t.advantage
         else:
             raise AssertionError(function)
+    return total
+
+
+def expected_gspo_loss(
+    sequences: list[list[Token]], prompt_positions: int, config: dict[str, float]
+) -> float:
+    """GSPO-token (docs/tinker_parity.md): each sampled turn is one sequence whose ratio s is the geometric
+    mean of the token ratios over its sampled tokens (the positions after the prompt); every token counts
+    −min(s·A, clip(s)·A)."""
+    total = 0.0
+    for tokens in sequences:
+        sampled = tokens[prompt_positions:]
+        s = math.exp(sum(t.lp - t.q for t in sampled) / len(sampled))
+        clipped = min(max(s, config["clip_low_threshold"]), config["clip_high_threshold"])
+        total -= sum(min(s * t.advantage, clipped * t.advantage) for t in tokens)
     return total
 
 
@@ -85,19 +105,34 @@ class StepData:
         request.advantages.normalize_std = normalize_std
         return request
 
-    def tokens(self, normalize_std: bool) -> list[Token]:
-        prompt_positions = len(self.sample.prompt_token_ids) - 1
+    @property
+    def prompt_positions(self) -> int:
+        return len(self.sample.prompt_token_ids) - 1
+
+    def sequences(self, normalize_std: bool) -> list[list[Token]]:
+        """Each trajectory's target positions."""
         out = []
         for lp, shifted, advantage in zip(
             self.learner_logprobs, self.shifted_logprobs, advantages(REWARDS, normalize_std), strict=True
         ):
-            q = [0.0] * prompt_positions + shifted
-            a = [0.0] * prompt_positions + [advantage] * len(shifted)
-            out.extend(Token(*position) for position in zip(lp, q, a, strict=True))
+            q = [0.0] * self.prompt_positions + shifted
+            a = [0.0] * self.prompt_positions + [advantage] * len(shifted)
+            out.append([Token(*position) for position in zip(lp, q, a, strict=True)])
         return out
 
+    def tokens(self, normalize_std: bool) -> list[Token]:
+        return [token for sequence in self.sequences(normalize_std) for token in sequence]
 
-TWINS = ["loss-twin-is", "loss-twin-is-std", "loss-twin-ppo", "loss-twin-cispo", "loss-twin-dro"]
+
+TWINS = [
+    "loss-twin-is",
+    "loss-twin-is-std",
+    "loss-twin-ppo",
+    "loss-twin-cispo",
+    "loss-twin-dro",
+    "loss-twin-stable-reinforce",
+    "loss-twin-gspo",
+]
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +249,64 @@ def test_normalize_std_divides_the_advantages_by_the_group_std(
         normalize_std=True,
     )
     assert loss == pytest.approx(normalized, abs=LOSS_TOLERANCE)
+
+
+def _assert_trains_by(
+    stub: trainer_service_pb2_grpc.TrainerServiceStub,
+    data: StepData,
+    model: str,
+    loss: types_pb2.LossConfig,
+    expected: float,
+    others: list[float],
+) -> None:
+    """The step reports `expected`, a loss the data tells apart from each of `others` (another loss or
+    another config) by far more than the tolerance."""
+    assert all(abs(expected - other) > 20 * LOSS_TOLERANCE for other in others)
+    assert _train(stub, data, model, loss) == pytest.approx(expected, abs=LOSS_TOLERANCE)
+
+
+def test_stable_reinforce_weighs_reinforce_by_the_detached_ratio(
+    stub: trainer_service_pb2_grpc.TrainerServiceStub, data: StepData
+) -> None:
+    tokens = data.tokens(normalize_std=False)
+    expected = expected_loss("stable_reinforce", tokens, {})
+    others = [expected_loss("importance_sampling", tokens, {}), expected_loss("cispo", tokens, DEFAULT_CLIP)]
+    config = types_pb2.LossConfig(function=types_pb2.LOSS_FUNCTION_STABLE_REINFORCE)
+    _assert_trains_by(stub, data, "loss-twin-stable-reinforce", config, expected, others)
+
+
+def test_gspo_takes_one_ratio_per_sampled_turn_and_its_clip_thresholds(
+    stub: trainer_service_pb2_grpc.TrainerServiceStub, data: StepData
+) -> None:
+    sequences = data.sequences(normalize_std=False)
+    expected = expected_gspo_loss(sequences, data.prompt_positions, TIGHT_CLIP)
+    others = [
+        expected_gspo_loss(sequences, data.prompt_positions, DEFAULT_CLIP),
+        expected_loss("ppo", data.tokens(normalize_std=False), TIGHT_CLIP),
+    ]
+    config = types_pb2.LossConfig(function=types_pb2.LOSS_FUNCTION_GSPO, **TIGHT_CLIP)
+    _assert_trains_by(stub, data, "loss-twin-gspo", config, expected, others)
+
+
+SDK_PROMPT = [tinkerrpc.Message.user("respond with yes or no")]
+
+
+@pytest.mark.parametrize("loss", ["stable_reinforce", "gspo"])
+def test_the_sdk_trains_a_few_steps_with_each_new_loss(
+    server: Server, loss: Literal["stable_reinforce", "gspo"]
+) -> None:
+    with tinkerrpc.Client(server.proc.target) as client:
+        model = client.create_model(
+            f"loss-sdk-{loss.replace('_', '-')}", base_model=TINY, lora_rank=8, seed=7
+        )
+        for step in range(1, 4):
+            samples = model.sample(SDK_PROMPT, n=4, max_tokens=4, seed=step)
+            group = tinkerrpc.TrajectoryGroup(
+                [
+                    tinkerrpc.Trajectory.from_sample(SDK_PROMPT, s, reward=float(i))
+                    for i, s in enumerate(samples)
+                ]
+            )
+            result = model.train([group], loss=loss, learning_rate=1e-2)
+            assert result.policy_version == step
+            assert math.isfinite(result.metrics.loss)

@@ -20,11 +20,11 @@ from tinkerrpc._types import CheckpointInfo, SupervisedExample, TrainResult
 from tinkerrpc.art._trajectories import UnscoredTurn, convert_groups, sft_conversation
 from tinkerrpc.v1.errors_pb2 import ErrorReason
 
-LossName = Literal["cispo", "ppo", "importance_sampling", "dro"]
+LossName = Literal["cispo", "ppo", "importance_sampling", "dro", "stable_reinforce", "gspo"]
 # ART's Tinker defaults (its TinkerNativeBackend) when no adam_params are given: AdamW betas (0.9, 0.95)
 # and eps 1e-8.
 DEFAULT_ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
-# loss_fn_config keys Tinker's losses take (clip thresholds for ppo/cispo, beta for dro).
+# loss_fn_config keys Tinker's losses take (clip thresholds for ppo/cispo/gspo, beta for dro).
 LOSS_CONFIG_KEYS = ("clip_low_threshold", "clip_high_threshold", "beta")
 # SFT conversations per optimizer step when TrainSFTConfig.batch_size is "auto".
 AUTO_SFT_BATCH_SIZE = 32

@@ -104,6 +104,15 @@ class _LossFunctionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_LossFunc
     """-sum(stopgrad(clip(r, low, high)) * logp * A)."""
     LOSS_FUNCTION_DRO: _LossFunction.ValueType  # 5
     """-sum(logp * A - beta / 2 * (logp - q)^2)."""
+    LOSS_FUNCTION_STABLE_REINFORCE: _LossFunction.ValueType  # 6
+    """-sum(stopgrad(r) * logp * A - kl_coeff * (r - 1 - log r)), Tinker's stable_reinforce with its
+    default kl_coeff 0 (docs/tinker_parity.md: Tinker does not publish its objective).
+    """
+    LOSS_FUNCTION_GSPO: _LossFunction.ValueType  # 7
+    """GSPO-token: -sum(min(s_t * A, clip(s_t, low, high) * A)), s_t carrying the value of the geometric
+    mean of r over the sampled turn's tokens and each token's own gradient; clip_low_threshold
+    and clip_high_threshold as for PPO.
+    """
 
 class LossFunction(_LossFunction, metaclass=_LossFunctionEnumTypeWrapper):
     """The training objective. All losses are summed over tokens, as in Tinker."""
@@ -120,6 +129,15 @@ LOSS_FUNCTION_CISPO: LossFunction.ValueType  # 4
 """-sum(stopgrad(clip(r, low, high)) * logp * A)."""
 LOSS_FUNCTION_DRO: LossFunction.ValueType  # 5
 """-sum(logp * A - beta / 2 * (logp - q)^2)."""
+LOSS_FUNCTION_STABLE_REINFORCE: LossFunction.ValueType  # 6
+"""-sum(stopgrad(r) * logp * A - kl_coeff * (r - 1 - log r)), Tinker's stable_reinforce with its
+default kl_coeff 0 (docs/tinker_parity.md: Tinker does not publish its objective).
+"""
+LOSS_FUNCTION_GSPO: LossFunction.ValueType  # 7
+"""GSPO-token: -sum(min(s_t * A, clip(s_t, low, high) * A)), s_t carrying the value of the geometric
+mean of r over the sampled turn's tokens and each token's own gradient; clip_low_threshold
+and clip_high_threshold as for PPO.
+"""
 Global___LossFunction: _TypeAlias = LossFunction  # noqa: Y015
 
 class _StopReason:

@@ -105,19 +105,21 @@ class _Sequence:
         )
 
 
-def _turn_sequence(prompt: list[int], turn: types_pb2.SampledTurn, advantage: float) -> _Sequence:
+def _turn_sequence(
+    prompt: list[int], turn: types_pb2.SampledTurn, advantage: float, ratio_mask: bool
+) -> _Sequence:
     """Position i predicts token i + 1: the sampler's logprobs and the advantage sit on the completion's
-    targets, zeros on the len(prompt) − 1 prompt positions."""
+    targets, zeros on the len(prompt) − 1 prompt positions; with ratio_mask, gspo's sequence_ratio_mask
+    marks the sampled targets, so a datum's sequence ratio is taken over its sampled tokens only."""
     completion = list(turn.completion_token_ids)
     prompt_positions = len(prompt) - 1
-    return _Sequence(
-        prompt + completion,
-        {
-            "logprobs": [0.0] * prompt_positions + list(turn.completion_logprobs),
-            "advantages": [0.0] * prompt_positions + [advantage] * len(completion),
-        },
-        prompt_positions,
-    )
+    inputs = {
+        "logprobs": [0.0] * prompt_positions + list(turn.completion_logprobs),
+        "advantages": [0.0] * prompt_positions + [advantage] * len(completion),
+    }
+    if ratio_mask:
+        inputs["sequence_ratio_mask"] = [0.0] * prompt_positions + [1.0] * len(completion)
+    return _Sequence(prompt + completion, inputs, prompt_positions)
 
 
 def _merged(sequences: list[_Sequence]) -> list[_Sequence]:
@@ -149,7 +151,13 @@ def rl_batch(
     # DRO's drift term ½·β·(lp − q)² counts on every position, prompt included (q = 0 there), so separate
     # datums count the shared history once per turn, each time against q = 0: a single datum cannot
     # reproduce that loss (its lp² coefficient grows with the number of turns), so DRO stays per turn.
-    merge = merge_turns and request.loss.function != types_pb2.LOSS_FUNCTION_DRO
+    # GSPO's ratio is one geometric mean per datum: a merged datum would average over all its turns, so
+    # each sampled turn stays its own sequence.
+    merge = merge_turns and request.loss.function not in (
+        types_pb2.LOSS_FUNCTION_DRO,
+        types_pb2.LOSS_FUNCTION_GSPO,
+    )
+    ratio_mask = request.loss.function == types_pb2.LOSS_FUNCTION_GSPO
     rewards = [t.reward for g in request.groups for t in g.trajectories]
     batch.mean_reward = sum(rewards) / len(rewards)
     batch.std_reward = math.sqrt(sum((r - batch.mean_reward) ** 2 for r in rewards) / len(rewards))
@@ -199,7 +207,7 @@ def rl_batch(
                         f"{length} tokens exceed the model's context of {codec.max_context_length}",
                     )
                     continue
-                sequences.append(_turn_sequence(prompt, turn, advantage))
+                sequences.append(_turn_sequence(prompt, turn, advantage, ratio_mask))
                 batch.trained_tokens += len(turn.completion_token_ids)
             _add(batch, sequences, merge)
             batch.used += 1

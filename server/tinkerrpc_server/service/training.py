@@ -76,7 +76,7 @@ def request_hash(request: pb.TrainRequest) -> str:
 
 
 def _loss_config(loss: types_pb2.LossConfig, name: str) -> dict[str, float] | None:
-    if name in ("ppo", "cispo"):
+    if name in ("ppo", "cispo", "gspo"):
         low, high = clip_thresholds(loss)
         return {"clip_low_threshold": low, "clip_high_threshold": high}
     if name == "dro":

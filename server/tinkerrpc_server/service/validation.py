@@ -27,10 +27,12 @@ RL_LOSSES: dict[types_pb2.LossFunction.ValueType, LossFnType] = {
     types_pb2.LOSS_FUNCTION_PPO: "ppo",
     types_pb2.LOSS_FUNCTION_CISPO: "cispo",
     types_pb2.LOSS_FUNCTION_DRO: "dro",
+    types_pb2.LOSS_FUNCTION_STABLE_REINFORCE: "stable_reinforce",
+    types_pb2.LOSS_FUNCTION_GSPO: "gspo",
 }
 
 
-# Clip thresholds of the ppo and cispo losses when the request leaves them unset.
+# Clip thresholds of the ppo, cispo and gspo losses when the request leaves them unset.
 DEFAULT_CLIP_LOW = 0.8
 DEFAULT_CLIP_HIGH = 1.2
 
@@ -139,7 +141,7 @@ def _check_loss(v: Violations, request: trainer_service_pb2.TrainRequest) -> Non
     if request.groups and loss.function == types_pb2.LOSS_FUNCTION_CROSS_ENTROPY:
         v.add(
             "loss.function",
-            "trajectory groups need a policy-gradient loss (importance_sampling, ppo, cispo, dro)",
+            f"trajectory groups need a policy-gradient loss ({', '.join(RL_LOSSES.values())})",
         )
     low, high = clip_thresholds(loss)
     if not (_finite(low) and 0 < low <= 1):

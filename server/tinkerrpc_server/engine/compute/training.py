@@ -134,6 +134,9 @@ class Training(AdaptedModel):
                 if not np.all(np.isfinite(values)):
                     raise EngineUserError(f"{where}: loss_fn_inputs[{key!r}] has non-finite values")
                 inputs[key] = torch.tensor(values, dtype=torch.float32, device=self.device)
+            check = LOSSES[loss_fn].check_inputs
+            if check is not None and (problem := check(datum.loss_fn_inputs)):
+                raise EngineUserError(f"{where}: {problem}")
             prepared.append(
                 PreparedDatum(
                     torch.tensor(tokens, dtype=torch.long, device=self.device),
