@@ -278,12 +278,18 @@ def samples_from_proto(msg: service_pb.SampleResponse) -> list[Sample]:
             prompt_token_ids=prompt_ids,
             top_logprobs=tuple(
                 tuple(
-                    TopLogprob(token_id, logprob, top.token_texts[i] if i < len(top.token_texts) else "")
+                    TopLogprob(
+                        token_id,
+                        logprob,
+                        top.token_texts[i] if i < len(top.token_texts) else "",
+                        top.token_bytes[i] if i < len(top.token_bytes) else None,
+                    )
                     for i, (token_id, logprob) in enumerate(zip(top.token_ids, top.logprobs, strict=False))
                 )
                 for top in seq.top_logprobs
             ),
             token_texts=tuple(seq.token_texts),
+            token_bytes=tuple(seq.token_bytes),
             prompt_logprobs=prompt_logprobs,
             prompt_text=msg.prompt_text,
         )

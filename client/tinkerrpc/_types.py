@@ -32,6 +32,8 @@ class TopLogprob:
     token_id: int
     logprob: float
     text: str = ""
+    # Its exact bytes (None from a server that does not send them).
+    bytes: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,9 @@ class Sample:
     prompt_token_ids: tuple[int, ...]
     top_logprobs: tuple[tuple[TopLogprob, ...], ...] = ()
     token_texts: tuple[str, ...] = ()
+    # Each token's exact bytes, with token_texts: a token holding part of a multi-byte character has
+    # U+FFFD in its text, and its bytes joined with its neighbours' rebuild the character.
+    token_bytes: tuple[bytes, ...] = ()
     prompt_logprobs: tuple[float, ...] = ()
     # The prompt as text, when asked with return_prompt_text.
     prompt_text: str = ""

@@ -163,8 +163,10 @@ def sample_to_proto(sample: Sample) -> pb.SampledSequence:
                 token_ids=[c.token_id for c in position],
                 logprobs=[c.logprob for c in position],
                 token_texts=[c.text for c in position],
+                token_bytes=[c.bytes for c in position if c.bytes is not None],
             )
             for position in sample.top_logprobs
         ],
         token_texts=sample.token_texts,
+        token_bytes=sample.token_bytes,
     )

@@ -9,10 +9,12 @@ litellm's streams keep none of the RL fields, whatever the prefix.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
-from sidecar_support import API_KEY, Stack
+import httpx
+from sidecar_support import API_KEY, WEATHER_TOOL, Stack
 
 import tinkerrpc
 
@@ -99,3 +101,49 @@ def test_litellm_hosted_vllm_prefix_rollout_trains_token_exact(stack: Stack) -> 
     assert streamed == trajectories[1].messages[-1].content
     result = model.train([tinkerrpc.TrajectoryGroup(trajectories)], learning_rate=1e-3)
     assert result.policy_version == 1 and result.metrics.trajectories_used == 2
+
+
+def test_assistant_messages_echoed_as_litellm_returns_them_are_accepted(stack: Stack) -> None:
+    """litellm's Message adds `provider_specific_fields` (where it keeps the RL fields), and on other
+    providers `thinking_blocks`, `images` and tool calls' own `provider_specific_fields`; echoed back,
+    they are accepted and leave the prompt as the plain message renders it."""
+    stack.client.create_model("litellm-echo", base_model="tinkerrpc/tiny-chat", lora_rank=8)
+    options: dict[str, Any] = {"api_base": stack.sidecar.openai_base_url, "api_key": API_KEY}
+    request: dict[str, Any] = {"model": "hosted_vllm/litellm-echo", "max_tokens": 3, "seed": 1, **options}
+    first = litellm.completion(**request, messages=USER, extra_body={"return_token_ids": True})
+    echoed = first.choices[0].message
+    assert echoed.provider_specific_fields, echoed
+    follow_up = {"role": "user", "content": "Why?"}
+    # The client path: litellm sends its own Message back.
+    again = litellm.completion(**request, messages=[*USER, echoed, follow_up])
+    assert again.choices[0].message.content is not None
+
+    call = {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    plain_turn = {"role": "assistant", "content": echoed.content, "tool_calls": [call]}
+    litellm_turn = {
+        **echoed.model_dump(),
+        "tool_calls": [{**call, "provider_specific_fields": {"thought_signature": "c2ln"}}],
+        "thinking_blocks": None,
+        "images": [],
+    }
+    tool_result = {"role": "tool", "tool_call_id": "call_0", "content": "sunny"}
+
+    def prompt_token_ids(assistant_turn: dict[str, Any]) -> list[int]:
+        body = {
+            "model": "litellm-echo",
+            "messages": [*USER, assistant_turn, tool_result],
+            "tools": [WEATHER_TOOL],
+            "max_tokens": 1,
+        }
+        answer = httpx.post(
+            f"{stack.sidecar.openai_base_url}/chat/completions",
+            content=json.dumps(body).encode(),
+            headers={"authorization": f"Bearer {API_KEY}", "content-type": "application/json"},
+            timeout=60,
+        )
+        assert answer.status_code == 200, answer.text
+        ids: list[int] = answer.json()["prompt_token_ids"]
+        return ids
+
+    assert "provider_specific_fields" in litellm_turn
+    assert prompt_token_ids(litellm_turn) == prompt_token_ids(plain_turn)

@@ -755,6 +755,7 @@ class TopLogprobs(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     TOKEN_TEXTS_FIELD_NUMBER: _builtins.int
+    TOKEN_BYTES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Candidate token ids, most likely first."""
@@ -767,16 +768,21 @@ class TopLogprobs(_message.Message):
     def token_texts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Their decoded texts, when token texts were requested."""
 
+    @_builtins.property
+    def token_bytes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Their exact bytes, when token texts were requested (see SampledSequence.token_bytes)."""
+
     def __init__(
         self,
         *,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         logprobs: _abc.Iterable[_builtins.float] | None = ...,
         token_texts: _abc.Iterable[_builtins.str] | None = ...,
+        token_bytes: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "token_ids", b"token_ids", "token_texts", b"token_texts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "token_bytes", b"token_bytes", "token_ids", b"token_ids", "token_texts", b"token_texts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -796,6 +802,7 @@ class SampledSequence(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     TOKEN_TEXTS_FIELD_NUMBER: _builtins.int
+    TOKEN_BYTES_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """The completion decoded as text."""
     stop_reason: Global___StopReason.ValueType
@@ -824,6 +831,13 @@ class SampledSequence(_message.Message):
     def token_texts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Per generated token, its decoded text (when requested)."""
 
+    @_builtins.property
+    def token_bytes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Per generated token, its exact bytes (when token texts are requested): a token holding part
+        of a multi-byte character decodes alone to U+FFFD in token_texts, but its bytes joined with
+        its neighbours' rebuild the character.
+        """
+
     def __init__(
         self,
         *,
@@ -835,10 +849,11 @@ class SampledSequence(_message.Message):
         policy_version: _builtins.int = ...,
         top_logprobs: _abc.Iterable[Global___TopLogprobs] | None = ...,
         token_texts: _abc.Iterable[_builtins.str] | None = ...,
+        token_bytes: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "message", b"message", "policy_version", b"policy_version", "stop_reason", b"stop_reason", "text", b"text", "token_ids", b"token_ids", "token_texts", b"token_texts", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "message", b"message", "policy_version", b"policy_version", "stop_reason", b"stop_reason", "text", b"text", "token_bytes", b"token_bytes", "token_ids", b"token_ids", "token_texts", b"token_texts", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -11,6 +11,7 @@ In `tinkerrpc serve` it runs without torch (service/torchless.py)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import re
@@ -196,6 +197,25 @@ class PlainTextTokenizer:
         return self._framing
 
 
+_BYTE_FALLBACK_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character → byte: printable bytes stand for themselves, the
+    others for the characters from U+0100 on, in byte order."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    others = [b for b in range(256) if b not in printable]
+    return {
+        **{chr(b): b for b in printable},
+        **{chr(256 + i): b for i, b in enumerate(others)},
+    }
+
+
 @dataclass(frozen=True)
 class ChatCodec:
     """One model's tokenizer and chat renderer: what turns messages and text into tokens and back."""
@@ -317,6 +337,21 @@ class ChatCodec:
 
     def token_text(self, token: int) -> str:
         return str(self.tokenizer.decode([token], skip_special_tokens=False))
+
+    def token_bytes(self, token: int) -> bytes:
+        """The token's own bytes, where its text alone has U+FFFD for part of a character: a byte-level
+        BPE piece mapped back through the byte alphabet, a byte-fallback piece `<0xNN>` as its byte;
+        an added token, or a piece of another tokenizer, as its text's UTF-8."""
+        added: dict[int, Any] = getattr(self.tokenizer, "added_tokens_decoder", {})
+        if token not in added:
+            piece = str(self.tokenizer.convert_ids_to_tokens(token))
+            if _BYTE_FALLBACK_PIECE.fullmatch(piece):
+                return bytes([int(piece[3:5], 16)])
+            decoder = getattr(getattr(self.tokenizer, "backend_tokenizer", None), "decoder", None)
+            alphabet = _byte_level_alphabet()
+            if type(decoder).__name__ == "ByteLevel" and all(c in alphabet for c in piece):
+                return bytes(alphabet[c] for c in piece)
+        return self.token_text(token).encode()
 
     def default_stop_tokens(self) -> list[int]:
         stops: list[int] = []

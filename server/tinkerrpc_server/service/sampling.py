@@ -119,6 +119,7 @@ def _sampled_sequence(
         sampled.message.CopyFrom(to_proto_message(message))
     if request.params.return_token_texts:
         sampled.token_texts.extend(codec.token_text(t) for t in tokens)
+        sampled.token_bytes.extend(codec.token_bytes(t) for t in tokens)
     return sampled
 
 
@@ -151,6 +152,7 @@ async def _fill_top_logprobs(
             )
             if params.return_token_texts:
                 top.token_texts.extend(codec.token_text(t) for t, _ in alternatives)
+                top.token_bytes.extend(codec.token_bytes(t) for t, _ in alternatives)
 
     await off_loop(add_rows)
 

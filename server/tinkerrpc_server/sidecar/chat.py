@@ -15,6 +15,7 @@ from fastapi import APIRouter, Response
 from tinkerrpc import Sample
 from tinkerrpc_server.sidecar.completion_route import CompletionFamily, answer
 from tinkerrpc_server.sidecar.errors import bad_request
+from tinkerrpc_server.sidecar.json_bounds import BoundedJSONRoute, check_json_text
 from tinkerrpc_server.sidecar.models import ModelRef
 from tinkerrpc_server.sidecar.protocol import (
     AssistantMessage,
@@ -88,7 +89,7 @@ def _check_unsupported_chat(request: ChatCompletionRequest) -> None:
     for param, is_set in refused:
         if is_set:
             raise bad_request(f"{param} is not supported by the tinkerrpc sidecar", param)
-    if request.response_format is not None and request.response_format.get("type") != "text":
+    if request.response_format is not None and request.response_format.type != "text":
         raise bad_request(
             "only response_format {'type': 'text'} is supported: Tinker's sampler has no constrained "
             "decoding to hold a reply to a JSON schema",
@@ -141,7 +142,11 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
         if message.tool_call_id:
             converted["tool_call_id"] = message.tool_call_id
         if message.tool_calls:
-            converted["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+            for k, call in enumerate(message.tool_calls):
+                check_json_text(call.function.arguments, f"{where}.tool_calls[{k}].function.arguments")
+            converted["tool_calls"] = [
+                call.model_dump(exclude={"provider_specific_fields"}) for call in message.tool_calls
+            ]
         out.append(converted)
     return out
 
@@ -265,7 +270,7 @@ CHAT = CompletionFamily(ROUTE, chat_sample_args, chat_messages, build_chat_compl
 
 
 def create_router(sample: Sampler) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=BoundedJSONRoute)
 
     @router.post(ROUTE, response_model=None)
     async def chat_completions(request: ChatCompletionRequest) -> Response:

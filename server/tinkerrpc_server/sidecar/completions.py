@@ -14,6 +14,7 @@ from fastapi import APIRouter, Response
 from tinkerrpc import Sample
 from tinkerrpc_server.sidecar.completion_route import CompletionFamily, answer
 from tinkerrpc_server.sidecar.errors import bad_request
+from tinkerrpc_server.sidecar.json_bounds import BoundedJSONRoute
 from tinkerrpc_server.sidecar.models import ModelRef
 from tinkerrpc_server.sidecar.protocol import Completion, CompletionChoice, CompletionRequest, LegacyLogprobs
 from tinkerrpc_server.sidecar.sample_output import (
@@ -45,10 +46,7 @@ def completion_prompt(request: CompletionRequest) -> str | list[int]:
     if not prompt:
         raise bad_request("prompt must not be empty", "prompt")
     if all(isinstance(p, int) for p in prompt):
-        tokens = [int(p) for p in prompt]  # type: ignore[arg-type]
-        if any(t < 0 for t in tokens):
-            raise bad_request("prompt token ids must be non-negative", "prompt")
-        return tokens
+        return [int(p) for p in prompt]  # type: ignore[arg-type]
     if len(prompt) > 1:
         raise bad_request("batches of prompts are not supported: send one prompt per request", "prompt")
     return completion_prompt(request.model_copy(update={"prompt": prompt[0]}))
@@ -182,7 +180,7 @@ COMPLETIONS = CompletionFamily(
 
 
 def create_router(sample: Sampler) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=BoundedJSONRoute)
 
     @router.post(ROUTE, response_model=None)
     async def completions(request: CompletionRequest) -> Response:

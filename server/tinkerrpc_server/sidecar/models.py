@@ -17,6 +17,11 @@ from tinkerrpc_server.sidecar.errors import model_not_found
 from tinkerrpc_server.sidecar.protocol import ModelCard, ModelList
 
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# ASCII digits only (`str.isdigit` also takes superscripts and other scripts' digits, which `int()`
+# refuses or reads as a different number).
+_POLICY_VERSION = re.compile(r"[0-9]+")
+# Policy versions are int64 on the wire: a longer number names no version that can exist.
+_MAX_VERSION = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -37,8 +42,15 @@ def parse_model_id(model: str) -> ModelRef:
         raise model_not_found(model, "model ids are `name` or `name@<policy version>`")
     if not at:
         return ModelRef(model, name, None)
-    if not version_text.isdigit():
-        raise model_not_found(model, f"`{version_text}` is not a policy version (a non-negative integer)")
+    if not _POLICY_VERSION.fullmatch(version_text):
+        raise model_not_found(
+            model, f"`{version_text}` is not a policy version (a non-negative integer in ASCII digits)"
+        )
+    # Bounded before int(): a version of thousands of digits is refused without converting it.
+    if len(version_text) > len(str(_MAX_VERSION)) or int(version_text) > _MAX_VERSION:
+        raise model_not_found(
+            model, f"no policy version {version_text} (versions are at most {_MAX_VERSION})"
+        )
     return ModelRef(model, name, int(version_text))
 
 

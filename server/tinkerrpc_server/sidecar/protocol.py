@@ -2,13 +2,13 @@
 Responses API, model cards), with vLLM-style RL extensions.
 
 Requests forbid unknown fields (OpenAI answers "Unrecognized request argument" too), so a typo
-never silently changes sampling. Fields that do not affect sampling are declared and ignored;
+never silently changes sampling, and validate strictly: `true` is no integer and `1.0` no count. Fields that do not affect sampling are declared and ignored;
 fields the sampler cannot honour are declared so that the endpoint modules can name them in a 400.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -16,15 +16,18 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 16
+# Token counts and token ids are int32 on the wire; seeds int64.
+MAX_INT32 = 2**31 - 1
+MIN_INT64, MAX_INT64 = -(2**63), 2**63 - 1
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TextPart(BaseModel):
     # Other part types (image_url, input_audio, file) are kept loose here and refused by name later.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
@@ -38,6 +41,8 @@ class ToolCallParam(_Request):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCallParam
+    # litellm's echoed tool calls carry it (provider extras such as thought signatures); ignored.
+    provider_specific_fields: dict[str, Any] | None = None
 
 
 class ChatMessageParam(_Request):
@@ -55,6 +60,12 @@ class ChatMessageParam(_Request):
     reasoning_content: str | None = None
     # The deprecated single function call; only null is accepted (refused by name when set).
     function_call: dict[str, Any] | None = None
+    # What litellm's Message adds when it is echoed back (`message.model_dump()`): the provider's
+    # extras (RL fields among them), Anthropic-style thinking blocks and generated images. None of
+    # them is rendered: the sidecar produces no thinking blocks or images.
+    provider_specific_fields: dict[str, Any] | None = None
+    thinking_blocks: list[dict[str, Any]] | None = None
+    images: list[dict[str, Any]] | None = None
 
 
 class FunctionDefinition(_Request):
@@ -75,6 +86,33 @@ class StreamOptions(_Request):
     include_obfuscation: bool | None = None
 
 
+# Structured-output formats OpenAI names; only "text" is served (refused by name otherwise).
+OutputFormatType = Literal["text", "json_object", "json_schema"]
+
+
+class ResponseFormat(_Request):
+    type: OutputFormatType
+    json_schema: dict[str, Any] | None = None
+
+
+class TextFormat(_Request):
+    # A json_schema format carries its schema's name, schema, description and strict beside its type.
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: OutputFormatType
+
+
+class TextConfig(_Request):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ResponsesStreamOptions(_Request):
+    include_obfuscation: bool | None = None
+
+
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
+
+
 class SamplingFields(_Request):
     """Parameters shared by chat and legacy completions."""
 
@@ -83,9 +121,9 @@ class SamplingFields(_Request):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     # Extension (vLLM): -1 or 0 disables top-k.
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=MIN_INT64, le=MAX_INT64)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Honoured only at their neutral values (checked by name so the 400 says which one).
@@ -95,13 +133,14 @@ class SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None
     # RL extensions (vLLM): logprob tokens as `token_id:N`, extra stop token ids, no end-of-turn stop.
     return_tokens_as_token_ids: bool = False
-    stop_token_ids: list[int] | None = None
+    # Negative ids are refused by name with the other sampling checks.
+    stop_token_ids: list[Annotated[int, Field(le=MAX_INT32)]] | None = None
     ignore_eos: bool = False
     # vLLM: true returns `token_ids`/`prompt_token_ids`/`policy_version` (also on a stream's last
     # chunk), false leaves them out; unset keeps them on plain responses.
     return_token_ids: bool | None = None
     # vLLM: no stop (stop token or stop string) before this many tokens.
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32)
     # vLLM: how the returned text is decoded from the tokens (special tokens dropped or kept, and
     # kept ones spaced from their neighbours), and whether the matched stop string stays in it.
     skip_special_tokens: bool = True
@@ -115,21 +154,21 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessageParam] = Field(min_length=1)
     tools: list[ToolParam] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     # vLLM: keyword arguments of the chat template; only enable_thinking, which picks the renderer's
     # thinking or thinking-disabled variant.
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM: the reply's content starts with the last message's when that message is the assistant's.
     echo: bool = False
     audio: dict[str, Any] | None = None
-    modalities: list[str] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
     prediction: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
-    verbosity: str | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
     web_search_options: dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -138,18 +177,21 @@ class ChatCompletionRequest(SamplingFields):
     # Accepted and ignored.
     metadata: dict[str, str] | None = None
     store: bool | None = None
-    service_tier: str | None = None
+    service_tier: ServiceTier | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
 
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     # OpenAI's legacy default.
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=MAX_INT32)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
 
@@ -303,15 +345,27 @@ class ModelList(BaseModel):
 # The shapes of the `openai` package's `openai.types.responses`.
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# OpenAI's include values; only the logprobs one adds anything here (the sidecar has no built-in
+# tools, images or encrypted reasoning whose details the others ask for).
+ResponseInclude = Literal[
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+]
 
 
 class _InputItem(BaseModel):
     # Items echoed from an earlier response's output carry ids, status and the RL fields.
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class InputTextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["input_text", "output_text", "text"]
     text: str
 
@@ -343,7 +397,7 @@ INPUT_ITEMS: dict[str, type[_InputItem]] = {
 
 
 class FunctionTool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["function"] = "function"
     name: str = Field(min_length=1)
     description: str | None = None
@@ -357,32 +411,32 @@ class ResponseRequest(_Request):
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    include: list[str] | None = None
+    include: list[ResponseInclude] | None = None
     stream: bool = False
     previous_response_id: str | None = None
-    text: dict[str, Any] | None = None
+    text: TextConfig | None = None
     reasoning: dict[str, Any] | None = None
     background: bool | None = None
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
     # Accepted and ignored: they do not change what is sampled (nothing is stored).
     store: bool | None = None
-    stream_options: dict[str, Any] | None = None
+    stream_options: ResponsesStreamOptions | None = None
     parallel_tool_calls: bool | None = None
-    max_tool_calls: int | None = None
+    max_tool_calls: int | None = Field(None, ge=1, le=MAX_INT32)
     metadata: dict[str, str] | None = None
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    service_tier: str | None = None
-    truncation: str | None = None
+    service_tier: ServiceTier | None = None
+    truncation: Literal["auto", "disabled"] | None = None
     # RL extensions (vLLM names), as on chat completions.
-    top_k: int | None = Field(None, ge=-1)
-    seed: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
+    seed: int | None = Field(None, ge=MIN_INT64, le=MAX_INT64)
     return_token_ids: bool | None = None
 
     @property

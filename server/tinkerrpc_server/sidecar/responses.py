@@ -19,9 +19,11 @@ from pydantic import BaseModel, ValidationError
 from tinkerrpc import Sample, messages_from_response_input
 from tinkerrpc_server.sidecar import sample_output
 from tinkerrpc_server.sidecar.errors import bad_request, param_from_loc
+from tinkerrpc_server.sidecar.json_bounds import BoundedJSONRoute, check_json_text
 from tinkerrpc_server.sidecar.models import ModelRef, parse_model_id
 from tinkerrpc_server.sidecar.protocol import (
     INPUT_ITEMS,
+    FunctionCallInput,
     FunctionTool,
     OutputFunctionCall,
     OutputMessage,
@@ -69,8 +71,8 @@ def _check_request(request: ResponseRequest) -> None:
     for param, is_set in refused:
         if is_set:
             raise bad_request(f"{param} is not supported by the tinkerrpc sidecar", param)
-    text_format = (request.text or {}).get("format") or {"type": "text"}
-    if text_format.get("type") != "text":
+    text_format = request.text.format if request.text is not None else None
+    if text_format is not None and text_format.type != "text":
         raise bad_request(
             "only text.format {'type': 'text'} is supported: Tinker's sampler has no constrained "
             "decoding to hold a reply to a JSON schema",
@@ -101,7 +103,10 @@ def prompt_messages(request: ResponseRequest) -> list[dict[str, Any]]:
                     f"input item type {kind!r} is not supported; supported: {', '.join(INPUT_ITEMS)}",
                     f"input[{i}].type",
                 )
-            checked.append(_validated(INPUT_ITEMS[kind], raw, f"input[{i}]").model_dump())
+            item = _validated(INPUT_ITEMS[kind], raw, f"input[{i}]")
+            if isinstance(item, FunctionCallInput):
+                check_json_text(item.arguments, f"input[{i}].arguments")
+            checked.append(item.model_dump())
         items = checked
     try:
         messages = messages_from_response_input(items, request.instructions)
@@ -249,7 +254,7 @@ def stream_events(final: ResponseObject, sample: Sample) -> Iterator[dict[str, A
 
 
 def create_router(sample: Sampler) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=BoundedJSONRoute)
 
     @router.post(ROUTE, response_model=None)
     async def create_response(request: ResponseRequest) -> Response:

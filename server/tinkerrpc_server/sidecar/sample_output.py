@@ -84,8 +84,10 @@ def token_label(token_id: int, text: str, as_token_ids: bool) -> str:
     return f"token_id:{token_id}" if as_token_ids else text
 
 
-def _token_bytes(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
+def _token_bytes(exact: bytes | None, text: str) -> list[int]:
+    """OpenAI's `bytes` of a token: the server's exact bytes (a token holding part of a multi-byte
+    character has U+FFFD in its text), or its text's UTF-8 from a server that sends none."""
+    return list(exact if exact is not None else text.encode("utf-8"))
 
 
 def token_text(sample: Sample, position: int) -> str:
@@ -100,12 +102,14 @@ def chat_logprob_entry(sample: Sample, position: int, as_token_ids: bool) -> Tok
     return TokenLogprobEntry(
         token=token_label(token_id, text, as_token_ids),
         logprob=sample.logprobs[position],
-        bytes=_token_bytes(text),
+        bytes=_token_bytes(
+            sample.token_bytes[position] if position < len(sample.token_bytes) else None, text
+        ),
         top_logprobs=[
             TopLogprobEntry(
                 token=token_label(alt.token_id, alt.text, as_token_ids),
                 logprob=alt.logprob,
-                bytes=_token_bytes(alt.text),
+                bytes=_token_bytes(alt.bytes, alt.text),
             )
             for alt in alternatives
         ],

@@ -50,7 +50,8 @@ class SampleArgs:
     parallel_tool_calls: bool = True
 
     def sdk_kwargs(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # Shallow: `dataclasses.asdict` would deep-copy the tools' JSON schemas for nothing.
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 # What the SDK accepts as a prompt: raw text, token ids, or OpenAI-style message dicts.
