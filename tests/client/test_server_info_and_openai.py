@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import tinkerrpc
-from tinkerrpc_server.local.processes import free_port
+from tinkerrpc_server.processes.probes import free_port
 from tinkerrpc_server.local.stack import LocalStack
 
 TOKEN = "t0ken-first-contact"

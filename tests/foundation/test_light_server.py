@@ -19,7 +19,8 @@ import pytest
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import trainer_service_pb2_grpc, types_pb2
 from tinkerrpc_server.local.stack import LocalStack
-from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR, TINY_CHAT
+from tinkerrpc_server.model_store import TINY_CHAT
+from tinkerrpc_server.settings import Settings
 
 CALL_TIMEOUT = 120.0
 
@@ -63,7 +64,7 @@ RENDER = textwrap.dedent(
 
 def _render(torch_mode: str) -> dict[str, object]:
     done = subprocess.run(
-        [sys.executable, "-c", RENDER, torch_mode, TINY_CHAT, str(DEFAULT_MODEL_DIR)],
+        [sys.executable, "-c", RENDER, torch_mode, TINY_CHAT, str(Settings.from_environment().model_dir)],
         capture_output=True,
         text=True,
         timeout=300,

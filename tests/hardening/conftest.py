@@ -15,7 +15,7 @@ from hardening_support import (
 )
 from service.svc import Server
 
-from tinkerrpc_server.local.processes import free_port
+from tinkerrpc_server.processes.probes import free_port
 
 # bench/ (bench.load) lives at the repository root, outside the installed packages.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))

@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import tinkerrpc
-from tinkerrpc_server.local.processes import free_port
+from tinkerrpc_server.processes.probes import free_port
 from tinkerrpc_server.local.stack import LocalStack
 
 TOKEN = "s3cret-token-for-tests"

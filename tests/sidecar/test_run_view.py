@@ -22,7 +22,7 @@ import pytest
 from websockets.sync.client import ClientConnection, connect
 
 import tinkerrpc
-from tinkerrpc_server.local.processes import free_port
+from tinkerrpc_server.processes.probes import free_port
 from tinkerrpc_server.local.stack import LocalStack
 
 SIDECAR_KEY = "run-view-test-key"
