@@ -89,16 +89,12 @@ def forget_engine_api_key() -> None:
     os.environ.pop(ENGINE_API_KEY_ENV, None)
 
 
-def child_environment(handed: Mapping[str, str | None] | None = None) -> dict[str, str]:
-    """The environment of a child process: this one's, without any credential, with telemetry off, and
-    with `handed` on top (a None value leaves that variable out)."""
+def child_environment(handed: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a child process: this one's without any credential, with telemetry off, and
+    with `handed` on top (the credentials that child needs, and whatever its starter sets)."""
     env = {name: value for name, value in os.environ.items() if name not in _SECRET_ENVS}
     env["TINKER_TELEMETRY"] = "0"
-    for name, value in (handed or {}).items():
-        if value is None:
-            env.pop(name, None)
-        else:
-            env[name] = value
+    env.update(handed or {})
     return env
 
 

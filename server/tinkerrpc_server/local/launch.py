@@ -52,7 +52,7 @@ class LocalProcess:
         name: str,
         log_path: Path | None,
         startup_timeout: float,
-        env: Mapping[str, str | None] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.cmd = list(cmd)
         self.name = name

@@ -73,7 +73,10 @@ class LocalStack(LocalProcess):
 
     @property
     def sidecar_url(self) -> str | None:
-        return f"http://127.0.0.1:{self._reported('sidecar_port')}" if self.with_sidecar else None
+        """The hosted sidecar's URL (with `with_sidecar`, or a `--sidecar-port` among `extra_args`)."""
+        if not self.with_sidecar and "sidecar_port" not in self._ports:
+            return None
+        return f"http://127.0.0.1:{self._reported('sidecar_port')}"
 
     def served(self, ports: dict[str, int]) -> None:
         self._ports = ports

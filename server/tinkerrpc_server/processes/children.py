@@ -114,10 +114,10 @@ class ChildProcess:
             loop.call_soon_threadsafe(resolve, code)
 
         with self._exit_lock:
-            if not self._exited.is_set():
+            exited = self._exited.is_set()
+            if not exited:
                 self._on_exit.append(on_exit)
-                return await future
-        return self._process.returncode
+        return self._process.returncode if exited else await future
 
     def wait_ready(self, timeout: float) -> dict[str, int]:
         """The ports the child reported once it serves. Raises StartError when it exits first or
