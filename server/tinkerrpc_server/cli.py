@@ -23,11 +23,11 @@ from tinkerrpc_server.settings import (
     MODEL_DIR_ENV,
     SIDECAR_API_KEY_ENV,
     Settings,
-    SettingsError,
     configure_logging,
     forget_engine_api_key,
     set_engine_placement,
     set_process_defaults,
+    settings_of,
 )
 
 if TYPE_CHECKING:
@@ -479,10 +479,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        settings = Settings.from_environment()
-    except SettingsError as err:
-        print(f"tinkerrpc: {err}", file=sys.stderr)
+    settings = settings_of("tinkerrpc")
+    if settings is None:
         return 2
     set_process_defaults()
     parser = argparse.ArgumentParser(prog="tinkerrpc", description=__doc__)

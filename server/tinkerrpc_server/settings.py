@@ -84,6 +84,15 @@ class Settings:
         )
 
 
+def settings_of(program: str) -> Settings | None:
+    """This process's settings, or None once `program` has printed why its environment is unusable."""
+    try:
+        return Settings.from_environment()
+    except SettingsError as err:
+        print(f"{program}: {err}", file=sys.stderr)
+        return None
+
+
 def forget_engine_api_key() -> None:
     """Drop the engine key from this process's environment once read, so nothing it starts inherits it."""
     os.environ.pop(ENGINE_API_KEY_ENV, None)

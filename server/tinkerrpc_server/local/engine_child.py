@@ -28,11 +28,10 @@ from tinkerrpc_server.processes.http_serving import bound_port, listen
 from tinkerrpc_server.processes.ownership import own_data_dir
 from tinkerrpc_server.settings import (
     ENGINE_API_KEY_ENV,
-    Settings,
-    SettingsError,
     configure_logging,
     forget_engine_api_key,
     set_process_defaults,
+    settings_of,
 )
 
 _PR_SET_PDEATHSIG = 1
@@ -52,11 +51,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
-    try:
-        settings = Settings.from_environment()
-    except SettingsError as err:
-        print(f"tinkerrpc engine: cannot start: {err}", file=sys.stderr)
-        return 1
+    settings = settings_of("tinkerrpc engine")
+    if settings is None:
+        return 2
     # Nothing this process starts inherits the key.
     forget_engine_api_key()
     if settings.engine_api_key is None:

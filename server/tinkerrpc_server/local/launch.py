@@ -60,12 +60,27 @@ class LocalProcess:
         self.log_path = log_path
         self.startup_timeout = startup_timeout
         self._child: ChildProcess | None = None
+        self._ports: dict[str, int] = {}
 
     @property
     def child(self) -> ChildProcess:
         if self._child is None:
             raise RuntimeError(f"`{self.name}` has not started")
         return self._child
+
+    def reported(self, name: str) -> int:
+        """The port `name` the process reported once it served."""
+        if name not in self._ports:
+            raise RuntimeError(f"`{self.name}` has not reported a {name} (start it first)")
+        return self._ports[name]
+
+    @property
+    def port(self) -> int:
+        return self.reported("port")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     @property
     def pid(self) -> int:
@@ -79,6 +94,7 @@ class LocalProcess:
         if self._child is not None and self._child.exit_code() is None:
             # A second process would replace the first, which then outlives every stop().
             raise RuntimeError(f"`{self.name}` was already started (enter the unstarted object)")
+        self._ports = {}
         if self.log_path is None:
             self._child = ChildProcess(self.cmd, self.env, self.name)
         else:
@@ -105,7 +121,8 @@ class LocalProcess:
         return self
 
     def served(self, ports: dict[str, int]) -> None:
-        """What the process reported once it served (its ports); a subclass checks and keeps them."""
+        """Keep the ports the process reported once it served; a subclass may check them further."""
+        self._ports = ports
 
     def stop(self, stop_timeout: float = 60.0) -> int | None:
         """Stop the process; its exit code (None if it never started)."""
@@ -140,33 +157,9 @@ class EngineProcess(LocalProcess):
     """An engine process on 127.0.0.1 (a port it picks), requiring `api_key`, fresh for each start and
     handed over in its environment (never argv, which every user of the machine can read)."""
 
-    def __init__(
-        self,
-        cmd: Sequence[str],
-        name: str,
-        log_path: Path | None,
-        startup_timeout: float,
-    ) -> None:
+    def __init__(self, cmd: Sequence[str], name: str, log_path: Path | None, startup_timeout: float) -> None:
         self.api_key = generate_api_key()
-        self._port: int | None = None
         super().__init__(cmd, name, log_path, startup_timeout, {ENGINE_API_KEY_ENV: self.api_key})
-
-    def launch(self) -> ChildProcess:
-        self._port = None
-        return super().launch()
-
-    def served(self, ports: dict[str, int]) -> None:
-        self._port = ports["port"]
-
-    @property
-    def port(self) -> int:
-        if self._port is None:
-            raise RuntimeError(f"`{self.name}` is not serving (start it first)")
-        return self._port
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
 
 def engine_child_command(data_dir: Path, model_dir: Path) -> list[str]:

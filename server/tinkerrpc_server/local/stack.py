@@ -50,22 +50,12 @@ class LocalStack(LocalProcess):
         self.data_dir = data_dir
         self.tls_root_certificates = tls_root_certificates
         self.with_sidecar = with_sidecar
-        self._ports: dict[str, int] = {}
         args = ["serve", "--host", "127.0.0.1", "--port", "0", "--data-dir", str(data_dir)]
         if with_sidecar:
             args += ["--sidecar-port", "0"]
         super().__init__(
             tinkerrpc_command(*args, *extra_args), "tinkerrpc serve", log_path, startup_timeout, env
         )
-
-    def _reported(self, name: str) -> int:
-        if name not in self._ports:
-            raise RuntimeError(f"`{self.name}` has not reported its {name} (start it first)")
-        return self._ports[name]
-
-    @property
-    def port(self) -> int:
-        return self._reported("port")
 
     @property
     def target(self) -> str:
@@ -76,10 +66,10 @@ class LocalStack(LocalProcess):
         """The hosted sidecar's URL (with `with_sidecar`, or a `--sidecar-port` among `extra_args`)."""
         if not self.with_sidecar and "sidecar_port" not in self._ports:
             return None
-        return f"http://127.0.0.1:{self._reported('sidecar_port')}"
+        return f"http://127.0.0.1:{self.reported('sidecar_port')}"
 
     def served(self, ports: dict[str, int]) -> None:
-        self._ports = ports
+        super().served(ports)
         if not self.is_ready():
             raise RuntimeError(
                 f"`{self.name}` reported serving, but its health checks fail; see {self.log_path}"
@@ -173,20 +163,10 @@ class LocalSidecar(LocalProcess):
     def __init__(
         self, grpc_target: str, log_path: Path, api_key: str | None = None, startup_timeout: float = 60.0
     ) -> None:
-        self._port: int | None = None
         args = ["sidecar", "--grpc-target", grpc_target, "--host", "127.0.0.1", "--port", "0"]
         # The key travels in the environment: command lines are visible to every user of the machine.
         env = {SIDECAR_API_KEY_ENV: api_key} if api_key else {}
         super().__init__(tinkerrpc_command(*args), "tinkerrpc sidecar", log_path, startup_timeout, env)
-
-    def served(self, ports: dict[str, int]) -> None:
-        self._port = ports["port"]
-
-    @property
-    def base_url(self) -> str:
-        if self._port is None:
-            raise RuntimeError(f"`{self.name}` is not serving (start it first)")
-        return f"http://127.0.0.1:{self._port}"
 
     @property
     def openai_base_url(self) -> str:
