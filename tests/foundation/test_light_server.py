@@ -106,11 +106,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
 
 
 def _serve_process(stack: LocalStack) -> psutil.Process:
-    (process,) = [
-        child
-        for child in psutil.Process().children()
-        if "serve" in child.cmdline() and str(stack.port) in child.cmdline()
-    ]
+    process = psutil.Process(stack.pid)
+    assert process.ppid() == psutil.Process().pid and "serve" in process.cmdline()
     return process
 
 
