@@ -11,6 +11,7 @@ wait() for the child's exit, so stopping and supervising wait on that exit inste
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -111,13 +112,20 @@ class ChildProcess:
                 future.set_result(code)
 
         def on_exit(code: int) -> None:
-            loop.call_soon_threadsafe(resolve, code)
+            # The loop may have closed since a cancelled waiter left (a server stops its engine last).
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(resolve, code)
 
         with self._exit_lock:
-            exited = self._exited.is_set()
-            if not exited:
-                self._on_exit.append(on_exit)
-        return self._process.returncode if exited else await future
+            if self._exited.is_set():
+                return self._process.returncode
+            self._on_exit.append(on_exit)
+        try:
+            return await future
+        finally:
+            with self._exit_lock:
+                if on_exit in self._on_exit:
+                    self._on_exit.remove(on_exit)
 
     def wait_ready(self, timeout: float) -> dict[str, int]:
         """The ports the child reported once it serves. Raises StartError when it exits first or
