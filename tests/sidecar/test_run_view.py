@@ -22,8 +22,8 @@ import pytest
 from websockets.sync.client import ClientConnection, connect
 
 import tinkerrpc
-from tinkerrpc_server.processes.probes import free_port
 from tinkerrpc_server.local.stack import LocalStack
+from tinkerrpc_server.processes.probes import free_port
 
 SIDECAR_KEY = "run-view-test-key"
 MODEL = "run-view"
