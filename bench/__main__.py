@@ -31,8 +31,8 @@ from bench import (
 from bench.workload import FULL, SHORT, BenchModel, Settings, prepare_model
 from tinkerrpc_server.engine.runtime import PlacementError, resolve_placement
 from tinkerrpc_server.local.stack import LocalEngine
-from tinkerrpc_server.model_store import default_model_dir
 from tinkerrpc_server.settings import ENGINE_DEVICE_ENV
+from tinkerrpc_server.settings import Settings as ProcessSettings
 
 
 @dataclass
@@ -124,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--short", action="store_true", help="small sizes: checks the harness, not the goals")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results.json")
     parser.add_argument(
-        "--model-dir", type=Path, default=default_model_dir(os.environ), help="where bench models are cached"
+        "--model-dir",
+        type=Path,
+        default=ProcessSettings.from_environment().model_dir,
+        help="where bench models are cached",
     )
     parser.add_argument(
         "--threads",

@@ -8,7 +8,6 @@ Prints training tokens/s (bucketed runtime vs a padded micro-batch loop) and sam
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -23,8 +22,7 @@ from bench.training import PaddedLoopTrainer, load_lora_model
 from bench.workload import FULL, SHORT, prepare_model, token_sequences
 from tinkerrpc_server.engine.compute.samples import SampleJob
 from tinkerrpc_server.engine.runtime import BaseModelRuntime, DatumArrays, LoraSpec
-from tinkerrpc_server.model_store import default_model_dir
-from tinkerrpc_server.settings import ENGINE_DEVICE_ENV, ENGINE_DTYPE_ENV
+from tinkerrpc_server.settings import Settings
 
 
 def _rate(tokens: int, run: Callable[[], None], repeats: int) -> float:
@@ -42,15 +40,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--short", action="store_true", help="tiny model and data (seconds)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--model-dir", type=Path, default=default_model_dir(os.environ))
+    environment = Settings.from_environment()
+    parser.add_argument("--model-dir", type=Path, default=environment.model_dir)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     settings = SHORT if args.short else FULL
     model = prepare_model(settings, args.model_dir)
     # Where load_lora_model puts the baseline (bench.workload).
-    runtime = BaseModelRuntime(
-        model.path, os.environ.get(ENGINE_DEVICE_ENV), os.environ.get(ENGINE_DTYPE_ENV)
-    )
+    runtime = BaseModelRuntime(model.path, environment.engine_device, environment.engine_dtype)
     runtime.create_adapter("bench", LoraSpec(rank=settings.lora_rank, seed=0))
     baseline = load_lora_model(model, settings.lora_rank)
     pad_id = int(baseline.config.pad_token_id or 0)

@@ -3,7 +3,7 @@ batching before continuous batching, as a strategy the engine is built with here
 
 Jobs join only an empty batch, every row computes until the batch's last row stops, all are answered
 then, and every row is prefilled on its own. `gather_then_run_engine` starts an engine so built:
-`python -m bench.gather_then_run --port P --data-dir D --model-dir M`, with its clients' API key in
+`python -m bench.gather_then_run --data-dir D --model-dir M --report-fd FD`, with its clients' API key in
 $TINKERRPC_ENGINE_API_KEY and its placement in $TINKERRPC_ENGINE_DEVICE/$TINKERRPC_ENGINE_DTYPE.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,8 @@ from typing import TypeVar
 from tinkerrpc_server import settings
 from tinkerrpc_server.engine.compute.scheduler import BatchPolicy
 from tinkerrpc_server.local.stack import LocalEngine
+from tinkerrpc_server.processes.children import REPORT_FD_FLAG, report_ready
+from tinkerrpc_server.processes.http_serving import bound_port, listen
 
 JobT = TypeVar("JobT")
 
@@ -50,33 +51,35 @@ GATHER_THEN_RUN = BatchPolicy(share_prompts=False, batching=GatherThenRun)
 
 
 def gather_then_run_engine(data_dir: Path, model_dir: Path, log_path: Path) -> LocalEngine:
-    """An unstarted engine batching as GATHER_THEN_RUN, on a free port of 127.0.0.1."""
+    """An unstarted engine batching as GATHER_THEN_RUN, on a port of 127.0.0.1 it binds and reports."""
     engine = LocalEngine(data_dir, model_dir, log_path)
-    engine.cmd = [sys.executable, "-m", "bench.gather_then_run", "--port", str(engine.port)]
-    engine.cmd += ["--data-dir", str(data_dir), "--model-dir", str(model_dir)]
+    engine.cmd = [sys.executable, "-m", "bench.gather_then_run", "--data-dir", str(data_dir)]
+    engine.cmd += ["--model-dir", str(model_dir)]
     return engine
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="bench.gather_then_run")
-    parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--data-dir", type=Path, required=True)
     parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument(REPORT_FD_FLAG, dest="report_fd", type=int, required=True)
     args = parser.parse_args(argv)
+    environment = settings.Settings.from_environment()
     # As `tinkerrpc engine` starts: the baseline runs under the same process settings.
     settings.set_process_defaults()
-    settings.configure_logging(settings.default_log_level())
+    settings.configure_logging(environment.log_level)
     from tinkerrpc_server.engine.app import run_engine
 
+    sock = listen("127.0.0.1", 0)
     run_engine(
-        "127.0.0.1",
-        args.port,
+        sock,
         args.data_dir,
         args.model_dir,
-        os.environ[settings.ENGINE_API_KEY_ENV],
-        device=os.environ.get(settings.ENGINE_DEVICE_ENV),
-        dtype=os.environ.get(settings.ENGINE_DTYPE_ENV),
+        environment.engine_api_key,
+        device=environment.engine_device,
+        dtype=environment.engine_dtype,
         policy=GATHER_THEN_RUN,
+        on_serving=lambda: report_ready(args.report_fd, {"port": bound_port(sock)}),
     )
     return 0
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import os
+import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tinkerrpc_server.processes.children import REPORT_FD_FLAG, report_ready
 from tinkerrpc_server.service.limits import add_limit_arguments, limits_from_args
 from tinkerrpc_server.settings import (
     AUTH_TOKEN_ENV,
@@ -17,32 +19,87 @@ from tinkerrpc_server.settings import (
     ENGINE_DEVICE_ENV,
     ENGINE_DTYPE_ENV,
     ENGINE_DTYPES,
+    LOG_LEVELS,
+    MODEL_DIR_ENV,
     SIDECAR_API_KEY_ENV,
+    Settings,
     configure_logging,
-    default_log_level,
+    forget_engine_api_key,
     set_process_defaults,
+    settings_of,
 )
 
 if TYPE_CHECKING:
-    from tinkerrpc_server.local.engine_process import EmbeddedEngine
+    from tinkerrpc_server.local.launch import EmbeddedEngine
+
+Command = Callable[[argparse.Namespace, Settings], int]
 
 
-def _add_address_and_dirs(p: argparse.ArgumentParser, port: int, data_dir: str, models: str) -> None:
-    """--host, --port, --data-dir and --model-dir: what `serve` and `engine` both take."""
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535 (0: one the system picks), not {port}")
+    return port
+
+
+def _add_address(p: argparse.ArgumentParser, port: int) -> None:
+    """--host, --port and --report-fd: what every server command takes."""
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=port)
+    p.add_argument(
+        "--port", type=_port, default=port, help="0: a free one the system picks (default: %(default)s)"
+    )
+    p.add_argument(
+        REPORT_FD_FLAG,
+        type=int,
+        default=None,
+        metavar="FD",
+        help="once serving, write the ports listened on as one JSON line to this inherited file descriptor "
+        "(for a parent that started it with --port 0)",
+    )
+
+
+def _add_address_and_dirs(
+    p: argparse.ArgumentParser, settings: Settings, port: int, data_dir: str, models: str
+) -> None:
+    """--host, --port, --report-fd, --data-dir and --model-dir: what `serve` and `engine` both take."""
+    _add_address(p, port)
     p.add_argument("--data-dir", type=Path, default=Path(data_dir))
     p.add_argument(
         "--model-dir",
         type=Path,
-        default=None,
-        help=f"{models} (default: $TINKERRPC_MODEL_DIR or ~/.cache/tinkerrpc/models)",
+        default=settings.model_dir,
+        help=f"{models} (default: ${MODEL_DIR_ENV} or ~/.cache/tinkerrpc/models)",
     )
 
 
-def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _reporter(args: argparse.Namespace) -> Callable[[dict[str, int]], None]:
+    """What tells the parent the ports a server listens on (nothing without --report-fd)."""
+    report_fd: int | None = args.report_fd
+
+    def report(ports: dict[str, int]) -> None:
+        if report_fd is not None:
+            report_ready(report_fd, ports)
+
+    return report
+
+
+def _listen(command: str, host: str, port: int) -> socket.socket | None:
+    """The server's listening socket, or None after one line saying why it cannot listen."""
+    from tinkerrpc_server.processes.http_serving import listen
+
+    try:
+        return listen(host, port)
+    except OSError as err:
+        print(
+            f"tinkerrpc {command}: cannot start: cannot listen on {host}:{port}: {err.strerror or err}",
+            file=sys.stderr,
+        )
+        return None
+
+
+def _add_serve(sub: argparse._SubParsersAction, settings: Settings) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("serve", help="run the gRPC TrainerService")
-    _add_address_and_dirs(p, 50051, "tinkerrpc-data", "local base models for the embedded engine")
+    _add_address_and_dirs(p, settings, 50051, "tinkerrpc-data", "local base models for the embedded engine")
     p.add_argument("--max-message-mb", type=int, default=256, help="max gRPC send/receive message size")
     p.add_argument(
         "--tinker-url",
@@ -58,18 +115,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     p.add_argument(
         "--auth-token",
-        default=os.environ.get(AUTH_TOKEN_ENV),
+        default=settings.auth_token,
         help=f"require `authorization: Bearer TOKEN` on every RPC (default: ${AUTH_TOKEN_ENV}, else none)",
     )
     p.add_argument("--auth-token-file", type=Path, default=None, help="read the auth token from this file")
     p.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: serve TLS")
     p.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
     p.add_argument(
-        "--sidecar-port", type=int, default=None, help="also serve the OpenAI sidecar on this port"
+        "--sidecar-port", type=_port, default=None, help="also serve the OpenAI sidecar on this port"
     )
     p.add_argument(
         "--sidecar-api-key",
-        default=os.environ.get(SIDECAR_API_KEY_ENV),
+        default=settings.sidecar_api_key,
         help=f"bearer key the sidecar requires (default: ${SIDECAR_API_KEY_ENV}, else none; "
         "needed with an auth token)",
     )
@@ -149,15 +206,14 @@ def _server_extra_message(module: str | None) -> str:
     )
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace, settings: Settings) -> int:
     # Before anything starts: the light client install has no server, and that is one line.
     missing = _missing_server_extra()
     if missing is not None:
         print(_server_extra_message(missing), file=sys.stderr)
         return 1
-    from tinkerrpc_server.local.engine_process import EmbeddedEngine, probe_data_dir
-    from tinkerrpc_server.local.ownership import own_data_dir, port_taken
-    from tinkerrpc_server.model_store import default_model_dir
+    from tinkerrpc_server.local.launch import EmbeddedEngine
+    from tinkerrpc_server.processes.ownership import own_data_dir, port_taken, probe_data_dir
 
     auth_token = _auth_token(args)
     usage_error = _serve_usage_error(args, auth_token)
@@ -175,11 +231,10 @@ def _serve(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"tinkerrpc serve: cannot start: {problem}", file=sys.stderr)
         return 1
-    model_dir = args.model_dir or default_model_dir(os.environ)
     # Without a Tinker key the embedded engine serves; it boots while the service modules import.
-    engine = None if os.environ.get("TINKER_API_KEY") else EmbeddedEngine(args.data_dir / "engine", model_dir)
+    engine = None if settings.tinker_api_key else EmbeddedEngine(args.data_dir / "engine", args.model_dir)
     try:
-        return _run_server(args, auth_token, model_dir, engine)
+        return _run_server(args, settings, auth_token, engine)
     except ModuleNotFoundError as err:  # a dependency of the extra's packages that the check missed
         print(_server_extra_message(err.name), file=sys.stderr)
         return 1
@@ -189,7 +244,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _run_server(
-    args: argparse.Namespace, auth_token: str | None, model_dir: Path, engine: EmbeddedEngine | None
+    args: argparse.Namespace, settings: Settings, auth_token: str | None, engine: EmbeddedEngine | None
 ) -> int:
     from tinkerrpc_server.service.torchless import hide_torch
 
@@ -202,8 +257,9 @@ def _run_server(
         port=args.port,
         data_dir=args.data_dir,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
-        model_dir=model_dir,
-        tinker_url=args.tinker_url,
+        model_dir=args.model_dir,
+        tinker_api_key=settings.tinker_api_key,
+        tinker_url=args.tinker_url or settings.tinker_base_url,
         checkpoint_every=args.checkpoint_every,
         auth_token=auth_token,
         tls_cert=args.tls_cert,
@@ -211,13 +267,14 @@ def _run_server(
         sidecar_port=args.sidecar_port,
         sidecar_api_key=args.sidecar_api_key,
         limits=limits_from_args(args),
+        report_fd=args.report_fd,
     )
     return asyncio.run(serve(config, engine))
 
 
-def _add_engine(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _add_engine(sub: argparse._SubParsersAction, settings: Settings) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("engine", help="run the embedded Tinker-compatible engine (HTTP)")
-    _add_address_and_dirs(p, 8111, "tinkerrpc-engine-data", "local models")
+    _add_address_and_dirs(p, settings, 8111, "tinkerrpc-engine-data", "local models")
     key = p.add_mutually_exclusive_group()
     key.add_argument(
         "--api-key-file",
@@ -241,26 +298,27 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     )
     p.add_argument(
         "--device",
-        default=os.environ.get(ENGINE_DEVICE_ENV),
+        default=settings.engine_device,
         help=f"torch device: cpu, cuda or cuda:N (default: ${ENGINE_DEVICE_ENV}, else cuda when there is "
         "one, else cpu; docs/devices.md)",
     )
     p.add_argument(
         "--dtype",
         choices=ENGINE_DTYPES,
-        default=os.environ.get(ENGINE_DTYPE_ENV),
+        default=settings.engine_dtype,
         help=f"dtype of the base weights; LoRA weights and optimizer state are float32 either way "
         f"(default: ${ENGINE_DTYPE_ENV}, else bfloat16 on cuda, float32 on cpu)",
     )
     p.set_defaults(func=_engine)
 
 
-def _engine_api_key(args: argparse.Namespace) -> tuple[str | None, str | None]:
+def _engine_api_key(args: argparse.Namespace, settings: Settings) -> tuple[str | None, str | None]:
     """(the key the engine requires or None for --insecure-no-auth, why it cannot start or None)."""
     from tinkerrpc_server.engine.auth import api_key_problem, is_loopback_host
 
-    # Taken out of the environment: nothing the engine starts inherits it.
-    from_env = os.environ.pop(ENGINE_API_KEY_ENV, "")
+    # Nothing the engine starts inherits it.
+    forget_engine_api_key()
+    from_env = settings.engine_api_key
     if args.insecure_no_auth:
         if from_env:
             return None, f"--insecure-no-auth contradicts ${ENGINE_API_KEY_ENV}"
@@ -274,7 +332,7 @@ def _engine_api_key(args: argparse.Namespace) -> tuple[str | None, str | None]:
             return None, f"cannot read --api-key-file {args.api_key_file}: {err}"
         source = str(args.api_key_file)
     elif from_env:
-        key, source = from_env.strip(), f"${ENGINE_API_KEY_ENV}"
+        key, source = from_env, f"${ENGINE_API_KEY_ENV}"
     else:
         return None, (
             f"no API key: give --api-key-file FILE or ${ENGINE_API_KEY_ENV} "
@@ -284,56 +342,65 @@ def _engine_api_key(args: argparse.Namespace) -> tuple[str | None, str | None]:
     return key, None if problem is None else f"{source}: {problem}"
 
 
-def _engine(args: argparse.Namespace) -> int:
-    api_key, problem = _engine_api_key(args)
+def _engine(args: argparse.Namespace, settings: Settings) -> int:
+    api_key, problem = _engine_api_key(args, settings)
     if problem is None and not 10 < args.session_timeout <= 86400:
         problem = f"--session-timeout must be above the SDK's 10 s heartbeat and at most a day, got {args.session_timeout}"
     if problem is not None:
         print(f"tinkerrpc engine: {problem}", file=sys.stderr)
         return 2
-    from tinkerrpc_server.local.ownership import own_data_dir
+    from tinkerrpc_server.processes.ownership import own_data_dir
 
     # Before the heavy imports: a data dir another engine owns is one line.
     problem = own_data_dir(args.data_dir)
     if problem is not None:
         print(f"tinkerrpc engine: cannot start: {problem}", file=sys.stderr)
         return 1
+    sock = _listen("engine", args.host, args.port)
+    if sock is None:
+        return 1
     from tinkerrpc_server.engine.app import run_engine
     from tinkerrpc_server.engine.runtime import PlacementError, resolve_placement
-    from tinkerrpc_server.model_store import default_model_dir
+    from tinkerrpc_server.processes.http_serving import bound_port
 
     try:
         resolve_placement(args.device, args.dtype)
     except PlacementError as error:
         print(f"tinkerrpc engine: cannot start: {error}", file=sys.stderr)
         return 2
-    model_dir = args.model_dir or default_model_dir(os.environ)
+    report = _reporter(args)
     run_engine(
-        args.host, args.port, args.data_dir, model_dir, api_key, args.session_timeout, args.device, args.dtype
+        sock,
+        args.data_dir,
+        args.model_dir,
+        api_key,
+        args.session_timeout,
+        device=args.device,
+        dtype=args.dtype,
+        on_serving=lambda: report({"port": bound_port(sock)}),
     )
     return 0
 
 
-def _add_grpc_token_argument(p: argparse.ArgumentParser, flag: str) -> None:
+def _add_grpc_token_argument(p: argparse.ArgumentParser, flag: str, settings: Settings) -> None:
     """The bearer token a client command sends to the gRPC server."""
     p.add_argument(
         flag,
-        default=os.environ.get(AUTH_TOKEN_ENV),
+        default=settings.auth_token,
         help=f"bearer token for the gRPC server (default: ${AUTH_TOKEN_ENV})",
     )
 
 
-def _add_sidecar(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _add_sidecar(sub: argparse._SubParsersAction, settings: Settings) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("sidecar", help="run the OpenAI-compatible inference server over a tinkerrpc server")
     p.add_argument("--grpc-target", default="127.0.0.1:50051", help="the tinkerrpc gRPC server")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    _add_address(p, 8000)
     p.add_argument(
         "--api-key",
-        default=os.environ.get(SIDECAR_API_KEY_ENV),
+        default=settings.sidecar_api_key,
         help=f"require `Authorization: Bearer KEY` (default: ${SIDECAR_API_KEY_ENV}, else no auth)",
     )
-    _add_grpc_token_argument(p, "--grpc-token")
+    _add_grpc_token_argument(p, "--grpc-token", settings)
     p.add_argument(
         "--grpc-tls-ca",
         type=Path,
@@ -348,7 +415,8 @@ def _add_sidecar(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p.set_defaults(func=_sidecar)
 
 
-def _sidecar(args: argparse.Namespace) -> int:
+def _sidecar(args: argparse.Namespace, settings: Settings) -> int:
+    from tinkerrpc_server.processes.http_serving import bound_port
     from tinkerrpc_server.sidecar.app import GrpcUpstream, run_sidecar
 
     if args.grpc_server_name is not None and args.grpc_tls_ca is None:
@@ -359,12 +427,16 @@ def _sidecar(args: argparse.Namespace) -> int:
     except OSError as err:
         print(f"tinkerrpc sidecar: cannot read {args.grpc_tls_ca}: {err.strerror or err}", file=sys.stderr)
         return 2
+    sock = _listen("sidecar", args.host, args.port)
+    if sock is None:
+        return 1
     upstream = GrpcUpstream(args.grpc_target, args.grpc_token, tls_roots, args.grpc_server_name)
-    run_sidecar(upstream, args.host, args.port, args.api_key or None)
+    report = _reporter(args)
+    run_sidecar(upstream, sock, args.api_key or None, on_serving=lambda: report({"port": bound_port(sock)}))
     return 0
 
 
-def _add_export(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _add_export(sub: argparse._SubParsersAction, settings: Settings) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "export", help="download a model's LoRA adapter from a tinkerrpc server as a PEFT directory"
     )
@@ -374,12 +446,12 @@ def _add_export(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument(
         "--policy-version", type=int, default=None, help="an earlier version to export (default: current)"
     )
-    _add_grpc_token_argument(p, "--token")
+    _add_grpc_token_argument(p, "--token", settings)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole download")
     p.set_defaults(func=_export)
 
 
-def _export(args: argparse.Namespace) -> int:
+def _export(args: argparse.Namespace, settings: Settings) -> int:
     import tinkerrpc
 
     try:
@@ -402,22 +474,24 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
 
     p = sub.add_parser("demo", help="SFT then RL on the yes/no/maybe task through the whole local stack")
     demo.add_arguments(p)
-    p.set_defaults(func=demo.main)
+    p.set_defaults(func=lambda args, settings: demo.main(args))
 
 
 def main(argv: list[str] | None = None) -> int:
+    settings = settings_of("tinkerrpc")
+    if settings is None:
+        return 2
     set_process_defaults()
     parser = argparse.ArgumentParser(prog="tinkerrpc", description=__doc__)
-    parser.add_argument("--log-level", default=default_log_level())
+    parser.add_argument("--log-level", default=settings.log_level, type=str.upper, choices=LOG_LEVELS)
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_serve(sub)
-    _add_engine(sub)
-    _add_sidecar(sub)
-    _add_export(sub)
+    for add in (_add_serve, _add_engine, _add_sidecar, _add_export):
+        add(sub, settings)
     _add_demo(sub)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
-    return int(args.func(args))
+    command: Command = args.func
+    return int(command(args, settings))
 
 
 if __name__ == "__main__":

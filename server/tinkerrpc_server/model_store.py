@@ -21,19 +21,12 @@ import random
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 log = logging.getLogger("tinkerrpc.models")
-
-MODEL_DIR_ENV = "TINKERRPC_MODEL_DIR"
-
-
-def default_model_dir(environ: Mapping[str, str]) -> Path:
-    """The model dir when none is given: $TINKERRPC_MODEL_DIR, else ~/.cache/tinkerrpc/models."""
-    return Path(environ.get(MODEL_DIR_ENV, "~/.cache/tinkerrpc/models")).expanduser()
 
 
 TINY_CHAT = "tinkerrpc/tiny-chat"

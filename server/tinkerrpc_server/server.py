@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import os
 import signal
+import socket
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,14 +17,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tinkerrpc.v1 import trainer_service_pb2, trainer_service_pb2_grpc
-from tinkerrpc_server.local.engine_process import BackendStartError, EmbeddedEngine, probe_data_dir
-from tinkerrpc_server.local.ownership import own_data_dir
-from tinkerrpc_server.model_store import default_model_dir
+from tinkerrpc_server.processes.children import StartError, report_ready
+from tinkerrpc_server.processes.http_serving import bound_port, listen
+from tinkerrpc_server.processes.ownership import own_data_dir, probe_data_dir
 from tinkerrpc_server.service.limits import Limits
+from tinkerrpc_server.settings import DEFAULT_MODEL_DIR
 
 # The service modules import tinker and the cookbook: imported when the server starts, after `tinkerrpc
 # serve` has hidden torch from this process (service/torchless.py), not when this module is imported.
 if TYPE_CHECKING:
+    from tinkerrpc_server.service.backend import EngineHandle
     from tinkerrpc_server.service.servicer import TrainerService
     from tinkerrpc_server.service.training import StepHooks
 
@@ -47,11 +49,13 @@ def _no_step_hooks() -> StepHooks:
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
+    # 0: one the kernel picks (reported on report_fd).
     port: int = 50051
     data_dir: Path = field(default_factory=lambda: Path("tinkerrpc-data"))
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    model_dir: Path = field(default_factory=lambda: default_model_dir(os.environ))
-    # Tinker's URL when TINKER_API_KEY is set (else TINKER_BASE_URL or the SDK default).
+    model_dir: Path = DEFAULT_MODEL_DIR
+    # Tinker itself, when the server runs without an embedded engine: its key and URL (None: the SDK's).
+    tinker_api_key: str | None = None
     tinker_url: str | None = None
     # Save full training state every K steps; None = the backend's default (see above).
     checkpoint_every: int | None = None
@@ -70,11 +74,13 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     # Called at fixed points of every Train step; fault tests stop the process there.
     step_hooks: StepHooks = field(default_factory=_no_step_hooks)
+    # An inherited descriptor on which the server reports its ports once it serves (processes.children).
+    report_fd: int | None = None
 
 
-async def serve(config: ServerConfig, engine: EmbeddedEngine | None) -> int:
+async def serve(config: ServerConfig, engine: EngineHandle | None) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code. `engine` is the embedded engine child,
-    already starting (None: use Tinker itself, TINKER_API_KEY is set)."""
+    already starting (None: use Tinker itself with `config.tinker_api_key`)."""
     from tinkerrpc_server.service.backend import connect_backend
     from tinkerrpc_server.service.rendering import ChatCodecs
     from tinkerrpc_server.service.servicer import Hosting, TrainerService
@@ -84,6 +90,16 @@ async def serve(config: ServerConfig, engine: EmbeddedEngine | None) -> int:
     if problem is not None:
         log.error("cannot start: %s", problem)
         return 1
+    # Bound before the service is built: its ServerInfo names the sidecar's URL, port included.
+    sidecar_socket = None
+    if config.sidecar_port is not None:
+        try:
+            sidecar_socket = listen(config.host, config.sidecar_port)
+        except OSError as err:
+            log.error(
+                "cannot start: cannot listen on %s:%d: %s", config.host, config.sidecar_port, err.strerror
+            )
+            return 1
     try:
         store = Store(config.data_dir / "tinkerrpc.sqlite3")
     except SchemaTooNewError as err:
@@ -95,11 +111,13 @@ async def serve(config: ServerConfig, engine: EmbeddedEngine | None) -> int:
         asyncio.to_thread(codecs.preload, [(m.base_model, m.renderer) for m in store.list_models()])
     )
     try:
-        backend = await connect_backend(engine, config.tinker_url)
+        backend = await connect_backend(engine, config.tinker_api_key, config.tinker_url)
         await preload
-    except BackendStartError as err:
+    except StartError as err:
         log.error("cannot start: %s", err)
         store.close()
+        if sidecar_socket is not None:
+            sidecar_socket.close()
         return 1
     try:
         checkpoint_every = config.checkpoint_every or (
@@ -107,19 +125,19 @@ async def serve(config: ServerConfig, engine: EmbeddedEngine | None) -> int:
         )
         hosting = Hosting(
             max_message_bytes=config.max_message_bytes,
-            sidecar_url=sidecar_url(config.host, config.sidecar_port),
+            sidecar_url=sidecar_url(config.host, bound_port(sidecar_socket) if sidecar_socket else None),
             sidecar_requires_api_key=bool(config.sidecar_api_key),
         )
         service = TrainerService(
             store, backend, codecs, checkpoint_every, config.limits, config.step_hooks, hosting
         )
-        return await _serve(config, service)
+        return await _serve(config, service, sidecar_socket)
     finally:
         backend.close()
         store.close()
 
 
-async def _serve(config: ServerConfig, service: TrainerService) -> int:
+async def _serve(config: ServerConfig, service: TrainerService, sidecar_socket: socket.socket | None) -> int:
     from tinkerrpc_server.interceptors import BearerTokenInterceptor, RequestDecodingInterceptor
 
     await service.recover()
@@ -148,12 +166,15 @@ async def _serve(config: ServerConfig, service: TrainerService) -> int:
             credentials = grpc.ssl_server_credentials(
                 [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())]
             )
-            server.add_secure_port(address, credentials)
+            port = server.add_secure_port(address, credentials)
         else:
-            server.add_insecure_port(address)
+            port = server.add_insecure_port(address)
     except RuntimeError:  # grpc's only word on a failed bind: "Failed to bind to address ..."
+        port = 0
+    if port == 0:
         log.error("cannot start: cannot listen on %s (in use, or not an address of this machine)", address)
         return 1
+    address = f"{config.host}:{port}"
     await server.start()
 
     async def report_serving(serving: bool) -> None:
@@ -194,25 +215,29 @@ async def _serve(config: ServerConfig, service: TrainerService) -> int:
         supervisor = asyncio.create_task(service.supervise_engine(report_serving))
         supervisor.add_done_callback(engine_lost)
     sidecar = None
-    if config.sidecar_port is not None:
+    ports = {"port": port}
+    if sidecar_socket is not None:
         from tinkerrpc_server.sidecar.app import GrpcUpstream, serve_sidecar
 
         if config.auth_token and not config.sidecar_api_key:
             log.warning(
                 "the sidecar on port %d requires no API key: anyone who reaches it uses the server "
                 "as if they held its token",
-                config.sidecar_port,
+                bound_port(sidecar_socket),
             )
         # Over TLS when the server speaks it, trusting exactly the server's own certificate.
         upstream = GrpcUpstream(
-            f"127.0.0.1:{config.port}",
+            f"127.0.0.1:{port}",
             config.auth_token,
             tls_roots=config.tls_cert.read_bytes() if config.tls_cert else None,
             tls_server_name=certificate_name(config.tls_cert) if config.tls_cert else None,
         )
         sidecar = asyncio.create_task(
-            serve_sidecar(upstream, config.host, config.sidecar_port, config.sidecar_api_key, stop_requested)
+            serve_sidecar(upstream, sidecar_socket, config.sidecar_api_key, stop_requested)
         )
+        ports["sidecar_port"] = bound_port(sidecar_socket)
+    if config.report_fd is not None:
+        report_ready(config.report_fd, ports)
     await stop_requested.wait()
 
     log.info("shutting down: refusing new calls, letting in-flight calls finish")

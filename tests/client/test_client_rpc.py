@@ -13,7 +13,7 @@ import pytest
 from fake_trainer import FAST_RETRY, UNAVAILABLE_AFTER, UNAVAILABLE_BEFORE, Delay, FakeServer
 
 import tinkerrpc
-from tinkerrpc_server.local.processes import free_port
+from tinkerrpc_server.processes.probes import free_port
 
 PROMPT = [tinkerrpc.Message.user("yes or no?")]
 

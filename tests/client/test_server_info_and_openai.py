@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import tinkerrpc
-from tinkerrpc_server.local.processes import free_port
 from tinkerrpc_server.local.stack import LocalStack
+from tinkerrpc_server.processes.probes import free_port
 
 TOKEN = "t0ken-first-contact"
 SIDECAR_KEY = "sk-first-contact"

@@ -28,7 +28,6 @@ from tinkerrpc_server.model_store import (
     TinyModelShape,
     UnknownBaseModelError,
     build_tiny_model,
-    default_model_dir,
     listed_builtin_models,
     publish_to_hf_cache,
     resolve_base_model,
@@ -161,12 +160,6 @@ def test_a_model_laid_out_from_its_own_files_is_not_hashed_again(
         publish_to_hf_cache(TINY_CHAT, copy, cache)
 
 
-def test_the_default_model_dir_is_read_from_the_environment_given() -> None:
-    assert default_model_dir({"TINKERRPC_MODEL_DIR": "/srv/models"}) == Path("/srv/models")
-    assert default_model_dir({}) == Path("~/.cache/tinkerrpc/models").expanduser()
-
-
-@pytest.fixture(scope="module")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     started = time.perf_counter()
     path = smollm2_model_dir(tmp_path_factory) / SMOLLM2

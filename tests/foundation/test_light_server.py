@@ -5,7 +5,6 @@ made there are the ones made with torch."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -20,7 +19,8 @@ import pytest
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import trainer_service_pb2_grpc, types_pb2
 from tinkerrpc_server.local.stack import LocalStack
-from tinkerrpc_server.model_store import TINY_CHAT, default_model_dir
+from tinkerrpc_server.model_store import TINY_CHAT
+from tinkerrpc_server.settings import Settings
 
 CALL_TIMEOUT = 120.0
 
@@ -64,7 +64,7 @@ RENDER = textwrap.dedent(
 
 def _render(torch_mode: str) -> dict[str, object]:
     done = subprocess.run(
-        [sys.executable, "-c", RENDER, torch_mode, TINY_CHAT, str(default_model_dir(os.environ))],
+        [sys.executable, "-c", RENDER, torch_mode, TINY_CHAT, str(Settings.from_environment().model_dir)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -106,11 +106,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
 
 
 def _serve_process(stack: LocalStack) -> psutil.Process:
-    (process,) = [
-        child
-        for child in psutil.Process().children()
-        if "serve" in child.cmdline() and str(stack.port) in child.cmdline()
-    ]
+    process = psutil.Process(stack.pid)
+    assert process.ppid() == psutil.Process().pid and "serve" in process.cmdline()
     return process
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,8 +13,11 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from tinkerrpc.v1 import trainer_service_pb2
 from tinkerrpc_server.local.stack import LocalStack
+from tinkerrpc_server.settings import ENGINE_API_KEY_ENV, SIDECAR_API_KEY_ENV
 
 SERVICE = "tinkerrpc.v1.TrainerService"
+# Credentials in the server's own environment, which its engine child must not inherit.
+SERVER_CREDENTIALS = {SIDECAR_API_KEY_ENV: "sidecar-key-of-the-server", ENGINE_API_KEY_ENV: "tml-" + "k" * 32}
 
 
 def _health(channel: grpc.Channel, service: str = "") -> int:
@@ -25,8 +29,23 @@ def _health(channel: grpc.Channel, service: str = "") -> int:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     """Ready once gRPC health says SERVING (LocalStack's readiness probe)."""
     tmp = tmp_path_factory.mktemp("serve")
-    with LocalStack(tmp / "data", tmp / "serve.log") as stack:
+    with LocalStack(tmp / "data", tmp / "serve.log", env=SERVER_CREDENTIALS) as stack:
         yield stack
+
+
+def _environ(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+    return dict(entry.split("=", 1) for entry in entries if "=" in entry)
+
+
+def test_the_engine_child_inherits_only_its_own_key(server: LocalStack) -> None:
+    [pid] = re.findall(r"embedded engine starting \(pid (\d+)\)", server.log())
+    engine = _environ(int(pid))
+    assert SIDECAR_API_KEY_ENV not in engine
+    # A fresh key of its own, not the one in the server's environment (which the server never passes on).
+    assert engine[ENGINE_API_KEY_ENV].startswith("tml-")
+    assert engine[ENGINE_API_KEY_ENV] != SERVER_CREDENTIALS[ENGINE_API_KEY_ENV]
+    assert engine["TINKER_TELEMETRY"] == "0"
 
 
 def test_health_is_serving_for_server_and_service(server: LocalStack) -> None:

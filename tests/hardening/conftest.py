@@ -15,8 +15,6 @@ from hardening_support import (
 )
 from service.svc import Server
 
-from tinkerrpc_server.local.processes import free_port
-
 # bench/ (bench.load) lives at the repository root, outside the installed packages.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -27,14 +25,13 @@ def hosted_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostedSe
     here but the lead's auth tests; each module uses its own models. test_limits_and_engine_faults SIGKILLs
     its engine child once (the server restarts it), so modules after it also run on a restarted engine."""
     tmp = tmp_path_factory.mktemp("hosted")
-    sidecar_port = free_port()
     server = Server(
         tmp / "data",
         tmp / "models",
         tmp / "serve.log",
         None,
         "--sidecar-port",
-        str(sidecar_port),
+        "0",
         "--sidecar-api-key",
         SIDECAR_KEY,
         "--max-message-mb",
@@ -48,5 +45,6 @@ def hosted_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostedSe
         "--max-train-tokens",
         str(MAX_TRAIN_TOKENS),
     )
-    yield HostedServer(server, f"http://127.0.0.1:{sidecar_port}")
+    assert server.proc.sidecar_url is not None
+    yield HostedServer(server, server.proc.sidecar_url)
     assert server.close() == 0, server.proc.log()[-3000:]

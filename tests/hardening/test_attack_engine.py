@@ -90,8 +90,8 @@ def _engine_index(data_dir: Path) -> dict[str, Any]:
 
 def test_the_serve_engine_refuses_callers_without_its_key(victim: Victim) -> None:
     engine = _engine_child(victim.stack.data_dir)
-    command = engine.cmdline()
-    url = f"http://127.0.0.1:{command[command.index('--port') + 1]}"
+    [port] = {c.laddr.port for c in engine.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    url = f"http://127.0.0.1:{port}"
     # The key travels outside argv: in no command line of the server or its engine, and not in the
     # server's own environment; the engine's environment is readable by its owner only (0400).
     server = engine.parent()

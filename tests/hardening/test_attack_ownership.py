@@ -99,9 +99,9 @@ def test_second_serve_on_the_data_dir_exits_naming_the_owner(owner: Owner, tmp_p
     second = LocalStack(data_dir, tmp_path / "second.log", ("--model-dir", str(owner.model_dir)))
     code, line = _refused(second)
     assert code == 1 and "cannot start" in line and str(data_dir) in line, line
-    # The PID named is the running owner: `tinkerrpc serve` on that data dir and port.
+    # The PID named is the running owner: `tinkerrpc serve` on that data dir (its port is its own pick).
     command = _command_line(_named_pid(line))
-    assert "serve" in command and str(data_dir) in command and str(owner.stack.port) in command
+    assert _named_pid(line) == owner.stack.pid and "serve" in command and str(data_dir) in command
     owner.assert_untouched()
     trained = owner.client.model("owned").train_supervised(
         [[*PROMPT, tinkerrpc.Message.assistant("still I")]], learning_rate=1e-2
@@ -144,7 +144,7 @@ def test_engines_own_their_data_dir(owner: Owner, tmp_path: Path) -> None:
         code, line = _refused(LocalEngine(tmp_path / "engine-data", owner.model_dir, tmp_path / "second.log"))
         assert code == 1 and "cannot start" in line, line
         command = _command_line(_named_pid(line))
-        assert "engine" in command and str(first.port) in command
+        assert _named_pid(line) == first.pid and "engine" in command
         assert first.is_ready()
 
 

@@ -20,7 +20,7 @@ from hardening_support import SIDECAR_KEY, HostedServer
 from service.svc import CALL_TIMEOUT, TINY, create_model, rl_request, sample_chat
 
 from tinkerrpc_server.local.stack import LocalEngine
-from tinkerrpc_server.local.uvicorn_serving import HEADER_READ_TIMEOUT_SECONDS, MAX_CONNECTIONS
+from tinkerrpc_server.processes.http_serving import HEADER_READ_TIMEOUT_SECONDS, MAX_CONNECTIONS
 
 HALF_REQUEST = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: appl"
 # How long past the header timeout a half-sent connection may stay open (a loaded 2-core machine).

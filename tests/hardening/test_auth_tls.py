@@ -13,7 +13,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import tinkerrpc
-from tinkerrpc_server.local.processes import free_port
 from tinkerrpc_server.local.stack import LocalStack
 
 TOKEN = "s3cret-token-for-tests"
@@ -46,12 +45,12 @@ def authed_server(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> 
     tmp = tmp_path_factory.mktemp("auth")
     token_file = tmp / "token"
     token_file.write_text(TOKEN + "\n")
-    sidecar_port = free_port()
     args = ("--model-dir", str(model_dir), "--auth-token-file", str(token_file))
-    sidecar_args = ("--sidecar-port", str(sidecar_port), "--sidecar-api-key", SIDECAR_KEY)
+    sidecar_args = ("--sidecar-port", "0", "--sidecar-api-key", SIDECAR_KEY)
     # Health is exempt from auth, so the stack's readiness probe needs no token.
     stack = LocalStack(tmp / "data", tmp / "serve.log", (*args, *sidecar_args), startup_timeout=240).start()
-    yield AuthedServer(stack, f"http://127.0.0.1:{sidecar_port}")
+    assert stack.sidecar_url is not None
+    yield AuthedServer(stack, stack.sidecar_url)
     assert stack.stop() == 0
 
 

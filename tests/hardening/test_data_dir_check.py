@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 
-from tinkerrpc_server.local.processes import free_port
 from tinkerrpc_server.local.stack import tinkerrpc_command
 
 START_TIMEOUT = 120.0
@@ -104,7 +103,7 @@ def test_unusable_data_dir_fails_at_start_with_one_line(cases: list[Case], tmp_p
             case,
             subprocess.Popen(
                 tinkerrpc_command(
-                    "serve", "--port", str(free_port()), "--data-dir", str(case.data_dir),
+                    "serve", "--port", "0", "--data-dir", str(case.data_dir),
                     "--model-dir", str(model_dir),
                 ),
                 stdout=subprocess.PIPE,

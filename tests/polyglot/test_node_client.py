@@ -18,8 +18,8 @@ import pytest
 from google.rpc import status_pb2
 
 from tinkerrpc.v1 import errors_pb2, trainer_service_pb2, trainer_service_pb2_grpc
-from tinkerrpc_server.local.processes import free_port
 from tinkerrpc_server.local.stack import LocalStack
+from tinkerrpc_server.processes.probes import free_port
 
 NODE_DIR = Path(__file__).parent
 NPM_CI_TIMEOUT_S = 300

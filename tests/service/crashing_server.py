@@ -40,9 +40,10 @@ def main() -> int:
     from tinkerrpc_server.service.torchless import hide_torch
 
     hide_torch()  # as `tinkerrpc serve` does: only the engine child computes
-    from tinkerrpc_server.local.engine_process import EmbeddedEngine
+    from tinkerrpc_server.local.launch import EmbeddedEngine
     from tinkerrpc_server.server import ServerConfig, serve
     from tinkerrpc_server.service.training import StepPoint
+    from tinkerrpc_server.settings import Settings
 
     parser = argparse.ArgumentParser(prog="crashing_server")
     parser.add_argument("command", choices=["serve"])
@@ -54,22 +55,24 @@ def main() -> int:
     parser.add_argument("--crash-after", type=int, default=1)
     parser.add_argument("--checkpoint-every", type=int)
     parser.add_argument("--tinker-url")
+    parser.add_argument("--report-fd", type=int)
     args = parser.parse_args()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    settings = Settings.from_environment()
     config = ServerConfig(
         host=args.host,
         port=args.port,
         data_dir=args.data_dir,
         model_dir=args.model_dir,
         checkpoint_every=args.checkpoint_every,
-        tinker_url=args.tinker_url,
+        tinker_api_key=settings.tinker_api_key,
+        tinker_url=args.tinker_url or settings.tinker_base_url,
         step_hooks=CrashAt(args.crash_at, args.crash_after),
+        report_fd=args.report_fd,
     )
-    engine = (
-        None if os.environ.get("TINKER_API_KEY") else EmbeddedEngine(args.data_dir / "engine", args.model_dir)
-    )
+    engine = None if settings.tinker_api_key else EmbeddedEngine(args.data_dir / "engine", args.model_dir)
     try:
         return asyncio.run(serve(config, engine))
     finally:

@@ -8,8 +8,8 @@ import pytest
 from sidecar_support import MAX_STEPS, Sidecar, Stack, start_sidecar, teach_the_weather_tool
 
 import tinkerrpc
-from tinkerrpc_server.local.processes import free_port
 from tinkerrpc_server.local.stack import LocalStack
+from tinkerrpc_server.processes.probes import free_port
 
 
 @pytest.fixture(scope="module")

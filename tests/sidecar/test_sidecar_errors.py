@@ -10,7 +10,8 @@ import openai
 import pytest
 from sidecar_support import API_KEY, Sidecar
 
-from tinkerrpc_server.local.processes import free_port
+from tinkerrpc_server.processes.http_serving import bound_port, listen
+from tinkerrpc_server.processes.probes import free_port
 from tinkerrpc_server.sidecar.app import GrpcUpstream, serve_sidecar
 
 
@@ -113,10 +114,11 @@ def test_metrics_count_requests_errors_and_latency(orphan_sidecar: Sidecar) -> N
 
 async def test_serve_sidecar_runs_on_a_host_loop_until_stopped() -> None:
     """The form `tinkerrpc serve --sidecar-port` uses: no signal handling of its own, stops on an event."""
-    port = free_port()
+    sock = listen("127.0.0.1", 0)
+    port = bound_port(sock)
     stop = asyncio.Event()
     upstream = GrpcUpstream(f"127.0.0.1:{free_port()}")
-    serving = asyncio.create_task(serve_sidecar(upstream, "127.0.0.1", port, None, stop))
+    serving = asyncio.create_task(serve_sidecar(upstream, sock, None, stop))
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as http:
         for _ in range(100):
             try:

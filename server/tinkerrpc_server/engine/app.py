@@ -11,7 +11,8 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+import socket
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,8 @@ from tinkerrpc_server.engine.routes import models, sampling, training, weights
 from tinkerrpc_server.engine.routes.common import future
 from tinkerrpc_server.engine.signed_urls import Forbidden
 from tinkerrpc_server.engine.storage import InvalidNameError, UnknownPathError
-from tinkerrpc_server.local.uvicorn_serving import serve_until_signalled
 from tinkerrpc_server.model_store import UnknownBaseModelError, prepare_builtin_models
+from tinkerrpc_server.processes.http_serving import bound_port, serve_until_signalled
 
 log = logging.getLogger("tinkerrpc.engine")
 
@@ -104,8 +105,7 @@ def create_app(
 
 
 def run_engine(
-    host: str,
-    port: int,
+    sock: socket.socket,
     data_dir: Path,
     model_dir: Path,
     api_key: str | None,
@@ -113,26 +113,27 @@ def run_engine(
     device: str | None = None,
     dtype: str | None = None,
     policy: BatchPolicy | None = None,
+    on_serving: Callable[[], None] | None = None,
 ) -> None:
-    """Serve the engine until SIGTERM/SIGINT, then return normally."""
+    """Serve the engine on the listening socket `sock` until SIGTERM/SIGINT, then return normally.
+    `on_serving` runs once the app is built and the signals are handled (requests then get answers)."""
     # Everything the engine writes (weights, optimizer state, its index) is its owner's alone.
     os.umask(0o077)
-    # Before listening: once the engine answers, clients can load the built-in models by name.
+    # Before serving: once the engine answers, clients can load the built-in models by name.
     prepare_builtin_models(model_dir)
     app = create_app(data_dir, model_dir, api_key, session_timeout, device, dtype, policy)
+    host = sock.getsockname()[0]
     log.info(
         "engine on http://%s:%d (data %s, models %s, %s)",
-        host,
-        port,
+        f"[{host}]" if ":" in host else host,
+        bound_port(sock),
         data_dir,
         model_dir,
         "X-API-Key required" if api_key is not None else "NO AUTHENTICATION",
     )
     # No access log: clients long-poll retrieve_future; the worker logs one line per operation.
-    config = uvicorn.Config(
-        app, host=host, port=port, access_log=False, log_level="warning", timeout_graceful_shutdown=3
-    )
+    config = uvicorn.Config(app, access_log=False, log_level="warning", timeout_graceful_shutdown=3)
     # The imports (torch, transformers, peft) leave millions of long-lived objects: freezing them keeps
     # every garbage collection, and the final one at exit (3+ s otherwise), from walking them.
     gc.freeze()
-    serve_until_signalled(config)
+    serve_until_signalled(config, sock, on_serving)

@@ -1,3 +1,4 @@
-"""Starting and stopping local processes: the engine child (`engine_process`, `engine_child`), the stack
-used by the demo, tests and benchmarks (`stack`), free ports, health probes and the SIGTERM-then-SIGKILL
-stop (`processes`), and how an HTTP server under uvicorn stops on a signal (`uvicorn_serving`)."""
+"""The local harness, above the bottom layer (`tinkerrpc_server.processes`): `launch` starts a tinkerrpc
+process and awaits its ready report (`LocalProcess`), with the one engine launcher (`EngineProcess`,
+and `EmbeddedEngine`, `serve`'s engine child); `engine_child` is that child's entry point; `stack` holds
+the processes the demo, the examples, the benchmarks and the tests run (serve, engine, sidecar)."""

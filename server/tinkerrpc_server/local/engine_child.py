@@ -1,6 +1,8 @@
 """Entry point of the embedded engine child, started by `EmbeddedEngine`:
-`python -m tinkerrpc_server.local.engine_child --parent-pid PID --host H --port P --data-dir D --model-dir M`,
-with the API key its clients must send in $TINKERRPC_ENGINE_API_KEY (argv is readable by every user).
+`python -m tinkerrpc_server.local.engine_child --parent-pid PID --host H --data-dir D --model-dir M
+--report-fd N`, with the API key its clients must send in $TINKERRPC_ENGINE_API_KEY (argv is readable by
+every user). It binds a port of its own (`--port`, 0 by default: one the kernel picks) and reports it
+on the inherited descriptor N once it serves.
 
 It asks the kernel to SIGKILL it when the server dies (even by SIGKILL), then runs the engine.
 
@@ -8,8 +10,8 @@ Set here rather than in a preexec_fn: a preexec_fn forces a plain fork() that ru
 fork handlers in the child, which abort it when the server forks while gRPC threads are busy (an engine
 restart). Without one the child is spawned by vfork and runs no code before exec.
 
-The engine's device and base-weight dtype are $TINKERRPC_ENGINE_DEVICE/$TINKERRPC_ENGINE_DTYPE
-(settings.py), inherited from the server's environment; one this machine lacks stops the child at once.
+The engine's device and base-weight dtype come from the settings (settings.py) it inherits from the
+server's environment; one this machine lacks stops the child at once.
 """
 
 from __future__ import annotations
@@ -21,14 +23,15 @@ import signal
 import sys
 from pathlib import Path
 
-from tinkerrpc_server.local.ownership import own_data_dir
+from tinkerrpc_server.processes.children import REPORT_FD_FLAG, report_ready
+from tinkerrpc_server.processes.http_serving import bound_port, listen
+from tinkerrpc_server.processes.ownership import own_data_dir
 from tinkerrpc_server.settings import (
     ENGINE_API_KEY_ENV,
-    ENGINE_DEVICE_ENV,
-    ENGINE_DTYPE_ENV,
     configure_logging,
-    default_log_level,
+    forget_engine_api_key,
     set_process_defaults,
+    settings_of,
 )
 
 _PR_SET_PDEATHSIG = 1
@@ -39,17 +42,21 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tinkerrpc_server.local.engine_child")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--host", required=True)
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--data-dir", type=Path, required=True)
     parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument(REPORT_FD_FLAG, type=int, default=None)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
-    # Taken out of the environment: nothing this process starts inherits it.
-    api_key = os.environ.pop(ENGINE_API_KEY_ENV, "")
-    if not api_key:
+    settings = settings_of("tinkerrpc engine")
+    if settings is None:
+        return 2
+    # Nothing this process starts inherits the key.
+    forget_engine_api_key()
+    if settings.engine_api_key is None:
         print(f"engine_child: no API key in ${ENGINE_API_KEY_ENV}", file=sys.stderr)
         return 2
     libc = ctypes.CDLL(None, use_errno=True)
@@ -63,20 +70,34 @@ def main(argv: list[str]) -> int:
         print(f"tinkerrpc engine: cannot start: {problem}", file=sys.stderr)
         return 1
     set_process_defaults()
-    configure_logging(default_log_level())
+    configure_logging(settings.log_level)
     # After the defaults: these import torch.
     from tinkerrpc_server.engine.runtime import PlacementError, resolve_placement
 
-    device, dtype = os.environ.get(ENGINE_DEVICE_ENV), os.environ.get(ENGINE_DTYPE_ENV)
     try:
         # Here, not when the first model loads: the server reports the exit at start.
-        resolve_placement(device, dtype)
+        resolve_placement(settings.engine_device, settings.engine_dtype)
     except PlacementError as error:
         print(f"tinkerrpc engine: cannot start: {error}", file=sys.stderr)
         return 1
     from tinkerrpc_server.engine.app import run_engine
 
-    run_engine(args.host, args.port, args.data_dir, args.model_dir, api_key, device=device, dtype=dtype)
+    sock = listen(args.host, args.port)
+    report_fd = args.report_fd
+
+    def report() -> None:
+        if report_fd is not None:
+            report_ready(report_fd, {"port": bound_port(sock)})
+
+    run_engine(
+        sock,
+        args.data_dir,
+        args.model_dir,
+        settings.engine_api_key,
+        device=settings.engine_device,
+        dtype=settings.engine_dtype,
+        on_serving=report,
+    )
     return 0
 
 

@@ -5,124 +5,36 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
-import time
 import urllib.request
-from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tinkerrpc_server.engine.auth import HEALTH_PATH, generate_api_key
-from tinkerrpc_server.local.processes import free_port, http_ok, stop_process
-from tinkerrpc_server.settings import ENGINE_API_KEY_ENV, SIDECAR_API_KEY_ENV
+from tinkerrpc_server.engine.auth import HEALTH_PATH
+from tinkerrpc_server.local.launch import EngineProcess, LocalProcess, tinkerrpc_command
+from tinkerrpc_server.processes.probes import http_ok
+from tinkerrpc_server.settings import SIDECAR_API_KEY_ENV
 
 if TYPE_CHECKING:
     import tinker
 
-ProcessT = TypeVar("ProcessT", bound="LocalProcess")
+__all__ = ["LocalEngine", "LocalProcess", "LocalSidecar", "LocalStack", "tinkerrpc_command"]
 
 log = logging.getLogger("tinkerrpc.local")
 # How long stopping an engine waits for each tinker session it handed out to finish.
 CLIENT_CLOSE_SECONDS = 10.0
-
-
-def tinkerrpc_command(*args: str) -> list[str]:
-    """The `tinkerrpc` command line run with this interpreter (the console script may not be on PATH)."""
-    return [sys.executable, "-m", "tinkerrpc_server.cli", *args]
-
-
-class LocalProcess:
-    """`tinkerrpc <args>` as a child process, its output appended to `log_path`.
-
-    `start()` (or entering the context) waits until `is_ready()`, and raises with the log's tail when the
-    process exits first or `startup_timeout` passes. `stop()` (or leaving) sends SIGTERM, then SIGKILL
-    if the process outlives `stop_timeout`.
-    """
-
-    def __init__(
-        self, args: Sequence[str], log_path: Path, startup_timeout: float, env: dict[str, str] | None = None
-    ) -> None:
-        self.env = {**os.environ, "TINKER_TELEMETRY": "0", **(env or {})}
-        self.cmd = tinkerrpc_command(*args)
-        self.log_path = log_path
-        self.startup_timeout = startup_timeout
-        self._proc: subprocess.Popen[bytes] | None = None
-
-    def is_ready(self) -> bool:
-        raise NotImplementedError
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def start(self: ProcessT) -> ProcessT:
-        if self._proc is not None:
-            # A second process would replace the first, which then outlives every stop().
-            raise RuntimeError(f"`tinkerrpc {self.cmd[3]}` was already started (enter the unstarted object)")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
-        try:
-            self._wait_ready(self._proc)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def _wait_ready(self, proc: subprocess.Popen[bytes]) -> None:
-        what = f"tinkerrpc {self.cmd[3]}"
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"`{what}` exited with {proc.returncode}; see {self.log_path}:\n{self.log()[-3000:]}"
-                )
-            if self.is_ready():
-                return
-            time.sleep(0.1)
-        raise TimeoutError(f"`{what}` not ready after {self.startup_timeout} s; see {self.log_path}")
-
-    def stop(self, stop_timeout: float = 60.0) -> int | None:
-        """Stop the process; its exit code (None if it never started)."""
-        if self._proc is None:
-            return None
-        return stop_process(self._proc, stop_timeout)
-
-    def wait(self, timeout: float) -> int:
-        """Wait for the process to exit by itself; its exit code."""
-        if self._proc is None:
-            raise RuntimeError("the process has not started")
-        return self._proc.wait(timeout)
-
-    def kill(self) -> int:
-        """SIGKILL the process (a crash, for fault tests) and reap it; its exit code."""
-        if self._proc is None:
-            raise RuntimeError("the process has not started")
-        self._proc.kill()
-        return self._proc.wait(30)
-
-    def __enter__(self: ProcessT) -> ProcessT:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+# Seconds each health check that confirms a started server's report may take.
+_CONFIRM_SECONDS = 30.0
 
 
 class LocalStack(LocalProcess):
-    """`tinkerrpc serve` (with its embedded engine) on a free port; ready when gRPC health says SERVING
-    and, with `with_sidecar`, the sidecar it hosts answers /health at `sidecar_url`.
+    """`tinkerrpc serve` (with its embedded engine) on a port it binds itself. Started once it reported
+    serving (gRPC started, the hosted sidecar listening), then confirmed: gRPC health says SERVING and,
+    with `with_sidecar`, the sidecar it hosts answers /health at `sidecar_url` (it reaches the server).
 
-    With `--tls-cert`/`--tls-key` among `extra_args`, `tls_root_certificates` lets the health probe
+    With `--tls-cert`/`--tls-key` among `extra_args`, `tls_root_certificates` lets the health check
     trust the server's certificate."""
 
     def __init__(
@@ -136,16 +48,32 @@ class LocalStack(LocalProcess):
         with_sidecar: bool = False,
     ) -> None:
         self.data_dir = data_dir
-        self.port = free_port()
-        self.target = f"127.0.0.1:{self.port}"
         self.tls_root_certificates = tls_root_certificates
-        args = ["serve", "--host", "127.0.0.1", "--port", str(self.port), "--data-dir", str(data_dir)]
-        self.sidecar_url: str | None = None
+        self.with_sidecar = with_sidecar
+        args = ["serve", "--host", "127.0.0.1", "--port", "0", "--data-dir", str(data_dir)]
         if with_sidecar:
-            sidecar_port = free_port()
-            self.sidecar_url = f"http://127.0.0.1:{sidecar_port}"
-            args += ["--sidecar-port", str(sidecar_port)]
-        super().__init__([*args, *extra_args], log_path, startup_timeout, env)
+            args += ["--sidecar-port", "0"]
+        super().__init__(
+            tinkerrpc_command(*args, *extra_args), "tinkerrpc serve", log_path, startup_timeout, env
+        )
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def sidecar_url(self) -> str | None:
+        """The hosted sidecar's URL (with `with_sidecar`, or a `--sidecar-port` among `extra_args`)."""
+        if not self.with_sidecar and "sidecar_port" not in self._ports:
+            return None
+        return f"http://127.0.0.1:{self.reported('sidecar_port')}"
+
+    def served(self, ports: dict[str, int]) -> None:
+        super().served(ports)
+        if not self.is_ready():
+            raise RuntimeError(
+                f"`{self.name}` reported serving, but its health checks fail; see {self.log_path}"
+            )
 
     def _health_channel(self) -> grpc.Channel:
         if self.tls_root_certificates is None:
@@ -157,18 +85,18 @@ class LocalStack(LocalProcess):
         with self._health_channel() as channel:
             try:
                 response = health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(), timeout=1
+                    health_pb2.HealthCheckRequest(), timeout=_CONFIRM_SECONDS
                 )
             except grpc.RpcError:
                 return False
         if response.status != health_pb2.HealthCheckResponse.SERVING:
             return False
-        # The hosted sidecar starts once the server serves; its /health needs no key.
-        return self.sidecar_url is None or http_ok(f"{self.sidecar_url}/health")
+        # The hosted sidecar's /health needs no key.
+        return self.sidecar_url is None or http_ok(f"{self.sidecar_url}/health", _CONFIRM_SECONDS)
 
 
-class LocalEngine(LocalProcess):
-    """`tinkerrpc engine` (Tinker's HTTP API) on a free port; ready when its health endpoint answers.
+class LocalEngine(EngineProcess):
+    """`tinkerrpc engine` (Tinker's HTTP API) on a port it binds itself, started once it reported serving.
 
     It requires `api_key`, fresh for each LocalEngine (handed over in its environment): clients made by
     `service_client`/`rest_client` send it, raw HTTP requests send `auth_headers`."""
@@ -183,19 +111,12 @@ class LocalEngine(LocalProcess):
     ) -> None:
         self.data_dir = data_dir
         self.model_dir = model_dir
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.api_key = generate_api_key()
         self._service_clients: list[tinker.ServiceClient] = []
-        args = ["engine", "--host", "127.0.0.1", "--port", str(self.port)]
+        args = ["engine", "--host", "127.0.0.1", "--port", "0"]
         if session_timeout is not None:
             args += ["--session-timeout", str(session_timeout)]
-        super().__init__(
-            [*args, "--data-dir", str(data_dir), "--model-dir", str(model_dir)],
-            log_path,
-            startup_timeout,
-            {ENGINE_API_KEY_ENV: self.api_key},
-        )
+        args += ["--data-dir", str(data_dir), "--model-dir", str(model_dir)]
+        super().__init__(tinkerrpc_command(*args), "tinkerrpc engine", log_path, startup_timeout)
 
     @property
     def auth_headers(self) -> dict[str, str]:
@@ -215,7 +136,7 @@ class LocalEngine(LocalProcess):
 
     def stop(self, stop_timeout: float = 60.0) -> int | None:
         clients, self._service_clients = self._service_clients, []
-        if self._proc is not None and self._proc.poll() is None:
+        if self._child is not None and self._child.exit_code() is None:
             for client in clients:
                 try:
                     client.close("success").result(timeout=CLIENT_CLOSE_SECONDS)
@@ -236,19 +157,17 @@ class LocalEngine(LocalProcess):
 
 
 class LocalSidecar(LocalProcess):
-    """`tinkerrpc sidecar` (OpenAI-compatible HTTP) for `grpc_target` on a free port; ready when it serves
-    HTTP, whether or not the gRPC server is up (its /health says which)."""
+    """`tinkerrpc sidecar` (OpenAI-compatible HTTP) for `grpc_target` on a port it binds itself, started
+    once it serves HTTP, whether or not the gRPC server is up (its /health says which)."""
 
     def __init__(
         self, grpc_target: str, log_path: Path, api_key: str | None = None, startup_timeout: float = 60.0
     ) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.openai_base_url = f"{self.base_url}/v1"
-        args = ["sidecar", "--grpc-target", grpc_target, "--host", "127.0.0.1", "--port", str(self.port)]
+        args = ["sidecar", "--grpc-target", grpc_target, "--host", "127.0.0.1", "--port", "0"]
         # The key travels in the environment: command lines are visible to every user of the machine.
         env = {SIDECAR_API_KEY_ENV: api_key} if api_key else {}
-        super().__init__(args, log_path, startup_timeout, env)
+        super().__init__(tinkerrpc_command(*args), "tinkerrpc sidecar", log_path, startup_timeout, env)
 
-    def is_ready(self) -> bool:
-        return http_ok(f"{self.base_url}/metrics")
+    @property
+    def openai_base_url(self) -> str:
+        return f"{self.base_url}/v1"

@@ -1,21 +1,50 @@
-"""Which Tinker the service talks to: Tinker itself (TINKER_API_KEY set) or the embedded engine, run as
-a child process on a free loopback port and called with the key it was started with. Either way the
-service only ever uses the tinker SDK."""
+"""Which Tinker the service talks to: Tinker itself (a Tinker API key is set) or the embedded engine, a
+child process the server was handed already starting (`EngineHandle`) and called with the key it was
+started with. Either way the service only ever uses the tinker SDK; whoever built the engine knows how
+to start it again, and the service asks it to through the handle."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import tinker
 
-from tinkerrpc_server.local.engine_process import EmbeddedEngine
+from tinkerrpc_server.processes.children import StartError
+
+__all__ = ["Backend", "EngineHandle", "StartError", "connect_backend"]
 
 log = logging.getLogger("tinkerrpc.backend")
 
-ENGINE_STARTUP_TIMEOUT = 180.0
+
+class EngineHandle(Protocol):
+    """The embedded engine process as the service sees it. `wait_ready` and `restart` raise StartError
+    when the engine exits before it serves, or does not serve in time."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def api_key(self) -> str: ...
+
+    @property
+    def pid(self) -> int: ...
+
+    def exit_code(self) -> int | None:
+        """The exit code once the process has exited, else None."""
+        ...
+
+    async def wait_ready(self) -> None: ...
+
+    async def exited(self) -> int:
+        """The exit code, once the process exits."""
+        ...
+
+    async def restart(self) -> None:
+        """Replace a dead engine with a new process (new port, new key, same data dir), once it serves."""
+        ...
 
 
 @dataclass
@@ -23,19 +52,18 @@ class Backend:
     service: tinker.ServiceClient
     rest: tinker.RestClient
     url: str
-    engine: EmbeddedEngine | None
+    engine: EngineHandle | None
 
     @property
     def embedded(self) -> bool:
         return self.engine is not None
 
     async def restart_engine(self) -> None:
-        """After the engine child died: start a new one on a fresh port and point fresh SDK clients at it.
-        Its data dir persists, so every tinker:// path stays valid."""
+        """After the engine child died: start a new one and point fresh SDK clients at it. Its data dir
+        persists, so every tinker:// path stays valid."""
         assert self.engine is not None, "only the embedded engine is restarted"
         dead_service = self.service
-        self.engine.respawn()
-        await self.engine.wait_healthy(ENGINE_STARTUP_TIMEOUT)
+        await self.engine.restart()
         self.service = tinker.ServiceClient(base_url=self.engine.url, api_key=self.engine.api_key)
         self.rest = tinker.RestClient(base_url=self.engine.url, api_key=self.engine.api_key)
         self.url = self.engine.url
@@ -52,20 +80,21 @@ class Backend:
 
 
 async def connect_backend(
-    engine: EmbeddedEngine | None, tinker_url: str | None, startup_timeout: float = ENGINE_STARTUP_TIMEOUT
+    engine: EngineHandle | None, tinker_api_key: str | None, tinker_url: str | None
 ) -> Backend:
-    """Tinker itself when there is no engine (TINKER_API_KEY is set), else the embedded engine once healthy."""
+    """Tinker itself at `tinker_url` (None: the SDK's default) when there is no engine, else the
+    embedded engine once it serves."""
     if engine is None:
-        api_key = os.environ["TINKER_API_KEY"]
-        url = tinker_url or os.environ.get("TINKER_BASE_URL") or ""
-        log.info("using the Tinker service at %s", url or "the SDK's default URL")
+        if tinker_api_key is None:
+            raise StartError("no embedded engine and no Tinker API key", None)
+        log.info("using the Tinker service at %s", tinker_url or "the SDK's default URL")
         return Backend(
-            service=tinker.ServiceClient(base_url=url or None, api_key=api_key),
-            rest=tinker.RestClient(base_url=url or None, api_key=api_key),
-            url=url,
+            service=tinker.ServiceClient(base_url=tinker_url, api_key=tinker_api_key),
+            rest=tinker.RestClient(base_url=tinker_url, api_key=tinker_api_key),
+            url=tinker_url or "",
             engine=None,
         )
-    await engine.wait_healthy(startup_timeout)
+    await engine.wait_ready()
     return Backend(
         service=tinker.ServiceClient(base_url=engine.url, api_key=engine.api_key),
         rest=tinker.RestClient(base_url=engine.url, api_key=engine.api_key),

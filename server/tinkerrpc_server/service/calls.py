@@ -14,15 +14,13 @@ from typing import Any, Protocol, TypeVar
 import grpc
 import tinker
 
-from tinkerrpc_server.local.engine_process import BackendStartError
 from tinkerrpc_server.service import deadlines, errors
-from tinkerrpc_server.service.backend import Backend
+from tinkerrpc_server.service.backend import Backend, StartError
 from tinkerrpc_server.service.errors import ServiceError
 from tinkerrpc_server.service.models import ModelRegistry
 
 log = logging.getLogger("tinkerrpc.service")
 
-ENGINE_POLL_SECONDS = 0.2
 # Restarts of a dead engine in a row before the server gives up and stops.
 ENGINE_RESTART_ATTEMPTS = 3
 # Longest a call waits for a restarting engine when it has no deadline of its own.
@@ -101,10 +99,7 @@ class EngineSupervisor:
         engine = self._backend.engine
         assert engine is not None, "only the embedded engine is supervised"
         while True:
-            await asyncio.sleep(ENGINE_POLL_SECONDS)
-            exit_code = engine.exit_code()
-            if exit_code is None:
-                continue
+            exit_code = await engine.exited()
             log.error("embedded engine (pid %s) exited with code %d; restarting it", engine.pid, exit_code)
             await report_serving(False)
             for attempt in range(1, ENGINE_RESTART_ATTEMPTS + 1):
@@ -112,7 +107,7 @@ class EngineSupervisor:
                     await self._restart_engine()
                     await report_serving(True)
                     break
-                except BackendStartError as err:
+                except StartError as err:
                     log.error("engine restart %d/%d failed: %s", attempt, ENGINE_RESTART_ATTEMPTS, err)
             else:
                 return

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -25,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
 from tinkerrpc import AsyncClient, ModelInfo, RetryPolicy, RPCError, Sample
-from tinkerrpc_server.local.uvicorn_serving import serve_until_signalled, serve_until_stopped
+from tinkerrpc_server.processes.http_serving import bound_port, serve_until_signalled, serve_until_stopped
 from tinkerrpc_server.sidecar import chat, completions, models, responses
 from tinkerrpc_server.sidecar.errors import OpenAIError, from_rpc_error, param_from_loc
 from tinkerrpc_server.sidecar.metrics import SidecarMetrics
@@ -237,31 +238,39 @@ def create_app(upstream: GrpcUpstream, api_key: str | None) -> FastAPI:
     return app
 
 
-def _uvicorn_config(app: FastAPI, host: str, port: int) -> uvicorn.Config:
-    return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on")
+def _uvicorn_config(app: FastAPI) -> uvicorn.Config:
+    return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
 
 
-def _log_start(upstream: GrpcUpstream, host: str, port: int, api_key: str | None) -> None:
+def _log_start(upstream: GrpcUpstream, sock: socket.socket, api_key: str | None) -> None:
+    host = sock.getsockname()[0]
     log.info(
         "OpenAI sidecar on http://%s:%d/v1 (%s) for gRPC %s",
-        host,
-        port,
+        f"[{host}]" if ":" in host else host,
+        bound_port(sock),
         "API key required" if api_key is not None else "no API key",
         upstream.describe(),
     )
 
 
-def run_sidecar(upstream: GrpcUpstream, host: str, port: int, api_key: str | None) -> None:
-    """Serve the sidecar until SIGTERM/SIGINT, then return after a graceful shutdown."""
+def run_sidecar(
+    upstream: GrpcUpstream,
+    sock: socket.socket,
+    api_key: str | None,
+    on_serving: Callable[[], None] | None = None,
+) -> None:
+    """Serve the sidecar on the listening socket `sock` until SIGTERM/SIGINT, then return after a
+    graceful shutdown; `on_serving` runs once requests get answers."""
     app = create_app(upstream, api_key)
-    _log_start(upstream, host, port, api_key)
-    serve_until_signalled(_uvicorn_config(app, host, port))
+    _log_start(upstream, sock, api_key)
+    serve_until_signalled(_uvicorn_config(app), sock, on_serving)
 
 
 async def serve_sidecar(
-    upstream: GrpcUpstream, host: str, port: int, api_key: str | None, stop: asyncio.Event
+    upstream: GrpcUpstream, sock: socket.socket, api_key: str | None, stop: asyncio.Event
 ) -> None:
-    """Serve the sidecar on the running loop until `stop` is set (for `tinkerrpc serve --sidecar-port`)."""
+    """Serve the sidecar on `sock` on the running loop until `stop` is set (for `tinkerrpc serve
+    --sidecar-port`)."""
     app = create_app(upstream, api_key)
-    _log_start(upstream, host, port, api_key)
-    await serve_until_stopped(_uvicorn_config(app, host, port), stop)
+    _log_start(upstream, sock, api_key)
+    await serve_until_stopped(_uvicorn_config(app), sock, stop)

@@ -1,4 +1,7 @@
-"""The one way a tinkerrpc HTTP server (the engine, the sidecar) runs under uvicorn and stops.
+"""The one way an HTTP server (the engine, the sidecar) runs under uvicorn and stops.
+
+The caller binds the listening socket (`listen`, port 0 for one the kernel picks) and learns the port
+before anything serves; the server then accepts on that socket only.
 
 uvicorn's own signal handling re-raises SIGTERM once it has shut down, so a process would die by the
 signal instead of exiting 0, and it replaces the handlers of a process that hosts it next to other
@@ -12,6 +15,11 @@ HEADER_READ_TIMEOUT_SECONDS, or whose body stops arriving for BODY_READ_IDLE_SEC
 connections between requests. When the process still runs out of descriptors, asyncio's "accept out of
 system resource" error is logged once per ACCEPT_ERROR_LOG_INTERVAL_SECONDS with a count, not per
 attempt.
+
+uvicorn has no public header-read deadline or connection cap that answers before a request's headers
+arrive, so `BoundedH11Protocol` subclasses its h11 protocol and reads its connection state (`conn`,
+`connections`, `flow`, `transport`, `loop`); pyproject.toml pins uvicorn to the minor versions where
+those are as used here.
 """
 
 from __future__ import annotations
@@ -20,8 +28,9 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import h11
@@ -170,27 +179,52 @@ class _LoopOwnsSignals(uvicorn.Server):
         yield
 
 
-def serve_until_signalled(config: uvicorn.Config) -> None:
-    """Serve as the whole process until SIGTERM or SIGINT, then return after the graceful shutdown, so
-    the process exits 0. A second SIGINT stops waiting for open connections, as in uvicorn."""
+def listen(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A socket listening on `host:port` as uvicorn would bind it (SO_REUSEADDR, no SO_REUSEPORT, so a
+    port in TIME_WAIT is free and a port in use is refused); port 0 takes one the kernel picks.
+    Connections queue from here on, so a client that connects before the server accepts is answered."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def bound_port(sock: socket.socket) -> int:
+    return int(sock.getsockname()[1])
+
+
+def serve_until_signalled(
+    config: uvicorn.Config, sock: socket.socket, on_serving: Callable[[], None] | None = None
+) -> None:
+    """Serve on `sock` as the whole process until SIGTERM or SIGINT, then return after the graceful
+    shutdown, so the process exits 0. A second SIGINT stops waiting for open connections, as in uvicorn.
+    `on_serving` runs once the signals are handled here (a SIGTERM after it is a clean stop)."""
     server = _LoopOwnsSignals(config)
 
     async def serve() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, server.handle_exit, sig, None)
+        if on_serving is not None:
+            on_serving()
         with _AcceptErrorLimiter(loop).installed():
-            await server.serve()
+            await server.serve(sockets=[sock])
 
     asyncio.run(serve())
 
 
-async def serve_until_stopped(config: uvicorn.Config, stop: asyncio.Event) -> None:
-    """Serve on the running loop, whose owner handles the signals, until `stop` is set; then shut down
-    gracefully."""
+async def serve_until_stopped(config: uvicorn.Config, sock: socket.socket, stop: asyncio.Event) -> None:
+    """Serve on `sock` on the running loop, whose owner handles the signals, until `stop` is set; then
+    shut down gracefully."""
     server = _LoopOwnsSignals(config)
     with _AcceptErrorLimiter(asyncio.get_running_loop()).installed():
-        serving = asyncio.create_task(server.serve())
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
         server.should_exit = True

@@ -1,10 +1,11 @@
-"""One owner per data dir and per port. `serve` and `engine` lock their data dir for as long as they
+"""One owner per data dir and per port, and a data dir that can hold state. `serve` and `engine` lock their data dir for as long as they
 run, and `serve` checks that its ports are free before it starts anything, so a second process
 started on either exits at start with one line instead of sharing the state (or, through
 SO_REUSEPORT, the calls) of the first. Light imports only: the CLI checks before the heavy ones."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -13,6 +14,9 @@ import time
 from pathlib import Path
 
 LOCK_FILE_NAME = "tinkerrpc.lock"
+
+# Bytes the data-dir probe writes: enough that a full file system fails the probe, not a later step.
+_PROBE_BYTES = 64 * 1024
 
 # Seconds a refused process waits for the holder to write its PID (it locks first, then writes).
 _HOLDER_PID_WAIT = 1.0
@@ -83,4 +87,26 @@ def port_taken(host: str, port: int) -> str | None:
             except OSError as err:
                 if err.errno == errno.EADDRINUSE:
                     return f"port {port} on {host} is in use by another process"
+    return None
+
+
+def probe_data_dir(directory: Path) -> str | None:
+    """Why `directory` cannot hold state, or None when it can: creates it, then writes, fsyncs and
+    deletes a file there, so an unwritable or full disk is reported at start, not mid-step. A directory
+    it creates is its owner's alone (0700)."""
+    probe = directory / f".write-probe-{os.getpid()}"
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            written = os.write(fd, bytes(_PROBE_BYTES))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                probe.unlink()
+    except OSError as err:
+        return f"data dir {directory} is not writable: {err.strerror or err}"
+    if written < _PROBE_BYTES:
+        return f"data dir {directory} is full: wrote {written} of {_PROBE_BYTES} probe bytes"
     return None

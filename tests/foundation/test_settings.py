@@ -1,0 +1,56 @@
+"""The one settings object (settings.Settings) and the environment children start with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tinkerrpc_server import settings
+from tinkerrpc_server.settings import Settings, SettingsError, child_environment
+
+
+def test_settings_read_every_variable_once_and_empty_is_unset() -> None:
+    read = Settings.from_environment(
+        {
+            settings.LOG_LEVEL_ENV: "debug",
+            settings.AUTH_TOKEN_ENV: " token ",
+            settings.SIDECAR_API_KEY_ENV: "",
+            settings.MODEL_DIR_ENV: "~/models",
+            settings.ENGINE_DEVICE_ENV: "cpu",
+            settings.ENGINE_DTYPE_ENV: "bfloat16",
+            settings.TINKER_API_KEY_ENV: "tml-remote",
+            settings.TINKER_BASE_URL_ENV: "https://tinker.example",
+        }
+    )
+    assert read == Settings(
+        log_level="DEBUG",
+        auth_token="token",
+        sidecar_api_key=None,
+        engine_api_key=None,
+        model_dir=Path("~/models").expanduser(),
+        engine_device="cpu",
+        engine_dtype="bfloat16",
+        tinker_api_key="tml-remote",
+        tinker_base_url="https://tinker.example",
+    )
+    assert Settings.from_environment({}) == Settings()
+    assert Settings().model_dir == Path("~/.cache/tinkerrpc/models").expanduser()
+
+
+def test_an_unknown_log_level_is_a_clear_error() -> None:
+    with pytest.raises(SettingsError, match=r"\$TINKERRPC_LOG_LEVEL must be one of DEBUG, INFO"):
+        Settings.from_environment({settings.LOG_LEVEL_ENV: "loud"})
+
+
+def test_children_inherit_no_credential_but_what_they_are_handed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(settings.AUTH_TOKEN_ENV, "server-token")
+    monkeypatch.setenv(settings.SIDECAR_API_KEY_ENV, "sidecar-key")
+    monkeypatch.setenv(settings.ENGINE_API_KEY_ENV, "tml-inherited")
+    monkeypatch.setenv("TINKER_TELEMETRY", "1")
+    monkeypatch.setenv("UNRELATED", "kept")
+    env = child_environment({settings.ENGINE_API_KEY_ENV: "tml-handed"})
+    assert env[settings.ENGINE_API_KEY_ENV] == "tml-handed"
+    assert settings.AUTH_TOKEN_ENV not in env and settings.SIDECAR_API_KEY_ENV not in env
+    assert env["UNRELATED"] == "kept"
+    assert env["TINKER_TELEMETRY"] == "0"
