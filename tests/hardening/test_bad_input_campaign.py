@@ -111,6 +111,16 @@ def _call(arguments_json: str) -> types_pb2.Message:
     )
 
 
+def _sft_with_tools(messages: list[types_pb2.Message], tools: list[types_pb2.Tool]) -> pb.TrainRequest:
+    request = _sft(messages)
+    request.examples[0].tools.extend(tools)
+    return request
+
+
+# An integer of 5000 digits: past the 4300 Python's int() converts from a string.
+HUGE_INTEGER_JSON = '{"a": 1' + "0" * 5000 + "}"
+
+
 def _params(**fields: Any) -> types_pb2.SamplingParams:
     return types_pb2.SamplingParams(**{"max_tokens": 2, **fields})
 
@@ -288,13 +298,29 @@ def grpc_rows(s: Setup) -> list[GrpcRow]:
         GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model=TINY, renderer="glm5_3_max_reasoning"), Code.INVALID_ARGUMENT, "renderer: renderer 'glm5_3_max_reasoning' does not work"),
         # JSON carried in strings: malformed, nested past the parser, or not an object
         GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool("{")])), Code.INVALID_ARGUMENT, "chat.tools[0].parameters_json: must be a JSON Schema object (invalid JSON"),
-        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool("[" * 20_000)])), Code.INVALID_ARGUMENT, "(nested too deeply)"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool("[" * 20_000)])), Code.INVALID_ARGUMENT, "(nested too deeply: more than 64 levels)"),
         GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool("[1, 2]")])), Code.INVALID_ARGUMENT, "(got an array)"),
         GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool('"text"')])), Code.INVALID_ARGUMENT, "(got a string)"),
         GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi"), _call('{"a": ')])), Code.INVALID_ARGUMENT, "chat.messages[1].tool_calls[0].arguments_json: must be a JSON object (invalid JSON"),
-        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi"), _call("{\"a\": " * 5_000)])), Code.INVALID_ARGUMENT, "(nested too deeply)"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi"), _call("{\"a\": " * 5_000)])), Code.INVALID_ARGUMENT, "(nested too deeply: more than 64 levels)"),
         GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi"), _call("null")])), Code.INVALID_ARGUMENT, "(got null)"),
         GrpcRow("Train", _sft([user("hi"), _call("7"), assistant("a")]), Code.INVALID_ARGUMENT, "examples[0].messages[1].tool_calls[0].arguments_json: must be a JSON object (got a number)"),
+        # Numbers Python's json cannot convert (past 4300 digits) or that are not JSON (issue 28 item 1),
+        # and nesting past the bound every later walk of the value relies on
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool(HUGE_INTEGER_JSON)])), Code.INVALID_ARGUMENT, "chat.tools[0].parameters_json: must be a JSON Schema object (a number of 5001 characters: at most 100)"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi"), _call(HUGE_INTEGER_JSON)])), Code.INVALID_ARGUMENT, "chat.messages[1].tool_calls[0].arguments_json: must be a JSON object (a number of 5001"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool('{"a": 1.' + "5" * 5000 + "}")])), Code.INVALID_ARGUMENT, "(a number of 5002 characters: at most 100)"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool('{"minimum": NaN}')])), Code.INVALID_ARGUMENT, "chat.tools[0].parameters_json: must be a JSON Schema object (NaN is not a JSON number)"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool('{"maximum": Infinity}')])), Code.INVALID_ARGUMENT, "(Infinity is not a JSON number)"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool('{"minimum": -Infinity}')])), Code.INVALID_ARGUMENT, "(-Infinity is not a JSON number)"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi"), _call('{"x": 1e999}')])), Code.INVALID_ARGUMENT, "(1e999 is out of the range of a double)"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool('{"a": ' * 600 + "1" + "}" * 600)])), Code.INVALID_ARGUMENT, "chat.tools[0].parameters_json: must be a JSON Schema object (nested too deeply: more than 64 levels)"),
+        GrpcRow("Train", _train(s, lambda r: r.groups[0].trajectories[0].tools.append(_tool(HUGE_INTEGER_JSON))), Code.INVALID_ARGUMENT, "groups[0].trajectories[0].tools[0].parameters_json: must be a JSON Schema object (a number of 5001"),
+        GrpcRow("Train", _train(s, lambda r: r.groups[0].trajectories[0].messages.extend([user("hi"), _call(HUGE_INTEGER_JSON)])), Code.INVALID_ARGUMENT, "groups[0].trajectories[0].messages[1].tool_calls[0].arguments_json: must be a JSON object (a number of 5001"),
+        GrpcRow("Train", _train(s, lambda r: r.groups[0].trajectories[0].tools.append(_tool('{"a": NaN}'))), Code.INVALID_ARGUMENT, "(NaN is not a JSON number)"),
+        GrpcRow("Train", _sft_with_tools([user("hi"), assistant("a")], [_tool(HUGE_INTEGER_JSON)]), Code.INVALID_ARGUMENT, "examples[0].tools[0].parameters_json: must be a JSON Schema object (a number of 5001"),
+        GrpcRow("Train", _sft([user("hi"), _call(HUGE_INTEGER_JSON), assistant("a")]), Code.INVALID_ARGUMENT, "examples[0].messages[1].tool_calls[0].arguments_json: must be a JSON object (a number of 5001"),
+        GrpcRow("Train", _sft([user("hi"), _call('{"a": [-Infinity]}'), assistant("a")]), Code.INVALID_ARGUMENT, "(-Infinity is not a JSON number)"),
         # Bytes no valid message encodes: invalid UTF-8 in a string field, a truncated field
         GrpcRow("GetModel", _bad_utf8(pb.GetModelRequest(name=MODEL), MODEL), Code.INVALID_ARGUMENT, "request: not a valid /tinkerrpc.v1.TrainerService/GetModel request"),
         GrpcRow("Sample", _bad_utf8(_sample(text="say hello"), "hello"), Code.INVALID_ARGUMENT, "bad UTF-8"),

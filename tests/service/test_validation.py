@@ -13,7 +13,7 @@ from google.rpc import error_details_pb2  # type: ignore[import-untyped]
 
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
-from tinkerrpc_server.service import validation
+from tinkerrpc_server.service import tool_json, validation
 from tinkerrpc_server.service.errors import ServiceError
 from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.store import ModelRow
@@ -24,6 +24,9 @@ CONTEXT = 64
 LIMITS = Limits(max_sample_n=8, max_sample_tokens=32, max_train_trajectories=2, max_train_tokens=50)
 # Over the context's text bound (validation.MAX_TEXT_BYTES_PER_TOKEN bytes per token).
 TOO_MUCH_TEXT = "x" * (CONTEXT * validation.MAX_TEXT_BYTES_PER_TOKEN + 1)
+# Tool JSON past tool_json's bounds, each well within the context's text bound.
+LONG_INTEGER_JSON = '{"a": 1' + "0" * tool_json.MAX_NUMBER_CHARS + "}"
+TOO_DEEP_JSON = '{"a": ' * tool_json.MAX_DEPTH + "[]" + "}" * tool_json.MAX_DEPTH
 
 
 def _violated(check: Callable[[], object]) -> list[str]:
@@ -147,6 +150,27 @@ TRAIN_CASES: list[tuple[str, Callable[[], pb.TrainRequest], Callable[[pb.TrainRe
         [f"{TRAJECTORY}.tools[0].parameters_json"],
     ),
     (
+        "tool parameters with an integer past the number bound", _rl,
+        lambda r: _trajectory(r).tools.add(name="f", parameters_json=LONG_INTEGER_JSON),
+        [f"{TRAJECTORY}.tools[0].parameters_json"],
+    ),
+    (
+        "tool parameters with NaN", _rl, lambda r: _trajectory(r).tools.add(name="f", parameters_json='{"a": NaN}'),
+        [f"{TRAJECTORY}.tools[0].parameters_json"],
+    ),
+    (
+        "tool parameters nested past the depth bound", _rl,
+        lambda r: _trajectory(r).tools.add(name="f", parameters_json=TOO_DEEP_JSON),
+        [f"{TRAJECTORY}.tools[0].parameters_json"],
+    ),
+    (
+        "tool call arguments with an integer past the number bound", _rl,
+        lambda r: _trajectory(r).messages.add(role=types_pb2.ROLE_ASSISTANT).tool_calls.add(
+            arguments_json=LONG_INTEGER_JSON
+        ),
+        [f"{TRAJECTORY}.messages[0].tool_calls[0].arguments_json"],
+    ),
+    (
         "trajectory text over the context", _rl,
         lambda r: _trajectory(r).messages.add(role=types_pb2.ROLE_USER, content=TOO_MUCH_TEXT),
         [f"{TRAJECTORY}.messages"],
@@ -158,6 +182,16 @@ TRAIN_CASES: list[tuple[str, Callable[[], pb.TrainRequest], Callable[[pb.TrainRe
     ("example without assistant", _sft, lambda r: r.examples[0].messages.pop(), ["examples[0].messages"]),
     ("unknown train_on", _sft, lambda r: setattr(r.examples[0], "train_on", 99), ["examples[0].train_on"]),
     ("example role", _sft, lambda r: setattr(r.examples[0].messages[0], "role", 99), ["examples[0].messages[0].role"]),
+    (
+        "example tool call arguments with Infinity", _sft,
+        lambda r: r.examples[0].messages[1].tool_calls.add(name="f", arguments_json='{"a": -Infinity}'),
+        ["examples[0].messages[1].tool_calls[0].arguments_json"],
+    ),
+    (
+        "example tool parameters with a float past the number bound", _sft,
+        lambda r: r.examples[0].tools.add(name="f", parameters_json='{"a": 1.' + "5" * 200 + "}"),
+        ["examples[0].tools[0].parameters_json"],
+    ),
     ("example tool", _sft, lambda r: r.examples[0].tools.add(parameters_json="1"), [
         "examples[0].tools[0].name", "examples[0].tools[0].parameters_json",
     ]),
@@ -242,6 +276,52 @@ def _forced(request: pb.SampleRequest, name: str) -> pb.SampleRequest:
 USER = _message(types_pb2.ROLE_USER)
 
 
+def _calling(arguments_json: str) -> types_pb2.Message:
+    return types_pb2.Message(
+        role=types_pb2.ROLE_ASSISTANT,
+        tool_calls=[types_pb2.ToolCall(name="f", arguments_json=arguments_json)],
+    )
+
+
+def _with_tool(request: pb.SampleRequest, parameters_json: str) -> pb.SampleRequest:
+    request.chat.tools.add(name="f", parameters_json=parameters_json)
+    return request
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ('{"a": 1' + "0" * 5000 + "}", "a number of 5001 characters: at most 100"),
+        ('{"a": -1' + "0" * 99 + "}", "a number of 101 characters: at most 100"),
+        ('{"a": 0.' + "1" * 200 + "}", "a number of 202 characters: at most 100"),
+        ('{"a": 1e400}', "1e400 is out of the range of a double"),
+        ('{"a": NaN}', "NaN is not a JSON number"),
+        ('{"a": [Infinity]}', "Infinity is not a JSON number"),
+        ('{"a": -Infinity}', "-Infinity is not a JSON number"),
+        ("[" * 20_000, "nested too deeply: more than 64 levels"),
+        ('{"a": ' * 65 + "1" + "}" * 65, "nested too deeply: more than 64 levels"),
+        ("[" * 64 + "]" * 64, "got an array"),  # 64 levels are within the bound
+        ("{", "invalid JSON at character 1"),
+        ("[1]", "got an array"),
+        ("null", "got null"),
+    ],
+)
+def test_tool_json_is_refused_with_its_reason(text: str, reason: str) -> None:
+    with pytest.raises(tool_json.ToolJsonError) as err:
+        tool_json.parse_json_object(text)
+    assert str(err.value) == reason
+
+
+def test_tool_json_within_its_bounds_parses() -> None:
+    assert tool_json.parse_json_object("") == {}
+    deepest = '{"a": ' * 63 + "[]" + "}" * 63  # 64 levels, the innermost array included
+    assert tool_json.parse_json_object(deepest)
+    assert tool_json.parse_json_object('{"n": -1' + "0" * 98 + ', "x": 1.5e308}') == {
+        "n": -(10**98),
+        "x": 1.5e308,
+    }
+
+
 @pytest.mark.parametrize(
     ("request_", "fields"),
     [
@@ -251,6 +331,10 @@ USER = _message(types_pb2.ROLE_USER)
         (_chat(_message(types_pb2.ROLE_USER, TOO_MUCH_TEXT)), ["chat.messages"]),
         (_chat(types_pb2.Message(role=UNKNOWN_ROLE)), ["chat.messages[0].role"]),
         (_chat(USER, tools=("",)), ["chat.tools[0].name"]),
+        (_chat(USER, _calling('{"a": NaN}')), ["chat.messages[1].tool_calls[0].arguments_json"]),
+        (_chat(USER, _calling(LONG_INTEGER_JSON)), ["chat.messages[1].tool_calls[0].arguments_json"]),
+        (_with_tool(_chat(USER), '{"minimum": 1e999}'), ["chat.tools[0].parameters_json"]),
+        (_with_tool(_chat(USER), LONG_INTEGER_JSON), ["chat.tools[0].parameters_json"]),
         (_forced(_chat(USER), ""), ["chat.forced_tool_call"]),
         (_forced(_chat(USER, tools=("search",)), "other"), ["chat.forced_tool_call.function_name"]),
     ],

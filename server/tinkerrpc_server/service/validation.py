@@ -5,7 +5,6 @@ model's is FAILED_PRECONDITION."""
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Iterable
@@ -18,6 +17,7 @@ from tinkerrpc_server.service.errors import Violations
 from tinkerrpc_server.service.limits import Limits, flag_of
 from tinkerrpc_server.service.rendering import ROLE_NAMES
 from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE, ModelRow
+from tinkerrpc_server.service.tool_json import ToolJsonError, parse_json_object
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 NAME_RULE = "1-64 characters of [A-Za-z0-9._-], starting with a letter or digit"
@@ -230,18 +230,12 @@ def _check_trajectory(
 
 
 def _json_object_problem(text: str) -> str:
-    """Why `text` (empty means {}) is not a JSON object, or "" when it is. A nesting too deep for the parser
-    is a client error like any other malformed JSON, not an internal one."""
+    """Why `text` (empty means {}) is not a JSON object this server takes, or "" when it is one."""
     try:
-        value = json.loads(text or "{}")
-    except json.JSONDecodeError as error:
-        return f"invalid JSON at character {error.pos}"
-    except RecursionError:
-        return "nested too deeply"
-    if isinstance(value, dict):
-        return ""
-    kinds = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
-    return f"got {kinds.get(type(value), 'null')}"
+        parse_json_object(text)
+    except ToolJsonError as error:
+        return str(error)
+    return ""
 
 
 def _check_messages(v: Violations, messages: list[types_pb2.Message], field: str) -> None:
