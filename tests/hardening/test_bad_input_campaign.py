@@ -166,6 +166,14 @@ def grpc_rows(s: Setup) -> list[GrpcRow]:
     def empty_group(request: pb.TrainRequest) -> None:
         request.groups.add()
 
+    def spread_metric_names(request: pb.TrainRequest) -> None:
+        """5 trajectories of 64 metrics each (each within its own bound), 320 distinct names in all."""
+        group = request.groups[0]
+        while len(group.trajectories) < 5:
+            group.trajectories.add().CopyFrom(group.trajectories[0])
+        for t, trajectory in enumerate(group.trajectories):
+            trajectory.metrics.update({f"t{t}m{i}": 1.0 for i in range(64)})
+
     reused_key = _train(s, set_field("idempotency_key", "first"))
     reused_key.adam.learning_rate = 0.5
 
@@ -176,6 +184,11 @@ def grpc_rows(s: Setup) -> list[GrpcRow]:
         GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh"), Code.INVALID_ARGUMENT, "base_model"),
         GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model="no/such-model"), Code.NOT_FOUND, "unknown base model"),
         GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model=TINY, lora=types_pb2.LoraConfig(rank=-1)), Code.INVALID_ARGUMENT, "lora.rank"),
+        # The LoRA rank's honest maximum and an adapter with something to train (issue 28 item 2)
+        GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model=TINY, lora=types_pb2.LoraConfig(rank=2_147_483_647)), Code.INVALID_ARGUMENT, "lora.rank: 2147483647 is over the maximum of 512"),
+        GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model=TINY, lora=types_pb2.LoraConfig(rank=513)), Code.INVALID_ARGUMENT, "lora.rank: 513 is over the maximum of 512"),
+        GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model=TINY, lora=types_pb2.LoraConfig(rank=65)), Code.INVALID_ARGUMENT, f"lora.rank: 65 is over the maximum of 64 for '{TINY}' (its hidden size 64, and at most 512)"),
+        GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model=TINY, lora=types_pb2.LoraConfig(train_mlp=False, train_attn=False, train_unembed=False)), Code.INVALID_ARGUMENT, "lora: nothing to train: at least one of train_mlp, train_attn, train_unembed must be true"),
         GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model=TINY, renderer="no-such-renderer"), Code.INVALID_ARGUMENT, "renderer"),
         GrpcRow("CreateModel", pb.CreateModelRequest(name=MODEL, base_model=TINY), Code.ALREADY_EXISTS, MODEL),
         # base_model is a model name, never a path: the model store knows none (issue 16: any folder
@@ -207,6 +220,14 @@ def grpc_rows(s: Setup) -> list[GrpcRow]:
         GrpcRow("Train", _train(s, set_field("max_staleness", -1)), Code.INVALID_ARGUMENT, "max_staleness"),
         GrpcRow("Train", _train(s, set_field("strict_staleness", True)), Code.INVALID_ARGUMENT, "strict_staleness"),
         GrpcRow("Train", _train(s, set_field("expected_policy_version", 5)), Code.FAILED_PRECONDITION, "expected 5"),
+        # Validation before the version check, and bounds on what a step stores (issue 28 item 4)
+        GrpcRow("Train", _train(s, set_field("expected_policy_version", -1)), Code.INVALID_ARGUMENT, "expected_policy_version: must be >= 0"),
+        GrpcRow("Train", _train(s, set_field("idempotency_key", "k" * 1_000_000)), Code.INVALID_ARGUMENT, "idempotency_key: 1000000 bytes: at most 256"),
+        GrpcRow("Train", _train(s, set_field("idempotency_key", "k" * 257)), Code.INVALID_ARGUMENT, "idempotency_key: 257 bytes: at most 256"),
+        GrpcRow("Train", _train(s, lambda r: r.groups[0].trajectories[0].metrics.update({f"m{i}": 1.0 for i in range(20_000)})), Code.INVALID_ARGUMENT, "groups[0].trajectories[0].metrics: 20000 metrics: at most 64 per trajectory"),
+        GrpcRow("Train", _train(s, lambda r: r.groups[0].trajectories[0].metrics.__setitem__("n" * 129, 1.0)), Code.INVALID_ARGUMENT, "a name of 129 bytes: at most 128"),
+        GrpcRow("Train", _train(s, lambda r: r.groups[0].trajectories[0].metrics.__setitem__("score", math.inf)), Code.INVALID_ARGUMENT, "groups[0].trajectories[0].metrics[score]: must be finite"),
+        GrpcRow("Train", _train(s, spread_metric_names), Code.INVALID_ARGUMENT, "groups: 320 distinct trajectory metric names: at most 256 per Train"),
         GrpcRow("Train", reused_key, Code.FAILED_PRECONDITION, "idempotency key 'first'"),
         GrpcRow("Train", _train(s, equal_rewards), Code.FAILED_PRECONDITION, "nothing left to train"),
         GrpcRow("Train", _train(s, too_many), Code.RESOURCE_EXHAUSTED, "--max-train-trajectories"),

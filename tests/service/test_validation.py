@@ -13,9 +13,16 @@ from google.rpc import error_details_pb2  # type: ignore[import-untyped]
 
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
-from tinkerrpc_server.service import tool_json, validation
+from tinkerrpc_server.service import errors, tool_json, validation
 from tinkerrpc_server.service.errors import ServiceError
-from tinkerrpc_server.service.limits import Limits
+from tinkerrpc_server.service.limits import (
+    MAX_IDEMPOTENCY_KEY_BYTES,
+    MAX_LORA_RANK,
+    MAX_METRIC_NAME_BYTES,
+    MAX_TRAIN_METRIC_NAMES,
+    MAX_TRAJECTORY_METRICS,
+    Limits,
+)
 from tinkerrpc_server.service.store import ModelRow
 
 VERSION = 3
@@ -76,6 +83,19 @@ def _turn(request: pb.TrainRequest) -> types_pb2.SampledTurn:
     return request.groups[0].trajectories[0].turns[0]
 
 
+LONG_METRIC_NAME = "n" * (MAX_METRIC_NAME_BYTES + 1)
+
+
+def _spread_metric_names(request: pb.TrainRequest) -> None:
+    """Distinct metric names past the per-Train bound, each trajectory within its own."""
+    group = request.groups[0]
+    per_trajectory = MAX_TRAJECTORY_METRICS
+    while len(group.trajectories) * per_trajectory <= MAX_TRAIN_METRIC_NAMES:
+        group.trajectories.add().CopyFrom(group.trajectories[0])
+    for t, trajectory in enumerate(group.trajectories):
+        trajectory.metrics.update({f"t{t}m{i}": 1.0 for i in range(per_trajectory)})
+
+
 def _extend(values: object, *items: object) -> None:
     values.extend(items)  # type: ignore[attr-defined]
 
@@ -110,6 +130,25 @@ TRAIN_CASES: list[tuple[str, Callable[[], pb.TrainRequest], Callable[[pb.TrainRe
         "nan metric", _rl, lambda r: _trajectory(r).metrics.__setitem__("score", float("nan")),
         [f"{TRAJECTORY}.metrics[score]"],
     ),
+    (
+        "idempotency key too long", _rl, lambda r: setattr(r, "idempotency_key", "k" * (MAX_IDEMPOTENCY_KEY_BYTES + 1)),
+        ["idempotency_key"],
+    ),
+    (
+        "idempotency key too long in UTF-8", _sft, lambda r: setattr(r, "idempotency_key", "\u20ac" * 86),
+        ["idempotency_key"],
+    ),
+    (
+        "too many metrics", _rl,
+        lambda r: _trajectory(r).metrics.update({f"m{i}": 1.0 for i in range(MAX_TRAJECTORY_METRICS + 1)}),
+        [f"{TRAJECTORY}.metrics"],
+    ),
+    (
+        "metric name too long", _rl, lambda r: _trajectory(r).metrics.__setitem__(LONG_METRIC_NAME, 1.0),
+        [f"{TRAJECTORY}.metrics[{errors.shown(LONG_METRIC_NAME)}]"],
+    ),
+    ("infinite metric", _rl, lambda r: _trajectory(r).metrics.__setitem__("score", -float("inf")), [f"{TRAJECTORY}.metrics[score]"]),
+    ("too many metric names over the batch", _rl, _spread_metric_names, ["groups"]),
     ("no turns", _rl, lambda r: _trajectory(r).ClearField("turns"), [f"{TRAJECTORY}.turns"]),
     (
         "empty completion", _rl, lambda r: _turn(r).ClearField("completion_token_ids"),
@@ -210,6 +249,15 @@ def test_train_request_violations(
     assert _violated(lambda: validation.check_train_request(request, VERSION, VOCAB, CONTEXT)) == fields
 
 
+def test_stored_fields_at_their_bounds_pass() -> None:
+    request = _rl()
+    request.idempotency_key = "k" * MAX_IDEMPOTENCY_KEY_BYTES
+    _trajectory(request).metrics.update(
+        {f"{i:03d}".ljust(MAX_METRIC_NAME_BYTES, "x"): float(i) for i in range(MAX_TRAJECTORY_METRICS)}
+    )
+    validation.check_train_request(request, VERSION, VOCAB, CONTEXT)
+
+
 def test_every_violation_of_a_request_is_reported_at_once() -> None:
     request = _rl()
     request.adam.learning_rate = 0
@@ -225,7 +273,7 @@ def test_every_violation_of_a_request_is_reported_at_once() -> None:
 def _create(**fields: object) -> pb.CreateModelRequest:
     request = pb.CreateModelRequest(name="m", base_model="tinkerrpc/tiny-chat")
     for name, value in fields.items():
-        target = request.lora if name == "rank" else request
+        target = request.lora if name == "rank" or name in validation.LORA_MODULE_FLAGS else request
         setattr(target, name, value)
     return request
 
@@ -239,6 +287,9 @@ def _create(**fields: object) -> pb.CreateModelRequest:
         (_create(name="x" * 65), ["name"]),
         (_create(base_model=""), ["base_model"]),
         (_create(rank=-1), ["lora.rank"]),
+        (_create(rank=MAX_LORA_RANK + 1), ["lora.rank"]),
+        (_create(rank=2**31 - 1), ["lora.rank"]),
+        (_create(train_mlp=False, train_attn=False, train_unembed=False), ["lora"]),
         (_create(keep_sampler_versions=0), ["keep_sampler_versions"]),
         (_create(keep_state_checkpoints=0), ["keep_state_checkpoints"]),
         (_create(name="", base_model="", rank=-2), ["name", "base_model", "lora.rank"]),
@@ -254,6 +305,28 @@ def test_valid_create_model_and_checkpoint_names_pass() -> None:
     validation.check_checkpoint_name("mark-1")
     validation.check_checkpoint_kind(types_pb2.CHECKPOINT_KIND_STATE)
     validation.check_checkpoint_kind(types_pb2.CHECKPOINT_KIND_SAMPLER)
+
+
+def test_lora_modules_and_rank_within_bounds_pass() -> None:
+    validation.check_create_model(_create(rank=MAX_LORA_RANK, train_mlp=False, train_attn=False))
+    validation.check_create_model(_create(train_mlp=False, train_attn=False, train_unembed=True))
+    validation.check_lora_rank(64, "tinkerrpc/tiny-chat", 64)
+    validation.check_lora_rank(MAX_LORA_RANK, "remote/model", None)  # width unknown: the cap applies
+    validation.check_lora_rank(MAX_LORA_RANK, "wide/model", 4096)
+
+
+@pytest.mark.parametrize(
+    ("rank", "hidden_size", "maximum"), [(65, 64, 64), (MAX_LORA_RANK + 1, 4096, MAX_LORA_RANK)]
+)
+def test_lora_rank_over_the_base_models_maximum_states_it(rank: int, hidden_size: int, maximum: int) -> None:
+    with pytest.raises(ServiceError) as err:
+        validation.check_lora_rank(rank, "org/base", hidden_size)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert _violated(lambda: validation.check_lora_rank(rank, "org/base", hidden_size)) == ["lora.rank"]
+    assert (
+        f"lora.rank: {rank} is over the maximum of {maximum} for 'org/base' (its hidden size {hidden_size}"
+        in (err.value.message)
+    )
 
 
 def test_checkpoint_name_and_kind_violations() -> None:
