@@ -13,16 +13,9 @@ from google.rpc import error_details_pb2  # type: ignore[import-untyped]
 
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
-from tinkerrpc_server.service import errors, tool_json, validation
+from tinkerrpc_server.service import errors, limits, tool_json, validation
 from tinkerrpc_server.service.errors import ServiceError
-from tinkerrpc_server.service.limits import (
-    MAX_IDEMPOTENCY_KEY_BYTES,
-    MAX_LORA_RANK,
-    MAX_METRIC_NAME_BYTES,
-    MAX_TRAIN_METRIC_NAMES,
-    MAX_TRAJECTORY_METRICS,
-    Limits,
-)
+from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.store import ModelRow
 
 VERSION = 3
@@ -83,14 +76,14 @@ def _turn(request: pb.TrainRequest) -> types_pb2.SampledTurn:
     return request.groups[0].trajectories[0].turns[0]
 
 
-LONG_METRIC_NAME = "n" * (MAX_METRIC_NAME_BYTES + 1)
+LONG_METRIC_NAME = "n" * (limits.MAX_METRIC_NAME_BYTES + 1)
 
 
 def _spread_metric_names(request: pb.TrainRequest) -> None:
     """Distinct metric names past the per-Train bound, each trajectory within its own."""
     group = request.groups[0]
-    per_trajectory = MAX_TRAJECTORY_METRICS
-    while len(group.trajectories) * per_trajectory <= MAX_TRAIN_METRIC_NAMES:
+    per_trajectory = limits.MAX_TRAJECTORY_METRICS
+    while len(group.trajectories) * per_trajectory <= limits.MAX_TRAIN_METRIC_NAMES:
         group.trajectories.add().CopyFrom(group.trajectories[0])
     for t, trajectory in enumerate(group.trajectories):
         trajectory.metrics.update({f"t{t}m{i}": 1.0 for i in range(per_trajectory)})
@@ -131,7 +124,7 @@ TRAIN_CASES: list[tuple[str, Callable[[], pb.TrainRequest], Callable[[pb.TrainRe
         [f"{TRAJECTORY}.metrics[score]"],
     ),
     (
-        "idempotency key too long", _rl, lambda r: setattr(r, "idempotency_key", "k" * (MAX_IDEMPOTENCY_KEY_BYTES + 1)),
+        "idempotency key too long", _rl, lambda r: setattr(r, "idempotency_key", "k" * (limits.MAX_IDEMPOTENCY_KEY_BYTES + 1)),
         ["idempotency_key"],
     ),
     (
@@ -140,7 +133,7 @@ TRAIN_CASES: list[tuple[str, Callable[[], pb.TrainRequest], Callable[[pb.TrainRe
     ),
     (
         "too many metrics", _rl,
-        lambda r: _trajectory(r).metrics.update({f"m{i}": 1.0 for i in range(MAX_TRAJECTORY_METRICS + 1)}),
+        lambda r: _trajectory(r).metrics.update({f"m{i}": 1.0 for i in range(limits.MAX_TRAJECTORY_METRICS + 1)}),
         [f"{TRAJECTORY}.metrics"],
     ),
     (
@@ -251,9 +244,12 @@ def test_train_request_violations(
 
 def test_stored_fields_at_their_bounds_pass() -> None:
     request = _rl()
-    request.idempotency_key = "k" * MAX_IDEMPOTENCY_KEY_BYTES
+    request.idempotency_key = "k" * limits.MAX_IDEMPOTENCY_KEY_BYTES
     _trajectory(request).metrics.update(
-        {f"{i:03d}".ljust(MAX_METRIC_NAME_BYTES, "x"): float(i) for i in range(MAX_TRAJECTORY_METRICS)}
+        {
+            f"{i:03d}".ljust(limits.MAX_METRIC_NAME_BYTES, "x"): float(i)
+            for i in range(limits.MAX_TRAJECTORY_METRICS)
+        }
     )
     validation.check_train_request(request, VERSION, VOCAB, CONTEXT)
 
@@ -287,7 +283,7 @@ def _create(**fields: object) -> pb.CreateModelRequest:
         (_create(name="x" * 65), ["name"]),
         (_create(base_model=""), ["base_model"]),
         (_create(rank=-1), ["lora.rank"]),
-        (_create(rank=MAX_LORA_RANK + 1), ["lora.rank"]),
+        (_create(rank=limits.MAX_LORA_RANK + 1), ["lora.rank"]),
         (_create(rank=2**31 - 1), ["lora.rank"]),
         (_create(train_mlp=False, train_attn=False, train_unembed=False), ["lora"]),
         (_create(keep_sampler_versions=0), ["keep_sampler_versions"]),
@@ -308,25 +304,24 @@ def test_valid_create_model_and_checkpoint_names_pass() -> None:
 
 
 def test_lora_modules_and_rank_within_bounds_pass() -> None:
-    validation.check_create_model(_create(rank=MAX_LORA_RANK, train_mlp=False, train_attn=False))
+    validation.check_create_model(_create(rank=limits.MAX_LORA_RANK, train_mlp=False, train_attn=False))
     validation.check_create_model(_create(train_mlp=False, train_attn=False, train_unembed=True))
     validation.check_lora_rank(64, "tinkerrpc/tiny-chat", 64)
-    validation.check_lora_rank(MAX_LORA_RANK, "remote/model", None)  # width unknown: the cap applies
-    validation.check_lora_rank(MAX_LORA_RANK, "wide/model", 4096)
+    validation.check_lora_rank(limits.MAX_LORA_RANK, "remote/model", None)  # width unknown: the cap applies
+    validation.check_lora_rank(limits.MAX_LORA_RANK, "wide/model", 4096)
 
 
 @pytest.mark.parametrize(
-    ("rank", "hidden_size", "maximum"), [(65, 64, 64), (MAX_LORA_RANK + 1, 4096, MAX_LORA_RANK)]
+    ("rank", "hidden_size", "maximum"), [(65, 64, 64), (limits.MAX_LORA_RANK + 1, 4096, limits.MAX_LORA_RANK)]
 )
 def test_lora_rank_over_the_base_models_maximum_states_it(rank: int, hidden_size: int, maximum: int) -> None:
+    assert _violated(lambda: validation.check_lora_rank(rank, "org/base", hidden_size)) == ["lora.rank"]
     with pytest.raises(ServiceError) as err:
         validation.check_lora_rank(rank, "org/base", hidden_size)
-    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert _violated(lambda: validation.check_lora_rank(rank, "org/base", hidden_size)) == ["lora.rank"]
-    assert (
+    stated = (
         f"lora.rank: {rank} is over the maximum of {maximum} for 'org/base' (its hidden size {hidden_size}"
-        in (err.value.message)
     )
+    assert stated in err.value.message
 
 
 def test_checkpoint_name_and_kind_violations() -> None:
