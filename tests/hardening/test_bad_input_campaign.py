@@ -111,6 +111,16 @@ def _call(arguments_json: str) -> types_pb2.Message:
     )
 
 
+def _sft_with_tools(messages: list[types_pb2.Message], tools: list[types_pb2.Tool]) -> pb.TrainRequest:
+    request = _sft(messages)
+    request.examples[0].tools.extend(tools)
+    return request
+
+
+# An integer of 5000 digits: past the 4300 Python's int() converts from a string.
+HUGE_INTEGER_JSON = '{"a": 1' + "0" * 5000 + "}"
+
+
 def _params(**fields: Any) -> types_pb2.SamplingParams:
     return types_pb2.SamplingParams(**{"max_tokens": 2, **fields})
 
@@ -156,6 +166,14 @@ def grpc_rows(s: Setup) -> list[GrpcRow]:
     def empty_group(request: pb.TrainRequest) -> None:
         request.groups.add()
 
+    def spread_metric_names(request: pb.TrainRequest) -> None:
+        """5 trajectories of 64 metrics each (each within its own bound), 320 distinct names in all."""
+        group = request.groups[0]
+        while len(group.trajectories) < 5:
+            group.trajectories.add().CopyFrom(group.trajectories[0])
+        for t, trajectory in enumerate(group.trajectories):
+            trajectory.metrics.update({f"t{t}m{i}": 1.0 for i in range(64)})
+
     reused_key = _train(s, set_field("idempotency_key", "first"))
     reused_key.adam.learning_rate = 0.5
 
@@ -166,6 +184,11 @@ def grpc_rows(s: Setup) -> list[GrpcRow]:
         GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh"), Code.INVALID_ARGUMENT, "base_model"),
         GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model="no/such-model"), Code.NOT_FOUND, "unknown base model"),
         GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model=TINY, lora=types_pb2.LoraConfig(rank=-1)), Code.INVALID_ARGUMENT, "lora.rank"),
+        # The LoRA rank's honest maximum and an adapter with something to train (issue 28 item 2)
+        GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model=TINY, lora=types_pb2.LoraConfig(rank=2_147_483_647)), Code.INVALID_ARGUMENT, "lora.rank: 2147483647 is over the maximum of 512"),
+        GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model=TINY, lora=types_pb2.LoraConfig(rank=513)), Code.INVALID_ARGUMENT, "lora.rank: 513 is over the maximum of 512"),
+        GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model=TINY, lora=types_pb2.LoraConfig(rank=65)), Code.INVALID_ARGUMENT, f"lora.rank: 65 is over the maximum of 64 for '{TINY}' (its hidden size 64, and at most 512)"),
+        GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model=TINY, lora=types_pb2.LoraConfig(train_mlp=False, train_attn=False, train_unembed=False)), Code.INVALID_ARGUMENT, "lora: nothing to train: at least one of train_mlp, train_attn, train_unembed must be true"),
         GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model=TINY, renderer="no-such-renderer"), Code.INVALID_ARGUMENT, "renderer"),
         GrpcRow("CreateModel", pb.CreateModelRequest(name=MODEL, base_model=TINY), Code.ALREADY_EXISTS, MODEL),
         # base_model is a model name, never a path: the model store knows none (issue 16: any folder
@@ -197,6 +220,14 @@ def grpc_rows(s: Setup) -> list[GrpcRow]:
         GrpcRow("Train", _train(s, set_field("max_staleness", -1)), Code.INVALID_ARGUMENT, "max_staleness"),
         GrpcRow("Train", _train(s, set_field("strict_staleness", True)), Code.INVALID_ARGUMENT, "strict_staleness"),
         GrpcRow("Train", _train(s, set_field("expected_policy_version", 5)), Code.FAILED_PRECONDITION, "expected 5"),
+        # Validation before the version check, and bounds on what a step stores (issue 28 item 4)
+        GrpcRow("Train", _train(s, set_field("expected_policy_version", -1)), Code.INVALID_ARGUMENT, "expected_policy_version: must be >= 0"),
+        GrpcRow("Train", _train(s, set_field("idempotency_key", "k" * 1_000_000)), Code.INVALID_ARGUMENT, "idempotency_key: 1000000 bytes: at most 256"),
+        GrpcRow("Train", _train(s, set_field("idempotency_key", "k" * 257)), Code.INVALID_ARGUMENT, "idempotency_key: 257 bytes: at most 256"),
+        GrpcRow("Train", _train(s, lambda r: r.groups[0].trajectories[0].metrics.update({f"m{i}": 1.0 for i in range(20_000)})), Code.INVALID_ARGUMENT, "groups[0].trajectories[0].metrics: 20000 metrics: at most 64 per trajectory"),
+        GrpcRow("Train", _train(s, lambda r: r.groups[0].trajectories[0].metrics.__setitem__("n" * 129, 1.0)), Code.INVALID_ARGUMENT, "a name of 129 bytes: at most 128"),
+        GrpcRow("Train", _train(s, lambda r: r.groups[0].trajectories[0].metrics.__setitem__("score", math.inf)), Code.INVALID_ARGUMENT, "groups[0].trajectories[0].metrics[score]: must be finite"),
+        GrpcRow("Train", _train(s, spread_metric_names), Code.INVALID_ARGUMENT, "groups: 320 distinct trajectory metric names: at most 256 per Train"),
         GrpcRow("Train", reused_key, Code.FAILED_PRECONDITION, "idempotency key 'first'"),
         GrpcRow("Train", _train(s, equal_rewards), Code.FAILED_PRECONDITION, "nothing left to train"),
         GrpcRow("Train", _train(s, too_many), Code.RESOURCE_EXHAUSTED, "--max-train-trajectories"),
@@ -288,13 +319,29 @@ def grpc_rows(s: Setup) -> list[GrpcRow]:
         GrpcRow("CreateModel", pb.CreateModelRequest(name="fresh", base_model=TINY, renderer="glm5_3_max_reasoning"), Code.INVALID_ARGUMENT, "renderer: renderer 'glm5_3_max_reasoning' does not work"),
         # JSON carried in strings: malformed, nested past the parser, or not an object
         GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool("{")])), Code.INVALID_ARGUMENT, "chat.tools[0].parameters_json: must be a JSON Schema object (invalid JSON"),
-        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool("[" * 20_000)])), Code.INVALID_ARGUMENT, "(nested too deeply)"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool("[" * 20_000)])), Code.INVALID_ARGUMENT, "(nested too deeply: more than 64 levels)"),
         GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool("[1, 2]")])), Code.INVALID_ARGUMENT, "(got an array)"),
         GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool('"text"')])), Code.INVALID_ARGUMENT, "(got a string)"),
         GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi"), _call('{"a": ')])), Code.INVALID_ARGUMENT, "chat.messages[1].tool_calls[0].arguments_json: must be a JSON object (invalid JSON"),
-        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi"), _call("{\"a\": " * 5_000)])), Code.INVALID_ARGUMENT, "(nested too deeply)"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi"), _call("{\"a\": " * 5_000)])), Code.INVALID_ARGUMENT, "(nested too deeply: more than 64 levels)"),
         GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi"), _call("null")])), Code.INVALID_ARGUMENT, "(got null)"),
         GrpcRow("Train", _sft([user("hi"), _call("7"), assistant("a")]), Code.INVALID_ARGUMENT, "examples[0].messages[1].tool_calls[0].arguments_json: must be a JSON object (got a number)"),
+        # Numbers Python's json cannot convert (past 4300 digits) or that are not JSON (issue 28 item 1),
+        # and nesting past the bound every later walk of the value relies on
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool(HUGE_INTEGER_JSON)])), Code.INVALID_ARGUMENT, "chat.tools[0].parameters_json: must be a JSON Schema object (a number of 5001 characters: at most 100)"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi"), _call(HUGE_INTEGER_JSON)])), Code.INVALID_ARGUMENT, "chat.messages[1].tool_calls[0].arguments_json: must be a JSON object (a number of 5001"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool('{"a": 1.' + "5" * 5000 + "}")])), Code.INVALID_ARGUMENT, "(a number of 5002 characters: at most 100)"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool('{"minimum": NaN}')])), Code.INVALID_ARGUMENT, "chat.tools[0].parameters_json: must be a JSON Schema object (NaN is not a JSON number)"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool('{"maximum": Infinity}')])), Code.INVALID_ARGUMENT, "(Infinity is not a JSON number)"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool('{"minimum": -Infinity}')])), Code.INVALID_ARGUMENT, "(-Infinity is not a JSON number)"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi"), _call('{"x": 1e999}')])), Code.INVALID_ARGUMENT, "(1e999 is out of the range of a double)"),
+        GrpcRow("Sample", _sample(chat=pb.ChatPrompt(messages=[user("hi")], tools=[_tool('{"a": ' * 600 + "1" + "}" * 600)])), Code.INVALID_ARGUMENT, "chat.tools[0].parameters_json: must be a JSON Schema object (nested too deeply: more than 64 levels)"),
+        GrpcRow("Train", _train(s, lambda r: r.groups[0].trajectories[0].tools.append(_tool(HUGE_INTEGER_JSON))), Code.INVALID_ARGUMENT, "groups[0].trajectories[0].tools[0].parameters_json: must be a JSON Schema object (a number of 5001"),
+        GrpcRow("Train", _train(s, lambda r: r.groups[0].trajectories[0].messages.extend([user("hi"), _call(HUGE_INTEGER_JSON)])), Code.INVALID_ARGUMENT, "groups[0].trajectories[0].messages[1].tool_calls[0].arguments_json: must be a JSON object (a number of 5001"),
+        GrpcRow("Train", _train(s, lambda r: r.groups[0].trajectories[0].tools.append(_tool('{"a": NaN}'))), Code.INVALID_ARGUMENT, "(NaN is not a JSON number)"),
+        GrpcRow("Train", _sft_with_tools([user("hi"), assistant("a")], [_tool(HUGE_INTEGER_JSON)]), Code.INVALID_ARGUMENT, "examples[0].tools[0].parameters_json: must be a JSON Schema object (a number of 5001"),
+        GrpcRow("Train", _sft([user("hi"), _call(HUGE_INTEGER_JSON), assistant("a")]), Code.INVALID_ARGUMENT, "examples[0].messages[1].tool_calls[0].arguments_json: must be a JSON object (a number of 5001"),
+        GrpcRow("Train", _sft([user("hi"), _call('{"a": [-Infinity]}'), assistant("a")]), Code.INVALID_ARGUMENT, "(-Infinity is not a JSON number)"),
         # Bytes no valid message encodes: invalid UTF-8 in a string field, a truncated field
         GrpcRow("GetModel", _bad_utf8(pb.GetModelRequest(name=MODEL), MODEL), Code.INVALID_ARGUMENT, "request: not a valid /tinkerrpc.v1.TrainerService/GetModel request"),
         GrpcRow("Sample", _bad_utf8(_sample(text="say hello"), "hello"), Code.INVALID_ARGUMENT, "bad UTF-8"),

@@ -13,7 +13,7 @@ from google.rpc import error_details_pb2  # type: ignore[import-untyped]
 
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
-from tinkerrpc_server.service import validation
+from tinkerrpc_server.service import errors, limits, tool_json, validation
 from tinkerrpc_server.service.errors import ServiceError
 from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.store import ModelRow
@@ -24,6 +24,9 @@ CONTEXT = 64
 LIMITS = Limits(max_sample_n=8, max_sample_tokens=32, max_train_trajectories=2, max_train_tokens=50)
 # Over the context's text bound (validation.MAX_TEXT_BYTES_PER_TOKEN bytes per token).
 TOO_MUCH_TEXT = "x" * (CONTEXT * validation.MAX_TEXT_BYTES_PER_TOKEN + 1)
+# Tool JSON past tool_json's bounds, each well within the context's text bound.
+LONG_INTEGER_JSON = '{"a": 1' + "0" * tool_json.MAX_NUMBER_CHARS + "}"
+TOO_DEEP_JSON = '{"a": ' * tool_json.MAX_DEPTH + "[]" + "}" * tool_json.MAX_DEPTH
 
 
 def _violated(check: Callable[[], object]) -> list[str]:
@@ -73,6 +76,19 @@ def _turn(request: pb.TrainRequest) -> types_pb2.SampledTurn:
     return request.groups[0].trajectories[0].turns[0]
 
 
+LONG_METRIC_NAME = "n" * (limits.MAX_METRIC_NAME_BYTES + 1)
+
+
+def _spread_metric_names(request: pb.TrainRequest) -> None:
+    """Distinct metric names past the per-Train bound, each trajectory within its own."""
+    group = request.groups[0]
+    per_trajectory = limits.MAX_TRAJECTORY_METRICS
+    while len(group.trajectories) * per_trajectory <= limits.MAX_TRAIN_METRIC_NAMES:
+        group.trajectories.add().CopyFrom(group.trajectories[0])
+    for t, trajectory in enumerate(group.trajectories):
+        trajectory.metrics.update({f"t{t}m{i}": 1.0 for i in range(per_trajectory)})
+
+
 def _extend(values: object, *items: object) -> None:
     values.extend(items)  # type: ignore[attr-defined]
 
@@ -107,6 +123,25 @@ TRAIN_CASES: list[tuple[str, Callable[[], pb.TrainRequest], Callable[[pb.TrainRe
         "nan metric", _rl, lambda r: _trajectory(r).metrics.__setitem__("score", float("nan")),
         [f"{TRAJECTORY}.metrics[score]"],
     ),
+    (
+        "idempotency key too long", _rl, lambda r: setattr(r, "idempotency_key", "k" * (limits.MAX_IDEMPOTENCY_KEY_BYTES + 1)),
+        ["idempotency_key"],
+    ),
+    (
+        "idempotency key too long in UTF-8", _sft, lambda r: setattr(r, "idempotency_key", "\u20ac" * 86),
+        ["idempotency_key"],
+    ),
+    (
+        "too many metrics", _rl,
+        lambda r: _trajectory(r).metrics.update({f"m{i}": 1.0 for i in range(limits.MAX_TRAJECTORY_METRICS + 1)}),
+        [f"{TRAJECTORY}.metrics"],
+    ),
+    (
+        "metric name too long", _rl, lambda r: _trajectory(r).metrics.__setitem__(LONG_METRIC_NAME, 1.0),
+        [f"{TRAJECTORY}.metrics[{errors.shown(LONG_METRIC_NAME)}]"],
+    ),
+    ("infinite metric", _rl, lambda r: _trajectory(r).metrics.__setitem__("score", -float("inf")), [f"{TRAJECTORY}.metrics[score]"]),
+    ("too many metric names over the batch", _rl, _spread_metric_names, ["groups"]),
     ("no turns", _rl, lambda r: _trajectory(r).ClearField("turns"), [f"{TRAJECTORY}.turns"]),
     (
         "empty completion", _rl, lambda r: _turn(r).ClearField("completion_token_ids"),
@@ -147,6 +182,27 @@ TRAIN_CASES: list[tuple[str, Callable[[], pb.TrainRequest], Callable[[pb.TrainRe
         [f"{TRAJECTORY}.tools[0].parameters_json"],
     ),
     (
+        "tool parameters with an integer past the number bound", _rl,
+        lambda r: _trajectory(r).tools.add(name="f", parameters_json=LONG_INTEGER_JSON),
+        [f"{TRAJECTORY}.tools[0].parameters_json"],
+    ),
+    (
+        "tool parameters with NaN", _rl, lambda r: _trajectory(r).tools.add(name="f", parameters_json='{"a": NaN}'),
+        [f"{TRAJECTORY}.tools[0].parameters_json"],
+    ),
+    (
+        "tool parameters nested past the depth bound", _rl,
+        lambda r: _trajectory(r).tools.add(name="f", parameters_json=TOO_DEEP_JSON),
+        [f"{TRAJECTORY}.tools[0].parameters_json"],
+    ),
+    (
+        "tool call arguments with an integer past the number bound", _rl,
+        lambda r: _trajectory(r).messages.add(role=types_pb2.ROLE_ASSISTANT).tool_calls.add(
+            arguments_json=LONG_INTEGER_JSON
+        ),
+        [f"{TRAJECTORY}.messages[0].tool_calls[0].arguments_json"],
+    ),
+    (
         "trajectory text over the context", _rl,
         lambda r: _trajectory(r).messages.add(role=types_pb2.ROLE_USER, content=TOO_MUCH_TEXT),
         [f"{TRAJECTORY}.messages"],
@@ -158,6 +214,16 @@ TRAIN_CASES: list[tuple[str, Callable[[], pb.TrainRequest], Callable[[pb.TrainRe
     ("example without assistant", _sft, lambda r: r.examples[0].messages.pop(), ["examples[0].messages"]),
     ("unknown train_on", _sft, lambda r: setattr(r.examples[0], "train_on", 99), ["examples[0].train_on"]),
     ("example role", _sft, lambda r: setattr(r.examples[0].messages[0], "role", 99), ["examples[0].messages[0].role"]),
+    (
+        "example tool call arguments with Infinity", _sft,
+        lambda r: r.examples[0].messages[1].tool_calls.add(name="f", arguments_json='{"a": -Infinity}'),
+        ["examples[0].messages[1].tool_calls[0].arguments_json"],
+    ),
+    (
+        "example tool parameters with a float past the number bound", _sft,
+        lambda r: r.examples[0].tools.add(name="f", parameters_json='{"a": 1.' + "5" * 200 + "}"),
+        ["examples[0].tools[0].parameters_json"],
+    ),
     ("example tool", _sft, lambda r: r.examples[0].tools.add(parameters_json="1"), [
         "examples[0].tools[0].name", "examples[0].tools[0].parameters_json",
     ]),
@@ -176,6 +242,18 @@ def test_train_request_violations(
     assert _violated(lambda: validation.check_train_request(request, VERSION, VOCAB, CONTEXT)) == fields
 
 
+def test_stored_fields_at_their_bounds_pass() -> None:
+    request = _rl()
+    request.idempotency_key = "k" * limits.MAX_IDEMPOTENCY_KEY_BYTES
+    _trajectory(request).metrics.update(
+        {
+            f"{i:03d}".ljust(limits.MAX_METRIC_NAME_BYTES, "x"): float(i)
+            for i in range(limits.MAX_TRAJECTORY_METRICS)
+        }
+    )
+    validation.check_train_request(request, VERSION, VOCAB, CONTEXT)
+
+
 def test_every_violation_of_a_request_is_reported_at_once() -> None:
     request = _rl()
     request.adam.learning_rate = 0
@@ -191,7 +269,7 @@ def test_every_violation_of_a_request_is_reported_at_once() -> None:
 def _create(**fields: object) -> pb.CreateModelRequest:
     request = pb.CreateModelRequest(name="m", base_model="tinkerrpc/tiny-chat")
     for name, value in fields.items():
-        target = request.lora if name == "rank" else request
+        target = request.lora if name == "rank" or name in validation.LORA_MODULE_FLAGS else request
         setattr(target, name, value)
     return request
 
@@ -205,6 +283,9 @@ def _create(**fields: object) -> pb.CreateModelRequest:
         (_create(name="x" * 65), ["name"]),
         (_create(base_model=""), ["base_model"]),
         (_create(rank=-1), ["lora.rank"]),
+        (_create(rank=limits.MAX_LORA_RANK + 1), ["lora.rank"]),
+        (_create(rank=2**31 - 1), ["lora.rank"]),
+        (_create(train_mlp=False, train_attn=False, train_unembed=False), ["lora"]),
         (_create(keep_sampler_versions=0), ["keep_sampler_versions"]),
         (_create(keep_state_checkpoints=0), ["keep_state_checkpoints"]),
         (_create(name="", base_model="", rank=-2), ["name", "base_model", "lora.rank"]),
@@ -220,6 +301,27 @@ def test_valid_create_model_and_checkpoint_names_pass() -> None:
     validation.check_checkpoint_name("mark-1")
     validation.check_checkpoint_kind(types_pb2.CHECKPOINT_KIND_STATE)
     validation.check_checkpoint_kind(types_pb2.CHECKPOINT_KIND_SAMPLER)
+
+
+def test_lora_modules_and_rank_within_bounds_pass() -> None:
+    validation.check_create_model(_create(rank=limits.MAX_LORA_RANK, train_mlp=False, train_attn=False))
+    validation.check_create_model(_create(train_mlp=False, train_attn=False, train_unembed=True))
+    validation.check_lora_rank(64, "tinkerrpc/tiny-chat", 64)
+    validation.check_lora_rank(limits.MAX_LORA_RANK, "remote/model", None)  # width unknown: the cap applies
+    validation.check_lora_rank(limits.MAX_LORA_RANK, "wide/model", 4096)
+
+
+@pytest.mark.parametrize(
+    ("rank", "hidden_size", "maximum"), [(65, 64, 64), (limits.MAX_LORA_RANK + 1, 4096, limits.MAX_LORA_RANK)]
+)
+def test_lora_rank_over_the_base_models_maximum_states_it(rank: int, hidden_size: int, maximum: int) -> None:
+    assert _violated(lambda: validation.check_lora_rank(rank, "org/base", hidden_size)) == ["lora.rank"]
+    with pytest.raises(ServiceError) as err:
+        validation.check_lora_rank(rank, "org/base", hidden_size)
+    stated = (
+        f"lora.rank: {rank} is over the maximum of {maximum} for 'org/base' (its hidden size {hidden_size}"
+    )
+    assert stated in err.value.message
 
 
 def test_checkpoint_name_and_kind_violations() -> None:
@@ -242,6 +344,52 @@ def _forced(request: pb.SampleRequest, name: str) -> pb.SampleRequest:
 USER = _message(types_pb2.ROLE_USER)
 
 
+def _calling(arguments_json: str) -> types_pb2.Message:
+    return types_pb2.Message(
+        role=types_pb2.ROLE_ASSISTANT,
+        tool_calls=[types_pb2.ToolCall(name="f", arguments_json=arguments_json)],
+    )
+
+
+def _with_tool(request: pb.SampleRequest, parameters_json: str) -> pb.SampleRequest:
+    request.chat.tools.add(name="f", parameters_json=parameters_json)
+    return request
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ('{"a": 1' + "0" * 5000 + "}", "a number of 5001 characters: at most 100"),
+        ('{"a": -1' + "0" * 99 + "}", "a number of 101 characters: at most 100"),
+        ('{"a": 0.' + "1" * 200 + "}", "a number of 202 characters: at most 100"),
+        ('{"a": 1e400}', "1e400 is out of the range of a double"),
+        ('{"a": NaN}', "NaN is not a JSON number"),
+        ('{"a": [Infinity]}', "Infinity is not a JSON number"),
+        ('{"a": -Infinity}', "-Infinity is not a JSON number"),
+        ("[" * 20_000, "nested too deeply: more than 64 levels"),
+        ('{"a": ' * 65 + "1" + "}" * 65, "nested too deeply: more than 64 levels"),
+        ("[" * 64 + "]" * 64, "got an array"),  # 64 levels are within the bound
+        ("{", "invalid JSON at character 1"),
+        ("[1]", "got an array"),
+        ("null", "got null"),
+    ],
+)
+def test_tool_json_is_refused_with_its_reason(text: str, reason: str) -> None:
+    with pytest.raises(tool_json.ToolJsonError) as err:
+        tool_json.parse_json_object(text)
+    assert str(err.value) == reason
+
+
+def test_tool_json_within_its_bounds_parses() -> None:
+    assert tool_json.parse_json_object("") == {}
+    deepest = '{"a": ' * 63 + "[]" + "}" * 63  # 64 levels, the innermost array included
+    assert tool_json.parse_json_object(deepest)
+    assert tool_json.parse_json_object('{"n": -1' + "0" * 98 + ', "x": 1.5e308}') == {
+        "n": -(10**98),
+        "x": 1.5e308,
+    }
+
+
 @pytest.mark.parametrize(
     ("request_", "fields"),
     [
@@ -251,6 +399,10 @@ USER = _message(types_pb2.ROLE_USER)
         (_chat(_message(types_pb2.ROLE_USER, TOO_MUCH_TEXT)), ["chat.messages"]),
         (_chat(types_pb2.Message(role=UNKNOWN_ROLE)), ["chat.messages[0].role"]),
         (_chat(USER, tools=("",)), ["chat.tools[0].name"]),
+        (_chat(USER, _calling('{"a": NaN}')), ["chat.messages[1].tool_calls[0].arguments_json"]),
+        (_chat(USER, _calling(LONG_INTEGER_JSON)), ["chat.messages[1].tool_calls[0].arguments_json"]),
+        (_with_tool(_chat(USER), '{"minimum": 1e999}'), ["chat.tools[0].parameters_json"]),
+        (_with_tool(_chat(USER), LONG_INTEGER_JSON), ["chat.tools[0].parameters_json"]),
         (_forced(_chat(USER), ""), ["chat.forced_tool_call"]),
         (_forced(_chat(USER, tools=("search",)), "other"), ["chat.forced_tool_call.function_name"]),
     ],

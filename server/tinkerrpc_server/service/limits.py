@@ -29,6 +29,20 @@ class Limits:
     keep_state_checkpoints: int = 4
 
 
+# Fixed bounds of what a Train stores with its step (the idempotency record, the run history's metrics):
+# no flag sets them, a field over one is INVALID_ARGUMENT naming it and stating the bound. A key is a
+# client's retry token (a UUID is 36 bytes); metrics are an environment's few figures per trajectory.
+MAX_IDEMPOTENCY_KEY_BYTES = 256
+MAX_TRAJECTORY_METRICS = 64
+MAX_METRIC_NAME_BYTES = 128
+# Distinct metric names over one Train's trajectories: each becomes a stored "env/<name>" mean.
+MAX_TRAIN_METRIC_NAMES = 256
+# The LoRA rank of a model: at most its base model's hidden size (a rank past the width of the layers
+# it adapts adds parameters, not expressiveness) and never over this cap, whose adapter and Adam state
+# on a mid-size model are already gigabytes.
+MAX_LORA_RANK = 512
+
+
 # (flag, attribute, help) for each limit: the flag names appear in the error messages.
 LIMIT_FLAGS = (
     ("--max-train-trajectories", "max_train_trajectories", "trajectories or examples per Train"),

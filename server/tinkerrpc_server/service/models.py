@@ -30,6 +30,7 @@ from tinkerrpc_server.service.rendering import (
 )
 from tinkerrpc_server.service.retention import Retention, unload_training_client
 from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE, CheckpointRow, ModelRow, Store
+from tinkerrpc_server.service.validation import check_lora_rank
 
 log = logging.getLogger("tinkerrpc.service")
 
@@ -350,6 +351,7 @@ class ModelRegistry:
             raise errors.invalid_argument([("renderer", str(err))]) from err
         lora = request.lora
         rank = lora.rank or DEFAULT_LORA_RANK
+        check_lora_rank(rank, request.base_model, codec.hidden_size)
         seed = request.seed if request.HasField("seed") else 0
         flags = lora_flags(lora)
         client = await self._backend.service.create_lora_training_client(

@@ -30,6 +30,7 @@ from tinker_cookbook.tokenizer_utils import Tokenizer, get_tokenizer
 from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server import model_store
 from tinkerrpc_server.service import smollm2_renderer
+from tinkerrpc_server.service.tool_json import parse_json_object
 from tinkerrpc_server.service.torchless import resolve_base_model
 
 log = logging.getLogger("tinkerrpc.rendering")
@@ -225,6 +226,8 @@ class ChatCodec:
     renderer_name: str
     vocab_size: int
     max_context_length: int
+    # The base model's width from its config (None for a remote model): it bounds the LoRA rank.
+    hidden_size: int | None
     # The renderer's tokenizer: request text marked with it stays plain text.
     plain_text: PlainTextTokenizer
     base_model: str
@@ -247,6 +250,7 @@ class ChatCodec:
                 renderer_name=renderer_name,
                 vocab_size=self.vocab_size,
                 max_context_length=self.max_context_length,
+                hidden_size=self.hidden_size,
                 plain_text=self.plain_text,
                 base_model=self.base_model,
             )
@@ -380,7 +384,7 @@ class ChatCodec:
             {
                 "name": mark(tool.name),
                 "description": mark(tool.description),
-                "parameters": json.loads(mark(tool.parameters_json or "{}")),
+                "parameters": parse_json_object(mark(tool.parameters_json)),
             }
             for tool in tools
         ]
@@ -402,12 +406,22 @@ def default_renderer_name(base_model: str) -> str:
         ) from err
 
 
-def _context_length(local_dir: Path | None, tokenizer: Tokenizer) -> int:
+def _model_config(local_dir: Path | None) -> dict[str, Any]:
+    """The base model's config.json; empty for a remote model, known by its tokenizer only."""
     if local_dir is not None and (local_dir / "config.json").exists():
-        config = json.loads((local_dir / "config.json").read_text())
-        for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-            if isinstance(config.get(key), int):
-                return int(config[key])
+        return dict(json.loads((local_dir / "config.json").read_text()))
+    return {}
+
+
+def _hidden_size(config: dict[str, Any]) -> int | None:
+    value = config.get("hidden_size")
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def _context_length(config: dict[str, Any], tokenizer: Tokenizer) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if isinstance(config.get(key), int):
+            return int(config[key])
     limit = getattr(tokenizer, "model_max_length", None)
     if isinstance(limit, int) and 0 < limit < 10**7:
         return limit
@@ -450,12 +464,14 @@ class ChatCodecs:
         tokenizer = get_tokenizer(str(local_dir) if local_dir is not None else base_model)
         renderer_name = renderer_name or default_renderer_name(base_model)
         plain_text = PlainTextTokenizer(tokenizer)
+        config = _model_config(local_dir)
         codec = ChatCodec(
             tokenizer=tokenizer,
             renderer=_load_renderer(renderer_name, plain_text, tokenizer, base_model),
             renderer_name=renderer_name,
             vocab_size=len(tokenizer),
-            max_context_length=_context_length(local_dir, tokenizer),
+            max_context_length=_context_length(config, tokenizer),
+            hidden_size=_hidden_size(config),
             plain_text=plain_text,
             base_model=base_model,
         )

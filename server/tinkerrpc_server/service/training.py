@@ -117,9 +117,10 @@ class Trainer:
             replay = self._replay(request, hashed)
             if replay is not None:
                 return replay
-            check_expected_version(row, request)
             codec = await self._models.codec(row)
+            # A malformed request (a negative expected version among them) is INVALID_ARGUMENT first.
             check_train_request(request, row.policy_version, codec.vocab_size, codec.max_context_length)
+            check_expected_version(row, request)
             batch = await build_batch(request, row.policy_version, codec)
             if not batch.datums:
                 emptied_by = (

@@ -5,22 +5,37 @@ model's is FAILED_PRECONDITION."""
 
 from __future__ import annotations
 
-import json
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Literal
 
 from tinker.types import LossFnType
 
 from tinkerrpc.v1 import trainer_service_pb2, types_pb2
 from tinkerrpc_server.service import errors
 from tinkerrpc_server.service.errors import Violations
-from tinkerrpc_server.service.limits import Limits, flag_of
+from tinkerrpc_server.service.limits import (
+    MAX_IDEMPOTENCY_KEY_BYTES,
+    MAX_LORA_RANK,
+    MAX_METRIC_NAME_BYTES,
+    MAX_TRAIN_METRIC_NAMES,
+    MAX_TRAJECTORY_METRICS,
+    Limits,
+    flag_of,
+)
 from tinkerrpc_server.service.rendering import ROLE_NAMES
 from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE, ModelRow
+from tinkerrpc_server.service.tool_json import ToolJsonError, parse_json_object
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 NAME_RULE = "1-64 characters of [A-Za-z0-9._-], starting with a letter or digit"
+# The LoraConfig flags of the modules an adapter trains (unset means true).
+LORA_MODULE_FLAGS: tuple[Literal["train_mlp", "train_attn", "train_unembed"], ...] = (
+    "train_mlp",
+    "train_attn",
+    "train_unembed",
+)
 
 RL_LOSSES: dict[types_pb2.LossFunction.ValueType, LossFnType] = {
     types_pb2.LOSS_FUNCTION_IMPORTANCE_SAMPLING: "importance_sampling",
@@ -109,13 +124,23 @@ def check_train_request(
         v.add("strict_staleness", "needs max_staleness")
     if request.HasField("expected_policy_version") and request.expected_policy_version < 0:
         v.add("expected_policy_version", "must be >= 0")
+    key_bytes = len(request.idempotency_key.encode())
+    if key_bytes > MAX_IDEMPOTENCY_KEY_BYTES:
+        v.add("idempotency_key", f"{key_bytes} bytes: at most {MAX_IDEMPOTENCY_KEY_BYTES}")
+    metric_names: set[str] = set()
     for g, group in enumerate(request.groups):
         if not group.trajectories:
             v.add(f"groups[{g}].trajectories", "a group needs at least one trajectory")
         for t, trajectory in enumerate(group.trajectories):
             field = f"groups[{g}].trajectories[{t}]"
             _check_trajectory(v, field, trajectory, current_version, vocab_size)
+            metric_names.update(trajectory.metrics)
             _check_text_size(v, f"{field}.messages", trajectory.messages, trajectory.tools, context_length)
+    if len(metric_names) > MAX_TRAIN_METRIC_NAMES:
+        v.add(
+            "groups",
+            f"{len(metric_names)} distinct trajectory metric names: at most {MAX_TRAIN_METRIC_NAMES} per Train",
+        )
     for e, example in enumerate(request.examples):
         field = f"examples[{e}]"
         _check_text_size(v, f"{field}.messages", example.messages, example.tools, context_length)
@@ -188,9 +213,7 @@ def _check_trajectory(
             f"{field}.reward",
             f"must be a finite number in [-{MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}], got {trajectory.reward}",
         )
-    for name, value in trajectory.metrics.items():
-        if not _finite(value):
-            v.add(f"{field}.metrics[{name}]", "must be finite")
+    _check_metrics(v, f"{field}.metrics", trajectory.metrics)
     _check_messages(v, list(trajectory.messages), f"{field}.messages")
     _check_tools(v, list(trajectory.tools), f"{field}.tools")
     if not trajectory.turns:
@@ -231,19 +254,28 @@ def _check_trajectory(
             )
 
 
+def _check_metrics(v: Violations, field: str, metrics: Mapping[str, float]) -> None:
+    if len(metrics) > MAX_TRAJECTORY_METRICS:
+        v.add(field, f"{len(metrics)} metrics: at most {MAX_TRAJECTORY_METRICS} per trajectory")
+        return
+    for name, value in metrics.items():
+        name_bytes = len(name.encode())
+        if name_bytes > MAX_METRIC_NAME_BYTES:
+            v.add(
+                f"{field}[{errors.shown(name)}]",
+                f"a name of {name_bytes} bytes: at most {MAX_METRIC_NAME_BYTES}",
+            )
+        elif not _finite(value):
+            v.add(f"{field}[{name}]", "must be finite")
+
+
 def _json_object_problem(text: str) -> str:
-    """Why `text` (empty means {}) is not a JSON object, or "" when it is. A nesting too deep for the parser
-    is a client error like any other malformed JSON, not an internal one."""
+    """Why `text` (empty means {}) is not a JSON object this server takes, or "" when it is one."""
     try:
-        value = json.loads(text or "{}")
-    except json.JSONDecodeError as error:
-        return f"invalid JSON at character {error.pos}"
-    except RecursionError:
-        return "nested too deeply"
-    if isinstance(value, dict):
-        return ""
-    kinds = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
-    return f"got {kinds.get(type(value), 'null')}"
+        parse_json_object(text)
+    except ToolJsonError as error:
+        return str(error)
+    return ""
 
 
 def _check_messages(v: Violations, messages: list[types_pb2.Message], field: str) -> None:
@@ -273,10 +305,31 @@ def check_create_model(request: trainer_service_pb2.CreateModelRequest) -> None:
         v.add("base_model", "required")
     if request.lora.rank < 0:
         v.add("lora.rank", "must be > 0 (0 = default 32)")
+    elif request.lora.rank > MAX_LORA_RANK:
+        v.add("lora.rank", f"{request.lora.rank} is over the maximum of {MAX_LORA_RANK}")
+    if all(request.lora.HasField(flag) and not getattr(request.lora, flag) for flag in LORA_MODULE_FLAGS):
+        v.add("lora", "nothing to train: at least one of train_mlp, train_attn, train_unembed must be true")
     for retention in ("keep_sampler_versions", "keep_state_checkpoints"):
         if request.HasField(retention) and getattr(request, retention) < 1:
             v.add(retention, "must be at least 1 (unset = the server's default)")
     v.raise_if_any()
+
+
+def check_lora_rank(rank: int, base_model: str, hidden_size: int | None) -> None:
+    """The rank against its base model's honest maximum (known once the base model's config is loaded)."""
+    if hidden_size is None:
+        return  # a remote model's width is unknown here: check_create_model applied the cap
+    maximum = min(hidden_size, MAX_LORA_RANK)
+    if rank > maximum:
+        raise errors.invalid_argument(
+            [
+                (
+                    "lora.rank",
+                    f"{rank} is over the maximum of {maximum} for {errors.shown(base_model)} "
+                    f"(its hidden size {hidden_size}, and at most {MAX_LORA_RANK})",
+                )
+            ]
+        )
 
 
 def check_checkpoint_name(name: str) -> None:
