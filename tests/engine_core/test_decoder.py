@@ -1,4 +1,4 @@
-"""The sampler's own Qwen3 forward (engine/decoder.py) computes what transformers + PEFT compute: same
+"""The sampler's own Qwen3 forward (engine/compute/decoder.py) computes what transformers + PEFT compute: same
 logits over a chunked, left-padded prefill and the decode steps after it, with and without an adapter,
 on fused weights that share memory with the transformers modules; what it cannot express falls back."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from peft import LoraConfig
 
-from tinkerrpc_server.engine.decoder import QwenDecoder, QwenTrainingForward
+from tinkerrpc_server.engine.compute.decoder import FusedDecoder, FusedTrainingForward
 from tinkerrpc_server.engine.runtime import SAMPLER_CACHE_SIZE, BaseModelRuntime, DatumArrays, LoraSpec
 from tinkerrpc_server.engine.sampler import _new_cache
 
@@ -63,7 +63,7 @@ def run_forward(model: object, steps: int) -> list[torch.Tensor]:
 
 
 def compare(runtime: BaseModelRuntime, peft_name: str | None) -> None:
-    decoder = QwenDecoder.build(runtime._decoder_weights, peft_name)
+    decoder = FusedDecoder.build(runtime._decoder_weights, peft_name)
     assert decoder is not None
     ours = run_forward(decoder, steps=5)
     with runtime._active(peft_name) as reference:
@@ -93,8 +93,8 @@ def test_decoder_equals_transformers_on_the_bare_base(runtime: BaseModelRuntime,
 
 def test_the_adapter_changes_the_decoders_logits(runtime: BaseModelRuntime, sampler_dir: Path) -> None:
     peft_name = runtime._sampler_adapter(sampler_dir)
-    with_adapter = run_forward(QwenDecoder.build(runtime._decoder_weights, peft_name), steps=0)
-    bare = run_forward(QwenDecoder.build(runtime._decoder_weights, None), steps=0)
+    with_adapter = run_forward(FusedDecoder.build(runtime._decoder_weights, peft_name), steps=0)
+    bare = run_forward(FusedDecoder.build(runtime._decoder_weights, None), steps=0)
     assert (with_adapter[1][:, -1] - bare[1][:, -1]).abs().max() > 0.1
 
 
@@ -115,7 +115,7 @@ def test_fused_weights_are_the_modules_weights(runtime: BaseModelRuntime) -> Non
 
 def test_sampling_runs_on_the_decoder(runtime: BaseModelRuntime, sampler_dir: Path) -> None:
     with runtime._sampling_model(sampler_dir)() as model:
-        assert isinstance(model, QwenDecoder)
+        assert isinstance(model, FusedDecoder)
 
 
 def test_an_adapter_it_cannot_express_falls_back(runtime: BaseModelRuntime, sampler_dir: Path) -> None:
@@ -123,7 +123,7 @@ def test_an_adapter_it_cannot_express_falls_back(runtime: BaseModelRuntime, samp
     assert runtime._peft is not None
     runtime._peft.add_adapter("with-dropout", LoraConfig(r=4, lora_dropout=0.1, target_modules=["q_proj"]))
     try:
-        assert QwenDecoder.build(runtime._decoder_weights, "with-dropout") is None
+        assert FusedDecoder.build(runtime._decoder_weights, "with-dropout") is None
     finally:
         runtime._peft.delete_adapter("with-dropout")
 
@@ -133,7 +133,7 @@ def test_shared_prompt_columns_are_read_once_with_the_same_result(
 ) -> None:
     """Rows holding copies of one prompt's KV: attention over those columns read once (from row 0) for
     every row gives what reading each row's own copy gives."""
-    decoder = QwenDecoder.build(runtime._decoder_weights, runtime._sampler_adapter(sampler_dir))
+    decoder = FusedDecoder.build(runtime._decoder_weights, runtime._sampler_adapter(sampler_dir))
     assert decoder is not None
     prompt, rows, steps = PROMPTS[0], 4, 6
     logits_by_mode = []
@@ -166,7 +166,7 @@ def test_training_forward_equals_transformers(runtime: BaseModelRuntime, sampler
     right-padded batch of different lengths (what forward_backward runs)."""
     params = runtime.adapter_parameters("policy")
     peft_name = runtime._adapters["policy"].peft_name
-    forward = QwenTrainingForward.build(runtime._decoder_weights, peft_name)
+    forward = FusedTrainingForward.build(runtime._decoder_weights, peft_name)
     assert forward is not None
     rng = np.random.default_rng(0)
     sequences = [rng.integers(0, runtime.vocab_size, n) for n in (9, 23, 16)]
@@ -195,7 +195,7 @@ def test_training_forward_equals_transformers(runtime: BaseModelRuntime, sampler
 
 def test_training_runs_on_the_engines_forward(runtime: BaseModelRuntime, sampler_dir: Path) -> None:
     assert (
-        QwenTrainingForward.build(runtime._decoder_weights, runtime._adapters["policy"].peft_name) is not None
+        FusedTrainingForward.build(runtime._decoder_weights, runtime._adapters["policy"].peft_name) is not None
     )
 
 
@@ -204,7 +204,7 @@ def test_calls_run_together_return_what_each_returns_alone(
 ) -> None:
     """A decode step and a prefill chunk in one pass (their tokens share the matmuls, each attends over
     its own cache): the same logits, and the same keys and values in each cache, as two passes."""
-    decoder = QwenDecoder.build(runtime._decoder_weights, runtime._sampler_adapter(sampler_dir))
+    decoder = FusedDecoder.build(runtime._decoder_weights, runtime._sampler_adapter(sampler_dir))
     assert decoder is not None
 
     def calls() -> list[dict[str, object]]:
@@ -259,7 +259,7 @@ def test_one_decoder_is_kept_for_the_sampler_weights_sampled_last(
     assert decoder_of(sampler_dir) is first
     assert decoder_of(None) is not first
     rebuilt = decoder_of(sampler_dir)
-    assert rebuilt is not first and isinstance(rebuilt, QwenDecoder)
+    assert rebuilt is not first and isinstance(rebuilt, FusedDecoder)
     runtime.create_adapter("other", LoraSpec(rank=4, seed=9))
     for index in range(SAMPLER_CACHE_SIZE):  # other sampler weights push the first out of the cache
         runtime.save_state("other", tmp_path / f"other-{index}", include_optimizer=False)

@@ -26,9 +26,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tinkerrpc_server.engine import sampler
-from tinkerrpc_server.engine.decoder import QwenDecoder, QwenTrainingForward, fuse_base_weights
+from tinkerrpc_server.engine.compute.decoder import FusedDecoder, FusedTrainingForward, fuse_base_weights
+from tinkerrpc_server.engine.compute.unembedding import saved_logits_positions, target_logprobs
 from tinkerrpc_server.engine.losses import LOSSES, resolve_config
-from tinkerrpc_server.engine.unembedding import saved_logits_positions, target_logprobs
 from tinkerrpc_server.settings import ENGINE_DEVICE_ENV, ENGINE_DTYPE_ENV, ENGINE_DTYPES
 
 log = logging.getLogger("tinkerrpc.engine")
@@ -201,7 +201,7 @@ class BaseModelRuntime:
         # The decoder of the sampler weights sampled last (its merged copy of the adapted layers costs
         # ~40 ms to build on the bench model, every sample batch otherwise). Sampler adapters never
         # change under their name; one is kept, so at most one merged copy exists.
-        self._last_decoder: tuple[str | None, QwenDecoder | None] | None = None
+        self._last_decoder: tuple[str | None, FusedDecoder | None] | None = None
         self._next_peft_id = 0
         self.default_stop_token_ids = self._default_stop_token_ids()
         log.info("base model %s on %s, base weights %s", self.base_model_path.name, self.device, self.dtype)
@@ -336,7 +336,7 @@ class BaseModelRuntime:
         spec = LOSSES[loss_fn]
         logprobs: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(data)
         loss_total = 0.0
-        forward = QwenTrainingForward.build(self._decoder_weights, adapter.peft_name)
+        forward = FusedTrainingForward.build(self._decoder_weights, adapter.peft_name)
         with self._active(adapter.peft_name) as model, torch.set_grad_enabled(backward):
             micro_batch_tokens = min(MICRO_BATCH_TOKENS, saved_logits_positions(self.vocab_size))
             for batch in bucket_by_length([len(d.input_tokens) for d in data], micro_batch_tokens):
@@ -355,7 +355,7 @@ class BaseModelRuntime:
         return ForwardResult(logprobs=logprobs, metrics={"loss:sum": loss_total})
 
     def _target_logprobs(
-        self, model: torch.nn.Module, forward: QwenTrainingForward | None, batch: list[_Prepared]
+        self, model: torch.nn.Module, forward: FusedTrainingForward | None, batch: list[_Prepared]
     ) -> list[torch.Tensor]:
         """Right-padded forward of one micro-batch (through `forward` when the model has one, else
         transformers); the learner logprob of every target token (the logits of padding positions are
@@ -679,13 +679,13 @@ class BaseModelRuntime:
 
         return sampling_model
 
-    def _decoder(self, peft_name: str | None) -> QwenDecoder | None:
+    def _decoder(self, peft_name: str | None) -> FusedDecoder | None:
         """The engine's own decoder for a sampler adapter (None: the bare base), built once per adapter
         sampled in a row; None when it cannot express the model or adapter."""
         if self._last_decoder is not None and self._last_decoder[0] == peft_name:
             return self._last_decoder[1]
         self._last_decoder = None  # its merged copy goes before the next one is built
-        decoder = QwenDecoder.build(self._decoder_weights, peft_name)
+        decoder = FusedDecoder.build(self._decoder_weights, peft_name)
         self._last_decoder = (peft_name, decoder)
         return decoder
 

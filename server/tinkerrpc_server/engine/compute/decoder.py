@@ -137,7 +137,7 @@ class DecoderOutput:
     past_key_values: Any
 
 
-class QwenDecoder:
+class FusedDecoder:
     """Callable like the transformers model in the sampler (same keyword arguments and output fields)."""
 
     def __init__(self, base: BaseWeights, adapter: str | None) -> None:
@@ -156,7 +156,7 @@ class QwenDecoder:
         self._head_lora = _plain_lora(head, adapter)
 
     @classmethod
-    def build(cls, base: BaseWeights | None, adapter: str | None) -> QwenDecoder | None:
+    def build(cls, base: BaseWeights | None, adapter: str | None) -> FusedDecoder | None:
         """The decoder for `adapter` (None: the bare base), or None when it cannot express it."""
         return _built(cls, base, adapter)
 
@@ -324,7 +324,7 @@ class _TrainableLora:
         return list(torch.split(stacked, [int(a.shape[0]) for a in self.a], dim=-1))
 
 
-class QwenTrainingForward:
+class FusedTrainingForward:
     """The learner's forward for Qwen3 (last hidden states of a right-padded batch), differentiable in
     one adapter's LoRA weights; what transformers + PEFT compute, with the sampler decoder's fused base
     matmuls, the members' A factors in one matmul, LoRA scalings on the small B factors (not on the
@@ -348,7 +348,7 @@ class QwenTrainingForward:
                 )
 
     @classmethod
-    def build(cls, base: BaseWeights | None, adapter: str) -> QwenTrainingForward | None:
+    def build(cls, base: BaseWeights | None, adapter: str) -> FusedTrainingForward | None:
         """The forward for `adapter`, or None when it cannot express it (transformers runs it then)."""
         return _built(cls, base, adapter)
 

@@ -1,0 +1,1 @@
+"""The engine's compute core: model forward passes, sampling and training steps."""
