@@ -45,6 +45,7 @@ class Family:
 
 FAMILIES: Mapping[str, Family] = {
     "qwen3": Family(qk_norm=True),
+    "llama": Family(qk_norm=False),
 }
 
 # Rotary types whose cos/sin are a function of the position alone, so keys cached at one step stay
