@@ -41,7 +41,7 @@ def left_padded_prompts() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def run_forward(model: object, steps: int) -> list[torch.Tensor]:
+def run_forward(model: Any, steps: int) -> list[torch.Tensor]:
     """Prefill PROMPTS left-padded in two chunks, then `steps` greedy decode steps; every call's logits."""
     ids, mask, positions = left_padded_prompts()
     width = ids.shape[1]
@@ -49,7 +49,7 @@ def run_forward(model: object, steps: int) -> list[torch.Tensor]:
     seen = []
     with torch.inference_mode():
         for start, end in ((0, 4), (4, width)):
-            out = model(  # type: ignore[operator]
+            out = model(
                 input_ids=ids[:, start:end],
                 attention_mask=mask[:, :end],
                 position_ids=positions[:, start:end],
@@ -116,7 +116,7 @@ def assert_training_forward_equals_transformers(runtime: BaseModelRuntime, model
             logprobs = torch.cat(runtime._target_logprobs(model, chosen, prepared))
             # Weighted so every position's gradient counts differently.
             (logprobs * torch.linspace(0.5, 1.5, len(logprobs))).sum().backward()
-        outcomes.append((logprobs.detach(), {name: param.grad.clone() for name, param in params.items()}))
+        outcomes.append((logprobs.detach(), {name: _gradient(param) for name, param in params.items()}))
     for param in params.values():
         param.grad = None
     (reference, reference_grads), (ours, our_grads) = outcomes
@@ -124,6 +124,11 @@ def assert_training_forward_equals_transformers(runtime: BaseModelRuntime, model
     assert all(grad.abs().max() > 0 for grad in reference_grads.values())
     for name, grad in reference_grads.items():
         assert_close_at_scale(our_grads[name], grad, GRADIENT_TOLERANCE)
+
+
+def _gradient(param: torch.Tensor) -> torch.Tensor:
+    assert param.grad is not None
+    return param.grad.clone()
 
 
 def transformers_greedy_tokens(model: Any, prompt: list[int], steps: int) -> list[int]:
