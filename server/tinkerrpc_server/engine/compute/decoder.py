@@ -324,8 +324,7 @@ class FusedTrainingForward:
     one adapter's LoRA weights; what transformers + PEFT compute, with the sampler decoder's fused base
     matmuls, the members' A factors in one matmul, LoRA scalings on the small B factors (not on the
     outputs), and causal attention without a mask: in a right-padded batch every real position sees
-    only real positions before it, and what padding positions compute is never read. On the bench's
-    20 M model, forward_backward runs ~1.3x as fast as through transformers + PEFT."""
+    only real positions before it, and what padding positions compute is never read."""
 
     def __init__(self, base: BaseWeights, adapter: str) -> None:
         self._base = base
