@@ -1,100 +1,56 @@
-"""The sampler's own Qwen3 forward (engine/decoder.py) computes what transformers + PEFT compute: same
-logits over a chunked, left-padded prefill and the decode steps after it, with and without an adapter,
-on fused weights that share memory with the transformers modules; what it cannot express falls back."""
+"""The engine's own forward (engine/compute/decoder.py) computes what transformers + PEFT compute, for
+every family in architecture.FAMILIES (a tiny model of each): same logits over a chunked, left-padded
+prefill and the decode steps after it, with and without an adapter, same learner logprobs and LoRA
+gradients, on fused weights that share memory with the transformers modules; what it cannot express
+falls back."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
+import pytest
 import torch
+from decoder_parity import (
+    PROMPTS,
+    VALUES_TOLERANCE,
+    assert_close_at_scale,
+    assert_decoder_logits_equal_transformers,
+    assert_training_forward_equals_transformers,
+    build_tiny_llama,
+    left_padded_prompts,
+    run_forward,
+)
 from peft import LoraConfig
 
-from tinkerrpc_server.engine.decoder import QwenDecoder, QwenTrainingForward
-from tinkerrpc_server.engine.runtime import SAMPLER_CACHE_SIZE, BaseModelRuntime, DatumArrays, LoraSpec
-from tinkerrpc_server.engine.sampler import _new_cache
-
-# float32 on tiny-chat: the two forwards order their sums differently (fused matmuls, LoRA as a
-# block-diagonal product); measured differences are ~1e-6.
-LOGITS_ATOL = 1e-4
-PROMPTS = [[5, 17, 300, 42, 8, 99, 7], [61, 2, 14]]
+from tinkerrpc_server.engine.compute.decoder import FusedDecoder, FusedTrainingForward
+from tinkerrpc_server.engine.compute.kv_cache import new_cache
+from tinkerrpc_server.engine.runtime import SAMPLER_CACHE_SIZE, BaseModelRuntime, LoraSpec
 
 
-def left_padded_prompts() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PROMPTS as one left-padded batch: token ids, attention mask, positions."""
-    width = max(len(p) for p in PROMPTS)
-    ids = torch.zeros((len(PROMPTS), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(PROMPTS):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
-    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
-
-
-def run_forward(model: object, steps: int) -> list[torch.Tensor]:
-    """Prefill PROMPTS left-padded in two chunks, then `steps` greedy decode steps; every call's logits."""
-    ids, mask, positions = left_padded_prompts()
-    width = ids.shape[1]
-    cache = _new_cache()
-    seen = []
-    with torch.inference_mode():
-        for start, end in ((0, 4), (4, width)):
-            out = model(  # type: ignore[operator]
-                input_ids=ids[:, start:end],
-                attention_mask=mask[:, :end],
-                position_ids=positions[:, start:end],
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=0,
-            )
-            cache = out.past_key_values
-            seen.append(out.logits.float())
-        last = positions[:, -1:]
-        for _ in range(steps):
-            token = seen[-1][:, -1].argmax(-1, keepdim=True)
-            mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
-            last = last + 1
-            out = model(
-                input_ids=token, attention_mask=mask, position_ids=last, past_key_values=cache, use_cache=True
-            )
-            cache = out.past_key_values
-            seen.append(out.logits.float())
-    return seen
-
-
-def compare(runtime: BaseModelRuntime, peft_name: str | None) -> None:
-    decoder = QwenDecoder.build(runtime._decoder_weights, peft_name)
-    assert decoder is not None
-    ours = run_forward(decoder, steps=5)
-    with runtime._active(peft_name) as reference:
-        theirs = run_forward(reference, steps=5)
-    assert len(ours) == len(theirs) == 7
-    for mine, expected in zip(ours, theirs, strict=True):
-        # Left-padding positions of the prefill carry no meaning on either side: compare real ones.
-        assert mine.shape == expected.shape
-        assert torch.isfinite(mine).all()
-    for row, prompt in enumerate(PROMPTS):
-        pad = max(len(p) for p in PROMPTS) - len(prompt)
-        prefill_ours = torch.cat([ours[0], ours[1]], dim=1)[row, pad:]
-        prefill_theirs = torch.cat([theirs[0], theirs[1]], dim=1)[row, pad:]
-        torch.testing.assert_close(prefill_ours, prefill_theirs, atol=LOGITS_ATOL, rtol=0)
-        for mine, expected in zip(ours[2:], theirs[2:], strict=True):
-            torch.testing.assert_close(mine[row], expected[row], atol=LOGITS_ATOL, rtol=0)
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def runtime(
+    request: pytest.FixtureRequest, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> BaseModelRuntime:
+    """tiny-chat (Qwen3), or a tiny Llama (grouped heads, tied embeddings, rope theta 1e5)."""
+    if request.param == "qwen3":
+        return BaseModelRuntime(tiny_model_path, device="cpu")
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    path = build_tiny_llama(directory, tiny_model_path, {"rope_type": "default", "rope_theta": 1e5})
+    return BaseModelRuntime(path, device="cpu")
 
 
 def test_decoder_equals_transformers_with_an_adapter(runtime: BaseModelRuntime, sampler_dir: Path) -> None:
-    peft_name = runtime._sampler_adapter(sampler_dir)
-    compare(runtime, peft_name)
+    assert_decoder_logits_equal_transformers(runtime, runtime._sampler_adapter(sampler_dir))
 
 
 def test_decoder_equals_transformers_on_the_bare_base(runtime: BaseModelRuntime, sampler_dir: Path) -> None:
-    compare(runtime, None)
+    assert_decoder_logits_equal_transformers(runtime, None)
 
 
 def test_the_adapter_changes_the_decoders_logits(runtime: BaseModelRuntime, sampler_dir: Path) -> None:
     peft_name = runtime._sampler_adapter(sampler_dir)
-    with_adapter = run_forward(QwenDecoder.build(runtime._decoder_weights, peft_name), steps=0)
-    bare = run_forward(QwenDecoder.build(runtime._decoder_weights, None), steps=0)
+    with_adapter = run_forward(FusedDecoder.build(runtime._decoder_weights, peft_name), steps=0)
+    bare = run_forward(FusedDecoder.build(runtime._decoder_weights, None), steps=0)
     assert (with_adapter[1][:, -1] - bare[1][:, -1]).abs().max() > 0.1
 
 
@@ -115,7 +71,7 @@ def test_fused_weights_are_the_modules_weights(runtime: BaseModelRuntime) -> Non
 
 def test_sampling_runs_on_the_decoder(runtime: BaseModelRuntime, sampler_dir: Path) -> None:
     with runtime._sampling_model(sampler_dir)() as model:
-        assert isinstance(model, QwenDecoder)
+        assert isinstance(model, FusedDecoder)
 
 
 def test_an_adapter_it_cannot_express_falls_back(runtime: BaseModelRuntime, sampler_dir: Path) -> None:
@@ -123,7 +79,7 @@ def test_an_adapter_it_cannot_express_falls_back(runtime: BaseModelRuntime, samp
     assert runtime._peft is not None
     runtime._peft.add_adapter("with-dropout", LoraConfig(r=4, lora_dropout=0.1, target_modules=["q_proj"]))
     try:
-        assert QwenDecoder.build(runtime._decoder_weights, "with-dropout") is None
+        assert FusedDecoder.build(runtime._decoder_weights, "with-dropout") is None
     finally:
         runtime._peft.delete_adapter("with-dropout")
 
@@ -133,7 +89,7 @@ def test_shared_prompt_columns_are_read_once_with_the_same_result(
 ) -> None:
     """Rows holding copies of one prompt's KV: attention over those columns read once (from row 0) for
     every row gives what reading each row's own copy gives."""
-    decoder = QwenDecoder.build(runtime._decoder_weights, runtime._sampler_adapter(sampler_dir))
+    decoder = FusedDecoder.build(runtime._decoder_weights, runtime._sampler_adapter(sampler_dir))
     assert decoder is not None
     prompt, rows, steps = PROMPTS[0], 4, 6
     logits_by_mode = []
@@ -141,7 +97,7 @@ def test_shared_prompt_columns_are_read_once_with_the_same_result(
         ids = torch.tensor([prompt] * rows)
         mask = torch.ones_like(ids)
         positions = (mask.cumsum(-1) - 1).expand(rows, -1)
-        cache = _new_cache()
+        cache = new_cache()
         seen = []
         with torch.inference_mode():
             out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
@@ -158,44 +114,17 @@ def test_shared_prompt_columns_are_read_once_with_the_same_result(
         logits_by_mode.append(torch.stack(seen))
     plain, shared_read = logits_by_mode
     assert (plain[:, 0] - plain[:, 1]).abs().max() > 1e-3  # the rows really differ
-    torch.testing.assert_close(shared_read, plain, atol=LOGITS_ATOL, rtol=0)
+    assert_close_at_scale(shared_read, plain, VALUES_TOLERANCE)
 
 
 def test_training_forward_equals_transformers(runtime: BaseModelRuntime, sampler_dir: Path) -> None:
-    """The learner's own forward: the same target logprobs and LoRA gradients as transformers + PEFT on a
-    right-padded batch of different lengths (what forward_backward runs)."""
-    params = runtime.adapter_parameters("policy")
-    peft_name = runtime._adapters["policy"].peft_name
-    forward = QwenTrainingForward.build(runtime._decoder_weights, peft_name)
-    assert forward is not None
-    rng = np.random.default_rng(0)
-    sequences = [rng.integers(0, runtime.vocab_size, n) for n in (9, 23, 16)]
-    data = [
-        DatumArrays(s[:-1], {"target_tokens": s[1:], "weights": np.ones(len(s) - 1, np.float32)})
-        for s in sequences
-    ]
-    _, prepared = runtime._validate_batch(data, "cross_entropy", None)
-    outcomes = []
-    for chosen in (None, forward):
-        for param in params.values():
-            param.grad = None
-        with runtime._active(peft_name) as model, torch.enable_grad():
-            logprobs = torch.cat(runtime._target_logprobs(model, chosen, prepared))
-            # Weighted so every position's gradient counts differently.
-            (logprobs * torch.linspace(0.5, 1.5, len(logprobs))).sum().backward()
-        outcomes.append((logprobs.detach(), {name: param.grad.clone() for name, param in params.items()}))
-    for param in params.values():
-        param.grad = None
-    (reference, reference_grads), (ours, our_grads) = outcomes
-    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=0)
-    assert any(grad.abs().max() > 0 for grad in reference_grads.values())
-    for name, grad in reference_grads.items():
-        torch.testing.assert_close(our_grads[name], grad, atol=1e-4 * float(grad.abs().max()) + 1e-9, rtol=0)
+    assert_training_forward_equals_transformers(runtime, "policy")
 
 
 def test_training_runs_on_the_engines_forward(runtime: BaseModelRuntime, sampler_dir: Path) -> None:
     assert (
-        QwenTrainingForward.build(runtime._decoder_weights, runtime._adapters["policy"].peft_name) is not None
+        FusedTrainingForward.build(runtime._decoder_weights, runtime._adapters["policy"].peft_name)
+        is not None
     )
 
 
@@ -204,13 +133,13 @@ def test_calls_run_together_return_what_each_returns_alone(
 ) -> None:
     """A decode step and a prefill chunk in one pass (their tokens share the matmuls, each attends over
     its own cache): the same logits, and the same keys and values in each cache, as two passes."""
-    decoder = QwenDecoder.build(runtime._decoder_weights, runtime._sampler_adapter(sampler_dir))
+    decoder = FusedDecoder.build(runtime._decoder_weights, runtime._sampler_adapter(sampler_dir))
     assert decoder is not None
 
     def calls() -> list[dict[str, object]]:
         """A 2-row batch one decode step in (after a prefill of PROMPTS) and a new 3-token prompt."""
         ids, mask, positions = left_padded_prompts()
-        cache = _new_cache()
+        cache = new_cache()
         decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
         step_mask = torch.cat([mask, torch.ones((len(PROMPTS), 1), dtype=mask.dtype)], dim=-1)
         new_prompt = torch.tensor([[9, 250, 31]])
@@ -225,7 +154,7 @@ def test_calls_run_together_return_what_each_returns_alone(
                 "input_ids": new_prompt,
                 "attention_mask": torch.ones_like(new_prompt),
                 "position_ids": torch.arange(3).unsqueeze(0),
-                "past_key_values": _new_cache(),
+                "past_key_values": new_cache(),
                 "logits_to_keep": 1,
             },
         ]
@@ -237,12 +166,12 @@ def test_calls_run_together_return_what_each_returns_alone(
     assert [out.logits.shape for out in together] == [out.logits.shape for out in alone]
     assert together[1].logits.shape[1] == 1  # logits_to_keep held per call
     for mine, expected in zip(together, alone, strict=True):
-        torch.testing.assert_close(mine.logits, expected.logits, atol=LOGITS_ATOL, rtol=0)
+        assert_close_at_scale(mine.logits, expected.logits, VALUES_TOLERANCE)
         for my_layer, their_layer in zip(
             mine.past_key_values.layers, expected.past_key_values.layers, strict=True
         ):
-            torch.testing.assert_close(my_layer.keys, their_layer.keys, atol=LOGITS_ATOL, rtol=0)
-            torch.testing.assert_close(my_layer.values, their_layer.values, atol=LOGITS_ATOL, rtol=0)
+            assert_close_at_scale(my_layer.keys, their_layer.keys, VALUES_TOLERANCE)
+            assert_close_at_scale(my_layer.values, their_layer.values, VALUES_TOLERANCE)
 
 
 def test_one_decoder_is_kept_for_the_sampler_weights_sampled_last(
@@ -259,7 +188,7 @@ def test_one_decoder_is_kept_for_the_sampler_weights_sampled_last(
     assert decoder_of(sampler_dir) is first
     assert decoder_of(None) is not first
     rebuilt = decoder_of(sampler_dir)
-    assert rebuilt is not first and isinstance(rebuilt, QwenDecoder)
+    assert rebuilt is not first and isinstance(rebuilt, FusedDecoder)
     runtime.create_adapter("other", LoraSpec(rank=4, seed=9))
     for index in range(SAMPLER_CACHE_SIZE):  # other sampler weights push the first out of the cache
         runtime.save_state("other", tmp_path / f"other-{index}", include_optimizer=False)

@@ -8,7 +8,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from tinkerrpc_server.engine import unembedding
+from tinkerrpc_server.engine.compute import unembedding
 
 VOCAB = 300
 

@@ -18,9 +18,9 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tinkerrpc_server.engine.compute.decoder import fuse_base_weights
 from tinkerrpc_server.engine.compute.errors import EngineUserError
 from tinkerrpc_server.engine.compute.placement import resolve_placement
-from tinkerrpc_server.engine.decoder import fuse_base_weights
 
 log = logging.getLogger("tinkerrpc.engine")
 

@@ -195,7 +195,7 @@ def _appended(
 
 class SamplerCache(DynamicCache):  # type: ignore[misc]  # transformers is untyped here
     """The sampler's KV cache. `shared_columns` (start, end), set before a decode step when every row
-    holds a copy of one prompt's KV there, lets engine/decoder.py read those columns once for all rows."""
+    holds a copy of one prompt's KV there, lets engine/compute/decoder.py read those columns once for all rows."""
 
     shared_columns: tuple[int, int] | None = None
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from peft import LoraConfig
 
+from tinkerrpc_server.engine.compute.decoder import FusedDecoder
 from tinkerrpc_server.engine.compute.errors import EngineUserError
 from tinkerrpc_server.engine.compute.feed import MappedFeed, RequestFeed
 from tinkerrpc_server.engine.compute.samples import SampleJob, SampleOutput
@@ -25,7 +26,6 @@ from tinkerrpc_server.engine.compute.scheduler import (
     generate,
 )
 from tinkerrpc_server.engine.compute.state_io import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, StateIO
-from tinkerrpc_server.engine.decoder import QwenDecoder
 
 # Sampler weights kept loaded as read-only adapters; the least recently sampled is unloaded first.
 SAMPLER_CACHE_SIZE = 8
@@ -48,7 +48,7 @@ class Sampling(StateIO):
         # The decoder of the sampler weights sampled last: building its merged copy of the adapted
         # layers costs more than a short sample batch. Sampler adapters never change under their name;
         # one is kept, so at most one merged copy exists.
-        self._last_decoder: tuple[str | None, QwenDecoder | None] | None = None
+        self._last_decoder: tuple[str | None, FusedDecoder | None] | None = None
         self.default_stop_token_ids = self._default_stop_token_ids()
 
     def sample(
@@ -107,13 +107,13 @@ class Sampling(StateIO):
 
         return sampling_model
 
-    def _decoder(self, peft_name: str | None) -> QwenDecoder | None:
+    def _decoder(self, peft_name: str | None) -> FusedDecoder | None:
         """The engine's own decoder for a sampler adapter (None: the bare base), built once per adapter
         sampled in a row; None when it cannot express the model or adapter."""
         if self._last_decoder is not None and self._last_decoder[0] == peft_name:
             return self._last_decoder[1]
         self._last_decoder = None  # its merged copy goes before the next one is built
-        decoder = QwenDecoder.build(self._decoder_weights, peft_name)
+        decoder = FusedDecoder.build(self._decoder_weights, peft_name)
         self._last_decoder = (peft_name, decoder)
         return decoder
 

@@ -30,7 +30,7 @@ from tinkerrpc_server.engine.compute.token_choice import choose
 
 # A causal LM called as transformers calls one (input_ids, attention_mask, position_ids, past_key_values,
 # use_cache, logits_to_keep) whose output has .logits and .past_key_values: the transformers model itself
-# or the engine's own decoder (engine/decoder.py).
+# or the engine's own decoder (engine/compute/decoder.py).
 SamplingModel = Callable[..., Any]
 ModelContext = Callable[[], AbstractContextManager[SamplingModel]]
 

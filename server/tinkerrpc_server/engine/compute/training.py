@@ -10,10 +10,10 @@ import numpy as np
 import torch
 
 from tinkerrpc_server.engine.compute.adapters import AdaptedModel
+from tinkerrpc_server.engine.compute.decoder import FusedTrainingForward
 from tinkerrpc_server.engine.compute.errors import EngineUserError
-from tinkerrpc_server.engine.decoder import QwenTrainingForward
+from tinkerrpc_server.engine.compute.unembedding import saved_logits_positions, target_logprobs
 from tinkerrpc_server.engine.losses import LOSSES, resolve_config
-from tinkerrpc_server.engine.unembedding import saved_logits_positions, target_logprobs
 
 # Padded tokens per micro-batch; bounds activation memory while keeping batches large. At a wide
 # vocabulary the logits kept for backward bound it lower (unembedding.saved_logits_positions).
@@ -53,7 +53,7 @@ class Training(AdaptedModel):
         spec = LOSSES[loss_fn]
         logprobs: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(data)
         loss_total = 0.0
-        forward = QwenTrainingForward.build(self._decoder_weights, adapter.peft_name)
+        forward = FusedTrainingForward.build(self._decoder_weights, adapter.peft_name)
         with self._active(adapter.peft_name) as model, torch.set_grad_enabled(backward):
             micro_batch_tokens = min(MICRO_BATCH_TOKENS, saved_logits_positions(self.vocab_size))
             for batch in bucket_by_length([len(d.input_tokens) for d in data], micro_batch_tokens):
@@ -72,7 +72,7 @@ class Training(AdaptedModel):
         return ForwardResult(logprobs=logprobs, metrics={"loss:sum": loss_total})
 
     def _target_logprobs(
-        self, model: torch.nn.Module, forward: QwenTrainingForward | None, batch: list[PreparedDatum]
+        self, model: torch.nn.Module, forward: FusedTrainingForward | None, batch: list[PreparedDatum]
     ) -> list[torch.Tensor]:
         """Right-padded forward of one micro-batch (through `forward` when the model has one, else
         transformers); the learner logprob of every target token (the logits of padding positions are

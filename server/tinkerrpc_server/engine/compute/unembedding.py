@@ -60,7 +60,7 @@ def target_logprobs(
     """Logprobs of `targets` (one per real position of the right-padded batch, row by row) under
     `model` (a causal LM, or a PeftModel around one) as fp32, differentiable. `hidden_states(input_ids,
     attention_mask)`, when given, computes the decoder's last hidden states in its place (the engine's
-    own forward, engine/decoder.py)."""
+    own forward, engine/compute/decoder.py)."""
     real = attention_mask.bool()
     causal_lm: Any = model.get_base_model() if isinstance(model, PeftModel) else model
     unembedding = _plain_unembedding(causal_lm)

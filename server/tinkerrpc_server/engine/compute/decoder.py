@@ -1,4 +1,6 @@
-"""The sampler's own forward pass for Qwen3 models: fewer, larger matmuls than transformers + PEFT.
+"""The engine's own forward pass, for sampling and for learning: fewer, larger matmuls than
+transformers + PEFT, for the model families architecture.py describes (one layer loop, parameterised
+by their Architecture).
 
 A decode step of a few dozen rows is skinny matmuls plus per-op overhead. This forward computes the
 same function as the transformers model with one LoRA adapter active, but
@@ -13,9 +15,9 @@ same function as the transformers model with one LoRA adapter active, but
 - a decode step attends with two matmuls under an additive mask (no repeat_kv copy, no SDPA set-up).
 
 It reads and writes the sampler's KV cache exactly as the transformers model does (`Cache.update` per
-layer). Models it does not cover (another architecture, biases, sliding windows, LoRA variants or
-dropout) are sampled through transformers: `build` returns None. tests/engine_core/test_decoder.py
-checks its logits against transformers + PEFT.
+layer). Models it does not cover (architecture.describe gives None) and LoRA variants or dropout run
+through transformers: `fuse_base_weights` or `build` returns None. tests/engine_core/test_decoder.py
+checks its logits and LoRA gradients against transformers + PEFT for every family.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from peft.tuners.lora import LoraLayer
 from transformers.activations import ACT2FN
-from transformers.models.qwen3.modeling_qwen3 import rotate_half
 
-SUPPORTED_MODEL_TYPES = ("qwen3",)
+from tinkerrpc_server.engine.compute.architecture import Architecture, describe
+
 _ATTENTION = ("q_proj", "k_proj", "v_proj")
 _GATE_UP = ("gate_proj", "up_proj")
 
@@ -55,11 +57,11 @@ class _Layer:
     o: _Projection
     gate_up: _Projection
     down: _Projection
-    input_norm: Any  # Qwen3RMSNorm modules
-    post_attention_norm: Any
-    # q_norm's weight once per query head, then k_norm's once per kv head: q and k normalized together.
-    qk_norm_weight: torch.Tensor  # (heads + kv heads, head_dim)
-    qk_norm_eps: float
+    input_norm: torch.Tensor  # RMSNorm weights
+    post_attention_norm: torch.Tensor
+    # With q/k norm: q_norm's weight once per query head, then k_norm's once per kv head, so q and k
+    # are normalized together; (heads + kv heads, head_dim).
+    qk_norm_weight: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -67,25 +69,20 @@ class BaseWeights:
     """The base model as the decoder reads it (tensors shared with the transformers modules)."""
 
     causal_lm: Any  # transformers' model classes are untyped
+    architecture: Architecture
     layers: tuple[_Layer, ...]
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+    final_norm: torch.Tensor
     activation: Callable[[torch.Tensor], torch.Tensor]
 
 
 def fuse_base_weights(causal_lm: Any) -> BaseWeights | None:
     """Re-lay a freshly loaded model's Linear weights (see the module docstring); None (and nothing
     changed) when the decoder does not cover the model."""
-    config = causal_lm.config
-    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES or _has_sliding_window(config):
-        return None
-    decoder = causal_lm.model
-    linears = [m for m in decoder.layers.modules() if isinstance(m, torch.nn.Linear)]
-    if any(m.bias is not None for m in linears):
+    architecture = describe(causal_lm)
+    if architecture is None:
         return None
     layers = []
-    for block in decoder.layers:
+    for block in causal_lm.model.layers:
         attn, mlp = block.self_attn, block.mlp
         layers.append(
             _Layer(
@@ -93,30 +90,27 @@ def fuse_base_weights(causal_lm: Any) -> BaseWeights | None:
                 o=_fused(attn, ("o_proj",)),
                 gate_up=_fused(mlp, _GATE_UP),
                 down=_fused(mlp, ("down_proj",)),
-                input_norm=block.input_layernorm,
-                post_attention_norm=block.post_attention_layernorm,
-                qk_norm_weight=torch.cat(
-                    [
-                        attn.q_norm.weight.detach().expand(config.num_attention_heads, -1),
-                        attn.k_norm.weight.detach().expand(config.num_key_value_heads, -1),
-                    ]
-                ),
-                qk_norm_eps=float(attn.q_norm.variance_epsilon),
+                input_norm=block.input_layernorm.weight,
+                post_attention_norm=block.post_attention_layernorm.weight,
+                qk_norm_weight=_qk_norm_weight(attn, architecture) if architecture.qk_norm else None,
             )
         )
     return BaseWeights(
         causal_lm=causal_lm,
+        architecture=architecture,
         layers=tuple(layers),
-        num_heads=int(config.num_attention_heads),
-        num_kv_heads=int(config.num_key_value_heads),
-        head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads),
-        activation=ACT2FN[config.hidden_act],
+        final_norm=causal_lm.model.norm.weight,
+        activation=ACT2FN[architecture.activation],
     )
 
 
-def _has_sliding_window(config: Any) -> bool:
-    layer_types = getattr(config, "layer_types", None) or ()
-    return bool(getattr(config, "use_sliding_window", False)) or "sliding_attention" in layer_types
+def _qk_norm_weight(attention: Any, architecture: Architecture) -> torch.Tensor:
+    return torch.cat(
+        [
+            attention.q_norm.weight.detach().expand(architecture.num_heads, -1),
+            attention.k_norm.weight.detach().expand(architecture.num_kv_heads, -1),
+        ]
+    )
 
 
 def _fused(parent: Any, names: tuple[str, ...]) -> _Projection:
@@ -137,7 +131,7 @@ class DecoderOutput:
     past_key_values: Any
 
 
-class QwenDecoder:
+class FusedDecoder:
     """Callable like the transformers model in the sampler (same keyword arguments and output fields)."""
 
     def __init__(self, base: BaseWeights, adapter: str | None) -> None:
@@ -156,7 +150,7 @@ class QwenDecoder:
         self._head_lora = _plain_lora(head, adapter)
 
     @classmethod
-    def build(cls, base: BaseWeights | None, adapter: str | None) -> QwenDecoder | None:
+    def build(cls, base: BaseWeights | None, adapter: str | None) -> FusedDecoder | None:
         """The decoder for `adapter` (None: the bare base), or None when it cannot express it."""
         return _built(cls, base, adapter)
 
@@ -201,7 +195,7 @@ class QwenDecoder:
             shaped = part.view(segment.rows, segment.length, -1)
             kept.append(shaped[:, -keep:] if keep else shaped)
         hidden = torch.cat([k.reshape(-1, k.shape[-1]) for k in kept]) if len(kept) > 1 else kept[0]
-        logits = self._head(_rms_norm(hidden, inner.norm))
+        logits = self._head(_rms_norm(hidden, self._base.final_norm, self._base.architecture.norm_eps))
         if len(kept) == 1:
             return [DecoderOutput(logits, calls[0]["past_key_values"])]
         outputs = []
@@ -224,7 +218,7 @@ class QwenDecoder:
         # A decode step attends with two matmuls and a softmax under an additive mask: SDPA's CPU kernel
         # costs ~1.5x that for one query per row.
         mask = _attention_bias(padding) if length == 1 else _attention_mask(padding, length)
-        scale = base.head_dim**-0.5
+        scale = base.architecture.head_dim**-0.5
         # Columns whose keys and values every row holds a copy of (the n samples of one prompt).
         shared = getattr(cache, "shared_columns", None) if length == 1 else None
 
@@ -280,18 +274,19 @@ def _segment_slices(x: torch.Tensor, segments: Sequence[_Segment]) -> list[torch
 def _decoder_layers(
     base: BaseWeights, x: torch.Tensor, segments: Sequence[_Segment], project: Project
 ) -> torch.Tensor:
-    """Qwen3's decoder layers over embeddings `x` (tokens, hidden): the segments' tokens one after the
+    """The decoder layers over embeddings `x` (tokens, hidden): the segments' tokens one after the
     other, each segment's row by row. `project` computes a fused projection over all tokens at once;
     each segment attends on its own."""
     tokens = x.shape[0]
-    dim = base.head_dim
+    architecture = base.architecture
+    dim, heads, eps = architecture.head_dim, architecture.num_heads, architecture.norm_eps
     for index, layer in enumerate(base.layers):
-        q, k, v = project(_rms_norm(x, layer.input_norm), layer.qkv)
+        q, k, v = project(_rms_norm(x, layer.input_norm, eps), layer.qkv)
         # q and k (adjacent heads of one tensor) take their norm and rotary together: half the ops.
         qk = torch.cat([q, k], dim=-1).view(tokens, -1, dim)
-        normalized = F.rms_norm(qk.float(), (dim,), eps=layer.qk_norm_eps)
-        qk = layer.qk_norm_weight * normalized.to(qk.dtype)
-        v = v.view(tokens, base.num_kv_heads, dim)
+        if layer.qk_norm_weight is not None:
+            qk = _rms_norm(qk, layer.qk_norm_weight, eps)
+        v = v.view(tokens, architecture.num_kv_heads, dim)
         attended = []
         for segment, (sqk, sv) in zip(
             segments, zip(*(_segment_slices(t, segments) for t in (qk, v)), strict=True), strict=True
@@ -299,12 +294,12 @@ def _decoder_layers(
             rows, length = segment.rows, segment.length
             sqk, sv = (t.view(rows, length, -1, dim).transpose(1, 2) for t in (sqk, sv))
             cos, sin = (part.unsqueeze(1) for part in segment.rotary)
-            sqk = sqk * cos + rotate_half(sqk) * sin
-            out = segment.attend(sqk[:, : base.num_heads], sqk[:, base.num_heads :], sv, index)
+            sqk = sqk * cos + _rotate_half(sqk) * sin
+            out = segment.attend(sqk[:, :heads], sqk[:, heads:], sv, index)
             attended.append(out.transpose(1, 2).reshape(rows * length, -1))
         (o,) = project(attended[0] if len(attended) == 1 else torch.cat(attended), layer.o)
         x = x + o
-        gate, up = project(_rms_norm(x, layer.post_attention_norm), layer.gate_up)
+        gate, up = project(_rms_norm(x, layer.post_attention_norm, eps), layer.gate_up)
         (down,) = project(base.activation(gate) * up, layer.down)
         x = x + down
     return x
@@ -324,13 +319,12 @@ class _TrainableLora:
         return list(torch.split(stacked, [int(a.shape[0]) for a in self.a], dim=-1))
 
 
-class QwenTrainingForward:
-    """The learner's forward for Qwen3 (last hidden states of a right-padded batch), differentiable in
+class FusedTrainingForward:
+    """The learner's forward (last hidden states of a right-padded batch), differentiable in
     one adapter's LoRA weights; what transformers + PEFT compute, with the sampler decoder's fused base
     matmuls, the members' A factors in one matmul, LoRA scalings on the small B factors (not on the
     outputs), and causal attention without a mask: in a right-padded batch every real position sees
-    only real positions before it, and what padding positions compute is never read. On the bench's
-    20 M model, forward_backward runs ~1.3x as fast as through transformers + PEFT."""
+    only real positions before it, and what padding positions compute is never read."""
 
     def __init__(self, base: BaseWeights, adapter: str) -> None:
         self._base = base
@@ -348,7 +342,7 @@ class QwenTrainingForward:
                 )
 
     @classmethod
-    def build(cls, base: BaseWeights | None, adapter: str) -> QwenTrainingForward | None:
+    def build(cls, base: BaseWeights | None, adapter: str) -> FusedTrainingForward | None:
         """The forward for `adapter`, or None when it cannot express it (transformers runs it then)."""
         return _built(cls, base, adapter)
 
@@ -359,14 +353,14 @@ class QwenTrainingForward:
         x = inner.embed_tokens(input_ids)
         rows, length, hidden = x.shape
         positions = torch.arange(length, device=input_ids.device).unsqueeze(0)
-        scale = base.head_dim**-0.5
+        scale = base.architecture.head_dim**-0.5
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int) -> torch.Tensor:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
 
         segment = _Segment(rows, length, inner.rotary_emb(x, positions), attend)
         x = _decoder_layers(base, x.view(rows * length, hidden), [segment], self._project)
-        return _rms_norm(x.view(rows, length, hidden), inner.norm)
+        return _rms_norm(x.view(rows, length, hidden), base.final_norm, base.architecture.norm_eps)
 
     def _project(self, x: torch.Tensor, projection: _Projection) -> Sequence[torch.Tensor]:
         outs = torch.split(x @ projection.weight_t, list(projection.splits), dim=-1)
@@ -449,11 +443,17 @@ def _merged_weight(projection: _Projection, adapter: str | None) -> torch.Tensor
     return merged
 
 
-def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
-    """Qwen3RMSNorm's function (normalized in float32, scaled in the input's dtype) as one fused op."""
-    normalized = F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon)
-    weight: torch.Tensor = norm.weight
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm over the last dim (normalized in float32, scaled in the input's dtype) as
+    one fused op."""
+    normalized = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     return weight * normalized.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The rotary's pairing of the last dim's halves: (x1, x2) -> (-x2, x1)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _attention_bias(padding: torch.Tensor) -> torch.Tensor:
