@@ -13,7 +13,8 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from tinkerrpc_server.engine.compute.decoder import FusedDecoder, FusedTrainingForward
 from tinkerrpc_server.engine.compute.kv_cache import new_cache
-from tinkerrpc_server.engine.runtime import BaseModelRuntime, DatumArrays, SampleJob
+from tinkerrpc_server.engine.compute.samples import SampleJob
+from tinkerrpc_server.engine.runtime import BaseModelRuntime, DatumArrays
 
 # float32 sums taken in another order (fused matmuls, the adapter merged into the weights, LoRA as a
 # block-diagonal product) differ by an amount proportional to the values' magnitude: up to ~5e-6 of
