@@ -404,9 +404,69 @@ async def _held_out_accuracy(agent: Agent, problems: Sequence[arithmetic.Problem
 def _choice_texts(completion: ChatCompletion) -> list[str]:
     """Each choice's reply, empty when it ran out of tokens: a cut-off reply is not an answer."""
     return [
-        choice.message.content or "" if choice.finish_reason == "stop" else ""
+        (choice.message.content or "") if choice.finish_reason == "stop" else ""
         for choice in completion.choices
     ]
+
+
+async def _arithmetic_step(
+    model: tinkerrpc.AsyncModel,
+    agent: Agent,
+    problems: list[arithmetic.Problem],
+    config: ArithmeticConfig,
+    step: int,
+    seed: int,
+    version: int,
+) -> StepRecord:
+    """Sample a group per problem, score each reply, train on the groups; `version` is the policy
+    version before the step."""
+    rollouts = await _rollouts(
+        agent, [p.prompt for p in problems], config.samples_per_prompt, config.max_tokens, seed
+    )
+    groups = []
+    numbers = 0
+    for problem, (messages, completion) in zip(problems, rollouts, strict=True):
+        answers = _choice_texts(completion)
+        numbers += sum(arithmetic.is_number(a) for a in answers)
+        groups.append(
+            tinkerrpc.TrajectoryGroup(
+                [
+                    tinkerrpc.Trajectory.from_openai(
+                        messages, completion, float(problem.is_correct(a)), choice_index=i
+                    )
+                    for i, a in enumerate(answers)
+                ]
+            )
+        )
+    rewards = [t.reward for g in groups for t in g.trajectories]
+    record = StepRecord(
+        phase="rl",
+        step=step,
+        policy_version=version,
+        mean_reward=sum(rewards) / len(rewards),
+        # Replies in the asked-for format (a bare number), right or wrong.
+        valid_rate=numbers / len(rewards),
+        loss=0.0,
+        staleness_max=0,
+        tokens_per_second=0.0,
+        step_seconds=0.0,
+    )
+    if all(len({t.reward for t in g.trajectories}) == 1 for g in groups):
+        # No group has an advantage to learn from (the server would answer NOTHING_TO_TRAIN): the
+        # step samples and scores, and trains nothing.
+        print(
+            f"rl step {step:3d} | reward {record.mean_reward:.3f} | equal within every group: no update",
+            flush=True,
+        )
+        return record
+    result = await model.train(groups, loss="importance_sampling", learning_rate=config.learning_rate)
+    record.policy_version = result.policy_version
+    record.loss = result.metrics.loss
+    record.staleness_max = max(result.metrics.staleness_histogram, default=0)
+    record.tokens_per_second = result.metrics.tokens_per_second
+    record.step_seconds = result.metrics.step_seconds
+    _print_step(record)
+    return record
 
 
 async def run_arithmetic_against(
@@ -446,52 +506,11 @@ async def run_arithmetic_against(
         version = 0
         for step in range(1, config.steps + 1):
             problems = rng.sample(split.train, config.prompts_per_step)
-            rollouts = await _rollouts(
-                agent,
-                [p.prompt for p in problems],
-                config.samples_per_prompt,
-                config.max_tokens,
-                seed=rng.randrange(2**31),
+            record = await _arithmetic_step(
+                model, agent, problems, config, step, rng.randrange(2**31), version
             )
-            groups = [
-                tinkerrpc.TrajectoryGroup(
-                    [
-                        tinkerrpc.Trajectory.from_openai(
-                            messages, completion, float(problem.is_correct(answer)), choice_index=i
-                        )
-                        for i, answer in enumerate(_choice_texts(completion))
-                    ]
-                )
-                for problem, (messages, completion) in zip(problems, rollouts, strict=True)
-            ]
-            rewards = [t.reward for g in groups for t in g.trajectories]
-            mean_reward = sum(rewards) / len(rewards)
-            if all(len({t.reward for t in g.trajectories}) == 1 for g in groups):
-                # No group has an advantage to learn from (the server would answer NOTHING_TO_TRAIN):
-                # the step samples and scores, and trains nothing.
-                print(
-                    f"rl step {step:3d} | reward {mean_reward:.3f} | rewards equal within every group",
-                    flush=True,
-                )
-                records.append(StepRecord("rl", step, version, mean_reward, mean_reward, 0.0, 0, 0.0, 0.0))
-            else:
-                result = await model.train(
-                    groups, loss="importance_sampling", learning_rate=config.learning_rate
-                )
-                version = result.policy_version
-                record = StepRecord(
-                    phase="rl",
-                    step=step,
-                    policy_version=version,
-                    mean_reward=mean_reward,
-                    valid_rate=mean_reward,
-                    loss=result.metrics.loss,
-                    staleness_max=max(result.metrics.staleness_histogram, default=0),
-                    tokens_per_second=result.metrics.tokens_per_second,
-                    step_seconds=result.metrics.step_seconds,
-                )
-                records.append(record)
-                _print_step(record)
+            version = record.policy_version
+            records.append(record)
             if step % config.eval_every == 0 or step == config.steps:
                 await measure(step, version)
         train_seconds = time.monotonic() - created
@@ -539,13 +558,12 @@ def _plot_arithmetic(summary: ArithmeticSummary, path: Path) -> None:
         summary.step0_accuracy + summary.target_gain,
         color="gray",
         linestyle="--",
-        label=f"step 0 + {summary.target_gain:.0%}",
+        label=f"step 0 + {summary.target_gain * 100:.0f} points",
     )
     ax.set_xlabel("RL step")
     ax.set_ylim(0, 1.05)
-    ax.set_title(
-        f"tinkerrpc demo --recipe arithmetic: {arithmetic.BASE_MODEL} ({summary.train_seconds:.0f} s)"
-    )
+    model = arithmetic.BASE_MODEL.split("/")[-1]
+    ax.set_title(f"demo --recipe arithmetic: {model}, {summary.train_seconds:.0f} s of training")
     ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

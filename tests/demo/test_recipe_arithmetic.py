@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tinkerrpc_server.demo import ArithmeticConfig
-from tinkerrpc_server.recipes.arithmetic import Problem, split_problems
+from tinkerrpc_server.recipes.arithmetic import Problem, is_number, split_problems
 
 # The short form CI runs: held-out accuracy after CI_STEPS RL steps beat step 0 by CI_MARGIN in every
 # seed measured (the full recipe's defaults run longer and aim for +20 points).
@@ -62,6 +62,12 @@ def test_checker_accepts_exactly_the_sum(reply: str) -> None:
 )
 def test_checker_rejects_anything_else(reply: str) -> None:
     assert not Problem(7, 5).is_correct(reply)
+
+
+def test_format_check_is_independent_of_the_sum() -> None:
+    assert is_number("13") and is_number(" 7\n")
+    for reply in ("", "12.", "-3", "1 2", "٣", "The answer is 12"):
+        assert not is_number(reply), reply
 
 
 def test_recipe_settings_are_range_checked(tmp_path: Path) -> None:

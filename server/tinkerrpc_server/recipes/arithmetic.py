@@ -51,3 +51,8 @@ def split_problems(seed: int, held_out_size: int, low: int = 0, high: int = 9) -
         )
     random.Random(seed).shuffle(problems)
     return Split(train=tuple(problems[held_out_size:]), held_out=tuple(problems[:held_out_size]))
+
+
+def is_number(reply: str) -> bool:
+    """Whether a reply is in the asked-for format (a bare non-negative integer), right or wrong."""
+    return reply.strip().isdecimal() and reply.strip().isascii()
