@@ -13,8 +13,8 @@ It prints a line per step, writes a reward-curve PNG and a JSON summary, and exi
 the final mean reward is below the target.
 
 `--recipe arithmetic` trains a pretrained model instead (SmolLM2-135M-Instruct) with RL alone: groups
-of sampled replies to addition problems through the same agent, reward 1 for exactly the sum's digits
-(the format the prompt asks for) and 0 otherwise. It measures greedy exact-match accuracy on held-out
+of sampled replies to addition problems through the same agent, reward 1 for exactly the line the
+prompt asks for ("3 + 4 = 7") and 0 otherwise. It measures greedy exact-match accuracy on held-out
 problems, never trained on, before the first step and every few steps; the PNG shows both curves and
 the run passes when held-out accuracy gained the target over step 0.
 """
@@ -334,13 +334,13 @@ class ArithmeticConfig:
     out_dir: Path
     # Held-out exact-match accuracy the run must gain over the pretrained model's (absolute).
     target_gain: float = 0.2
-    steps: int = 30
-    prompts_per_step: int = 8
-    samples_per_prompt: int = 12
+    steps: int = 20
+    prompts_per_step: int = 4
+    samples_per_prompt: int = 8
     learning_rate: float = 1e-3
     lora_rank: int = 16
-    # A correct reply is at most two digit tokens and <|im_end|>; prose runs past this and scores 0.
-    max_tokens: int = 4
+    # A correct reply ("9 + 9 = 18") is 8 tokens and <|im_end|>; prose runs past this and scores 0.
+    max_tokens: int = 12
     eval_every: int = 5
     held_out_size: int = 40
     seed: int = 0
@@ -424,10 +424,10 @@ async def _arithmetic_step(
         agent, [p.prompt for p in problems], config.samples_per_prompt, config.max_tokens, seed
     )
     groups = []
-    numbers = 0
+    in_format = 0
     for problem, (messages, completion) in zip(problems, rollouts, strict=True):
         answers = _choice_texts(completion)
-        numbers += sum(arithmetic.is_number(a) for a in answers)
+        in_format += sum(problem.is_in_format(a) for a in answers)
         groups.append(
             tinkerrpc.TrajectoryGroup(
                 [
@@ -444,8 +444,8 @@ async def _arithmetic_step(
         step=step,
         policy_version=version,
         mean_reward=sum(rewards) / len(rewards),
-        # Replies in the asked-for format (a bare number), right or wrong.
-        valid_rate=numbers / len(rewards),
+        # Replies in the asked-for format, right or wrong.
+        valid_rate=in_format / len(rewards),
         loss=0.0,
         staleness_max=0,
         tokens_per_second=0.0,

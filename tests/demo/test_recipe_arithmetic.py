@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tinkerrpc_server.demo import ArithmeticConfig
-from tinkerrpc_server.recipes.arithmetic import Problem, is_number, split_problems
+from tinkerrpc_server.recipes.arithmetic import Problem, split_problems
 
 # The short form CI runs: held-out accuracy after CI_STEPS RL steps beat step 0 by CI_MARGIN in every
 # seed measured (the full recipe's defaults run longer and aim for +20 points).
@@ -48,26 +48,42 @@ def test_operand_range_and_held_out_size_are_checked() -> None:
 
 def test_prompt_states_the_answer_format() -> None:
     problem = Problem(7, 5)
-    assert problem.prompt == "What is 7 + 5? Respond with a single number and no other text."
-    assert problem.answer == "12"
+    assert problem.prompt == (
+        "What is 7 + 5? Respond with a single line of the form 7 + 5 = <sum> and no other text."
+    )
+    assert problem.answer == "7 + 5 = 12"
 
 
-@pytest.mark.parametrize("reply", ["12", " 12", "12\n", "\n 12 \n"])
+@pytest.mark.parametrize("reply", ["7 + 5 = 12", " 7 + 5 = 12", "7 + 5 = 12\n", "\n 7 + 5 = 12 \n"])
 def test_checker_accepts_exactly_the_sum(reply: str) -> None:
     assert Problem(7, 5).is_correct(reply)
 
 
 @pytest.mark.parametrize(
-    "reply", ["", "13", "12.", "012", "+12", "12 12", "1 2", "The answer is 12", "7 + 5 = 12", "twelve"]
+    "reply",
+    [
+        "",
+        "12",
+        "7 + 5 = 13",
+        "7 + 5 = 12.",
+        "7 + 5 = 012",
+        "7+5=12",
+        "5 + 7 = 12",
+        "7 + 5 = 1 2",
+        "The answer is 7 + 5 = 12",
+        "7 + 5 = 12 7 + 5 = 12",
+        "7 + 5 = twelve",
+    ],
 )
 def test_checker_rejects_anything_else(reply: str) -> None:
     assert not Problem(7, 5).is_correct(reply)
 
 
 def test_format_check_is_independent_of_the_sum() -> None:
-    assert is_number("13") and is_number(" 7\n")
-    for reply in ("", "12.", "-3", "1 2", "٣", "The answer is 12"):
-        assert not is_number(reply), reply
+    problem = Problem(7, 5)
+    assert problem.is_in_format("7 + 5 = 13") and problem.is_in_format(" 7 + 5 = 12\n")
+    for reply in ("", "12", "7 + 5 = 12.", "7 + 5 = -3", "7 + 5 = ٣", "5 + 7 = 12", "17 + 5 = 22"):
+        assert not problem.is_in_format(reply), reply
 
 
 def test_recipe_settings_are_range_checked(tmp_path: Path) -> None:
@@ -108,6 +124,6 @@ def test_rl_raises_held_out_accuracy(tmp_path: Path) -> None:
     assert summary["final_policy_version"] == summary["trained_steps"] >= 1
     # Every rollout went through the sidecar: one chat completion per training prompt and step, and
     # one per held-out problem at each measurement.
-    assert summary["chat_completions"] == 8 * CI_STEPS + 40 * len(held_out)
+    assert summary["chat_completions"] == 4 * CI_STEPS + 40 * len(held_out)
     assert (out / "accuracy_curve.png").stat().st_size > 1000
     assert "PASSED" in proc.stdout and "held-out after step" in proc.stdout

@@ -1,18 +1,21 @@
 """Addition problems with an exact checker, split from a seed into a training set and a held-out set.
 
-The prompt states the answer format (a bare number); a reply is correct only when it is exactly the
-sum's digits, so the reward measures both knowing the sum and answering in the asked-for format.
+The prompt states the answer format, the problem's equation completed with its sum ("3 + 4 = 7"): a
+small model adds far more reliably when it writes the equation out than when it must name the sum in
+one go. A reply is correct only when it is exactly that line, so the reward measures both the sum and
+the asked-for format.
 """
 
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 
 # A pretrained instruct model, and the renderer that frames its ChatML conversations.
 BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 RENDERER = "smollm2"
-PROMPT = "What is {a} + {b}? Respond with a single number and no other text."
+PROMPT = "What is {a} + {b}? Respond with a single line of the form {a} + {b} = <sum> and no other text."
 
 
 @dataclass(frozen=True)
@@ -26,11 +29,15 @@ class Problem:
 
     @property
     def answer(self) -> str:
-        return str(self.a + self.b)
+        return f"{self.a} + {self.b} = {self.a + self.b}"
 
     def is_correct(self, reply: str) -> bool:
         """Exact match: surrounding whitespace is the only thing forgiven."""
         return reply.strip() == self.answer
+
+    def is_in_format(self, reply: str) -> bool:
+        """Whether a reply is this problem's equation with some sum, right or wrong."""
+        return re.fullmatch(rf"{self.a} \+ {self.b} = [0-9]+", reply.strip()) is not None
 
 
 @dataclass(frozen=True)
@@ -51,8 +58,3 @@ def split_problems(seed: int, held_out_size: int, low: int = 0, high: int = 9) -
         )
     random.Random(seed).shuffle(problems)
     return Split(train=tuple(problems[held_out_size:]), held_out=tuple(problems[:held_out_size]))
-
-
-def is_number(reply: str) -> bool:
-    """Whether a reply is in the asked-for format (a bare non-negative integer), right or wrong."""
-    return reply.strip().isdecimal() and reply.strip().isascii()
