@@ -334,7 +334,7 @@ class ArithmeticConfig:
     out_dir: Path
     # Held-out exact-match accuracy the run must gain over the pretrained model's (absolute).
     target_gain: float = 0.2
-    steps: int = 20
+    steps: int = 10
     prompts_per_step: int = 4
     samples_per_prompt: int = 8
     learning_rate: float = 1e-3
