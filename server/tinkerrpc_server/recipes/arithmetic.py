@@ -12,8 +12,10 @@ import random
 import re
 from dataclasses import dataclass
 
+from tinkerrpc_server.model_store import SMOLLM2_135M_INSTRUCT
+
 # A pretrained instruct model, and the renderer that frames its ChatML conversations.
-BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+BASE_MODEL = SMOLLM2_135M_INSTRUCT
 RENDERER = "smollm2"
 PROMPT = "What is {a} + {b}? Respond with a single line of the form {a} + {b} = <sum> and no other text."
 
