@@ -31,7 +31,7 @@ from bench import (
 from bench.workload import FULL, SHORT, BenchModel, Settings, prepare_model
 from tinkerrpc_server.engine.runtime import PlacementError, resolve_placement
 from tinkerrpc_server.local.stack import LocalEngine
-from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
+from tinkerrpc_server.model_store import default_model_dir
 from tinkerrpc_server.settings import ENGINE_DEVICE_ENV
 
 
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--short", action="store_true", help="small sizes: checks the harness, not the goals")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results.json")
     parser.add_argument(
-        "--model-dir", type=Path, default=DEFAULT_MODEL_DIR, help="where bench models are cached"
+        "--model-dir", type=Path, default=default_model_dir(os.environ), help="where bench models are cached"
     )
     parser.add_argument(
         "--threads",

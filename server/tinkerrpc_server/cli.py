@@ -157,7 +157,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     from tinkerrpc_server.local.engine_process import EmbeddedEngine, probe_data_dir
     from tinkerrpc_server.local.ownership import own_data_dir, port_taken
-    from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
+    from tinkerrpc_server.model_store import default_model_dir
 
     auth_token = _auth_token(args)
     usage_error = _serve_usage_error(args, auth_token)
@@ -175,7 +175,7 @@ def _serve(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"tinkerrpc serve: cannot start: {problem}", file=sys.stderr)
         return 1
-    model_dir = args.model_dir or DEFAULT_MODEL_DIR
+    model_dir = args.model_dir or default_model_dir(os.environ)
     # Without a Tinker key the embedded engine serves; it boots while the service modules import.
     engine = None if os.environ.get("TINKER_API_KEY") else EmbeddedEngine(args.data_dir / "engine", model_dir)
     try:
@@ -300,7 +300,7 @@ def _engine(args: argparse.Namespace) -> int:
         return 1
     from tinkerrpc_server.engine.app import run_engine
     from tinkerrpc_server.engine.runtime import PlacementError, resolve_placement
-    from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
+    from tinkerrpc_server.model_store import default_model_dir
 
     try:
         resolve_placement(args.device, args.dtype)
@@ -311,7 +311,7 @@ def _engine(args: argparse.Namespace) -> int:
     for name, value in ((ENGINE_DEVICE_ENV, args.device), (ENGINE_DTYPE_ENV, args.dtype)):
         if value:
             os.environ[name] = value
-    model_dir = args.model_dir or DEFAULT_MODEL_DIR
+    model_dir = args.model_dir or default_model_dir(os.environ)
     run_engine(args.host, args.port, args.data_dir, model_dir, api_key, args.session_timeout)
     return 0
 

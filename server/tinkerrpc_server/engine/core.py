@@ -57,7 +57,7 @@ from tinkerrpc_server.engine.storage import (
     parse_tinker_path,
 )
 from tinkerrpc_server.engine.worker import ComputeWorker
-from tinkerrpc_server.model_store import TINY_CHAT, UnknownBaseModelError, resolve_base_model
+from tinkerrpc_server.model_store import UnknownBaseModelError, listed_builtin_models, resolve_base_model
 
 log = logging.getLogger("tinkerrpc.engine")
 
@@ -245,8 +245,9 @@ class Engine:
             self._samplers.pop(sampler_id, None)
 
     def supported_models(self) -> list[str]:
-        """The built-in model plus every `<org>/<name>` or `<name>` HF directory under --model-dir."""
-        names = {TINY_CHAT}
+        """The built-in models listed before they are built, plus every `<org>/<name>` or `<name>` HF
+        directory under --model-dir."""
+        names = set(listed_builtin_models())
         if self.model_dir.is_dir():
             for config in [*self.model_dir.glob("*/config.json"), *self.model_dir.glob("*/*/config.json")]:
                 names.add(str(config.parent.relative_to(self.model_dir)))

@@ -28,9 +28,13 @@ from tinker_cookbook.tokenizer_utils import Tokenizer, get_tokenizer
 
 from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server import model_store
+from tinkerrpc_server.service import smollm2_renderer
 from tinkerrpc_server.service.torchless import resolve_base_model
 
 log = logging.getLogger("tinkerrpc.rendering")
+
+# Renderer names resolve through the cookbook's registry: ours join it before any is resolved.
+smollm2_renderer.register()
 
 # Context length assumed when a remote base model's config is not available locally.
 FALLBACK_CONTEXT_LENGTH = 32768
@@ -94,7 +98,9 @@ _THINKING_PAIRS = (
     ("nemotron3_ultra_preserve_thinking", "nemotron3_ultra_disable_thinking"),
 )
 # Renderers of models that never think: thinking is already off.
-_NON_THINKING = frozenset({"role_colon", "llama3", "qwen3_instruct", "qwen3_vl_instruct"})
+_NON_THINKING = frozenset(
+    {"role_colon", "llama3", "qwen3_instruct", "qwen3_vl_instruct", smollm2_renderer.SMOLLM2_RENDERER}
+)
 
 
 def thinking_variant(renderer_name: str, enable_thinking: bool) -> str:
@@ -399,6 +405,8 @@ class ChatCodecs:
         local_dir: Path | None
         try:
             local_dir = resolve_base_model(base_model, self._model_dir)
+        except model_store.BuiltinModelUnavailableError:
+            raise  # what to install (or a wrong file) is the answer, not a download from the hub
         except model_store.UnknownBaseModelError:
             # Only a model name goes to the hub: a path would load a tokenizer from any local folder.
             if not self._allow_remote or not model_store.is_model_name(base_model):
