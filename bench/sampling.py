@@ -151,7 +151,9 @@ def generate_round(
     with torch.no_grad():
         for prompt in prompts:
             ids = torch.from_numpy(prompt).unsqueeze(0).to(model.device)
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            out = model.generate(  # type: ignore[no-untyped-call]
+                input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config
+            )
             generated += out.shape[1] - ids.shape[1]
     synchronize(model.device)
     return generated, time.perf_counter() - started
