@@ -22,6 +22,7 @@ from bench import (
     multiturn,
     overhead,
     qwen3_width,
+    real_model,
     report,
     retention,
     sampling,
@@ -90,6 +91,10 @@ def _qwen3_width(ctx: Context) -> list[report.Figure]:
     return qwen3_width.measure(ctx.settings.mode, ctx.engine, ctx.model_dir, ctx.measure_peak_matmul)
 
 
+def _real_model(ctx: Context) -> list[report.Figure]:
+    return real_model.measure(ctx.settings.mode, ctx.engine, ctx.model_dir, ctx.measure_peak_matmul)
+
+
 def _overhead(ctx: Context) -> list[report.Figure]:
     return overhead.measure(ctx.settings, ctx.work_dir, ctx.model_dir)
 
@@ -114,7 +119,8 @@ COMPARISONS: dict[str, Callable[[Context], list[report.Figure]]] = {
     "serialization": _serialization,
     "memory": _memory,
     "retention": _retention,
-    # Last: the engine holds this ~0.9 GB model from then on.
+    # Last: the engine holds these models (~0.5 GB, ~0.9 GB) from then on.
+    "real_model": _real_model,
     "qwen3_width": _qwen3_width,
 }
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from bench import sampling, training
-from bench.report import Figure
+from bench.report import Figure, on_model
 from bench.workload import FULL, SHORT, Settings, prepare_model
 from tinkerrpc_server.local.stack import LocalEngine
 from tinkerrpc_server.model_store import QWEN3_0_6B_WIDTH, QWEN3_VOCAB_SIZE, TINY_MODEL_SHAPES, TinyModelShape
@@ -68,11 +68,6 @@ def measure(
     )
     figures = [
         *training.measure(settings, engine, model, measure_peak_matmul),
-        *sampling.measure(settings, engine, model, only_equal_requests=True),
+        *sampling.measure(settings, engine, model, staggered=False, shared_prompts=False),
     ]
-    return [
-        replace(
-            figure, name=f"{figure.name} ({LABEL})", goal=GOALS[figure.name], detail=figure.detail + about
-        )
-        for figure in figures
-    ]
+    return on_model(figures, LABEL, GOALS, about)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,6 +44,18 @@ class Figure:
             "met": self.met,
             "detail": self.detail,
         }
+
+
+def on_model(figures: list[Figure], label: str, goals: Mapping[str, float], about: str) -> list[Figure]:
+    """Figures that a shared measurement (bench/training.py, bench/sampling.py) took on another model:
+    `label` added to each name, the goal `goals` gives for its name on the bench model, and `about`
+    (what the model is) appended to its detail."""
+    return [
+        replace(
+            figure, name=f"{figure.name} ({label})", goal=goals[figure.name], detail=figure.detail + about
+        )
+        for figure in figures
+    ]
 
 
 @dataclass

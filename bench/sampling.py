@@ -38,7 +38,7 @@ SHARED_PROMPT_GOAL = 0.35
 
 
 @dataclass(frozen=True)
-class _Sizes:
+class SamplingSizes:
     staggered_requests: int
     arrival_seconds: float
     staggered_new_tokens: tuple[int, int]
@@ -51,8 +51,8 @@ class _Sizes:
 
 
 SIZES = {
-    "full": _Sizes(32, 2.0, (16, 128), (16, 48), 5, 8, 512, 32, 5),
-    "short": _Sizes(6, 0.3, (4, 12), (8, 16), 1, 4, 32, 4, 1),
+    "full": SamplingSizes(32, 2.0, (16, 128), (16, 48), 5, 8, 512, 32, 5),
+    "short": SamplingSizes(6, 0.3, (4, 12), (8, 16), 1, 4, 32, 4, 1),
 }
 
 
@@ -149,7 +149,9 @@ def generate_round(
     with torch.no_grad():
         for prompt in prompts:
             ids = torch.from_numpy(prompt).unsqueeze(0).to(model.device)
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            out = model.generate(  # type: ignore[no-untyped-call]
+                input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config
+            )
             generated += out.shape[1] - ids.shape[1]
     synchronize(model.device)
     return generated, time.perf_counter() - started
@@ -169,10 +171,17 @@ def _gather_then_run_engine(engine: LocalEngine) -> LocalEngine:
 
 
 def measure(
-    settings: Settings, engine: LocalEngine, model: BenchModel, *, only_equal_requests: bool = False
+    settings: Settings,
+    engine: LocalEngine,
+    model: BenchModel,
+    *,
+    sizes: SamplingSizes | None = None,
+    staggered: bool = True,
+    shared_prompts: bool = True,
 ) -> list[Figure]:
-    """The three sampling figures; `only_equal_requests`: the first alone (bench/qwen3_width.py)."""
-    sizes = SIZES[settings.mode]
+    """The equal-requests figure, then the staggered-arrivals and shared-prompts ones unless switched off
+    (bench/qwen3_width.py, bench/real_model.py); `sizes` of the latter two default to SIZES[mode]."""
+    sizes = sizes or SIZES[settings.mode]
     baseline_model = load_lora_model(model, settings.lora_rank)
     vocab_size = int(baseline_model.get_output_embeddings().weight.shape[0])
     pad_token_id = int(baseline_model.config.pad_token_id or 0)
@@ -186,16 +195,19 @@ def measure(
     equal_requests = _equal_requests(
         settings, engine, sampling_client, baseline_model, vocab_size, pad_token_id
     )
-    if only_equal_requests:
-        return [equal_requests]
+    figures = [equal_requests]
+    if not (staggered or shared_prompts):
+        return figures
     with _gather_then_run_engine(engine) as gather_engine:
         gather_client = _sampling_client(gather_engine, model, settings.lora_rank)
         _engine_round(gather_client, token_sequences(2, 4, 8, vocab_size, seed=1), 2, seed=0)
-        return [
-            equal_requests,
-            *_staggered(sizes, sampling_client, gather_client, baseline_model, vocab_size, pad_token_id),
-            _shared_prompts(sizes, sampling_client, gather_client, vocab_size),
-        ]
+        if staggered:
+            figures += _staggered(
+                sizes, sampling_client, gather_client, baseline_model, vocab_size, pad_token_id
+            )
+        if shared_prompts:
+            figures.append(_shared_prompts(sizes, sampling_client, gather_client, vocab_size))
+    return figures
 
 
 def _equal_requests(
@@ -238,7 +250,7 @@ def _equal_requests(
 
 
 def _staggered(
-    sizes: _Sizes,
+    sizes: SamplingSizes,
     sampling_client: tinker.SamplingClient,
     gather_client: tinker.SamplingClient,
     baseline_model: PeftModel,
@@ -302,7 +314,7 @@ def _staggered(
 
 
 def _shared_prompts(
-    sizes: _Sizes,
+    sizes: SamplingSizes,
     sampling_client: tinker.SamplingClient,
     gather_client: tinker.SamplingClient,
     vocab_size: int,

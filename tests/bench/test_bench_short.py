@@ -33,6 +33,11 @@ EXPECTED_FIGURES = {
     "engine training throughput (Qwen3-0.6B width)",
     "training MFU (6·P·tokens/s ÷ matmul peak) (Qwen3-0.6B width)",
     "engine sampling throughput (Qwen3-0.6B width)",
+    "engine training throughput (SmolLM2-135M)",
+    "training MFU (6·P·tokens/s ÷ matmul peak) (SmolLM2-135M)",
+    "engine sampling throughput (SmolLM2-135M)",
+    "sampling, staggered arrivals: throughput (SmolLM2-135M)",
+    "sampling, staggered arrivals: p50 latency (SmolLM2-135M)",
 }
 
 
