@@ -22,7 +22,7 @@ def _train(server: Server, model: str) -> int:
     return server.stub.Train(request, timeout=CALL_TIMEOUT).policy_version
 
 
-def _start_samples(server: Server, model: str, version: int) -> list[grpc.Future]:
+def _start_samples(server: Server, model: str, version: int) -> list[grpc.CallFuture[pb.SampleResponse]]:
     calls = []
     for seed in range(SAMPLES_PER_RACE):
         params = types_pb2.SamplingParams(n=1, max_tokens=8, seed=seed)
@@ -33,7 +33,9 @@ def _start_samples(server: Server, model: str, version: int) -> list[grpc.Future
     return calls
 
 
-def _answered_or_not_found(calls: list[grpc.Future], model: str, version: int, gone: str) -> None:
+def _answered_or_not_found(
+    calls: list[grpc.CallFuture[pb.SampleResponse]], model: str, version: int, gone: str
+) -> None:
     """Each call answered at `version`, or NOT_FOUND naming the model and `gone` (what was discarded)."""
     for call in calls:
         try:
