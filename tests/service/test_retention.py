@@ -157,6 +157,45 @@ def test_restores_free_their_training_clients(remote: Server, engine: LocalEngin
     assert poll_until(lambda: _live_models(engine) == baseline, 30)
 
 
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+CUT_TRAINS = 30
+CUT_DEADLINE_SECONDS = 0.06
+RSS_GROWTH_BOUND = 20 * 2**20
+
+
+def test_trains_cut_by_their_deadline_free_what_they_built(remote: Server, engine: LocalEngine) -> None:
+    """A Train cut by its deadline leaves its model to roll back; the next one's rebuild, cut too, must
+    not leave the client it was building on the engine."""
+    model = "cut-short"
+    baseline = _live_models(engine)
+    create_model(remote.stub, model, rank=1)
+
+    def cut_train() -> None:
+        request = pb.TrainRequest(model=model, adam=types_pb2.AdamParams(learning_rate=1e-3))
+        request.examples.add(messages=[user("respond with yes"), assistant("yes")])
+        try:
+            remote.stub.Train(request, timeout=CUT_DEADLINE_SECONDS)
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
+
+    for _ in range(5):  # warm-up: the first rollbacks allocate what later ones reuse
+        cut_train()
+    warm_rss = _rss_bytes(remote.proc.pid)
+    for _ in range(CUT_TRAINS):
+        cut_train()
+    _train(remote, model)
+    assert poll_until(lambda: _live_models(engine) == baseline + 1, 30), _live_models(engine)
+    assert _rss_bytes(remote.proc.pid) - warm_rss < RSS_GROWTH_BOUND
+    remote.stub.DeleteModel(pb.DeleteModelRequest(name=model), timeout=CALL_TIMEOUT)
+    assert poll_until(lambda: _live_models(engine) == baseline, 30)
+
+
 def test_orphans_of_an_uncommitted_step_are_deleted_at_start(tmp_path: Path, service_model_dir: Path) -> None:
     model = "orphans"
     data_dir = tmp_path / "data"

@@ -4,6 +4,7 @@ a database newer than the code), transactions, idempotency records, write-ahead 
 from __future__ import annotations
 
 import sqlite3
+import time
 from pathlib import Path
 
 import pytest
@@ -221,6 +222,46 @@ def test_idempotency_records_are_kept_per_model_and_key(tmp_path: Path) -> None:
     store.delete_model("a")
     assert store.get_idempotency("a", "key") is None
     assert store.get_idempotency("b", "key") is not None
+
+
+def test_idempotency_records_are_pruned_when_both_old_and_beyond_the_newest(tmp_path: Path) -> None:
+    store = Store(tmp_path / "db.sqlite3")
+    with store.transaction() as tx:
+        store.insert_model(_model("a"), tx)
+        store.insert_model(_model("b"), tx)
+        for step in range(1, 31):
+            store.put_idempotency(tx, "a", f"key-{step}", "hash", step, b"response")
+        store.put_idempotency(tx, "b", "key-1", "hash", 1, b"response")
+    week = store_module.IDEMPOTENCY_KEEP_SECONDS
+    with store.transaction() as tx:
+        # Young records stay however many there are.
+        assert store.prune_idempotency(tx, time.time(), 10, week) == 0
+    with store.transaction() as tx:
+        assert store.prune_idempotency(tx, time.time() + week + 1, 10, week) == 20
+    kept = [step for step in range(1, 31) if store.get_idempotency("a", f"key-{step}") is not None]
+    assert kept == list(range(21, 31))
+    assert store.get_idempotency("b", "key-1") is not None  # each model keeps its own newest
+
+
+def test_idempotency_records_are_pruned_as_they_are_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_module, "IDEMPOTENCY_KEEP_RECORDS", 5)
+    store = Store(tmp_path / "db.sqlite3")
+    with store.transaction() as tx:
+        store.insert_model(_model("a"), tx)
+    records = store_module.IDEMPOTENCY_PRUNE_EVERY
+    with store.transaction() as tx:
+        for step in range(records - 1):
+            store.put_idempotency(tx, "a", f"key-{step}", "hash", step, b"response")
+        # Records of a release before their retention have no time: they count as old.
+        tx.execute("UPDATE idempotency SET create_time = NULL WHERE policy_version < 10")
+    with store.transaction() as tx:
+        store.put_idempotency(tx, "a", "newest", "hash", records, b"response")
+    kept = [step for step in range(records - 1) if store.get_idempotency("a", f"key-{step}") is not None]
+    # The timeless ones beyond the newest 5 went with that insert; the young ones stay.
+    assert kept == list(range(10, records - 1))
+    assert store.get_idempotency("a", "newest") is not None
 
 
 def test_step_records_after_the_recovery_point_and_rollback(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ directory's mode here, the engine process's umask for the rest).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -55,6 +56,8 @@ COMPACT_FACTOR = 4
 _MIN_LINES_BEFORE_COMPACTING = 256
 # The whole-file index of earlier versions, read once and replaced by the journal.
 _LEGACY_INDEX_FILE = "engine_index.json"
+# In the name of a save's staging directory (compute/state_io.py): `.<name>.tmp-<random>`.
+_STAGING_MARK = ".tmp-"
 # How much of a rejected name an error message repeats.
 _SHOWN_NAME_CHARS = 80
 
@@ -242,6 +245,24 @@ class Storage:
         legacy_index.unlink(missing_ok=True)
         for record in [*expired, *ephemeral]:
             self._remove_files(record)
+        self._remove_leftovers()
+
+    def _remove_leftovers(self) -> None:
+        """At start, nothing else writes here yet: remove the staging directory of a save a kill cut short
+        (`.<name>.tmp-*`, never published) and the directories left empty under runs/ (a restarted
+        service's training clients are new runs, and the old run's checkpoints are pruned one by one).
+        A save makes its directories again."""
+        runs = self.inside("runs")
+        if not runs.is_dir():
+            return
+        for staging in runs.glob(f"*/*/.*{_STAGING_MARK}*"):
+            shutil.rmtree(staging, ignore_errors=True)
+        for run_dir in runs.iterdir():
+            for segment in _KIND_SEGMENT.values():
+                with contextlib.suppress(OSError):  # not empty, or not there
+                    (run_dir / segment).rmdir()
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()
 
     def _read_legacy_index(self, path: Path) -> None:
         """A data dir of an engine before the journal: its whole-file index, taken over once."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import TypedDict
 
@@ -84,6 +85,27 @@ def lora_flags(lora: types_pb2.LoraConfig) -> _LoraFlags:
 
 def _shown(value: str | int | bool) -> str:
     return errors.shown(value) if isinstance(value, str) else str(value)
+
+
+async def made_or_freed(making: Awaitable[tinker.TrainingClient], operation: str) -> tinker.TrainingClient:
+    """The training client `making` makes, bounded by the call's deadline. A call that ends first (its
+    deadline, a cancel) does not cancel the making: the backend may already be building the client, so it
+    is let finish and then unloaded, instead of living on the engine unreferenced until shutdown."""
+
+    async def make() -> tinker.TrainingClient:
+        return await making
+
+    made = asyncio.ensure_future(make())
+    try:
+        return await bounded(asyncio.shield(made), operation)
+    except BaseException:
+        made.add_done_callback(_unload_if_made)
+        raise
+
+
+def _unload_if_made(made: asyncio.Future[tinker.TrainingClient]) -> None:
+    if not made.cancelled() and made.exception() is None:
+        unload_training_client(made.result())
 
 
 @dataclass
@@ -213,7 +235,7 @@ class ModelRegistry:
             self.discard_training_client(runtime)
         if runtime.training_client is None:
             row = self.row(name)
-            client = await bounded(
+            client = await made_or_freed(
                 self._backend.service.create_training_client_from_state_with_optimizer(row.recovery_path),
                 "loading the training client",
             )
@@ -354,13 +376,24 @@ class ModelRegistry:
         check_lora_rank(rank, request.base_model, codec.hidden_size)
         seed = request.seed if request.HasField("seed") else 0
         flags = lora_flags(lora)
-        client = await self._backend.service.create_lora_training_client(
-            request.base_model, rank=rank, seed=seed, user_metadata={"tinkerrpc_model": request.name}, **flags
+        client = await made_or_freed(
+            self._backend.service.create_lora_training_client(
+                request.base_model,
+                rank=rank,
+                seed=seed,
+                user_metadata={"tinkerrpc_model": request.name},
+                **flags,
+            ),
+            "creating the training client",
         )
-        state_future = client.save_state(state_name(0))
-        sampler_future = client.save_weights_for_sampler(sampler_name(0))
-        state_path = (await state_future).path
-        sampler_path = (await sampler_future).path
+        try:
+            state_future = client.save_state(state_name(0))
+            sampler_future = client.save_weights_for_sampler(sampler_name(0))
+            state_path = (await state_future).path
+            sampler_path = (await sampler_future).path
+        except BaseException:
+            unload_training_client(client)  # the model is not created: nothing else refers to it
+            raise
         now = time.time()
         row = ModelRow(
             name=request.name,

@@ -278,7 +278,20 @@ class Sampler:
         version = request.policy_version if request.HasField("policy_version") else row.policy_version
         # Pinned: retention keeps this version's sampler weights until the call ends.
         with self._models.retention.pinned(row.name, version):
-            return await self._sample(request, row, version)
+            path = self._store.sampler_path(row.name, version)
+            try:
+                return await self._sample(request, row, version)
+            except Exception as err:
+                # A restore or DeleteModel may discard the version while it is sampled: the backend then
+                # fails on weights that are gone, which is the version's absence, not a bad request.
+                if path is None or self._store.sampler_path(row.name, version) == path:
+                    raise
+                raise errors.not_found(
+                    VERSION_RESOURCE,
+                    f"{row.name}@{version}",
+                    f"version {version} of model {row.name!r} was discarded (a restore or DeleteModel) "
+                    "while it was being sampled",
+                ) from err
 
     async def _sample(self, request: pb.SampleRequest, row: ModelRow, version: int) -> pb.SampleResponse:
         path = self._store.sampler_path(row.name, version)

@@ -5,6 +5,11 @@ A model's committed policy version and everything a Train step records change in
 with synchronous=FULL, so a process killed at any moment restarts with a consistent state.
 Calls are synchronous and short; they run on the event loop thread, which also means no await can
 split a transaction (a cancelled RPC never leaves half of one behind).
+
+What grows with steps stays bounded: step records and checkpoints by retention (service/retention.py),
+idempotency records by IDEMPOTENCY_KEEP_RECORDS and IDEMPOTENCY_KEEP_SECONDS (below). Metrics rows
+(~0.7 KB a step) are kept for every committed version: GetRunHistory answers for each one; they go
+with their model, or with the versions a rollback or restore abandons.
 """
 
 from __future__ import annotations
@@ -100,12 +105,26 @@ def _create_step_inputs(tx: sqlite3.Connection) -> None:
         )""")
 
 
+def _add_idempotency_time(tx: sqlite3.Connection) -> None:
+    # When each record was made, for its retention (Store.prune_idempotency); NULL for older records.
+    tx.execute("ALTER TABLE idempotency ADD COLUMN create_time REAL")
+
+
 MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
     _create_first_tables,
     _add_retention_columns,
     _create_step_inputs,
+    _add_idempotency_time,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
+
+# Idempotency retention: a model's record goes once it is neither among its newest KEEP_RECORDS nor
+# younger than KEEP_SECONDS. The SDK retries a Train within one call (seconds to minutes) and a caller
+# that passes its own keys may retry after restarting its process, so both bounds are generous; a
+# retry of a key pruned since is a new step. Checked every PRUNE_EVERY records (one scan of the table).
+IDEMPOTENCY_KEEP_RECORDS = 10_000
+IDEMPOTENCY_KEEP_SECONDS = 7 * 24 * 3600.0
+IDEMPOTENCY_PRUNE_EVERY = 100
 
 
 class SchemaTooNewError(Exception):
@@ -415,9 +434,27 @@ class Store:
     def put_idempotency(
         self, tx: sqlite3.Connection, model: str, key: str, request_hash: str, version: int, response: bytes
     ) -> None:
-        tx.execute(
-            "INSERT INTO idempotency VALUES (?, ?, ?, ?, ?)", (model, key, request_hash, version, response)
+        now = time.time()
+        inserted = tx.execute(
+            "INSERT INTO idempotency (model, key, request_hash, policy_version, response, create_time)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (model, key, request_hash, version, response, now),
         )
+        if (inserted.lastrowid or 0) % IDEMPOTENCY_PRUNE_EVERY == 0:
+            self.prune_idempotency(tx, now, IDEMPOTENCY_KEEP_RECORDS, IDEMPOTENCY_KEEP_SECONDS)
+
+    def prune_idempotency(
+        self, tx: sqlite3.Connection, now: float, keep_records: int, keep_seconds: float
+    ) -> int:
+        """Delete every model's records beyond its newest `keep_records` (insertion order) that are
+        older than `keep_seconds` (a record without a time counts as old); the number deleted."""
+        deleted = tx.execute(
+            "DELETE FROM idempotency WHERE COALESCE(create_time, 0) < ? AND rowid IN ("
+            " SELECT rowid FROM (SELECT rowid, ROW_NUMBER() OVER"
+            " (PARTITION BY model ORDER BY rowid DESC) AS newer FROM idempotency) WHERE newer > ?)",
+            (now - keep_seconds, keep_records),
+        )
+        return deleted.rowcount
 
     def put_metrics(self, tx: sqlite3.Connection, model: str, version: int, metrics: bytes) -> None:
         tx.execute(

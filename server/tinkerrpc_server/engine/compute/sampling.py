@@ -159,12 +159,18 @@ class Sampling(StateIO):
         weights_file = weights_dir / ADAPTER_WEIGHTS_FILE
         if not (weights_dir / ADAPTER_CONFIG_FILE).is_file() or not weights_file.is_file():
             raise EngineUserError(f"no sampler weights at {weights_dir}")
-        key = f"{weights_dir.resolve()}@{weights_file.stat().st_mtime_ns}"
-        cached = self._sampler_adapters.get(key)
-        if cached is not None:
-            self._sampler_adapters.move_to_end(key)
-            return cached
-        peft_name = self._load_peft_adapter(weights_dir, LoraConfig.from_pretrained(str(weights_dir)))
+        try:
+            key = f"{weights_dir.resolve()}@{weights_file.stat().st_mtime_ns}"
+            cached = self._sampler_adapters.get(key)
+            if cached is not None:
+                self._sampler_adapters.move_to_end(key)
+                return cached
+            peft_name = self._load_peft_adapter(weights_dir, LoraConfig.from_pretrained(str(weights_dir)))
+        except (OSError, ValueError):
+            # Their owner may delete them (a restore, DeleteModel) between the check above and the read.
+            if weights_file.is_file():
+                raise
+            raise EngineUserError(f"no sampler weights at {weights_dir}: they were deleted") from None
         self._sampler_adapters[key] = peft_name
         if len(self._sampler_adapters) > SAMPLER_CACHE_SIZE:
             _, evicted = self._sampler_adapters.popitem(last=False)
