@@ -16,6 +16,7 @@ from tinkerrpc_server.service.checkpoints import Checkpoints
 from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.models import ModelRegistry
 from tinkerrpc_server.service.rendering import ChatCodecs
+from tinkerrpc_server.service.sample_cache import SampleCache
 from tinkerrpc_server.service.store import Store
 from tinkerrpc_server.service.training import NoStepHooks, StepHooks, Trainer
 
@@ -45,7 +46,7 @@ class InProcessService:
         store = Store(db)
         backend = fake.backend()
         models = ModelRegistry(store, backend, codecs, limits)
-        trainer = Trainer(store, models, checkpoint_every, limits, hooks or NoStepHooks())
+        trainer = Trainer(store, models, checkpoint_every, limits, hooks or NoStepHooks(), SampleCache())
         return cls(store, fake, models, trainer, Checkpoints(store, backend, models))
 
     async def create(

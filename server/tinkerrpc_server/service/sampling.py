@@ -26,6 +26,7 @@ from tinkerrpc_server.service.rendering import (
     thinking_variant,
     to_proto_message,
 )
+from tinkerrpc_server.service.sample_cache import SampleCache
 from tinkerrpc_server.service.store import ModelRow, Store
 from tinkerrpc_server.service.validation import check_prompt, check_prompt_tokens, check_sampling_params
 
@@ -268,10 +269,13 @@ async def _best_non_stop(
 
 
 class Sampler:
-    def __init__(self, store: Store, models: ModelRegistry, limits: Limits) -> None:
+    def __init__(
+        self, store: Store, models: ModelRegistry, limits: Limits, sample_cache: SampleCache
+    ) -> None:
         self._store = store
         self._models = models
         self._limits = limits
+        self._sample_cache = sample_cache
 
     async def sample(self, request: pb.SampleRequest) -> pb.SampleResponse:
         row = self._models.row(request.model)
@@ -327,6 +331,13 @@ class Sampler:
         sequences = await off_loop(
             lambda: [_sampled_sequence(sequence, request, version, codec, forced) for sequence in drawn]
         )
+        # Every sequence keeps its sampler logprobs, asked for or not: a trajectory naming the key trains on
+        # them without another forward pass.
+        for sequence in sequences:
+            if len(sequence.logprobs) == len(sequence.token_ids):
+                sequence.sample_key = self._sample_cache.put(
+                    row.name, version, prompt, list(sequence.token_ids), list(sequence.logprobs)
+                )
         if params.top_logprobs > 0:
             await asyncio.gather(
                 *(_fill_top_logprobs(client, prompt, seq, params, codec) for seq in sequences)
