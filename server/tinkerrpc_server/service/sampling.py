@@ -268,6 +268,19 @@ async def _best_non_stop(
     return next((t, lp) for t, lp in alternatives if t not in stop_tokens)
 
 
+def sampler_path(store: Store, row: ModelRow, version: int) -> str:
+    """The sampler weights of the model at `version`; NOT_FOUND, naming the versions left, when gone."""
+    path = store.sampler_path(row.name, version)
+    if path is None:
+        raise errors.not_found(
+            VERSION_RESOURCE,
+            f"{row.name}@{version}",
+            f"model {row.name!r} has no sampleable version {version} "
+            f"(sampleable: {store.sampleable_versions(row.name)})",
+        )
+    return path
+
+
 class Sampler:
     def __init__(
         self, store: Store, models: ModelRegistry, limits: Limits, sample_cache: SampleCache
@@ -285,14 +298,7 @@ class Sampler:
             return await self._sample(request, row, version)
 
     async def _sample(self, request: pb.SampleRequest, row: ModelRow, version: int) -> pb.SampleResponse:
-        path = self._store.sampler_path(row.name, version)
-        if path is None:
-            raise errors.not_found(
-                VERSION_RESOURCE,
-                f"{row.name}@{version}",
-                f"model {row.name!r} has no sampleable version {version} "
-                f"(sampleable: {self._store.sampleable_versions(row.name)})",
-            )
+        path = sampler_path(self._store, row, version)
         model_codec = await self._models.codec(row)
         check_prompt(request, model_codec.max_context_length)
         codec = await off_loop(lambda: _request_codec(request, model_codec))

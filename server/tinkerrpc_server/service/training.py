@@ -32,7 +32,6 @@ from tinkerrpc_server.service.datums import Batch, build_batch, turn_prompt
 from tinkerrpc_server.service.deadlines import bounded
 from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.models import (
-    VERSION_RESOURCE,
     ModelRegistry,
     ModelRuntime,
     checkpoint_info,
@@ -42,6 +41,7 @@ from tinkerrpc_server.service.models import (
 from tinkerrpc_server.service.recovery import StepRecord
 from tinkerrpc_server.service.rendering import ChatCodec, off_loop
 from tinkerrpc_server.service.sample_cache import SampleCache
+from tinkerrpc_server.service.sampling import sampler_path
 from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE, CheckpointRow, ModelRow, Store
 from tinkerrpc_server.service.validation import (
     check_expected_version,
@@ -224,15 +224,7 @@ class Trainer:
     ) -> list[float]:
         """The completion's logprobs under the policy at `version`: prompt logprobs of prompt + completion."""
         with self._models.retention.pinned(row.name, version):
-            path = self._store.sampler_path(row.name, version)
-            if path is None:
-                raise errors.not_found(
-                    VERSION_RESOURCE,
-                    f"{row.name}@{version}",
-                    f"a turn without logprobs names version {version} of model {row.name!r}, which has no "
-                    f"sampler left to score it (sampleable: {self._store.sampleable_versions(row.name)})",
-                )
-            client = await self._models.sampling_client(path)
+            client = await self._models.sampling_client(sampler_path(self._store, row, version))
             result = await client.sample(
                 tinker.types.ModelInput.from_ints(prompt + list(turn.completion_token_ids)),
                 num_samples=1,
