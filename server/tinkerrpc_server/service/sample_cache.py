@@ -153,8 +153,8 @@ class SampleCache:
 
     def _drop_expired(self) -> None:
         now = self._clock()
-        # Entries are kept in use order, not expiry order: look at the oldest-used few only, which is
-        # where expired entries gather; the rest expire on lookup or fall out by the bounds.
+        # Entries are kept in use order, not expiry order: only the least recently used run of expired
+        # entries goes here; any other expired entry goes on lookup or falls out by the bounds.
         while self._entries:
             key, entry = next(iter(self._entries.items()))
             if entry.expires_at > now:
