@@ -138,6 +138,7 @@ def trajectory_to_proto(traj: Trajectory, out: pb.Trajectory | None = None) -> p
             completion_token_ids=turn.completion_token_ids,
             completion_logprobs=turn.logprobs,
             policy_version=turn.policy_version,
+            sample_key=turn.sample_key or None,
         )
     msg.reward = traj.reward
     msg.metrics.update(traj.metrics)
@@ -212,6 +213,7 @@ def metrics_from_proto(msg: pb.TrainMetrics) -> TrainMetrics:
         extra=dict(msg.extra),
         std_reward=msg.std_reward,
         learning_rate=msg.learning_rate,
+        scored_tokens=msg.scored_tokens,
     )
 
 
@@ -292,6 +294,7 @@ def samples_from_proto(msg: service_pb.SampleResponse) -> list[Sample]:
             token_bytes=tuple(seq.token_bytes),
             prompt_logprobs=prompt_logprobs,
             prompt_text=msg.prompt_text,
+            sample_key=seq.sample_key,
         )
         for seq in msg.sequences
     ]

@@ -134,12 +134,16 @@ def as_messages(messages: Iterable[MessageLike]) -> list[Message]:
 
 @dataclass(frozen=True)
 class SampledTurn:
-    """One completion exactly as the sampler produced it: the unit that trains, token-exact."""
+    """One completion exactly as the sampler produced it: the unit that trains, token-exact.
+
+    `logprobs` may be empty when `sample_key` names the server's copy of the sampler's logprobs (the
+    sidecar returns the key whether or not logprobs were asked); a turn with neither is scored at Train."""
 
     prompt_token_ids: tuple[int, ...]
     completion_token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     policy_version: int
+    sample_key: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))

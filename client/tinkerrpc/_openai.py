@@ -1,9 +1,10 @@
 """Sampled turns from the tinkerrpc sidecar's OpenAI chat completions and Responses.
 
 The sidecar answers like vLLM with RL extensions: the response carries `prompt_token_ids`, each
-choice `token_ids` and `policy_version`, and `logprobs.content[].logprob` holds the sampler's
-per-token logprobs. The `openai` client keeps such unknown fields, so both its pydantic objects
-and plain dicts are accepted; `openai` itself is never imported here.
+choice `token_ids`, `policy_version` and `sample_key`, and `logprobs.content[].logprob` holds the
+sampler's per-token logprobs when they were asked for (without them, the turn names the server's copy
+by its `sample_key`). The `openai` client keeps such unknown fields, so both its pydantic objects and
+plain dicts are accepted; `openai` itself is never imported here.
 """
 
 from __future__ import annotations
@@ -44,13 +45,15 @@ def turn_from_chat_completion(
         raise ValueError(
             f"choices[{choice_index}] has no token_ids: the completion must come from the tinkerrpc sidecar"
         )
+    sample_key = str(choice.get("sample_key") or "")
     logprob_entries = (choice.get("logprobs") or {}).get("content")
-    if logprob_entries is None:
+    if logprob_entries is None and not sample_key:
         raise ValueError(
-            f"choices[{choice_index}] has no logprobs: request the completion with logprobs=True"
+            f"choices[{choice_index}] has neither logprobs nor a sample_key: request the completion "
+            "with logprobs=True from the tinkerrpc sidecar"
         )
-    logprobs = [float(entry["logprob"]) for entry in logprob_entries]
-    if len(logprobs) != len(token_ids):
+    logprobs = [float(entry["logprob"]) for entry in logprob_entries or ()]
+    if logprob_entries is not None and len(logprobs) != len(token_ids):
         raise ValueError(
             f"choices[{choice_index}] has {len(logprobs)} logprobs for {len(token_ids)} token_ids"
         )
@@ -72,6 +75,7 @@ def turn_from_chat_completion(
         completion_token_ids=tuple(int(t) for t in token_ids),
         logprobs=tuple(logprobs),
         policy_version=int(policy_version),
+        sample_key=sample_key,
     )
     return message, turn
 
@@ -143,13 +147,15 @@ def turn_from_response(response: ResponseLike) -> tuple[Message, SampledTurn]:
         raise ValueError(
             "the response's output carries no token_ids: it must come from the tinkerrpc sidecar"
         )
+    sample_key = str(stamped.get("sample_key") or "")
     token_logprobs = stamped.get("token_logprobs")
-    if token_logprobs is None:
+    if token_logprobs is None and not sample_key:
         raise ValueError(
-            'the response has no logprobs: request it with include=["message.output_text.logprobs"]'
+            "the response has neither logprobs nor a sample_key: request it with "
+            'include=["message.output_text.logprobs"] from the tinkerrpc sidecar'
         )
     token_ids = stamped["token_ids"]
-    if len(token_logprobs) != len(token_ids):
+    if token_logprobs is not None and len(token_logprobs) != len(token_ids):
         raise ValueError(f"the response has {len(token_logprobs)} logprobs for {len(token_ids)} token_ids")
     content = "".join(
         _item_text(item.get("content"), f"output[{i}]")
@@ -164,7 +170,8 @@ def turn_from_response(response: ResponseLike) -> tuple[Message, SampledTurn]:
     turn = SampledTurn(
         prompt_token_ids=tuple(int(t) for t in stamped["prompt_token_ids"]),
         completion_token_ids=tuple(int(t) for t in token_ids),
-        logprobs=tuple(float(p) for p in token_logprobs),
+        logprobs=tuple(float(p) for p in token_logprobs or ()),
         policy_version=int(stamped["policy_version"]),
+        sample_key=sample_key,
     )
     return Message.assistant(content, calls), turn

@@ -55,9 +55,13 @@ class Sample:
     prompt_logprobs: tuple[float, ...] = ()
     # The prompt as text, when asked with return_prompt_text.
     prompt_text: str = ""
+    # The server's key for this sample's tokens and logprobs (SampledTurn.sample_key).
+    sample_key: str = ""
 
     def to_turn(self) -> SampledTurn:
-        return SampledTurn(self.prompt_token_ids, self.tokens, self.logprobs, self.policy_version)
+        return SampledTurn(
+            self.prompt_token_ids, self.tokens, self.logprobs, self.policy_version, self.sample_key
+        )
 
     def to_message(self) -> Message:
         """The parsed assistant message, or the raw text as one when the prompt was not chat."""
@@ -274,6 +278,8 @@ class TrainMetrics:
     extra: Mapping[str, float] = field(default_factory=dict)
     std_reward: float = 0.0
     learning_rate: float = 0.0
+    # Tokens the server had to score (turns without logprobs or a usable sample key).
+    scored_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -342,7 +348,8 @@ def check_trainable(groups: Sequence[TrajectoryGroup]) -> None:
             for k, turn in enumerate(traj.turns):
                 if not turn.completion_token_ids:
                     raise ValueError(f"{where}.turns[{k}] has no completion tokens")
-                if len(turn.logprobs) != len(turn.completion_token_ids):
+                # No logprobs: the server takes them from its sample cache or scores the turn.
+                if turn.logprobs and len(turn.logprobs) != len(turn.completion_token_ids):
                     raise ValueError(
                         f"{where}.turns[{k}] has {len(turn.logprobs)} logprobs for "
                         f"{len(turn.completion_token_ids)} completion tokens"

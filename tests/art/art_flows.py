@@ -27,7 +27,6 @@ import pytest
 
 import tinkerrpc
 from tinkerrpc.art import TinkerRPCBackend
-from tinkerrpc.art._backend import _score
 from tinkerrpc.art._trajectories import convert_groups
 
 BASE_MODEL = "tinkerrpc/tiny-chat"
@@ -115,7 +114,7 @@ async def yes_no_maybe(target: str, art_path: str) -> dict[str, Any]:
     assert await model.get_step() == SFT_STEPS
 
     openai_client = model.openai_client()
-    rewards = []
+    rewards, scored_tokens = [], []
     for _ in range(await model.get_step(), await model.get_step() + MAX_RL_STEPS):
         train_groups = await art.gather_trajectory_groups(
             (
@@ -129,11 +128,18 @@ async def yes_no_maybe(target: str, art_path: str) -> dict[str, Any]:
             break
         await model.delete_checkpoints()
         result = await backend.train(model, train_groups, learning_rate=4e-3)
+        scored_tokens.append(result.metrics["data/step_scored_tokens"])
         await model.log(train_groups, metrics=result.metrics, step=result.step, split="train")
         assert result.step == await model.get_step()
         assert model.get_inference_name() == f"{model.name}@{result.step}"
     await backend.close()
-    return {"rewards": rewards, "inference_base_url": model.inference_base_url}
+    # The rollouts asked for no logprobs: every Choice trained on the sampler's own, by its sample key.
+    assert scored_tokens and not any(scored_tokens), scored_tokens
+    return {
+        "rewards": rewards,
+        "inference_base_url": model.inference_base_url,
+        "scored_tokens": scored_tokens,
+    }
 
 
 async def reregister_and_score(target: str, art_path: str) -> dict[str, Any]:
@@ -148,8 +154,8 @@ async def reregister_and_score(target: str, art_path: str) -> dict[str, Any]:
     assert step > SFT_STEPS, "register gets the model the test above trained"
     assert model.get_inference_name() == f"{model.name}@{step}"
 
-    # A Choice with the sidecar's logprobs trains as sampled; the same Choice without them is scored
-    # by the server to the same prompt tokens and (within float error) the same logprobs.
+    # A Choice with the sidecar's logprobs trains as sampled; the same Choice without them names the
+    # server's copy of those logprobs by its sample key.
     messages: art.Messages = [{"role": "user", "content": "respond with yes, no or maybe"}]
     completion = await model.openai_client().chat.completions.create(
         messages=messages,
@@ -165,20 +171,17 @@ async def reregister_and_score(target: str, art_path: str) -> dict[str, Any]:
     with_logprobs = [art.Trajectory(messages_and_choices=[*messages, c]) for c in completion.choices]
     stripped = [c.model_copy(update={"logprobs": None}) for c in completion.choices]
     without = [art.Trajectory(messages_and_choices=[*messages, c]) for c in stripped]
-    sampled = convert_groups([art.TrajectoryGroup(with_logprobs)])
-    scored = convert_groups([art.TrajectoryGroup(without)])
-    assert not sampled.unscored and len(scored.unscored) == 2
-    async with tinkerrpc.AsyncClient(target) as client:
-        await _score(client.model(model.name), scored.unscored)
-    for as_sampled, as_scored, choice in zip(
-        sampled.groups[0].trajectories, scored.groups[0].trajectories, completion.choices, strict=True
+    (sampled,) = convert_groups([art.TrajectoryGroup(with_logprobs)])
+    (keyed,) = convert_groups([art.TrajectoryGroup(without)])
+    for as_sampled, as_keyed, choice in zip(
+        sampled.trajectories, keyed.trajectories, completion.choices, strict=True
     ):
         (turn,) = as_sampled.turns
-        (filled,) = as_scored.turns
-        assert turn.completion_token_ids == filled.completion_token_ids == tuple(choice.token_ids)  # type: ignore[attr-defined]
-        assert filled.prompt_token_ids == tuple(completion.prompt_token_ids)  # type: ignore[attr-defined]
-        assert filled.logprobs == pytest.approx(turn.logprobs, abs=1e-3)
-        assert as_sampled.messages == as_scored.messages
+        (named,) = as_keyed.turns
+        assert turn.completion_token_ids == named.completion_token_ids == tuple(choice.token_ids)  # type: ignore[attr-defined]
+        assert len(turn.logprobs) == len(turn.completion_token_ids) and named.logprobs == ()
+        assert named.sample_key == turn.sample_key == choice.sample_key  # type: ignore[attr-defined]
+        assert as_sampled.messages == as_keyed.messages
 
     # A group whose rewards are all equal carries no signal: no step is taken.
     flat = await backend.train(model, [art.TrajectoryGroup(with_logprobs)], learning_rate=4e-3)

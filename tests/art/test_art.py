@@ -51,10 +51,10 @@ def test_art_yes_no_maybe_reaches_the_target_reward(stack: LocalStack, tmp_path:
     assert result["inference_base_url"] == f"{stack.sidecar_url}/v1", "the hosted sidecar"
 
 
-def test_art_register_is_get_or_create_and_unscored_choices_match_the_sidecar(
+def test_art_register_is_get_or_create_and_choices_without_logprobs_carry_their_sample_key(
     stack: LocalStack, tmp_path: Path
 ) -> None:
     """After the test above: registering again gets its model (another shape is refused), a Choice
-    without logprobs is scored like the sidecar's own, a flat group takes no step, and ART's
+    without logprobs carries the sample key of the sidecar's own logprobs, a flat group takes no step, and ART's
     delete_checkpoints leaves the latest version's files only."""
     assert run_flow("reregister", stack, tmp_path / ".art")["step"] > 0

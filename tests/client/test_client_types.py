@@ -243,6 +243,26 @@ def test_openai_completion_without_rl_extensions_is_refused() -> None:
         tinkerrpc.Trajectory.from_openai([], sidecar_completion("hi", [5], 1), choice_index=1)
 
 
+def test_a_choice_without_logprobs_trains_by_its_sample_key() -> None:
+    keyed = sidecar_completion("hi", [5, 6], 1).model_dump()
+    keyed["choices"][0]["logprobs"] = None
+    keyed["choices"][0]["sample_key"] = "nonce.mac"
+    traj = tinkerrpc.Trajectory.from_openai([], keyed, reward=1.0)
+    assert traj.turns == [tinkerrpc.SampledTurn((1, 2, 3, 4), (5, 6), (), 1, "nonce.mac")]
+    turn = calls.train("run", [[traj]]).request.groups[0].trajectories[0].turns[0]
+    assert turn.sample_key == "nonce.mac" and not turn.completion_logprobs
+
+    sample = tinkerrpc.Sample(
+        (40,), (-0.1,), "x", None, "stop", 3, (1,), sample_key="k.m"
+    )  # from a Sample response: the key travels with the logprobs
+    assert tinkerrpc.Trajectory.from_sample([], sample).turns[0].sample_key == "k.m"
+    response = service_pb.SampleResponse(
+        sequences=[pb.SampledSequence(token_ids=[40], logprobs=[-0.1], sample_key="k.m")]
+    )
+    assert convert.samples_from_proto(response)[0].sample_key == "k.m"
+    assert convert.metrics_from_proto(pb.TrainMetrics(scored_tokens=7)).scored_tokens == 7
+
+
 def test_train_request_carries_a_fresh_idempotency_key_and_all_options() -> None:
     group = [tinkerrpc.Trajectory.from_sample([], make_sample(1), reward=1.0)]
     options: dict[str, Any] = {"loss": "ppo", "clip_low_threshold": 0.7, "max_staleness": 2}

@@ -1,6 +1,7 @@
 """An in-process stand-in for Tinker, for the fast service tests: exactly the part of the tinker SDK the
-service calls (ServiceClient: create the LoRA training client, load one from a state, RestClient: list and
-delete checkpoints, a training client's forward_backward, optim_step, saves and unload request).
+service calls (ServiceClient: create the LoRA training client, load one from a state, a sampling client
+that scores (prompt logprobs only), RestClient: list and delete checkpoints, a training client's
+forward_backward, optim_step, saves and unload request).
 
 Its model is deterministic bookkeeping, not arithmetic: a training client's `weights` is a digest of its
 starting point and of every step applied to it, in order (a forward_backward's datums, loss and config,
@@ -29,6 +30,8 @@ Value = TypeVar("Value")
 # Bytes the fake reports for each checkpoint (the listing's size_bytes).
 STATE_BYTES = 3000
 SAMPLER_BYTES = 1000
+# The logprob the fake sampling client gives every scored token.
+SCORED_LOGPROB = -2.0
 
 
 def _digest(*parts: object) -> str:
@@ -128,6 +131,9 @@ class FakeTinker:
             return _failed(LookupError(f"no state checkpoint at {path}"))
         return _resolved(self._new_client(saved.weights))
 
+    def create_sampling_client(self, model_path: str) -> asyncio.Future[FakeSamplingClient]:
+        return _resolved(FakeSamplingClient())
+
     # RestClient
 
     async def list_checkpoints(self, run_id: str) -> _Listing:
@@ -143,6 +149,8 @@ class FakeTrainingClient:
         self.model_id = model_id
         self.weights = weights
         self._gradient: str | None = None
+        # The last forward_backward's datums: (input tokens, loss inputs).
+        self.last_batch: list[tuple[list[int], dict[str, Any]]] = []
         self.holder = _FakeHolder(backend)
 
     def forward_backward(
@@ -154,6 +162,7 @@ class FakeTrainingClient:
             (d.model_input.to_ints(), {k: v.to_numpy().tolist() for k, v in d.loss_fn_inputs.items()})
             for d in datums
         ]
+        self.last_batch = batch
         self._gradient = _digest(self.weights, batch, loss_fn, loss_fn_config)
         return _resolved(_Output({"loss:sum": int(self._gradient[:8], 16) / 2**32}))
 
@@ -176,6 +185,28 @@ class FakeTrainingClient:
 
     def save_weights_for_sampler(self, name: str) -> asyncio.Future[_Saved]:
         return self._save("save_weights_for_sampler", "sampler_weights", name, SAMPLER_BYTES)
+
+
+@dataclass
+class _Scored:
+    prompt_logprobs: list[float | None]
+
+
+class FakeSamplingClient:
+    """Scores only: every token after the first gets SCORED_LOGPROB; `calls` counts the passes."""
+
+    calls = 0
+
+    async def sample(
+        self,
+        prompt: tinker.types.ModelInput,
+        num_samples: int,
+        sampling_params: tinker.types.SamplingParams,
+        include_prompt_logprobs: bool = False,
+    ) -> _Scored:
+        assert include_prompt_logprobs and num_samples == 1, "the fake only scores"
+        FakeSamplingClient.calls += 1
+        return _Scored([None] + [SCORED_LOGPROB] * (len(prompt.to_ints()) - 1))
 
 
 class _FakeHolder:

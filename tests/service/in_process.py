@@ -16,6 +16,7 @@ from tinkerrpc_server.service.checkpoints import Checkpoints
 from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.models import ModelRegistry
 from tinkerrpc_server.service.rendering import ChatCodecs
+from tinkerrpc_server.service.sample_cache import SampleCache
 from tinkerrpc_server.service.store import Store
 from tinkerrpc_server.service.training import NoStepHooks, StepHooks, Trainer
 
@@ -29,6 +30,7 @@ class InProcessService:
     models: ModelRegistry
     trainer: Trainer
     checkpoints: Checkpoints
+    sample_cache: SampleCache
 
     @classmethod
     def open(
@@ -39,14 +41,16 @@ class InProcessService:
         checkpoint_every: int = 1,
         limits: Limits | None = None,
         hooks: StepHooks | None = None,
+        sample_cache: SampleCache | None = None,
     ) -> InProcessService:
         """The service on the database `db` (a restart when it exists): its registry, as at start-up."""
         limits = limits or Limits()
         store = Store(db)
         backend = fake.backend()
         models = ModelRegistry(store, backend, codecs, limits)
-        trainer = Trainer(store, models, checkpoint_every, limits, hooks or NoStepHooks())
-        return cls(store, fake, models, trainer, Checkpoints(store, backend, models))
+        sample_cache = SampleCache() if sample_cache is None else sample_cache
+        trainer = Trainer(store, models, checkpoint_every, limits, hooks or NoStepHooks(), sample_cache)
+        return cls(store, fake, models, trainer, Checkpoints(store, backend, models), sample_cache)
 
     async def create(
         self, name: str, keep_sampler_versions: int | None = None, keep_state_checkpoints: int | None = None

@@ -133,6 +133,36 @@ def test_a_turn_without_prompt_ids_is_re_rendered_from_the_messages(
     assert response.policy_version == version + 1
 
 
+def _keyed_request(sample: pb.SampleResponse, keys: list[str]) -> pb.TrainRequest:
+    """The sampled sequences as trajectories without logprobs, each turn naming the given key."""
+    request = rl_request(MODEL, sample, [1.0, 0.0])
+    for trajectory, key in zip(request.groups[0].trajectories, keys, strict=True):
+        del trajectory.turns[0].completion_logprobs[:]
+        trajectory.turns[0].sample_key = key
+    return request
+
+
+def test_a_turn_naming_its_sample_key_trains_without_scoring_and_a_bad_key_is_scored(
+    stub: trainer_service_pb2_grpc.TrainerServiceStub,
+) -> None:
+    version = _version(stub)
+    sample = sample_chat(stub, MODEL, "respond with yes", n=2, max_tokens=3, seed=5, version=version)
+    keys = [s.sample_key for s in sample.sequences]
+    assert all(keys) and len(set(keys)) == 2
+    taken = stub.Train(_keyed_request(sample, keys), timeout=CALL_TIMEOUT)
+    assert taken.metrics.scored_tokens == 0 and taken.policy_version == version + 1
+
+    sample = sample_chat(stub, MODEL, "respond with no", n=2, max_tokens=3, seed=6, version=version + 1)
+    first, second = sample.sequences
+    nonce, mac = first.sample_key.split(".")
+    tampered = f"{nonce}.{mac[::-1]}"
+    # The second turn names the first sequence's key: genuine, but not of its tokens (unless equal).
+    mismatched = first.sample_key if list(first.token_ids) != list(second.token_ids) else "no.key"
+    scored = stub.Train(_keyed_request(sample, [tampered, mismatched]), timeout=CALL_TIMEOUT)
+    assert scored.metrics.scored_tokens == len(first.token_ids) + len(second.token_ids)
+    assert scored.policy_version == version + 2
+
+
 def test_idempotent_retry_applies_once(stub: trainer_service_pb2_grpc.TrainerServiceStub) -> None:
     version = _version(stub)
     sample = sample_chat(stub, MODEL, "respond with yes", n=4, max_tokens=3, seed=5, version=version)

@@ -283,10 +283,15 @@ def test_responses_rollouts_train_token_exact(stack: Stack, api: openai.OpenAI) 
         assert list(turn.prompt_token_ids) == chat_prompt and turn.policy_version == 0
         assert trajectory.messages[-1].content == response.output_text
         trajectories.append(trajectory)
+    # Without logprobs asked, the turn names the server's copy of them by its sample key; a response
+    # with neither is refused.
+    unasked = api.responses.create(model="compat-rl", input=USER, max_output_tokens=2).model_dump()
+    (keyed,) = tinkerrpc.Trajectory.from_openai_response(USER, unasked).turns
+    assert keyed.logprobs == () and keyed.sample_key == unasked["output"][0]["sample_key"]
+    for item in unasked["output"]:
+        item["sample_key"] = None
     with pytest.raises(ValueError, match="include="):
-        tinkerrpc.Trajectory.from_openai_response(
-            USER, api.responses.create(model="compat-rl", input=USER, max_output_tokens=2)
-        )  # type: ignore[arg-type]
+        tinkerrpc.Trajectory.from_openai_response(USER, unasked)
     result = model.train([tinkerrpc.TrajectoryGroup(trajectories)], learning_rate=1e-3)
     assert result.policy_version == 1 and result.metrics.trajectories_used == 2
     after = api.responses.create(model="compat-rl", input="hi", max_output_tokens=2)

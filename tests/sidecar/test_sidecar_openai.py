@@ -327,3 +327,24 @@ async def test_rollouts_through_the_sidecar_train_the_next_version(stack: Stack)
         metrics.split('tinkerrpc_sidecar_generated_tokens_total{route="/v1/chat/completions"} ')[1].split()[0]
     )
     assert generated >= 12
+
+
+def test_choices_sampled_without_logprobs_train_with_no_scoring(stack: Stack) -> None:
+    """The sidecar's every choice carries the sample key of the sampler's logprobs: a rollout that did
+    not ask for logprobs (the same seed with logprobs=True draws the same tokens) trains on the
+    server's copy of them, and Train scores nothing."""
+    model = stack.client.create_model("keyed", base_model="tinkerrpc/tiny-chat", lora_rank=8)
+    api = stack.openai()
+    request: dict[str, Any] = {"model": "keyed", "messages": USER, "max_tokens": 6, "n": 2, "seed": 7}
+    plain = api.chat.completions.create(**request)
+    shown = api.chat.completions.create(**request, logprobs=True)
+    trajectories = [
+        tinkerrpc.Trajectory.from_openai(USER, plain, reward=float(i), choice_index=i) for i in range(2)
+    ]
+    for i, trajectory in enumerate(trajectories):
+        (turn,) = trajectory.turns
+        assert plain.choices[i].logprobs is None and turn.logprobs == () and turn.sample_key
+        assert turn.completion_token_ids == tuple(extra(shown.choices[i], "token_ids"))
+        assert extra(shown.choices[i], "sample_key") != turn.sample_key  # one key per sample drawn
+    result = model.train([tinkerrpc.TrajectoryGroup(trajectories)], learning_rate=1e-3)
+    assert result.policy_version == 1 and result.metrics.scored_tokens == 0

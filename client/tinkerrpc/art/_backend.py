@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any, Literal, cast
@@ -14,10 +12,9 @@ from art import dev
 from tinkerrpc._async_client import AsyncClient, AsyncModel
 from tinkerrpc._channel import TlsOption
 from tinkerrpc._errors import FailedPreconditionError
-from tinkerrpc._messages import SampledTurn
 from tinkerrpc._openai_client import sidecar_connection
 from tinkerrpc._types import CheckpointInfo, SupervisedExample, TrainResult
-from tinkerrpc.art._trajectories import UnscoredTurn, convert_groups, sft_conversation
+from tinkerrpc.art._trajectories import convert_groups, sft_conversation
 from tinkerrpc.v1.errors_pb2 import ErrorReason
 
 LossName = Literal["cispo", "ppo", "importance_sampling", "dro", "stable_reinforce", "gspo"]
@@ -28,8 +25,6 @@ DEFAULT_ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
 LOSS_CONFIG_KEYS = ("clip_low_threshold", "clip_high_threshold", "beta")
 # SFT conversations per optimizer step when TrainSFTConfig.batch_size is "auto".
 AUTO_SFT_BATCH_SIZE = 32
-# Scoring requests in flight at once for Choices that came without logprobs.
-SCORING_CONCURRENCY = 32
 
 Model = art.Model[Any, Any]
 TrainableModel = art.TrainableModel[Any, Any]
@@ -143,17 +138,16 @@ class TinkerRPCBackend(art.Backend):
         if unknown:
             raise ValueError(f"loss_fn_config keys must be among {LOSS_CONFIG_KEYS}, got {sorted(unknown)}")
         handle = await self._handle(model)
-        converted = convert_groups(trajectory_groups)
-        metrics = {"data/step_num_groups_submitted": float(len(converted.groups))}
-        if not converted.groups:
+        groups = convert_groups(trajectory_groups)
+        metrics = {"data/step_num_groups_submitted": float(len(groups))}
+        if not groups:
             return art.TrainResult(step=await self._get_step(model), metrics=metrics)
-        await _score(handle, converted.unscored)
         adam = {**DEFAULT_ADAM, "learning_rate": learning_rate}
         if adam_params is not None:
             adam = {k: getattr(adam_params, k) for k in (*DEFAULT_ADAM, "learning_rate")}
         try:
             result = await handle.train(
-                converted.groups,
+                groups,
                 loss=loss_fn,
                 learning_rate=adam["learning_rate"],
                 adam_beta1=adam["beta1"],
@@ -174,7 +168,7 @@ class TinkerRPCBackend(art.Backend):
         if save_checkpoint:
             await handle.save_checkpoint()
         self._steps[model.name] = result.policy_version
-        trainable = len(converted.groups) - result.metrics.zero_variance_groups
+        trainable = len(groups) - result.metrics.zero_variance_groups
         metrics["data/step_num_groups_trainable"] = float(trainable)
         return art.TrainResult(step=result.policy_version, metrics={**metrics, **_art_metrics(result)})
 
@@ -229,43 +223,6 @@ def _art_metrics(result: TrainResult) -> dict[str, float]:
         "loss/learning_rate": m.learning_rate,
         "data/step_num_trajectories": float(m.trajectories_used),
         "data/step_trainer_tokens": float(m.trained_tokens),
+        "data/step_scored_tokens": float(m.scored_tokens),
         "time/step_trainer_s": m.step_seconds,
     }
-
-
-async def _score(handle: AsyncModel, unscored: list[UnscoredTurn]) -> None:
-    """Fill in each turn whose Choice came without logprobs: the server renders its prompt (once per
-    distinct conversation) and gives the sampled tokens' logprobs under the policy version that sampled
-    them, as prompt logprobs of prompt + completion (the policy at temperature 1)."""
-    limit = asyncio.Semaphore(SCORING_CONCURRENCY)
-    prompts: dict[str, asyncio.Task[tuple[int, ...]]] = {}
-
-    async def rendered(turn: UnscoredTurn) -> tuple[int, ...]:
-        async with limit:
-            samples = await handle.sample(
-                turn.history, max_tokens=1, tools=turn.trajectory.tools or None, seed=0
-            )
-        return samples[0].prompt_token_ids
-
-    async def fill(turn: UnscoredTurn) -> None:
-        key = json.dumps(
-            [[m.to_openai() for m in turn.history], [t.to_openai() for t in turn.trajectory.tools]],
-            sort_keys=True,
-        )
-        if key not in prompts:
-            prompts[key] = asyncio.ensure_future(rendered(turn))
-        prompt = await prompts[key]
-        async with limit:
-            samples = await handle.sample(
-                [*prompt, *turn.completion_token_ids],
-                max_tokens=1,
-                include_prompt_logprobs=True,
-                policy_version=turn.policy_version,
-                seed=0,
-            )
-        logprobs = samples[0].prompt_logprobs[len(prompt) :]
-        turn.trajectory.turns[turn.turn_index] = SampledTurn(
-            prompt, turn.completion_token_ids, logprobs, turn.policy_version
-        )
-
-    await asyncio.gather(*(fill(turn) for turn in unscored))

@@ -1,39 +1,22 @@
 """ART trajectories as tinkerrpc trajectories, token-exact.
 
 An ART `Trajectory` holds OpenAI messages and the `Choice`s its rollout got from the sidecar. Each
-Choice is a sampled turn: the sidecar stamps it with the sampled `token_ids` and the `policy_version`,
-and (when the request asked for logprobs) the sampler's logprob of each token. The turn's prompt is
-left for the server to re-render from the conversation before it, exactly as the sidecar rendered it.
-A Choice without logprobs is returned in `unscored` for the backend to score (see `_backend.py`).
+Choice is a sampled turn: the sidecar stamps it with the sampled `token_ids`, the `policy_version` and
+the `sample_key` under which the server keeps the sampler's logprobs, and (when the request asked for
+logprobs) those logprobs themselves. The turn's prompt is left for the server to re-render from the
+conversation before it, exactly as the sidecar rendered it. A Choice without logprobs trains on the
+server's copy named by its key; the server scores it only where that copy is gone or does not match.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import art
 
 from tinkerrpc._messages import Message, SampledTurn, Tool
 from tinkerrpc._types import Trajectory, TrajectoryGroup
-
-
-@dataclass
-class UnscoredTurn:
-    """A sampled turn whose Choice carried no logprobs: where it is, and what the backend must score."""
-
-    trajectory: Trajectory
-    turn_index: int
-    history: list[Message]
-    completion_token_ids: tuple[int, ...]
-    policy_version: int
-
-
-@dataclass
-class ConvertedGroups:
-    groups: list[TrajectoryGroup] = field(default_factory=list)
-    unscored: list[UnscoredTurn] = field(default_factory=list)
 
 
 def _as_dict(item: Any) -> Mapping[str, Any]:
@@ -54,7 +37,7 @@ def _message(raw: Mapping[str, Any]) -> Message:
     return Message.from_openai({**raw, "content": _text(raw.get("content"))})
 
 
-def convert_trajectory(trajectory: art.Trajectory, where: str, unscored: list[UnscoredTurn]) -> Trajectory:
+def convert_trajectory(trajectory: art.Trajectory, where: str) -> Trajectory:
     """The tinkerrpc Trajectory of an ART one: its messages, one turn per Choice, its reward and metrics."""
     if trajectory.additional_histories:
         raise ValueError(f"{where} has additional_histories: train each conversation as its own trajectory")
@@ -76,31 +59,26 @@ def convert_trajectory(trajectory: art.Trajectory, where: str, unscored: list[Un
                 f"{choice_where} is a Choice without token_ids/policy_version: sample through the "
                 "tinkerrpc sidecar (model.openai_client() after model.register(backend))"
             )
-        history = list(converted.messages)
         converted.messages.append(_message({"role": "assistant", **raw["message"]}))
         entries = (raw.get("logprobs") or {}).get("content")
         if entries is not None and len(entries) != len(token_ids):
             raise ValueError(f"{choice_where} has {len(entries)} logprobs for {len(token_ids)} token_ids")
         logprobs = tuple(float(e["logprob"]) for e in entries) if entries is not None else ()
         # No prompt ids: the server re-renders the conversation before this turn.
-        converted.turns.append(SampledTurn((), tuple(token_ids), logprobs, int(version)))
-        if entries is None:
-            unscored.append(
-                UnscoredTurn(converted, len(converted.turns) - 1, history, tuple(token_ids), int(version))
-            )
+        sample_key = str(raw.get("sample_key") or "")
+        converted.turns.append(SampledTurn((), tuple(token_ids), logprobs, int(version), sample_key))
     return converted
 
 
-def convert_groups(groups: Iterable[art.TrajectoryGroup]) -> ConvertedGroups:
+def convert_groups(groups: Iterable[art.TrajectoryGroup]) -> list[TrajectoryGroup]:
     """Every ART group with trajectories, converted; groups left empty by failed rollouts are skipped."""
-    result = ConvertedGroups()
+    result = []
     for g, group in enumerate(groups):
         trajectories = [
-            convert_trajectory(t, f"groups[{g}].trajectories[{i}]", result.unscored)
-            for i, t in enumerate(group.trajectories)
+            convert_trajectory(t, f"groups[{g}].trajectories[{i}]") for i, t in enumerate(group.trajectories)
         ]
         if trajectories:
-            result.groups.append(TrajectoryGroup(trajectories))
+            result.append(TrajectoryGroup(trajectories))
     return result
 
 

@@ -309,8 +309,16 @@ class SampledTurn(_message.Message):
     COMPLETION_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     COMPLETION_LOGPROBS_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    SAMPLE_KEY_FIELD_NUMBER: _builtins.int
     policy_version: _builtins.int
     """The policy version that sampled this turn (returned by Sample and by the sidecar)."""
+    sample_key: _builtins.str
+    """The `sample_key` of the SampledSequence this turn is (the sidecar's per-choice `sample_key`). A
+    turn without completion_logprobs that names a valid key whose cached tokens equal the turn's
+    prompt and completion takes the sampler's logprobs from the server's sample cache; any other turn
+    without logprobs is scored with a prompt-logprobs pass at its policy_version
+    (TrainMetrics.scored_tokens counts those tokens). Ignored when completion_logprobs are given.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The full prompt the sampler conditioned on (all earlier turns included)."""
@@ -322,7 +330,7 @@ class SampledTurn(_message.Message):
     @_builtins.property
     def completion_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Log-probability of each completion token under the sampling policy; same length as
-        completion_token_ids. Each must be finite and in [-1e4, 0]: no sampler emits a token of
+        completion_token_ids, or empty (see sample_key). Each must be finite and in [-1e4, 0]: no sampler emits a token of
         probability below e^-10000.
         """
 
@@ -333,12 +341,15 @@ class SampledTurn(_message.Message):
         completion_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         completion_logprobs: _abc.Iterable[_builtins.float] | None = ...,
         policy_version: _builtins.int = ...,
+        sample_key: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_sample_key", b"_sample_key", "sample_key", b"sample_key"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_logprobs", b"completion_logprobs", "completion_token_ids", b"completion_token_ids", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_sample_key", b"_sample_key", "completion_logprobs", b"completion_logprobs", "completion_token_ids", b"completion_token_ids", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids", "sample_key", b"sample_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__sample_key: _TypeAlias = _typing.Literal["sample_key"]  # noqa: Y015
+    _WhichOneofArgType__sample_key: _TypeAlias = _typing.Literal["_sample_key", b"_sample_key"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__sample_key) -> _WhichOneofReturnType__sample_key | None: ...
 
 Global___SampledTurn: _TypeAlias = SampledTurn  # noqa: Y015
 
@@ -803,12 +814,18 @@ class SampledSequence(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     TOKEN_TEXTS_FIELD_NUMBER: _builtins.int
     TOKEN_BYTES_FIELD_NUMBER: _builtins.int
+    SAMPLE_KEY_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """The completion decoded as text."""
     stop_reason: Global___StopReason.ValueType
     """Why generation ended."""
     policy_version: _builtins.int
     """The policy version that produced this completion."""
+    sample_key: _builtins.str
+    """An opaque, integrity-protected key under which the server keeps this sequence's tokens, sampler
+    logprobs and policy version for a while (bounded, expiring): name it in SampledTurn.sample_key
+    and Train takes those logprobs instead of scoring the turn.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Generated token ids (stop token included when one was emitted)."""
@@ -850,10 +867,11 @@ class SampledSequence(_message.Message):
         top_logprobs: _abc.Iterable[Global___TopLogprobs] | None = ...,
         token_texts: _abc.Iterable[_builtins.str] | None = ...,
         token_bytes: _abc.Iterable[_builtins.bytes] | None = ...,
+        sample_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "message", b"message", "policy_version", b"policy_version", "stop_reason", b"stop_reason", "text", b"text", "token_bytes", b"token_bytes", "token_ids", b"token_ids", "token_texts", b"token_texts", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "message", b"message", "policy_version", b"policy_version", "sample_key", b"sample_key", "stop_reason", b"stop_reason", "text", b"text", "token_bytes", b"token_bytes", "token_ids", b"token_ids", "token_texts", b"token_texts", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1190,6 +1208,7 @@ class TrainMetrics(_message.Message):
     EXTRA_FIELD_NUMBER: _builtins.int
     STD_REWARD_FIELD_NUMBER: _builtins.int
     LEARNING_RATE_FIELD_NUMBER: _builtins.int
+    SCORED_TOKENS_FIELD_NUMBER: _builtins.int
     loss: _builtins.float
     """Summed loss over all trained tokens (Tinker's `loss:sum`)."""
     mean_reward: _builtins.float
@@ -1216,6 +1235,11 @@ class TrainMetrics(_message.Message):
     """
     learning_rate: _builtins.float
     """The step's AdamParams.learning_rate."""
+    scored_tokens: _builtins.int
+    """Completion tokens of turns that came without logprobs and without a usable sample_key, which the
+    server scored with an extra prompt-logprobs pass before the step (0 when every turn carried
+    logprobs or a valid sample_key).
+    """
     @_builtins.property
     def staleness_histogram(self) -> _containers.ScalarMap[_builtins.int, _builtins.int]:
         """Staleness (current version - sampled version) -> number of trajectories."""
@@ -1241,10 +1265,11 @@ class TrainMetrics(_message.Message):
         extra: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         std_reward: _builtins.float = ...,
         learning_rate: _builtins.float = ...,
+        scored_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped_stale", b"dropped_stale", "dropped_zero_variance", b"dropped_zero_variance", "extra", b"extra", "learning_rate", b"learning_rate", "loss", b"loss", "mean_reward", b"mean_reward", "staleness_histogram", b"staleness_histogram", "std_reward", b"std_reward", "step_seconds", b"step_seconds", "tokens_per_second", b"tokens_per_second", "total_tokens", b"total_tokens", "trained_tokens", b"trained_tokens", "trajectories_used", b"trajectories_used", "zero_variance_groups", b"zero_variance_groups"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped_stale", b"dropped_stale", "dropped_zero_variance", b"dropped_zero_variance", "extra", b"extra", "learning_rate", b"learning_rate", "loss", b"loss", "mean_reward", b"mean_reward", "scored_tokens", b"scored_tokens", "staleness_histogram", b"staleness_histogram", "std_reward", b"std_reward", "step_seconds", b"step_seconds", "tokens_per_second", b"tokens_per_second", "total_tokens", b"total_tokens", "trained_tokens", b"trained_tokens", "trajectories_used", b"trajectories_used", "zero_variance_groups", b"zero_variance_groups"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -60,7 +60,7 @@ def _staleness(trajectory: types_pb2.Trajectory, current_version: int) -> int:
     return current_version - min(turn.policy_version for turn in trajectory.turns)
 
 
-def _turn_prompt(trajectory: types_pb2.Trajectory, turn_index: int, codec: ChatCodec) -> list[int]:
+def turn_prompt(trajectory: types_pb2.Trajectory, turn_index: int, codec: ChatCodec) -> list[int]:
     """The turn's prompt ids, or (only when it carries none) the conversation before its assistant message,
     re-rendered with the model's renderer."""
     turn = trajectory.turns[turn_index]
@@ -199,7 +199,7 @@ def rl_batch(
         for (t, trajectory), advantage in zip(fresh, advantages, strict=True):
             sequences = []
             for k, turn in enumerate(trajectory.turns):
-                prompt = _turn_prompt(trajectory, k, codec)
+                prompt = turn_prompt(trajectory, k, codec)
                 length = len(prompt) + len(turn.completion_token_ids)
                 if length > codec.max_context_length:
                     violations.add(

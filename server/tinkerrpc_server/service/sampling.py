@@ -26,6 +26,7 @@ from tinkerrpc_server.service.rendering import (
     thinking_variant,
     to_proto_message,
 )
+from tinkerrpc_server.service.sample_cache import SampleCache
 from tinkerrpc_server.service.store import ModelRow, Store
 from tinkerrpc_server.service.validation import check_prompt, check_prompt_tokens, check_sampling_params
 
@@ -267,11 +268,27 @@ async def _best_non_stop(
     return next((t, lp) for t, lp in alternatives if t not in stop_tokens)
 
 
+def sampler_path(store: Store, row: ModelRow, version: int) -> str:
+    """The sampler weights of the model at `version`; NOT_FOUND, naming the versions left, when gone."""
+    path = store.sampler_path(row.name, version)
+    if path is None:
+        raise errors.not_found(
+            VERSION_RESOURCE,
+            f"{row.name}@{version}",
+            f"model {row.name!r} has no sampleable version {version} "
+            f"(sampleable: {store.sampleable_versions(row.name)})",
+        )
+    return path
+
+
 class Sampler:
-    def __init__(self, store: Store, models: ModelRegistry, limits: Limits) -> None:
+    def __init__(
+        self, store: Store, models: ModelRegistry, limits: Limits, sample_cache: SampleCache
+    ) -> None:
         self._store = store
         self._models = models
         self._limits = limits
+        self._sample_cache = sample_cache
 
     async def sample(self, request: pb.SampleRequest) -> pb.SampleResponse:
         row = self._models.row(request.model)
@@ -294,14 +311,7 @@ class Sampler:
                 ) from err
 
     async def _sample(self, request: pb.SampleRequest, row: ModelRow, version: int) -> pb.SampleResponse:
-        path = self._store.sampler_path(row.name, version)
-        if path is None:
-            raise errors.not_found(
-                VERSION_RESOURCE,
-                f"{row.name}@{version}",
-                f"model {row.name!r} has no sampleable version {version} "
-                f"(sampleable: {self._store.sampleable_versions(row.name)})",
-            )
+        path = sampler_path(self._store, row, version)
         model_codec = await self._models.codec(row)
         check_prompt(request, model_codec.max_context_length)
         codec = await off_loop(lambda: _request_codec(request, model_codec))
@@ -340,6 +350,13 @@ class Sampler:
         sequences = await off_loop(
             lambda: [_sampled_sequence(sequence, request, version, codec, forced) for sequence in drawn]
         )
+        # Every sequence keeps its sampler logprobs, asked for or not: a trajectory naming the key trains on
+        # them without another forward pass.
+        for sequence in sequences:
+            if len(sequence.logprobs) == len(sequence.token_ids):
+                sequence.sample_key = self._sample_cache.put(
+                    row.name, version, prompt, list(sequence.token_ids), list(sequence.logprobs)
+                )
         if params.top_logprobs > 0:
             await asyncio.gather(
                 *(_fill_top_logprobs(client, prompt, seq, params, codec) for seq in sequences)

@@ -36,6 +36,7 @@ from tinkerrpc_server.service.history import History, Watch
 from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.models import ModelRegistry
 from tinkerrpc_server.service.rendering import ChatCodecs
+from tinkerrpc_server.service.sample_cache import SampleCache
 from tinkerrpc_server.service.sampling import Sampler
 from tinkerrpc_server.service.store import Store
 from tinkerrpc_server.service.training import StepHooks, Trainer
@@ -72,9 +73,10 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
         self._server_info = _server_info(backend, limits, hosting)
         self._models = ModelRegistry(store, backend, codecs, limits)
         self._supervisor = EngineSupervisor(backend, self._models, limits.backend_timeout)
-        self._trainer = Trainer(store, self._models, checkpoint_every, limits, step_hooks)
+        sample_cache = SampleCache()
+        self._trainer = Trainer(store, self._models, checkpoint_every, limits, step_hooks, sample_cache)
         self._checkpoints = Checkpoints(store, backend, self._models)
-        self._sampler = Sampler(store, self._models, limits)
+        self._sampler = Sampler(store, self._models, limits, sample_cache)
         self._exporter = Exporter(store, backend, self._models)
         self._history = History(store, self._models)
 

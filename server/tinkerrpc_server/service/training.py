@@ -28,7 +28,7 @@ import tinker
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server.service import errors, recovery
-from tinkerrpc_server.service.datums import Batch, build_batch
+from tinkerrpc_server.service.datums import Batch, build_batch, turn_prompt
 from tinkerrpc_server.service.deadlines import bounded
 from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.models import (
@@ -39,6 +39,9 @@ from tinkerrpc_server.service.models import (
     state_name,
 )
 from tinkerrpc_server.service.recovery import StepRecord
+from tinkerrpc_server.service.rendering import ChatCodec, off_loop
+from tinkerrpc_server.service.sample_cache import SampleCache
+from tinkerrpc_server.service.sampling import sampler_path
 from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE, CheckpointRow, ModelRow, Store
 from tinkerrpc_server.service.validation import (
     check_expected_version,
@@ -54,6 +57,8 @@ log = logging.getLogger("tinkerrpc.service")
 # The points of a step a fault test may stop the process at.
 StepPoint = Literal["after_optim", "after_sampler_save", "before_commit", "after_commit"]
 DEFAULT_DRO_BETA = 0.05
+# Scoring passes in flight at once for turns that came without logprobs or a usable sample key.
+SCORING_CONCURRENCY = 32
 
 
 class StepHooks(Protocol):
@@ -95,15 +100,32 @@ def _adam(adam: types_pb2.AdamParams) -> tinker.types.AdamParams:
     )
 
 
+def _turns_without_logprobs(request: pb.TrainRequest) -> list[tuple[types_pb2.Trajectory, int]]:
+    return [
+        (trajectory, k)
+        for group in request.groups
+        for trajectory in group.trajectories
+        for k, turn in enumerate(trajectory.turns)
+        if not turn.completion_logprobs
+    ]
+
+
 class Trainer:
     def __init__(
-        self, store: Store, models: ModelRegistry, checkpoint_every: int, limits: Limits, hooks: StepHooks
+        self,
+        store: Store,
+        models: ModelRegistry,
+        checkpoint_every: int,
+        limits: Limits,
+        hooks: StepHooks,
+        sample_cache: SampleCache,
     ) -> None:
         self._store = store
         self._models = models
         self._checkpoint_every = checkpoint_every
         self._limits = limits
         self._hooks = hooks
+        self._sample_cache = sample_cache
 
     async def train(self, request: pb.TrainRequest) -> pb.TrainResponse:
         runtime = self._models.runtime(request.model)
@@ -121,6 +143,7 @@ class Trainer:
             # A malformed request (a negative expected version among them) is INVALID_ARGUMENT first.
             check_train_request(request, row.policy_version, codec.vocab_size, codec.max_context_length)
             check_expected_version(row, request)
+            request, scored_tokens = await self._with_sampler_logprobs(request, row, codec)
             batch = await build_batch(request, row.policy_version, codec)
             if not batch.datums:
                 emptied_by = (
@@ -141,7 +164,9 @@ class Trainer:
             client = await self._models.training_client(request.model, runtime)
             runtime.dirty = True
             try:
-                response = await self._step(request, hashed, row, runtime, client, batch, started)
+                response = await self._step(
+                    request, hashed, row, runtime, client, batch, scored_tokens, started
+                )
             except (asyncio.CancelledError, errors.ServiceError) as ended:
                 if (
                     isinstance(ended, asyncio.CancelledError)
@@ -157,6 +182,62 @@ class Trainer:
             runtime.dirty = False
             self._hooks.reached("after_commit")
             return response
+
+    async def _with_sampler_logprobs(
+        self, request: pb.TrainRequest, row: ModelRow, codec: ChatCodec
+    ) -> tuple[pb.TrainRequest, int]:
+        """The request with every turn's completion logprobs filled in, and how many tokens that took
+        scoring: a turn without logprobs takes those the sample cache kept under its sample_key when the
+        key is genuine and names the turn's exact model, version, prompt and completion; any other such
+        turn is scored with a prompt-logprobs pass at its policy version (the policy at temperature 1)."""
+        if not _turns_without_logprobs(request):
+            return request, 0
+        filled = pb.TrainRequest()
+        filled.CopyFrom(request)
+        missing = _turns_without_logprobs(filled)
+        prompts = await off_loop(lambda: [turn_prompt(trajectory, k, codec) for trajectory, k in missing])
+        to_score: list[tuple[types_pb2.SampledTurn, list[int]]] = []
+        for (trajectory, k), prompt in zip(missing, prompts, strict=True):
+            turn = trajectory.turns[k]
+            cached = (
+                self._sample_cache.logprobs(
+                    turn.sample_key, row.name, turn.policy_version, prompt, list(turn.completion_token_ids)
+                )
+                if turn.HasField("sample_key")
+                else None
+            )
+            if cached is not None:
+                turn.completion_logprobs.extend(cached)
+            else:
+                to_score.append((turn, prompt))
+        limit = asyncio.Semaphore(SCORING_CONCURRENCY)
+
+        async def score(turn: types_pb2.SampledTurn, prompt: list[int]) -> None:
+            async with limit:
+                turn.completion_logprobs.extend(await self._scored(row, turn.policy_version, prompt, turn))
+
+        await asyncio.gather(*(score(turn, prompt) for turn, prompt in to_score))
+        return filled, sum(len(turn.completion_token_ids) for turn, _ in to_score)
+
+    async def _scored(
+        self, row: ModelRow, version: int, prompt: list[int], turn: types_pb2.SampledTurn
+    ) -> list[float]:
+        """The completion's logprobs under the policy at `version`: prompt logprobs of prompt + completion."""
+        with self._models.retention.pinned(row.name, version):
+            client = await self._models.sampling_client(sampler_path(self._store, row, version))
+            result = await client.sample(
+                tinker.types.ModelInput.from_ints(prompt + list(turn.completion_token_ids)),
+                num_samples=1,
+                sampling_params=tinker.types.SamplingParams(max_tokens=1, seed=0),
+                include_prompt_logprobs=True,
+            )
+        scored = (result.prompt_logprobs or [])[len(prompt) :]
+        logprobs = [lp for lp in scored if lp is not None]
+        if len(logprobs) != len(turn.completion_token_ids):
+            raise RuntimeError(
+                f"the backend scored {len(logprobs)} of {len(turn.completion_token_ids)} tokens"
+            )
+        return logprobs
 
     def _replay(self, request: pb.TrainRequest, hashed: str) -> pb.TrainResponse | None:
         """The recorded response of a request retried with its idempotency key."""
@@ -183,6 +264,7 @@ class Trainer:
         runtime: ModelRuntime,
         client: tinker.TrainingClient,
         batch: Batch,
+        scored_tokens: int,
         started: float,
     ) -> pb.TrainResponse:
         version = row.policy_version + 1
@@ -229,6 +311,7 @@ class Trainer:
                 std_reward=batch.std_reward,
                 learning_rate=request.adam.learning_rate,
                 trained_tokens=batch.trained_tokens,
+                scored_tokens=scored_tokens,
                 total_tokens=batch.total_tokens,
                 trajectories_used=batch.used,
                 dropped_stale=batch.dropped_stale,

@@ -64,6 +64,8 @@ MAX_LOSS_PARAMETER = 1e3
 # A sampler never emits a token of probability e^-10000; anything lower is not a sampling logprob.
 MIN_LOGPROB = -1e4
 MAX_ABS_REWARD = 1e6
+# A sample key the Sample RPC returns is 87 characters; anything much longer is no key of ours.
+MAX_SAMPLE_KEY_CHARS = 128
 # 0 is greedy; below the floor logits/temperature overflow fp32 (1e-40 gave NaN logprobs); above the
 # ceiling the distribution is uniform to fp32 precision.
 MIN_TEMPERATURE = 1e-3
@@ -225,7 +227,13 @@ def _check_trajectory(
             v.add(
                 f"{turn_field}.completion_token_ids", "empty: a sampled turn needs the completion token ids"
             )
-        if len(turn.completion_logprobs) != len(turn.completion_token_ids):
+        if len(turn.sample_key) > MAX_SAMPLE_KEY_CHARS:
+            v.add(
+                f"{turn_field}.sample_key",
+                f"{len(turn.sample_key)} characters, at most {MAX_SAMPLE_KEY_CHARS}",
+            )
+        # No logprobs: taken from the sample cache under a valid sample_key, else scored at Train.
+        if turn.completion_logprobs and len(turn.completion_logprobs) != len(turn.completion_token_ids):
             v.add(
                 f"{turn_field}.completion_logprobs",
                 f"{len(turn.completion_logprobs)} logprobs for {len(turn.completion_token_ids)} completion tokens",

@@ -9,7 +9,8 @@ sample_output.py (a Sample → stop-cut text, per-token pieces, logprob entries,
 authentication and the error handlers. Model ids are `name` (latest policy version) or `name@N` (pinned);
 responses echo `name@N` for the version that sampled them. RL extensions, named as in vLLM:
 requests take `top_k`, `stop_token_ids`, `ignore_eos`, `return_tokens_as_token_ids`; responses
-carry `prompt_token_ids`, per-choice `token_ids` and `policy_version` (`return_token_ids`
+carry `prompt_token_ids`, per-choice `token_ids`, `policy_version` and `sample_key` (the server's key
+for the sampler's logprobs, which a trajectory names to train without them; `return_token_ids`
 true/false forces them in or out).
 
 `app.create_app` builds the FastAPI app, `app.run_sidecar` serves it as a process and

@@ -197,6 +197,7 @@ def build_chat_completion(
                 logprobs=logprobs,
                 token_ids=list(sample.tokens),
                 policy_version=sample.policy_version,
+                sample_key=sample.sample_key or None,
             )
         )
     return ChatCompletion(**head.body_fields(samples), choices=choices)
@@ -230,6 +231,7 @@ def chat_stream_chunks(
             yield chunk([first])
             continue
         first.token_ids, first.policy_version = list(sample.tokens), sample.policy_version
+        first.sample_key = sample.sample_key or None
         yield chunk(
             [first],
             prompt_token_ids=list(sample.prompt_token_ids) if index == 0 else None,

@@ -119,6 +119,7 @@ def build_completion(
             else None,
             token_ids=list(sample.tokens),
             policy_version=sample.policy_version,
+            sample_key=sample.sample_key or None,
         )
         for index, sample in enumerate(samples)
     ]
@@ -165,6 +166,7 @@ def completion_stream_chunks(
                 yield chunk([choice])
                 continue
             choice.token_ids, choice.policy_version = list(sample.tokens), sample.policy_version
+            choice.sample_key = sample.sample_key or None
             yield chunk(
                 [choice], prompt_token_ids=list(sample.prompt_token_ids), policy_version=head.policy_version
             )

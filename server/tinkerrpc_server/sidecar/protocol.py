@@ -248,6 +248,8 @@ class ChatChoice(BaseModel):
     # RL extensions: the sampled token ids and the version that produced them.
     token_ids: list[int]
     policy_version: int
+    # RL extension: the server's key for the sampler's logprobs of these tokens (SampledTurn.sample_key).
+    sample_key: str | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -283,6 +285,7 @@ class ChatChunkChoice(BaseModel):
     finish_reason: FinishReason | None = None
     token_ids: list[int] | None = None
     policy_version: int | None = None
+    sample_key: str | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -310,6 +313,7 @@ class CompletionChoice(BaseModel):
     logprobs: LegacyLogprobs | None
     token_ids: list[int] | None = None
     policy_version: int | None = None
+    sample_key: str | None = None
 
 
 class Completion(BaseModel):
@@ -459,6 +463,7 @@ class _OutputItem(BaseModel):
     prompt_token_ids: list[int] | None = None
     policy_version: int | None = None
     token_logprobs: list[float] | None = None
+    sample_key: str | None = None
 
 
 class OutputMessage(_OutputItem):

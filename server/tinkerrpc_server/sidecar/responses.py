@@ -144,6 +144,7 @@ def build_response(
             token_ids=list(sample.tokens),
             prompt_token_ids=list(sample.prompt_token_ids),
             policy_version=sample.policy_version,
+            sample_key=sample.sample_key or None,
             token_logprobs=list(sample.logprobs) if request.logprobs_asked else None,
         )
     output: list[OutputMessage | OutputFunctionCall] = []
