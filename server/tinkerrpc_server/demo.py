@@ -486,6 +486,9 @@ async def run_arithmetic_against(
             f"arithmetic-{int(time.time())}-{random.Random().randrange(10**6)}",
             base_model=arithmetic.BASE_MODEL,
             lora_rank=config.lora_rank,
+            # The pretrained unembedding is what the model already knows how to write with; a LoRA on
+            # it (tied to the input embedding here) moves every token's score at once.
+            train_unembed=False,
             renderer=arithmetic.RENDERER,
             seed=config.seed,
         )
