@@ -75,7 +75,10 @@ def _sampler_paths(engine: InProcessEngine, model_id: str) -> set[str]:
 def _train_step(client: tinker.TrainingClient) -> None:
     datum = types.Datum(
         model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
-        loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "weights": [1.0, 1.0, 1.0, 1.0]},
+        loss_fn_inputs={
+            "target_tokens": types.TensorData(data=[2, 3, 4, 5], dtype="int64", shape=[4]),
+            "weights": types.TensorData(data=[1.0] * 4, dtype="float32", shape=[4]),
+        },
     )
     client.forward_backward([datum], "cross_entropy").result(timeout=120)
     client.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=120)

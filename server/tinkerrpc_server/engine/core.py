@@ -429,7 +429,7 @@ class Engine:
     def _supersede_unnamed_snapshots(self, model_id: str) -> None:
         now = time.monotonic()
         with self._snapshots_lock:
-            for snapshot in self._unnamed_snapshots.get(model_id, {}).values():
+            for snapshot in self._unnamed_snapshots.get(model_id, OrderedDict()).values():
                 if snapshot.current:
                     snapshot.current, snapshot.last_used = False, now
 
@@ -475,7 +475,8 @@ class Engine:
         now = time.monotonic()
         with self._snapshots_lock:
             model_id = model_path.removeprefix("tinker://").split("/", 1)[0]
-            snapshot = self._unnamed_snapshots.get(model_id, {}).get(model_path)
+            kept = self._unnamed_snapshots.get(model_id)
+            snapshot = kept.get(model_path) if kept is not None else None
             if snapshot is not None:
                 snapshot.last_used = now
 
