@@ -78,10 +78,17 @@ def _metrics(log_path: Path) -> list[dict[str, Any]]:
     ]
 
 
-def _run(engine: LocalEngine, loop: str, log_path: Path, *, kill_at_checkpoint: int | None = None) -> None:
+def _run(
+    engine: LocalEngine,
+    loop: str,
+    log_path: Path,
+    *,
+    kill_at_checkpoint: int | None = None,
+    extra: tuple[str, ...] = (),
+) -> None:
     """Run a loop to the end, or SIGKILL it once its checkpoint of batch `kill_at_checkpoint` is recorded."""
     command = [sys.executable, str(RUNNER), loop, str(log_path), "--steps", str(STEPS)]
-    command += ["--save-every", str(SAVE_EVERY), "--eval-every", "2"]
+    command += ["--save-every", str(SAVE_EVERY), "--eval-every", "2", *extra]
     output = log_path.parent / f"{log_path.name}-{loop}-{'killed' if kill_at_checkpoint else 'resumed'}.out"
     with open(output, "wb") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=_loop_env(engine))
@@ -191,6 +198,18 @@ def test_rl_loop_trains_evaluates_checkpoints_and_resumes(engine: LocalEngine, t
     assert last > first + 0.1, reward
     evaluated = [line for line in metrics if "test/env/all/reward/total" in line]
     assert sorted(int(line["step"]) for line in evaluated) == [0, 2, 4, 6], evaluated
+    _assert_checkpoints_kept(engine, log_path)
+
+
+def test_async_rl_loop_samples_off_policy_and_trains(engine: LocalEngine, tmp_path: Path) -> None:
+    """The cookbook's AsyncConfig loop samples from sampling clients of older unnamed snapshots while
+    newer ones exist (the engine keeps a snapshot while a client uses it) and trains every step."""
+    log_path = tmp_path / "rl-async"
+    _run(engine, "rl", log_path, extra=("--off-policy", "2"))
+    output = (log_path.parent / "rl-async-rl-resumed.out").read_text()
+    assert "were deleted" not in output, output[-3000:]
+    trained = [int(line["step"]) for line in _metrics(log_path) if "env/all/reward/total" in line]
+    assert trained == list(range(STEPS)), trained
     _assert_checkpoints_kept(engine, log_path)
 
 
