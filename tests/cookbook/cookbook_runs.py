@@ -161,7 +161,13 @@ class EvenTokensDatasetBuilder(RLDatasetBuilder):
         return EvenTokensDataset([batch() for _ in range(self.steps)]), EvenTokensDataset([batch()])
 
 
-def rl_config(log_path: str, steps: int, save_every: int, eval_every: int) -> rl_train.Config:
+def rl_config(
+    log_path: str, steps: int, save_every: int, eval_every: int, off_policy: int = 0
+) -> rl_train.Config:
+    """`off_policy` > 0: the async loop (AsyncConfig), sampling up to that many steps behind training."""
+    async_config = (
+        rl_train.AsyncConfig(max_steps_off_policy=off_policy, groups_per_batch=4) if off_policy > 0 else None
+    )
     return rl_train.Config(
         log_path=log_path,
         model_name=MODEL,
@@ -174,6 +180,7 @@ def rl_config(log_path: str, steps: int, save_every: int, eval_every: int) -> rl
         save_every=save_every,
         eval_every=eval_every,
         num_groups_to_log=0,
+        async_config=async_config,
     )
 
 
@@ -184,11 +191,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--save-every", type=int, default=2)
     parser.add_argument("--eval-every", type=int, default=2)
+    parser.add_argument("--off-policy", type=int, default=0, help="rl: run the async loop (AsyncConfig)")
     args = parser.parse_args()
     if args.loop == "sft":
         asyncio.run(sl_train.main(sft_config(args.log_path, args.steps, args.save_every, args.eval_every)))
     else:
-        asyncio.run(rl_train.main(rl_config(args.log_path, args.steps, args.save_every, args.eval_every)))
+        config = rl_config(args.log_path, args.steps, args.save_every, args.eval_every, args.off_policy)
+        asyncio.run(rl_train.main(config))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import tinker
 
+from tinkerrpc_server.engine.core import UNNAMED_SNAPSHOTS_KEPT_PER_MODEL
 from tinkerrpc_server.local.stack import LocalEngine
 
 RUNNER = Path(__file__).with_name("cookbook_runs.py")
@@ -77,10 +78,17 @@ def _metrics(log_path: Path) -> list[dict[str, Any]]:
     ]
 
 
-def _run(engine: LocalEngine, loop: str, log_path: Path, *, kill_at_checkpoint: int | None = None) -> None:
+def _run(
+    engine: LocalEngine,
+    loop: str,
+    log_path: Path,
+    *,
+    kill_at_checkpoint: int | None = None,
+    extra: tuple[str, ...] = (),
+) -> None:
     """Run a loop to the end, or SIGKILL it once its checkpoint of batch `kill_at_checkpoint` is recorded."""
     command = [sys.executable, str(RUNNER), loop, str(log_path), "--steps", str(STEPS)]
-    command += ["--save-every", str(SAVE_EVERY), "--eval-every", "2"]
+    command += ["--save-every", str(SAVE_EVERY), "--eval-every", "2", *extra]
     output = log_path.parent / f"{log_path.name}-{loop}-{'killed' if kill_at_checkpoint else 'resumed'}.out"
     with open(output, "wb") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=_loop_env(engine))
@@ -124,8 +132,8 @@ def _assert_resumed_from_checkpoint(metrics: list[dict[str, Any]], killed_lines:
 def _assert_checkpoints_kept(engine: LocalEngine, log_path: Path) -> None:
     """Every checkpoint the loop recorded exists on the engine: periodic ones with the cookbook's TTL as
     their expiry, the final one without; of the unnamed sampler snapshots (ephemeral: the SDK's
-    save_weights_for_sampler without a name, one per RL step or evaluation), only each training
-    client's newest may remain."""
+    save_weights_for_sampler without a name, one per RL step or evaluation), at most the engine's cap
+    per training client remain while the loop's session has not finished."""
     records = _checkpoints(log_path)
     assert [r["name"] for r in records][-1] == "final"
     model_ids = {r["state_path"].removeprefix("tinker://").split("/")[0] for r in records}
@@ -147,7 +155,7 @@ def _assert_checkpoints_kept(engine: LocalEngine, log_path: Path) -> None:
     unnamed = [path for path in stored if path not in named]
     assert all("/sampler_weights/" in path for path in unnamed), unnamed
     per_model = [path.removeprefix("tinker://").split("/")[0] for path in unnamed]
-    assert len(per_model) == len(set(per_model)), f"superseded ephemeral snapshots kept: {unnamed}"
+    assert all(per_model.count(m) <= UNNAMED_SNAPSHOTS_KEPT_PER_MODEL for m in per_model), unnamed
     _assert_sessions_finish(engine, model_ids, named)
 
 
@@ -190,6 +198,18 @@ def test_rl_loop_trains_evaluates_checkpoints_and_resumes(engine: LocalEngine, t
     assert last > first + 0.1, reward
     evaluated = [line for line in metrics if "test/env/all/reward/total" in line]
     assert sorted(int(line["step"]) for line in evaluated) == [0, 2, 4, 6], evaluated
+    _assert_checkpoints_kept(engine, log_path)
+
+
+def test_async_rl_loop_samples_off_policy_and_trains(engine: LocalEngine, tmp_path: Path) -> None:
+    """The cookbook's AsyncConfig loop samples from sampling clients of older unnamed snapshots while
+    newer ones exist (the engine keeps a snapshot while a client uses it) and trains every step."""
+    log_path = tmp_path / "rl-async"
+    _run(engine, "rl", log_path, extra=("--off-policy", "2"))
+    output = (log_path.parent / "rl-async-rl-resumed.out").read_text()
+    assert "were deleted" not in output, output[-3000:]
+    trained = [int(line["step"]) for line in _metrics(log_path) if "env/all/reward/total" in line]
+    assert trained == list(range(STEPS)), trained
     _assert_checkpoints_kept(engine, log_path)
 
 

@@ -73,18 +73,32 @@ class _Saved:
 @dataclass(frozen=True)
 class _Output:
     metrics: dict[str, float]
+    loss_fn_outputs: list[dict[str, tinker.types.TensorData]] = field(default_factory=list)
+
+
+# The per-token logprob the fake returns when it reports no `loss:sum` (reports_loss_sum=False).
+RETURNED_LOGPROB = -0.25
 
 
 @dataclass
 class FakeTinker:
     """The backend's state: every checkpoint by tinker path, the training clients it holds, and the
-    operations told to fail once (`fail_next`: "forward_backward", "optim_step", "save_state", ...)."""
+    operations told to fail once (`fail_next`: "forward_backward", "optim_step", "save_state",
+    "create_training_client_from_state_with_optimizer", ...).
+
+    Switches for a Tinker-compatible backend that is not Tinker: `reports_loss_sum=False` sends no
+    `loss:sum` metric, only per-token logprobs in loss_fn_outputs; `lists_other_path_form=True` lists
+    each checkpoint under another path than its save answered (tinker://<run>/listed/<kind>/<name>) and
+    refuses to delete by the answered one."""
 
     checkpoints: dict[str, FakeCheckpoint] = field(default_factory=dict)
     live_clients: set[str] = field(default_factory=set)
     # Every training client made, in order: what tests compare rebuilt ones with.
     clients: list[FakeTrainingClient] = field(default_factory=list)
     fail_next: set[str] = field(default_factory=set)
+    reports_loss_sum: bool = True
+    lists_other_path_form: bool = False
+    refused_deletes: list[str] = field(default_factory=list)
     _run_numbers: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
     def backend(self) -> Backend:
@@ -126,6 +140,8 @@ class FakeTinker:
     def create_training_client_from_state_with_optimizer(
         self, path: str
     ) -> asyncio.Future[FakeTrainingClient]:
+        if self.failing("create_training_client_from_state_with_optimizer"):
+            return _failed(LookupError(f"the backend refused to load {path}"))
         saved = self.checkpoints.get(path)
         if saved is None or "/weights/" not in path:
             return _failed(LookupError(f"no state checkpoint at {path}"))
@@ -140,6 +156,12 @@ class FakeTinker:
         return _Listing([c for path, c in self.checkpoints.items() if path.startswith(f"tinker://{run_id}/")])
 
     async def delete_checkpoint_from_tinker_path(self, path: str) -> None:
+        if self.lists_other_path_form:
+            answered = [key for key, c in self.checkpoints.items() if c.tinker_path == path]
+            if not answered:
+                self.refused_deletes.append(path)
+                raise ValueError(f"Invalid tinker path {path}")
+            path = answered[0]
         self.checkpoints.pop(path, None)
 
 
@@ -164,6 +186,16 @@ class FakeTrainingClient:
         ]
         self.last_batch = batch
         self._gradient = _digest(self.weights, batch, loss_fn, loss_fn_config)
+        if not self._backend.reports_loss_sum:
+            outputs = [
+                {
+                    "logprobs": tinker.types.TensorData(
+                        data=[RETURNED_LOGPROB] * d.model_input.length, dtype="float32"
+                    )
+                }
+                for d in datums
+            ]
+            return _resolved(_Output({}, outputs))
         return _resolved(_Output({"loss:sum": int(self._gradient[:8], 16) / 2**32}))
 
     def optim_step(self, adam: tinker.types.AdamParams) -> asyncio.Future[_Output]:
@@ -177,7 +209,12 @@ class FakeTrainingClient:
         if self._backend.failing(operation):
             return _failed(RuntimeError(f"{operation} failed"))
         path = f"tinker://{self.model_id}/{folder}/{name}"
-        self._backend.checkpoints[path] = FakeCheckpoint(path, f"{folder}/{name}", size, self.weights)
+        listed = (
+            f"tinker://{self.model_id}/listed/{folder}/{name}"
+            if self._backend.lists_other_path_form
+            else path
+        )
+        self._backend.checkpoints[path] = FakeCheckpoint(listed, f"{folder}/{name}", size, self.weights)
         return _resolved(_Saved(path))
 
     def save_state(self, name: str) -> asyncio.Future[_Saved]:

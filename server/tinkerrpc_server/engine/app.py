@@ -25,7 +25,12 @@ from fastapi.responses import JSONResponse
 from tinkerrpc_server.engine import protocol
 from tinkerrpc_server.engine.auth import ApiKeyMiddleware
 from tinkerrpc_server.engine.compute.scheduler import BatchPolicy
-from tinkerrpc_server.engine.core import DEFAULT_SESSION_TIMEOUT_SECONDS, Engine, NotFound
+from tinkerrpc_server.engine.core import (
+    DEFAULT_SESSION_TIMEOUT_SECONDS,
+    DEFAULT_SNAPSHOT_GRACE_SECONDS,
+    Engine,
+    NotFound,
+)
 from tinkerrpc_server.engine.routes import models, sampling, training, weights
 from tinkerrpc_server.engine.routes.common import future
 from tinkerrpc_server.engine.signed_urls import Forbidden
@@ -62,11 +67,12 @@ def create_app(
     device: str | None = None,
     dtype: str | None = None,
     policy: BatchPolicy | None = None,
+    snapshot_grace: float = DEFAULT_SNAPSHOT_GRACE_SECONDS,
 ) -> FastAPI:
     """The engine's app; with `api_key`, every request but the health check and signed downloads needs
-    it (engine.auth), with None the engine serves anyone who reaches its port. `device`, `dtype` and
-    `policy` as in core.Engine."""
-    engine = Engine(data_dir, model_dir, session_timeout, device, dtype, policy)
+    it (engine.auth), with None the engine serves anyone who reaches its port. `device`, `dtype`,
+    `policy` and `snapshot_grace` as in core.Engine."""
+    engine = Engine(data_dir, model_dir, session_timeout, device, dtype, policy, snapshot_grace)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -8,10 +8,14 @@ Bounded by what clients are still using: a training client's adapter and optimiz
 it is unloaded (`unload_model`, which the service sends when it drops a training client: restore,
 rollback, cancelled step, DeleteModel) or when the session that created it finishes: the client finishes
 it, or stops sending the SDK's heartbeats (every 10 s) for the session timeout. An unnamed
-`save_weights_for_sampler` snapshot is ephemeral: the next unnamed snapshot of the same training client,
-its unload, or an engine restart deletes it. Checkpoints saved with `ttl_seconds` are deleted by a sweep
+`save_weights_for_sampler` snapshot is ephemeral: once a newer unnamed snapshot of the same training
+client supersedes it (or the client is unloaded) it is deleted as soon as no sampling session and no
+sample request in flight refers to it and the snapshot grace has passed since the last one did, so an
+off-policy rollout still sampling from an older client finishes; at most UNNAMED_SNAPSHOTS_KEPT_PER_MODEL
+stay on disk per training client (past it the oldest go, unused ones first), and an engine restart
+deletes them all. Checkpoints saved with `ttl_seconds` are deleted by a sweep
 every SWEEP_INTERVAL_SECONDS once it has passed (and are unknown from that moment on); the same sweep
-finishes silent sessions.
+finishes silent sessions and deletes the unnamed snapshots nothing uses any more.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -50,7 +54,6 @@ from tinkerrpc_server.engine.storage import (
     UnknownPathError,
     directory_size,
     now_iso,
-    parse_tinker_path,
 )
 from tinkerrpc_server.engine.worker import ComputeWorker
 from tinkerrpc_server.model_store import UnknownBaseModelError, listed_builtin_models, resolve_base_model
@@ -65,6 +68,13 @@ SWEEP_INTERVAL_SECONDS = 30.0
 DEFAULT_SESSION_TIMEOUT_SECONDS = 120.0
 # Finished session ids remembered so their heartbeats answer 410 (the SDK then stops its loop).
 _FINISHED_SESSIONS_REMEMBERED = 4096
+# How long a superseded unnamed sampler snapshot stays after its last sampling session or request let go
+# of it: a rollout holding a sampling client between requests (the SDK keeps no session per client)
+# still finds its weights.
+DEFAULT_SNAPSHOT_GRACE_SECONDS = 10.0
+# Unnamed sampler snapshots kept per training client, its newest included: disk stays bounded however
+# many sampling clients an async RL loop holds (each is one adapter's size).
+UNNAMED_SNAPSHOTS_KEPT_PER_MODEL = 8
 # Sequenced requests remembered per training client, so a resent one is recognised (see submit_training).
 _SEQUENCED_REMEMBERED = 256
 
@@ -89,6 +99,15 @@ class Sampler:
     weights_dir: Path | None
 
 
+@dataclass
+class UnnamedSnapshot:
+    model_id: str
+    checkpoint_id: str
+    tinker_path: str
+    last_used: float  # time.monotonic() when a sampling session or request last let go of it
+    current: bool = True  # its training client's newest, while that client is live
+
+
 def classify_error(exc: BaseException) -> FailedResult:
     if isinstance(exc, _USER_ERRORS):
         return FailedResult(str(exc), "user")
@@ -105,11 +124,16 @@ class Engine:
         device: str | None = None,
         dtype: str | None = None,
         policy: BatchPolicy | None = None,
+        snapshot_grace: float = DEFAULT_SNAPSHOT_GRACE_SECONDS,
     ) -> None:
         """`device` and `dtype` place every base model (runtime.resolve_placement; None: the default),
-        `policy` batches its samples (default: continuous batching)."""
+        `policy` batches its samples (default: continuous batching), `snapshot_grace` is how long an
+        unused superseded unnamed snapshot stays (seconds)."""
         if not 0 < session_timeout < float("inf"):
             raise ValueError(f"session timeout must be a positive number of seconds, got {session_timeout}")
+        if not 0 < snapshot_grace <= 3600:
+            raise ValueError(f"snapshot grace must be in (0, 3600] seconds, got {snapshot_grace}")
+        self.snapshot_grace = snapshot_grace
         self.model_dir = model_dir
         self._device, self._dtype, self._policy = device, dtype, policy
         self.session_timeout = session_timeout
@@ -121,8 +145,10 @@ class Engine:
         self._runtimes: dict[Path, BaseModelRuntime] = {}
         self._live_models: dict[str, str] = {}  # model_id -> base model, adapters present in a runtime
         self._samplers: dict[str, Sampler] = {}
-        # model_id -> tinker path of its latest unnamed sampler snapshot, deleted when superseded.
-        self._unnamed_snapshots: dict[str, str] = {}
+        self._snapshots_lock = threading.Lock()
+        # model_id -> tinker path -> its unnamed sampler snapshots on disk, oldest first.
+        self._unnamed_snapshots: dict[str, OrderedDict[str, UnnamedSnapshot]] = {}
+        self._samples_in_flight: Counter[str] = Counter()  # model path -> sample requests not answered
         self._sequenced_lock = threading.Lock()
         # model_id -> seq_id -> (operation, request id) of its recent sequenced requests.
         self._sequenced: dict[str, OrderedDict[int, tuple[str, str]]] = {}
@@ -139,13 +165,15 @@ class Engine:
         self.storage.close()
 
     def _sweep_expired(self) -> None:
-        while not self._stopped.wait(min(SWEEP_INTERVAL_SECONDS, self.session_timeout / 4)):
+        interval = min(SWEEP_INTERVAL_SECONDS, self.session_timeout / 4, self.snapshot_grace / 2)
+        while not self._stopped.wait(interval):
             try:
                 for record in self.storage.delete_expired(time.time()):
                     log.info("checkpoint %s expired and was deleted", record.tinker_path)
                 for session_id in self._silent_sessions(time.monotonic()):
                     log.info("session %s sent nothing for %.0f s: finished", session_id, self.session_timeout)
                     self.finish_session(session_id)
+                self.delete_unused_snapshots(time.monotonic())
             except Exception:
                 log.exception("the engine's sweep failed")
 
@@ -227,7 +255,7 @@ class Engine:
         del self._live_models[model_id]
         with self._sequenced_lock:
             self._sequenced.pop(model_id, None)
-        self._drop_unnamed_snapshot(model_id)
+        self._supersede_unnamed_snapshots(model_id)
         log.info("model %s unloaded", model_id)
 
     def queue_unload(self, model_id: str) -> str:
@@ -247,7 +275,9 @@ class Engine:
     def forget_session_samplers(self, session_id: str) -> None:
         prefix = f"{session_id}:sample:"
         for sampler_id in [s for s in list(self._samplers) if s.startswith(prefix)]:
-            self._samplers.pop(sampler_id, None)
+            sampler = self._samplers.pop(sampler_id, None)
+            if sampler is not None and sampler.model_path is not None:
+                self._snapshot_let_go(sampler.model_path)
 
     def supported_models(self) -> list[str]:
         """The built-in models listed before they are built, plus every `<org>/<name>` or `<name>` HF
@@ -384,21 +414,77 @@ class Engine:
     def save_unnamed_snapshot(
         self, model_id: str, name: str, metadata: dict[str, str], ttl_seconds: int | None
     ) -> CheckpointRecord:
-        """An ephemeral sampler snapshot: it replaces the model's previous unnamed one (compute thread)."""
+        """An ephemeral sampler snapshot: it supersedes the model's previous unnamed one, which stays
+        while it is used (compute thread)."""
         record = self.save_checkpoint(model_id, "sampler", name, False, metadata, ttl_seconds, ephemeral=True)
-        self._drop_unnamed_snapshot(model_id)
-        self._unnamed_snapshots[model_id] = record.tinker_path
+        self._supersede_unnamed_snapshots(model_id)
+        snapshot = UnnamedSnapshot(model_id, record.checkpoint_id, record.tinker_path, time.monotonic())
+        with self._snapshots_lock:
+            kept = self._unnamed_snapshots.setdefault(model_id, OrderedDict())
+            kept[record.tinker_path] = snapshot
+            doomed = self._snapshots_over_cap(kept)
+        self._delete_snapshots(doomed, "past the cap of unnamed snapshots per training client")
         return record
 
-    def _drop_unnamed_snapshot(self, model_id: str) -> None:
-        path = self._unnamed_snapshots.pop(model_id, None)
-        if path is None:
-            return
-        for sampler_id in [s.sampler_id for s in self._samplers.values() if s.model_path == path]:
-            del self._samplers[sampler_id]
-        _, _, name = parse_tinker_path(path)
-        with contextlib.suppress(UnknownPathError):  # its owner may have deleted it already
-            self.storage.delete_checkpoint(model_id, f"sampler_weights/{name}")
+    def _supersede_unnamed_snapshots(self, model_id: str) -> None:
+        now = time.monotonic()
+        with self._snapshots_lock:
+            for snapshot in self._unnamed_snapshots.get(model_id, OrderedDict()).values():
+                if snapshot.current:
+                    snapshot.current, snapshot.last_used = False, now
+
+    def _snapshot_users(self) -> Counter[str]:
+        """Model path -> sampling sessions and sample requests in flight that refer to it (under
+        _snapshots_lock)."""
+        users = Counter(s.model_path for s in list(self._samplers.values()) if s.model_path is not None)
+        users.update(self._samples_in_flight)
+        return users
+
+    def _snapshots_over_cap(self, kept: OrderedDict[str, UnnamedSnapshot]) -> list[UnnamedSnapshot]:
+        """Removes and returns the snapshots past the cap: the oldest superseded ones, unused first
+        (under _snapshots_lock)."""
+        excess = len(kept) - UNNAMED_SNAPSHOTS_KEPT_PER_MODEL
+        if excess <= 0:
+            return []
+        users = self._snapshot_users()
+        superseded = [s for s in kept.values() if not s.current]
+        doomed = sorted(superseded, key=lambda s: users[s.tinker_path] > 0)[:excess]
+        for snapshot in doomed:
+            del kept[snapshot.tinker_path]
+        return doomed
+
+    def delete_unused_snapshots(self, now: float) -> None:
+        """Delete the superseded unnamed snapshots nothing has used for the snapshot grace."""
+        doomed = []
+        with self._snapshots_lock:
+            users = self._snapshot_users()
+            for model_id, kept in list(self._unnamed_snapshots.items()):
+                for snapshot in list(kept.values()):
+                    if snapshot.current:
+                        continue
+                    if users[snapshot.tinker_path]:
+                        snapshot.last_used = now
+                    elif now - snapshot.last_used >= self.snapshot_grace:
+                        doomed.append(kept.pop(snapshot.tinker_path))
+                if not kept:
+                    del self._unnamed_snapshots[model_id]
+        self._delete_snapshots(doomed, "superseded and unused")
+
+    def _snapshot_let_go(self, model_path: str) -> None:
+        """A sampling session or request of `model_path` ended: its grace starts now."""
+        now = time.monotonic()
+        with self._snapshots_lock:
+            model_id = model_path.removeprefix("tinker://").split("/", 1)[0]
+            kept = self._unnamed_snapshots.get(model_id)
+            snapshot = kept.get(model_path) if kept is not None else None
+            if snapshot is not None:
+                snapshot.last_used = now
+
+    def _delete_snapshots(self, doomed: list[UnnamedSnapshot], why: str) -> None:
+        for snapshot in doomed:
+            with contextlib.suppress(UnknownPathError):  # its owner may have deleted it already
+                self.storage.delete_checkpoint(snapshot.model_id, snapshot.checkpoint_id)
+            log.info("unnamed sampler snapshot %s deleted: %s", snapshot.tinker_path, why)
 
     # ---- sampling ----
 
@@ -452,6 +538,21 @@ class Engine:
 
         def run_batch(feed: RequestFeed[SampleJob, Outcome]) -> None:
             self.run_sample_batch(sampler, feed)
+
+        model_path = sampler.model_path
+        if model_path is not None:
+            # Counted until answered, so the snapshot it samples from stays while it runs.
+            with self._snapshots_lock:
+                self._samples_in_flight[model_path] += 1
+
+            def answered(_: object) -> None:
+                with self._snapshots_lock:
+                    self._samples_in_flight[model_path] -= 1
+                    if self._samples_in_flight[model_path] <= 0:
+                        del self._samples_in_flight[model_path]
+                self._snapshot_let_go(model_path)
+
+            future.add_done_callback(answered)
 
         self.worker.submit_sample(
             (sampler.base_model, sampler.weights_dir),

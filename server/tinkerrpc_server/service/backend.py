@@ -5,18 +5,26 @@ to start it again, and the service asks it to through the handle."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Protocol
 
+import httpx
 import tinker
+from tinker.lib.base_url import resolve_base_url
 
 from tinkerrpc_server.processes.children import StartError
 
 __all__ = ["Backend", "EngineHandle", "StartError", "connect_backend"]
 
 log = logging.getLogger("tinkerrpc.backend")
+
+# How long a Tinker at --tinker-url may take to answer the start-up probe and to open the SDK's session
+# (the SDK retries a failing session request for minutes): past it, serve stops with one line.
+TINKER_START_SECONDS = 30.0
 
 
 class EngineHandle(Protocol):
@@ -88,12 +96,10 @@ async def connect_backend(
         if tinker_api_key is None:
             raise StartError("no embedded engine and no Tinker API key", None)
         log.info("using the Tinker service at %s", tinker_url or "the SDK's default URL")
-        return Backend(
-            service=tinker.ServiceClient(base_url=tinker_url, api_key=tinker_api_key),
-            rest=tinker.RestClient(base_url=tinker_url, api_key=tinker_api_key),
-            url=tinker_url or "",
-            engine=None,
-        )
+        url = resolve_base_url(tinker_url)
+        await _probe_tinker(url, tinker_api_key)
+        service, rest = await _open_tinker_clients(url, tinker_api_key)
+        return Backend(service=service, rest=rest, url=tinker_url or "", engine=None)
     await engine.wait_ready()
     return Backend(
         service=tinker.ServiceClient(base_url=engine.url, api_key=engine.api_key),
@@ -101,3 +107,64 @@ async def connect_backend(
         url=engine.url,
         engine=engine,
     )
+
+
+async def _probe_tinker(url: str, api_key: str) -> None:
+    """StartError (one line) when the Tinker at `url` cannot be reached or answers its health route with
+    a server error or an authentication refusal; a backend without that route (404) is let through."""
+    health = f"{url.rstrip('/')}/api/v1/healthz"
+    try:
+        async with httpx.AsyncClient(timeout=TINKER_START_SECONDS) as http:
+            answer = await http.get(health, headers={"X-API-Key": api_key})
+    except httpx.HTTPError as err:
+        raise StartError(
+            f"the Tinker at {url} cannot be reached: {err or type(err).__name__}", None
+        ) from None
+    if answer.status_code >= 500 or answer.status_code in (401, 403):
+        detail = " ".join(answer.text.split())[:200]
+        raise StartError(
+            f"the Tinker at {url} answered GET /api/v1/healthz with {answer.status_code}: {detail}", None
+        )
+
+
+async def _open_tinker_clients(url: str, api_key: str) -> tuple[tinker.ServiceClient, tinker.RestClient]:
+    """The SDK clients; making them opens a session, which blocks and retries, so it runs on a daemon
+    thread of its own (one left behind past the deadline does not keep the process alive)."""
+    loop = asyncio.get_running_loop()
+    made: asyncio.Future[tuple[tinker.ServiceClient, tinker.RestClient]] = loop.create_future()
+
+    def make() -> None:
+        try:
+            clients = (
+                tinker.ServiceClient(base_url=url, api_key=api_key),
+                tinker.RestClient(base_url=url, api_key=api_key),
+            )
+        except Exception as err:
+            loop.call_soon_threadsafe(_settle_failed, made, err)
+        else:
+            loop.call_soon_threadsafe(_settle, made, clients)
+
+    threading.Thread(target=make, name="tinker-session", daemon=True).start()
+    try:
+        return await asyncio.wait_for(asyncio.shield(made), TINKER_START_SECONDS)
+    except TimeoutError:
+        raise StartError(
+            f"the Tinker at {url} did not open a session within {TINKER_START_SECONDS:.0f} s", None
+        ) from None
+    except Exception as err:
+        raise StartError(f"the Tinker at {url} refused a session: {err}", None) from None
+
+
+def _settle(
+    future: asyncio.Future[tuple[tinker.ServiceClient, tinker.RestClient]],
+    clients: tuple[tinker.ServiceClient, tinker.RestClient],
+) -> None:
+    if not future.done():
+        future.set_result(clients)
+
+
+def _settle_failed(
+    future: asyncio.Future[tuple[tinker.ServiceClient, tinker.RestClient]], err: Exception
+) -> None:
+    if not future.done():
+        future.set_exception(err)

@@ -74,10 +74,11 @@ class Checkpoints:
                     f"model {request.model!r} has no state checkpoint {request.checkpoint!r}",
                 )
             version = checkpoint.policy_version
-            runtime.dirty = True
+            # A refused restore changes nothing: the live training client keeps training.
             client = await self._backend.service.create_training_client_from_state_with_optimizer(
                 checkpoint.tinker_path
             )
+            runtime.dirty = True
             # Fresh sampler weights from the restored state: an older sampler row of this version may
             # belong to another timeline.
             sampler_path = (await client.save_weights_for_sampler(sampler_name(version))).path
@@ -118,8 +119,7 @@ class Checkpoints:
                 raise errors.not_found(
                     CHECKPOINT_RESOURCE,
                     f"{request.model}/{request.checkpoint}",
-                    f"model {request.model!r} has no {types_pb2.CheckpointKind.Name(kind)} checkpoint "
-                    f"{request.checkpoint!r}",
+                    f"model {request.model!r} has no {kind_word(kind)} checkpoint {request.checkpoint!r}",
                 )
             if kind == KIND_SAMPLER and checkpoint.policy_version == row.policy_version:
                 raise errors.failed_precondition(
@@ -138,3 +138,8 @@ class Checkpoints:
             self._store.delete_checkpoint(request.model, kind, request.checkpoint)
             self._models.events.checkpoint_deleted(checkpoint_info(checkpoint), row.policy_version)
         await self._models.delete_tinker_paths([checkpoint.tinker_path])
+
+
+def kind_word(kind: types_pb2.CheckpointKind.ValueType) -> str:
+    """A checkpoint kind as messages say it ("state", "sampler"), not as the enum spells it."""
+    return types_pb2.CheckpointKind.Name(kind).removeprefix("CHECKPOINT_KIND_").lower()

@@ -203,7 +203,7 @@ class ModelRegistry:
         for path in paths:
             self._sampling_clients.pop(path, None)
             try:
-                await self._backend.rest.delete_checkpoint_from_tinker_path(path)
+                await self.retention.delete_path(path)
             except Exception as err:
                 log.warning("could not delete %s from the backend: %s", path, err)
 

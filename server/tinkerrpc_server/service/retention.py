@@ -52,6 +52,7 @@ class Retention:
         self._backend = backend
         self._limits = limits
         self._pins: Counter[tuple[str, int]] = Counter()
+        self._told_of_path_forms = False
 
     def policy(self, row: ModelRow) -> tuple[int, int]:
         """(sampler versions kept, automatic state checkpoints kept) for a model."""
@@ -120,6 +121,42 @@ class Retention:
                 if c.tinker_path not in known_paths and _OWN_CHECKPOINT_ID.fullmatch(c.checkpoint_id)
             )
         return found
+
+    async def delete_path(self, path: str) -> None:
+        """Delete one checkpoint; a path the backend refuses (its save answers may name checkpoints in
+        another form than its listing does) is retried with the listing's path of the same checkpoint,
+        and that is logged once per server, not at every step. Raises what the last attempt raised."""
+        try:
+            await self._backend.rest.delete_checkpoint_from_tinker_path(path)
+            return
+        except Exception as refused:
+            listed = await self._listed_path_of(path)
+            if listed is None or listed == path:
+                raise
+            if not self._told_of_path_forms:
+                self._told_of_path_forms = True
+                log.warning(
+                    "the backend refused to delete %s (%s); deleting by the path its listing gives, %s, "
+                    "from now on (logged once)",
+                    path,
+                    refused,
+                    listed,
+                )
+        await self._backend.rest.delete_checkpoint_from_tinker_path(listed)
+
+    async def _listed_path_of(self, path: str) -> str | None:
+        """The listing's path of the checkpoint `path` names: same run, same `<kind>/<name>` id."""
+        run_id, _, checkpoint_id = path.removeprefix("tinker://").partition("/")
+        if not run_id or not checkpoint_id:
+            return None
+        try:
+            listing = await asyncio.wait_for(
+                self._backend.rest.list_checkpoints(run_id), _BACKEND_CALL_SECONDS
+            )
+        except Exception as err:
+            log.warning("could not list run %s to find %s: %s", run_id, path, err)
+            return None
+        return next((c.tinker_path for c in listing.checkpoints if c.checkpoint_id == checkpoint_id), None)
 
 
 def unload_training_client(client: tinker.TrainingClient) -> None:

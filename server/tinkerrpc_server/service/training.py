@@ -42,6 +42,7 @@ from tinkerrpc_server.service.recovery import StepRecord
 from tinkerrpc_server.service.rendering import ChatCodec, off_loop
 from tinkerrpc_server.service.sample_cache import SampleCache
 from tinkerrpc_server.service.sampling import sampler_path
+from tinkerrpc_server.service.step_loss import loss_from_logprobs
 from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE, CheckpointRow, ModelRow, Store
 from tinkerrpc_server.service.validation import (
     check_expected_version,
@@ -87,6 +88,19 @@ def _loss_config(loss: types_pb2.LossConfig, name: str) -> dict[str, float] | No
     if name == "dro":
         return {"beta": loss.beta if loss.HasField("beta") else DEFAULT_DRO_BETA}
     return None
+
+
+def _step_loss(
+    metrics: dict[str, float],
+    loss_fn: str,
+    loss_config: dict[str, float] | None,
+    batch: Batch,
+    output: tinker.types.ForwardBackwardOutput,
+) -> float:
+    """Tinker's `loss:sum`, or when the backend reports none, the same sum from the logprobs it returned."""
+    if "loss:sum" in metrics:
+        return float(metrics["loss:sum"])
+    return loss_from_logprobs(loss_fn, loss_config, batch.datums, output.loss_fn_outputs)
 
 
 def _adam(adam: types_pb2.AdamParams) -> tinker.types.AdamParams:
@@ -306,7 +320,7 @@ class Trainer:
             step_seconds = time.monotonic() - started
 
             metrics = types_pb2.TrainMetrics(
-                loss=float(trainer_metrics.get("loss:sum", math.nan)),
+                loss=_step_loss(trainer_metrics, loss, loss_config, batch, fb_output),
                 mean_reward=batch.mean_reward,
                 std_reward=batch.std_reward,
                 learning_rate=request.adam.learning_rate,
