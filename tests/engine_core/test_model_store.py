@@ -160,6 +160,7 @@ def test_a_model_laid_out_from_its_own_files_is_not_hashed_again(
         publish_to_hf_cache(TINY_CHAT, copy, cache)
 
 
+@pytest.fixture(scope="module")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     started = time.perf_counter()
     path = smollm2_model_dir(tmp_path_factory) / SMOLLM2
