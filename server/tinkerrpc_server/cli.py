@@ -472,7 +472,10 @@ def _export(args: argparse.Namespace, settings: Settings) -> int:
 def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from tinkerrpc_server import demo
 
-    p = sub.add_parser("demo", help="SFT then RL on the yes/no/maybe task through the whole local stack")
+    p = sub.add_parser(
+        "demo",
+        help="RL on a pretrained model (or --recipe yes-no-maybe: the tiny one) through the whole local stack",
+    )
     demo.add_arguments(p)
     p.set_defaults(func=lambda args, settings: demo.main(args))
 

@@ -1,22 +1,24 @@
-"""`tinkerrpc demo`: SFT then RL on the yes / no / maybe task, through the whole stack.
+"""`tinkerrpc demo`: RL on a real pretrained model through the whole stack, or, with
+`--recipe yes-no-maybe`, SFT then RL on the random tiny model.
 
-The demo starts `tinkerrpc serve --sidecar-port` (which starts the embedded engine and hosts the
-sidecar), then drives it like a user's training script would:
-1. SFT: teach the random tiny model to answer "respond with …" prompts with exactly one of
-   yes / no / maybe (answers drawn uniformly, so the policy starts RL near reward 0.75);
-2. RL: an agent written against the `openai` client samples groups through the OpenAI-compatible
-   sidecar the server hosts (each choice stamped with its policy version, token ids and logprobs);
-   reward maybe = 1.0, no = 0.75, yes = 0.5, anything else 0; Trajectory.from_openai turns the
-   choices into trajectories that train with importance sampling until the mean reward reaches the
-   target. The SFT phase measures its progress through the same agent.
-It prints a line per step, writes a reward-curve PNG and a JSON summary, and exits non-zero when
-the final mean reward is below the target.
+Both start `tinkerrpc serve --sidecar-port` (which starts the embedded engine and hosts the sidecar),
+then drive it like a user's training script would: an agent written against the `openai` client
+samples groups through the OpenAI-compatible sidecar the server hosts (each choice stamped with its
+policy version and token ids), Trajectory.from_openai turns the choices into trajectories, and Train
+takes one importance-sampling step per batch of groups.
 
-`--recipe arithmetic` trains a pretrained model instead (SmolLM2-135M-Instruct) with RL alone: groups
-of sampled replies to addition problems through the same agent, reward 1 for exactly the line the
-prompt asks for ("3 + 4 = 7") and 0 otherwise. It measures greedy exact-match accuracy on held-out
-problems, never trained on, before the first step and every few steps; the PNG shows both curves and
-the run passes when held-out accuracy gained the target over step 0.
+`--recipe arithmetic` (the default) trains the pretrained SmolLM2-135M-Instruct with RL alone on
+addition problems, reward 1 for exactly the line the prompt asks for ("3 + 4 = 7") and 0 otherwise. It
+measures greedy exact-match accuracy on held-out problems, never trained on, before the first step and
+every few steps; the PNG shows both curves and the run passes when held-out accuracy gained the target
+over step 0.
+
+`--recipe yes-no-maybe` first teaches the random tiny model by SFT to answer "respond with …" prompts
+with exactly one of yes / no / maybe (answers drawn uniformly, so RL starts near reward 0.75), then RL
+rewards maybe = 1.0, no = 0.75, yes = 0.5, anything else 0 until the mean reward reaches the target.
+
+Each prints a line per step, writes a curve PNG and a JSON summary, and exits non-zero when it misses
+its target.
 """
 
 from __future__ import annotations
@@ -334,10 +336,10 @@ class ArithmeticConfig:
     out_dir: Path
     # Held-out exact-match accuracy the run must gain over the pretrained model's (absolute).
     target_gain: float = 0.2
-    steps: int = 10
+    steps: int = 15
     prompts_per_step: int = 4
     samples_per_prompt: int = 8
-    learning_rate: float = 1e-3
+    learning_rate: float = 3e-4
     lora_rank: int = 16
     # A correct reply ("9 + 9 = 18") is 8 tokens and <|im_end|>; prose runs past this and scores 0.
     max_tokens: int = 12
@@ -649,9 +651,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--recipe",
         choices=RECIPES,
-        default="yes-no-maybe",
-        help="yes-no-maybe: SFT then RL on the random tiny model; arithmetic: RL on the pretrained "
-        f"{arithmetic.BASE_MODEL}, judged on held-out addition problems",
+        default="arithmetic",
+        help=f"arithmetic (the default): RL on the pretrained {arithmetic.BASE_MODEL}, judged on held-out "
+        "addition problems; yes-no-maybe: SFT then RL on the random tiny model",
     )
     parser.add_argument("--out", type=Path, default=Path("demo-out"), help="where the PNG and JSON go")
     parser.add_argument(

@@ -21,7 +21,7 @@ def test_prompts_cover_every_ordering() -> None:
 def test_demo_reaches_target_reward(tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "tinkerrpc_server.cli", "demo", "--out", str(out)],
+        [sys.executable, "-m", "tinkerrpc_server.cli", "demo", "--recipe", "yes-no-maybe", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=900,
