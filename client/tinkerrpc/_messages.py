@@ -143,7 +143,7 @@ class SampledTurn:
     completion_token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     policy_version: int
-    sample_key: str = ""
+    sample_key: str = field(default="", compare=False)  # an opaque handle, not content
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))

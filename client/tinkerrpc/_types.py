@@ -56,7 +56,8 @@ class Sample:
     # The prompt as text, when asked with return_prompt_text.
     prompt_text: str = ""
     # The server's key for this sample's tokens and logprobs (SampledTurn.sample_key).
-    sample_key: str = ""
+    # An opaque handle (a fresh nonce per sample), not content: equal samples compare equal without it.
+    sample_key: str = field(default="", compare=False)
 
     def to_turn(self) -> SampledTurn:
         return SampledTurn(
