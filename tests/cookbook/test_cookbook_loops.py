@@ -203,13 +203,21 @@ def test_rl_loop_trains_evaluates_checkpoints_and_resumes(engine: LocalEngine, t
 
 def test_async_rl_loop_samples_off_policy_and_trains(engine: LocalEngine, tmp_path: Path) -> None:
     """The cookbook's AsyncConfig loop samples from sampling clients of older unnamed snapshots while
-    newer ones exist (the engine keeps a snapshot while a client uses it) and trains every step."""
+    newer ones exist (the engine keeps a snapshot while a client uses it) and trains step after step.
+    The cookbook itself may end a step or two short: once its dataloader is done it discards groups
+    that are more than max_steps_off_policy behind instead of requeuing them, and says so."""
+    off_policy = 2
     log_path = tmp_path / "rl-async"
-    _run(engine, "rl", log_path, extra=("--off-policy", "2"))
+    _run(engine, "rl", log_path, extra=("--off-policy", str(off_policy)))
     output = (log_path.parent / "rl-async-rl-resumed.out").read_text()
     assert "were deleted" not in output, output[-3000:]
-    trained = [int(line["step"]) for line in _metrics(log_path) if "env/all/reward/total" in line]
-    assert trained == list(range(STEPS)), trained
+    trained = [line for line in _metrics(log_path) if "env/all/reward/total" in line]
+    steps = [int(line["step"]) for line in trained]
+    assert steps == list(range(len(steps))) and len(steps) >= STEPS - off_policy, steps
+    if len(steps) < STEPS:
+        assert "Samples are too stale, discarding (dataloader done)" in output, output[-3000:]
+    behind = [int(line["step"]) - int(line["sampling_client/step_min"]) for line in trained]
+    assert 1 <= max(behind) <= off_policy, behind
     _assert_checkpoints_kept(engine, log_path)
 
 
