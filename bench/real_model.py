@@ -23,8 +23,9 @@ LABEL = "SmolLM2-135M"
 
 # A token costs ~0.8 GFLOP of training here and a decode step reads all 0.54 GB of fp32 weights once,
 # so sequential generate() makes ~20 tokens/s on 2 cores: 16 sequences (~1,100 tokens) per training
-# step, the 16 × 64 equal requests and 16 staggered ones keep the figures to ~4-5 minutes on
-# 2 quiet cores. The short run uses the real model too (its conversion and the Llama fast path are
+# step and the 16 × 64 equal requests keep those figures to ~4-5 minutes on 2 quiet cores;
+# staggered arrivals run the 20 M model's schedule unchanged (~5 more minutes, most of them the
+# sequential baseline), since how many requests overlap is what that figure measures. The short run uses the real model too (its conversion and the Llama fast path are
 # what it checks), at a few tokens per figure.
 SETTINGS: dict[Literal["full", "short"], Settings] = {
     "full": replace(
@@ -53,9 +54,7 @@ SETTINGS: dict[Literal["full", "short"], Settings] = {
     ),
 }
 STAGGERED_SIZES = {
-    "full": replace(
-        sampling.SIZES["full"], staggered_requests=16, staggered_new_tokens=(8, 48), staggered_rounds=3
-    ),
+    "full": sampling.SIZES["full"],
     "short": replace(
         sampling.SIZES["short"],
         staggered_requests=2,
