@@ -359,7 +359,8 @@ def post(stack: Stack, route: str, content: str) -> httpx.Response:
 
 def test_the_campaign_has_its_rows() -> None:
     assert len({row.name for row in ROWS}) == len(ROWS)
-    assert len(ROWS) >= 13 + 30
+    # Rows are only ever added: with the gRPC campaign (tests/hardening/test_bad_input_campaign.py) >= 280.
+    assert len(ROWS) >= 100
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[row.name for row in ROWS])
