@@ -3,7 +3,8 @@ accepted, the response parses in litellm, and a rollout from it trains token-exa
 
 Where litellm leaves each choice's unknown fields (`token_ids`, `policy_version`) depends on its version
 and prefix: on the choice itself (recent versions, `openai/`) or in `choice.provider_specific_fields`
-(`hosted_vllm/`, and `openai/` up to at least 1.82). The response's `prompt_token_ids` stays in place.
+(`hosted_vllm/`, and `openai/` up to at least 1.82). The response's `prompt_token_ids` stays in place. `Trajectory.from_openai` reads litellm's responses as
+they are, wherever the fields landed.
 litellm's streams keep none of the RL fields, whatever the prefix.
 """
 
@@ -26,15 +27,6 @@ import litellm
 USER = [{"role": "user", "content": "Is the sky blue?"}]
 
 
-def as_completion(response: Any) -> dict[str, Any]:
-    """litellm's response as the sidecar sent it: each choice's provider-specific fields back in place."""
-    completion: dict[str, Any] = response.model_dump()
-    completion["choices"] = [
-        {**choice, **(choice.get("provider_specific_fields") or {})} for choice in completion["choices"]
-    ]
-    return completion
-
-
 def test_litellm_openai_prefix_rollout_trains_token_exact(stack: Stack) -> None:
     model = stack.client.create_model("litellm", base_model="tinkerrpc/tiny-chat", lora_rank=8)
     options: dict[str, Any] = {"api_base": stack.sidecar.openai_base_url, "api_key": API_KEY}
@@ -49,7 +41,7 @@ def test_litellm_openai_prefix_rollout_trains_token_exact(stack: Stack) -> None:
     response = litellm.completion(**request, logprobs=True, seed=1)
     (choice,) = response.choices
     assert choice.message.content == plain.choices[0].message.content
-    trajectory = tinkerrpc.Trajectory.from_openai(USER, as_completion(response), reward=1.0)
+    trajectory = tinkerrpc.Trajectory.from_openai(USER, response, reward=1.0)
     (turn,) = trajectory.turns
     assert list(turn.completion_token_ids) == (plain.choices[0].model_extra or {})["token_ids"]
     assert list(turn.prompt_token_ids) == (plain.model_extra or {})["prompt_token_ids"]
@@ -57,9 +49,7 @@ def test_litellm_openai_prefix_rollout_trains_token_exact(stack: Stack) -> None:
         chunk.choices[0].delta.content or "" for chunk in litellm.completion(**request, seed=1, stream=True)
     )
     assert streamed == choice.message.content
-    other = tinkerrpc.Trajectory.from_openai(
-        USER, as_completion(litellm.completion(**request, logprobs=True, seed=2))
-    )
+    other = tinkerrpc.Trajectory.from_openai(USER, litellm.completion(**request, logprobs=True, seed=2))
     result = model.train([tinkerrpc.TrajectoryGroup([trajectory, other])], learning_rate=1e-3)
     assert result.policy_version == 1 and result.metrics.trajectories_used == 2
 
@@ -91,7 +81,7 @@ def test_litellm_hosted_vllm_prefix_rollout_trains_token_exact(stack: Stack) -> 
         fields = choice.provider_specific_fields
         assert fields["token_ids"] == (plain.choices[0].model_extra or {})["token_ids"]
         assert fields["policy_version"] == 0
-        trajectory = tinkerrpc.Trajectory.from_openai(USER, as_completion(response), reward=float(seed))
+        trajectory = tinkerrpc.Trajectory.from_openai(USER, response, reward=float(seed))
         (turn,) = trajectory.turns
         assert list(turn.completion_token_ids) == fields["token_ids"]
         assert list(turn.prompt_token_ids) == (plain.model_extra or {})["prompt_token_ids"]
@@ -185,12 +175,13 @@ def test_litellm_tool_round_trip_trains_token_exact(stack: Stack, tool_agent: st
         plain = api.chat.completions.create(
             model=tool_agent,
             messages=messages,  # type: ignore[arg-type]
-            tools=[WEATHER_TOOL],  # type: ignore[list-item]
+            tools=[WEATHER_TOOL],
             temperature=0,
             max_tokens=40,
             logprobs=True,
         )
         (plain_choice,) = plain.choices
+        assert plain_choice.logprobs is not None
         assert list(turn.completion_token_ids) == (plain_choice.model_extra or {})["token_ids"]
         assert list(turn.prompt_token_ids) == (plain.model_extra or {})["prompt_token_ids"]
         assert list(turn.logprobs) == [entry.logprob for entry in plain_choice.logprobs.content or []]
