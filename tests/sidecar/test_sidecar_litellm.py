@@ -33,10 +33,10 @@ def test_litellm_openai_prefix_rollout_trains_token_exact(stack: Stack) -> None:
     request: dict[str, Any] = {"model": "openai/litellm", "messages": USER, "max_tokens": 5, **options}
     plain = stack.openai().chat.completions.create(
         model="litellm",
-        messages=USER,
+        messages=USER,  # type: ignore[arg-type]
         max_tokens=5,
         seed=1,
-        logprobs=True,  # type: ignore[arg-type]
+        logprobs=True,
     )
     response = litellm.completion(**request, logprobs=True, seed=1)
     (choice,) = response.choices
@@ -174,8 +174,8 @@ def test_litellm_tool_round_trip_trains_token_exact(stack: Stack, tool_agent: st
     for turn, messages in zip(rollout.turns, ([QUESTION], plain_history), strict=True):
         plain = api.chat.completions.create(
             model=tool_agent,
-            messages=messages,  # type: ignore[arg-type]
-            tools=[WEATHER_TOOL],
+            messages=messages,
+            tools=[WEATHER_TOOL],  # type: ignore[list-item]
             temperature=0,
             max_tokens=40,
             logprobs=True,
