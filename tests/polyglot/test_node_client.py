@@ -7,6 +7,7 @@ Train's ErrorInfo reason is decoded and named by the ErrorReason enum of the pro
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -202,3 +203,17 @@ def test_node_client_reports_an_unreachable_server(node: str) -> None:
     result = _run_client(node, f"127.0.0.1:{free_port()}", "--timeout-s", "5")
     assert result.returncode == 1
     assert "GetServerInfo failed: UNAVAILABLE (14)" in result.stderr
+
+
+def test_node_client_without_the_token_is_refused_unauthenticated(node: str, target: str) -> None:
+    env = {name: value for name, value in os.environ.items() if name != "TINKERRPC_AUTH_TOKEN"}
+    result = subprocess.run(
+        [node, str(NODE_DIR / "client.mjs"), target, "--google-protos", str(GOOGLE_PROTOS_DIR)],
+        cwd=NODE_DIR,
+        capture_output=True,
+        text=True,
+        timeout=CLIENT_TIMEOUT_S,
+        env=env,
+    )
+    assert result.returncode == 1
+    assert "GetServerInfo failed: UNAUTHENTICATED" in result.stderr, result.stderr
