@@ -28,6 +28,17 @@ def _as_dict(chat_completion: ChatCompletionLike) -> Mapping[str, Any]:
     return result
 
 
+def _with_provider_specific_fields(choice: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The choice with the RL fields litellm moves into `provider_specific_fields` (on the choice
+    and/or its message) put back beside the standard ones; a field the choice itself has wins."""
+    message = choice.get("message") or {}
+    moved: dict[str, Any] = {}
+    for source in (message.get("provider_specific_fields"), choice.get("provider_specific_fields")):
+        if isinstance(source, Mapping):
+            moved.update(source)
+    return {**moved, **{key: value for key, value in choice.items() if value is not None}}
+
+
 def turn_from_chat_completion(
     chat_completion: ChatCompletionLike, choice_index: int = 0
 ) -> tuple[Message, SampledTurn]:
@@ -38,7 +49,7 @@ def turn_from_chat_completion(
         raise ValueError(
             f"choice_index {choice_index} out of range: the completion has {len(choices)} choices"
         )
-    choice = choices[choice_index]
+    choice = _with_provider_specific_fields(choices[choice_index])
 
     token_ids = choice.get("token_ids")
     if token_ids is None:

@@ -243,6 +243,21 @@ def test_openai_completion_without_rl_extensions_is_refused() -> None:
         tinkerrpc.Trajectory.from_openai([], sidecar_completion("hi", [5], 1), choice_index=1)
 
 
+@pytest.mark.parametrize("holder", ["choice", "message"])
+def test_rl_fields_litellm_moved_into_provider_specific_fields_are_found(holder: str) -> None:
+    """litellm keeps non-standard choice fields in `provider_specific_fields`, on the choice or on its
+    message; from_openai reads them there as if they were in place."""
+    completion = sidecar_completion("hi", [5, 6], 4).model_dump()
+    choice = completion["choices"][0]
+    moved = {name: choice.pop(name) for name in ("token_ids", "policy_version")}
+    choice["token_ids"] = None  # litellm's Choices may keep the name, unset
+    target = choice if holder == "choice" else choice["message"]
+    target["provider_specific_fields"] = {**moved, "sample_key": "nonce.mac"}
+    traj = tinkerrpc.Trajectory.from_openai([], completion)
+    assert traj.turns == [tinkerrpc.SampledTurn((1, 2, 3, 4), (5, 6), (-0.5, -1.0), 4, "nonce.mac")]
+    assert traj.messages[0].content == "hi"
+
+
 def test_a_choice_without_logprobs_trains_by_its_sample_key() -> None:
     keyed = sidecar_completion("hi", [5, 6], 1).model_dump()
     keyed["choices"][0]["logprobs"] = None

@@ -5,7 +5,8 @@
 // looked up in the ErrorReason enum. Prints one JSON line of what it observed; exits non-zero
 // with the gRPC status code and details on any error or contract mismatch.
 //
-// Usage: node client.mjs HOST:PORT --google-protos DIR [--base-model NAME] [--timeout-s SECONDS]
+// Usage: node client.mjs HOST:PORT --google-protos DIR [--token T] [--base-model NAME] [--timeout-s SECONDS]
+// --token (default $TINKERRPC_AUTH_TOKEN) is the server's auth token, sent as `authorization: Bearer T`.
 // DIR holds googleapis' google/rpc/status.proto and error_details.proto (the test passes the copy
 // that ships with Python's googleapis-common-protos).
 
@@ -51,14 +52,23 @@ class RpcFailure extends ClientFailure {
   }
 }
 
-const USAGE = "usage: node client.mjs HOST:PORT --google-protos DIR [--base-model NAME] [--timeout-s SECONDS]";
+const USAGE = "usage: node client.mjs HOST:PORT --google-protos DIR [--token T] [--base-model NAME] [--timeout-s SECONDS]";
 
 function parseArgs(argv) {
-  const args = { target: null, googleProtos: null, baseModel: DEFAULT_BASE_MODEL, timeoutSeconds: 120 };
+  const args = {
+    target: null,
+    googleProtos: null,
+    token: process.env.TINKERRPC_AUTH_TOKEN ?? null,
+    baseModel: DEFAULT_BASE_MODEL,
+    timeoutSeconds: 120,
+  };
   for (let i = 0; i < argv.length; i++) {
     const arg = argv[i];
     if (arg === "--google-protos") {
       args.googleProtos = requireValue(argv, ++i, arg);
+    } else if (arg === "--token") {
+      args.token = requireValue(argv, ++i, arg);
+      if (args.token === "") throw new ClientFailure("--token must not be empty");
     } else if (arg === "--base-model") {
       args.baseModel = requireValue(argv, ++i, arg);
     } else if (arg === "--timeout-s") {
@@ -141,12 +151,12 @@ function expect(condition, message) {
 
 /** Wraps a callback-style unary stub in a promise with a per-call deadline; appends each call's
  * method and wall time (ms) to `timings`. */
-function unaryCaller(stub, timeoutSeconds, timings) {
+function unaryCaller(stub, metadata, timeoutSeconds, timings) {
   return (method, request) =>
     new Promise((resolve, reject) => {
       const started = performance.now();
       const deadline = new Date(Date.now() + timeoutSeconds * 1000);
-      stub[method](request, { deadline }, (error, response) => {
+      stub[method](request, metadata, { deadline }, (error, response) => {
         timings.push([method, Math.round(performance.now() - started)]);
         if (error) reject(new RpcFailure(method, error));
         else resolve(response);
@@ -157,10 +167,10 @@ function unaryCaller(stub, timeoutSeconds, timings) {
 /** Opens WatchModel (a server stream that lasts until cancelled) and resolves with its first `count`
  * events once `during` (started when the first `replayed` events arrived, to cause a live one) is done;
  * the stream is cancelled then. */
-function watchEvents(stub, request, count, replayed, during, timeoutSeconds) {
+function watchEvents(stub, metadata, request, count, replayed, during, timeoutSeconds) {
   return new Promise((resolve, reject) => {
     const deadline = new Date(Date.now() + timeoutSeconds * 1000);
-    const stream = stub.WatchModel(request, { deadline });
+    const stream = stub.WatchModel(request, metadata, { deadline });
     const events = [];
     let caused = null;
     let done = false;
@@ -189,11 +199,11 @@ function watchEvents(stub, request, count, replayed, during, timeoutSeconds) {
 /** Receives ExportWeights (a server stream) within a deadline: the first message describes the export,
  * the rest are file chunks in order. Resolves to the description and each file's bytes; checks offsets
  * and sizes against the description. */
-function exportWeights(stub, request, timeoutSeconds, timings) {
+function exportWeights(stub, metadata, request, timeoutSeconds, timings) {
   return new Promise((resolve, reject) => {
     const started = performance.now();
     const deadline = new Date(Date.now() + timeoutSeconds * 1000);
-    const stream = stub.ExportWeights(request, { deadline });
+    const stream = stub.ExportWeights(request, metadata, { deadline });
     let weights = null;
     const pieces = new Map();
     const fail = (failure) => {
@@ -272,12 +282,20 @@ function summariseSequences(response) {
   }));
 }
 
-async function run({ target, googleProtos, baseModel, timeoutSeconds }) {
+/** The metadata every call carries: the bearer token the server checks (serve --auth-token), if any. */
+function callMetadata(token) {
+  const metadata = new grpc.Metadata();
+  if (token !== null) metadata.set("authorization", `Bearer ${token}`);
+  return metadata;
+}
+
+async function run({ target, googleProtos, token, baseModel, timeoutSeconds }) {
   const TrainerService = loadTrainerService();
   const errorTypes = loadErrorTypes(googleProtos);
   const stub = new TrainerService(target, grpc.credentials.createInsecure());
   const timings = [];
-  const call = unaryCaller(stub, timeoutSeconds, timings);
+  const metadata = callMetadata(token);
+  const call = unaryCaller(stub, metadata, timeoutSeconds, timings);
   try {
     const info = await call("GetServerInfo", {});
     const name = `node-${randomUUID().slice(0, 8)}`;
@@ -352,12 +370,12 @@ async function run({ target, googleProtos, baseModel, timeoutSeconds }) {
     });
     checkSequences(pinned, 1, "Sample(pinned)");
 
-    const exported = await exportWeights(stub, { model: name, expected_policy_version: 1 }, timeoutSeconds, timings);
+    const exported = await exportWeights(stub, metadata, { model: name, expected_policy_version: 1 }, timeoutSeconds, timings);
     const adapterConfig = JSON.parse(exported.files.get("adapter_config.json").toString("utf8"));
 
     // The run so far, then a watch that replays it and sees the next step live.
     const history = await call("GetRunHistory", { model: name });
-    const watched = await watchEvents(stub, { model: name, from_version: 1 }, 2, 1,
+    const watched = await watchEvents(stub, metadata, { model: name, from_version: 1 }, 2, 1,
       () => call("Train", { ...trainRequest, idempotency_key: randomUUID() }), timeoutSeconds);
     const described = (event) => ({
       kind: event.event,

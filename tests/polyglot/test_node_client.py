@@ -7,6 +7,7 @@ Train's ErrorInfo reason is decoded and named by the ErrorReason enum of the pro
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -25,6 +26,9 @@ NODE_DIR = Path(__file__).parent
 NPM_CI_TIMEOUT_S = 300
 CLIENT_TIMEOUT_S = 120
 SAMPLES_PER_PROMPT = 4
+# The server needs a bearer token, as a deployed one does: the client sends it with --token.
+AUTH_TOKEN = "polyglot-test-token"
+AUTH_METADATA = (("authorization", f"Bearer {AUTH_TOKEN}"),)
 # googleapis' google/rpc/*.proto, as googleapis-common-protos installs them beside their Python modules.
 GOOGLE_PROTOS_DIR = Path(status_pb2.__file__).parents[2]
 
@@ -57,13 +61,23 @@ def node() -> str:
 def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A `tinkerrpc serve` with its embedded engine; the tiny chat model is generated into a fresh model dir."""
     tmp = tmp_path_factory.mktemp("polyglot")
-    with LocalStack(tmp / "data", tmp / "serve.log", ("--model-dir", str(tmp / "models"))) as stack:
+    with LocalStack(
+        tmp / "data", tmp / "serve.log", ("--model-dir", str(tmp / "models"), "--auth-token", AUTH_TOKEN)
+    ) as stack:
         yield stack.target
 
 
 def _run_client(node: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [node, str(NODE_DIR / "client.mjs"), *args, "--google-protos", str(GOOGLE_PROTOS_DIR)],
+        [
+            node,
+            str(NODE_DIR / "client.mjs"),
+            *args,
+            "--token",
+            AUTH_TOKEN,
+            "--google-protos",
+            str(GOOGLE_PROTOS_DIR),
+        ],
         cwd=NODE_DIR,
         capture_output=True,
         text=True,
@@ -74,7 +88,9 @@ def _run_client(node: str, *args: str) -> subprocess.CompletedProcess[str]:
 def _model_names(address: str) -> list[str]:
     with grpc.insecure_channel(address) as channel:
         stub = trainer_service_pb2_grpc.TrainerServiceStub(channel)
-        response = stub.ListModels(trainer_service_pb2.ListModelsRequest(), timeout=10)
+        response = stub.ListModels(
+            trainer_service_pb2.ListModelsRequest(), timeout=10, metadata=AUTH_METADATA
+        )
     return sorted(model.name for model in response.models)
 
 
@@ -187,3 +203,17 @@ def test_node_client_reports_an_unreachable_server(node: str) -> None:
     result = _run_client(node, f"127.0.0.1:{free_port()}", "--timeout-s", "5")
     assert result.returncode == 1
     assert "GetServerInfo failed: UNAVAILABLE (14)" in result.stderr
+
+
+def test_node_client_without_the_token_is_refused_unauthenticated(node: str, target: str) -> None:
+    env = {name: value for name, value in os.environ.items() if name != "TINKERRPC_AUTH_TOKEN"}
+    result = subprocess.run(
+        [node, str(NODE_DIR / "client.mjs"), target, "--google-protos", str(GOOGLE_PROTOS_DIR)],
+        cwd=NODE_DIR,
+        capture_output=True,
+        text=True,
+        timeout=CLIENT_TIMEOUT_S,
+        env=env,
+    )
+    assert result.returncode == 1
+    assert "GetServerInfo failed: UNAUTHENTICATED" in result.stderr, result.stderr

@@ -3,7 +3,8 @@ accepted, the response parses in litellm, and a rollout from it trains token-exa
 
 Where litellm leaves each choice's unknown fields (`token_ids`, `policy_version`) depends on its version
 and prefix: on the choice itself (recent versions, `openai/`) or in `choice.provider_specific_fields`
-(`hosted_vllm/`, and `openai/` up to at least 1.82). The response's `prompt_token_ids` stays in place.
+(`hosted_vllm/`, and `openai/` up to at least 1.82). The response's `prompt_token_ids` stays in place. `Trajectory.from_openai` reads litellm's responses as
+they are, wherever the fields landed.
 litellm's streams keep none of the RL fields, whatever the prefix.
 """
 
@@ -14,7 +15,8 @@ import os
 from typing import Any
 
 import httpx
-from sidecar_support import API_KEY, WEATHER_TOOL, Stack
+import pytest
+from sidecar_support import ANSWER, API_KEY, QUESTION, TOOL_RESULT, WEATHER_TOOL, Stack
 
 import tinkerrpc
 
@@ -25,30 +27,21 @@ import litellm
 USER = [{"role": "user", "content": "Is the sky blue?"}]
 
 
-def as_completion(response: Any) -> dict[str, Any]:
-    """litellm's response as the sidecar sent it: each choice's provider-specific fields back in place."""
-    completion: dict[str, Any] = response.model_dump()
-    completion["choices"] = [
-        {**choice, **(choice.get("provider_specific_fields") or {})} for choice in completion["choices"]
-    ]
-    return completion
-
-
 def test_litellm_openai_prefix_rollout_trains_token_exact(stack: Stack) -> None:
     model = stack.client.create_model("litellm", base_model="tinkerrpc/tiny-chat", lora_rank=8)
     options: dict[str, Any] = {"api_base": stack.sidecar.openai_base_url, "api_key": API_KEY}
     request: dict[str, Any] = {"model": "openai/litellm", "messages": USER, "max_tokens": 5, **options}
     plain = stack.openai().chat.completions.create(
         model="litellm",
-        messages=USER,
+        messages=USER,  # type: ignore[arg-type]
         max_tokens=5,
         seed=1,
-        logprobs=True,  # type: ignore[arg-type]
+        logprobs=True,
     )
     response = litellm.completion(**request, logprobs=True, seed=1)
     (choice,) = response.choices
     assert choice.message.content == plain.choices[0].message.content
-    trajectory = tinkerrpc.Trajectory.from_openai(USER, as_completion(response), reward=1.0)
+    trajectory = tinkerrpc.Trajectory.from_openai(USER, response, reward=1.0)
     (turn,) = trajectory.turns
     assert list(turn.completion_token_ids) == (plain.choices[0].model_extra or {})["token_ids"]
     assert list(turn.prompt_token_ids) == (plain.model_extra or {})["prompt_token_ids"]
@@ -56,9 +49,7 @@ def test_litellm_openai_prefix_rollout_trains_token_exact(stack: Stack) -> None:
         chunk.choices[0].delta.content or "" for chunk in litellm.completion(**request, seed=1, stream=True)
     )
     assert streamed == choice.message.content
-    other = tinkerrpc.Trajectory.from_openai(
-        USER, as_completion(litellm.completion(**request, logprobs=True, seed=2))
-    )
+    other = tinkerrpc.Trajectory.from_openai(USER, litellm.completion(**request, logprobs=True, seed=2))
     result = model.train([tinkerrpc.TrajectoryGroup([trajectory, other])], learning_rate=1e-3)
     assert result.policy_version == 1 and result.metrics.trajectories_used == 2
 
@@ -90,7 +81,7 @@ def test_litellm_hosted_vllm_prefix_rollout_trains_token_exact(stack: Stack) -> 
         fields = choice.provider_specific_fields
         assert fields["token_ids"] == (plain.choices[0].model_extra or {})["token_ids"]
         assert fields["policy_version"] == 0
-        trajectory = tinkerrpc.Trajectory.from_openai(USER, as_completion(response), reward=float(seed))
+        trajectory = tinkerrpc.Trajectory.from_openai(USER, response, reward=float(seed))
         (turn,) = trajectory.turns
         assert list(turn.completion_token_ids) == fields["token_ids"]
         assert list(turn.prompt_token_ids) == (plain.model_extra or {})["prompt_token_ids"]
@@ -147,3 +138,63 @@ def test_assistant_messages_echoed_as_litellm_returns_them_are_accepted(stack: S
 
     assert "provider_specific_fields" in litellm_turn
     assert prompt_token_ids(litellm_turn) == prompt_token_ids(plain_turn)
+
+
+@pytest.mark.parametrize("prefix", ["openai", "hosted_vllm"])
+def test_litellm_tool_round_trip_trains_token_exact(stack: Stack, tool_agent: str, prefix: str) -> None:
+    """The model is asked with a tool through litellm, its call and the tool's result go back as litellm
+    returns them, and Trajectory.from_openai reads litellm's own responses (RL fields wherever litellm put
+    them) into a rollout whose turns hold exactly the sidecar's tokens and logprobs, and that trains."""
+    name, version = tool_agent.split("@")
+    request: dict[str, Any] = {
+        "model": f"{prefix}/{tool_agent}",
+        "tools": [WEATHER_TOOL],
+        "temperature": 0,
+        "max_tokens": 40,
+        "logprobs": True,
+        "api_base": stack.sidecar.openai_base_url,
+        "api_key": API_KEY,
+        "extra_body": {"return_token_ids": True},
+    }
+    first = litellm.completion(**request, messages=[QUESTION])
+    (call,) = first.choices[0].message.tool_calls or []
+    tool_message = {"role": "tool", "tool_call_id": call.id, "content": TOOL_RESULT}
+    history = [QUESTION, first.choices[0].message, tool_message]
+    second = litellm.completion(**request, messages=history)
+    rollout = (
+        tinkerrpc.Trajectory.from_openai([QUESTION], first, reward=1.0, tools=[WEATHER_TOOL])
+        .add_messages(tool_message)
+        .add_openai(second)
+    )
+    assert rollout.messages[-1].content == ANSWER
+
+    # The same two calls through the plain openai client: the sidecar's own RL fields.
+    api = stack.openai()
+    plain_history = [QUESTION, first.choices[0].message.model_dump(exclude_none=True), tool_message]
+    for turn, messages in zip(rollout.turns, ([QUESTION], plain_history), strict=True):
+        plain = api.chat.completions.create(
+            model=tool_agent,
+            messages=messages,
+            tools=[WEATHER_TOOL],  # type: ignore[list-item]
+            temperature=0,
+            max_tokens=40,
+            logprobs=True,
+        )
+        (plain_choice,) = plain.choices
+        assert plain_choice.logprobs is not None
+        assert list(turn.completion_token_ids) == (plain_choice.model_extra or {})["token_ids"]
+        assert list(turn.prompt_token_ids) == (plain.model_extra or {})["prompt_token_ids"]
+        assert list(turn.logprobs) == [entry.logprob for entry in plain_choice.logprobs.content or []]
+        assert turn.policy_version == int(version)
+
+    other = tinkerrpc.Trajectory.from_openai(
+        [QUESTION], litellm.completion(**request, messages=[QUESTION], tool_choice="none"), reward=0.0
+    )
+    result = stack.client.model(name).train([tinkerrpc.TrajectoryGroup([rollout, other])], learning_rate=1e-4)
+    assert result.metrics.trajectories_used == 2 and result.policy_version > int(version)
+    # Every token trained is one of the sampled sequences': one datum per turn, nothing re-scored.
+    sequence_lengths = [
+        len(t.prompt_token_ids) + len(t.completion_token_ids) for t in (*rollout.turns, *other.turns)
+    ]
+    assert result.metrics.total_tokens == sum(sequence_lengths)
+    assert result.metrics.scored_tokens == 0
