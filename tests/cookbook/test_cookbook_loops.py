@@ -10,6 +10,7 @@ only by TINKER_BASE_URL / TINKER_API_KEY and loading the tokenizer by name with 
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import signal
@@ -218,6 +219,24 @@ def test_async_rl_loop_samples_off_policy_and_trains(engine: LocalEngine, tmp_pa
         assert "Samples are too stale, discarding (dataloader done)" in output, output[-3000:]
     behind = [int(line["step"]) - int(line["sampling_client/step_min"]) for line in trained]
     assert 1 <= max(behind) <= off_policy, behind
+    _assert_checkpoints_kept(engine, log_path)
+
+
+@pytest.mark.skipif(
+    int(importlib.metadata.version("tinker-cookbook").split(".")[1]) < 6,
+    reason="recipes/rl_loop.py has its loss_fn option from tinker-cookbook 0.6 (scripts/cookbook_newest.sh)",
+)
+def test_rl_loop_recipe_trains_with_stable_reinforce(engine: LocalEngine, tmp_path: Path) -> None:
+    """The cookbook 0.6 recipe's default loss, with its sampled-provenance spans: every step samples,
+    trains (no step skipped, no unknown loss) and logs its reward; the final checkpoint is kept."""
+    log_path = tmp_path / "rl-loop"
+    # Its periodic checkpoints are state only; the final one has both, as the other loops' do.
+    _run(engine, "rl-loop", log_path, extra=("--save-every", "0"))
+    output = (log_path.parent / "rl-loop-rl-loop-resumed.out").read_text()
+    assert "unknown loss_fn" not in output and "skipping training step" not in output, output[-3000:]
+    metrics = _metrics(log_path)
+    assert [int(line["step"]) for line in metrics] == list(range(STEPS)), metrics
+    assert all(0.0 <= float(line["reward/total"]) <= 1.0 for line in metrics), metrics
     _assert_checkpoints_kept(engine, log_path)
 
 
