@@ -115,13 +115,21 @@ def _run(
 
 def _killed_then_resumed(engine: LocalEngine, loop: str, log_path: Path) -> tuple[list[dict[str, Any]], int]:
     """Kill the loop after a checkpoint, run it again on the same log dir: the metrics of both runs and
-    how many lines the killed run logged."""
+    how many lines of the killed run they keep before the resumed run's (all of them up to cookbook 0.5;
+    0.6 drops the killed run's lines at or past the step it resumes at before logging them again)."""
     _run(engine, loop, log_path, kill_at_checkpoint=KILL_AT_CHECKPOINT)
-    killed_lines = len(_metrics(log_path))
+    killed = _metrics(log_path)
     _run(engine, loop, log_path)
     resumed_output = (log_path.parent / f"{log_path.name}-{loop}-resumed.out").read_text()
     assert "Resumed training from tinker://" in resumed_output
-    return _metrics(log_path), killed_lines
+    metrics = _metrics(log_path)
+    kept = next(
+        (i for i, (before, after) in enumerate(zip(killed, metrics, strict=False)) if before != after),
+        min(len(killed), len(metrics)),
+    )
+    resumed_from = int(metrics[kept]["step"])
+    assert all(int(line["step"]) >= resumed_from for line in killed[kept:]), (killed, metrics)
+    return metrics, kept
 
 
 def _assert_resumed_from_checkpoint(metrics: list[dict[str, Any]], killed_lines: int) -> None:
