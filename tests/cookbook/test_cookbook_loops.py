@@ -34,6 +34,8 @@ KILL_AT_CHECKPOINT = 4
 RUN_TIMEOUT = 300.0
 # Twice the SDK's heartbeat period, so a live loop's session never lapses; the engine sweeps every 5 s.
 SESSION_TIMEOUT = 20.0
+# From 0.6 the RL loop evaluates once more after its last step and logs its token totals there, at step STEPS.
+COOKBOOK_0_6 = int(importlib.metadata.version("tinker-cookbook").split(".")[1]) >= 6
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +137,12 @@ def _killed_then_resumed(engine: LocalEngine, loop: str, log_path: Path) -> tupl
 def _assert_resumed_from_checkpoint(metrics: list[dict[str, Any]], killed_lines: int) -> None:
     """The resumed run's step counter continues from the checkpoint, not from 0, up to the last step."""
     steps = [int(line["step"]) for line in metrics[killed_lines:]]
+    after_last = [line for line in metrics[killed_lines:] if int(line["step"]) == STEPS]
+    assert all(
+        COOKBOOK_0_6 and all(key == "step" or key.startswith(("test/", "tokens/")) for key in line)
+        for line in after_last
+    ), after_last
+    steps = steps[: len(steps) - len(after_last)]
     assert steps[0] == KILL_AT_CHECKPOINT and steps == list(range(KILL_AT_CHECKPOINT, STEPS)), steps
 
 
@@ -202,11 +210,16 @@ def test_rl_loop_trains_evaluates_checkpoints_and_resumes(engine: LocalEngine, t
     log_path = tmp_path / "rl"
     metrics, killed_lines = _killed_then_resumed(engine, "rl", log_path)
     _assert_resumed_from_checkpoint(metrics, killed_lines)
-    reward = {int(line["step"]): float(line["env/all/reward/total"]) for line in metrics}
+    reward = {
+        int(line["step"]): float(line["env/all/reward/total"])
+        for line in metrics
+        if int(line["step"]) < STEPS
+    }
     first, last = (reward[0] + reward[1]) / 2, (reward[STEPS - 2] + reward[STEPS - 1]) / 2
     assert last > first + 0.1, reward
     evaluated = [line for line in metrics if "test/env/all/reward/total" in line]
-    assert sorted(int(line["step"]) for line in evaluated) == [0, 2, 4, 6], evaluated
+    expected = [0, 2, 4, 6, STEPS] if COOKBOOK_0_6 else [0, 2, 4, 6]
+    assert sorted(int(line["step"]) for line in evaluated) == expected, evaluated
     _assert_checkpoints_kept(engine, log_path)
 
 
@@ -231,7 +244,7 @@ def test_async_rl_loop_samples_off_policy_and_trains(engine: LocalEngine, tmp_pa
 
 
 @pytest.mark.skipif(
-    int(importlib.metadata.version("tinker-cookbook").split(".")[1]) < 6,
+    not COOKBOOK_0_6,
     reason="recipes/rl_loop.py has its loss_fn option from tinker-cookbook 0.6 (scripts/cookbook_newest.sh)",
 )
 def test_rl_loop_recipe_trains_with_stable_reinforce(engine: LocalEngine, tmp_path: Path) -> None:
