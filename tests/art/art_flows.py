@@ -1,15 +1,19 @@
-"""ART's own yes-no-maybe flow against `tinkerrpc serve --sidecar-port`, through tinkerrpc.art; run by
-test_art.py as a separate process, because `import art` patches transformers in its process (see
+"""ART's own yes-no-maybe flow, through tinkerrpc.art against `tinkerrpc serve --sidecar-port` and
+through ART's TinkerNativeBackend (unmodified) against `tinkerrpc engine`; run by test_art.py and
+bench/art_seed.py as a separate process, because `import art` patches transformers in its process (see
 test_art.py).
 
 The rollout and the training loop are ART's (its dev/yes-no-maybe example: `art.TrainableModel`,
 `model.register(backend)`, `model.openai_client()`, `art.gather_trajectory_groups`,
-`model.delete_checkpoints()`, `backend.train(...)`, `model.log(...)`); only the backend line is
-tinkerrpc's, and the sizes are the tiny model's. ART's SFT path (`model.train_sft`) warms the random
-tiny-chat model up first, as the demo's recipe does.
+`model.delete_checkpoints()`, `backend.train(...)`, `model.log(...)`); only the backend line differs
+between the flows, and the sizes are the tiny model's. The random tiny-chat model is warmed up first, as
+the demo's recipe does: through ART's SFT path (`model.train_sft`) on tinkerrpc.art; through the
+TinkerNativeBackend's raw tinker training client on the seed, whose `train_sft` raises
+NotImplementedError.
 
-Usage: art_flows.py {yes-no-maybe|reregister} GRPC_TARGET ART_PATH; prints a JSON result, exits
-non-zero when a check fails.
+Usage: art_flows.py {yes-no-maybe|reregister} ART_PATH GRPC_TARGET, or art_flows.py seed-yes-no-maybe
+ART_PATH with TINKER_BASE_URL / TINKER_API_KEY naming the engine; prints a JSON result (with the flow's
+timings), exits non-zero when a check fails.
 """
 
 from __future__ import annotations
@@ -18,12 +22,18 @@ import asyncio
 import json
 import random
 import sys
+import time
+from dataclasses import asdict, dataclass, field
 from itertools import permutations
 from typing import Any
 
 import art
 import openai
 import pytest
+import tinker
+from art.tinker_native import TinkerNativeBackend
+from art.tinker_native.backend import STATE_KEY_RUN_IDS
+from tinker_cookbook.supervised.common import datum_from_model_input_weights
 
 import tinkerrpc
 from tinkerrpc.art import TinkerRPCBackend
@@ -33,18 +43,22 @@ BASE_MODEL = "tinkerrpc/tiny-chat"
 ANSWERS = ("yes", "no", "maybe")
 TARGET_REWARD = 0.9
 SFT_STEPS = 20
+SFT_BATCH_SIZE = 32
+SFT_LEARNING_RATE = 1e-2
+RL_LEARNING_RATE = 4e-3
 MAX_RL_STEPS = 30
 
 
-# ART's yes-no-maybe example, as its docs write it (max_tokens sized for the tiny model's answers).
+# ART's yes-no-maybe example, as its docs write it (max_tokens sized for the tiny model's answers; the
+# model named by its inference name, model@step, which the TinkerNativeBackend's server requires).
 async def rollout(client: openai.AsyncOpenAI, model: art.TrainableModel, prompt: str) -> art.Trajectory:
     messages: art.Messages = [{"role": "user", "content": prompt}]
     chat_completion = await client.chat.completions.create(
-        messages=messages, model=model.name, max_tokens=8, timeout=100
+        messages=messages, model=model.get_inference_name(), max_tokens=8, timeout=100
     )
     choice = chat_completion.choices[0]
-    content = choice.message.content
-    assert isinstance(content, str)
+    # The TinkerNativeBackend's server answers an empty completion with no content.
+    content = choice.message.content or ""
     if content == "yes":
         reward = 0.5
     elif content == "no":
@@ -91,31 +105,39 @@ def trainable_model() -> art.TrainableModel:
         name="yes-no-maybe-001",
         project="yes-no-maybe",
         base_model=BASE_MODEL,
-        # ART's Tinker options: the renderer without a think block answers in two tokens.
+        # ART's Tinker options: the renderer without a think block answers in two tokens; the LoRA init
+        # pinned (Tinker and the seed leave it random, and some draws never reach the target).
         _internal_config={
             "tinker_native_args": {
                 "renderer_name": "qwen3_disable_thinking",
-                "training_client_args": {"rank": 8},
+                "training_client_args": {"rank": 8, "seed": 0, "train_unembed": True},
             }
         },
     )
 
 
-async def yes_no_maybe(target: str, art_path: str) -> dict[str, Any]:
-    rng = random.Random(0)
-    backend = TinkerRPCBackend(target, path=art_path)
-    model = trainable_model()
-    await model.register(backend)
+@dataclass
+class RLRun:
+    """One flow's RL steps: the mean reward of each step's rollouts, and the seconds each step's rollouts
+    and Train took (a step whose rollouts reach the target trains no more); `seconds_to_target` counts
+    from before register to the rollouts that reached it (None when none did)."""
 
-    await model.train_sft(
-        warm_up_trajectories(rng, 32 * SFT_STEPS),
-        config=art.TrainSFTConfig(learning_rate=1e-2, batch_size=32),
-    )
-    assert await model.get_step() == SFT_STEPS
+    rewards: list[float] = field(default_factory=list)
+    rollout_seconds: list[float] = field(default_factory=list)
+    train_seconds: list[float] = field(default_factory=list)
+    train_metrics: list[dict[str, float]] = field(default_factory=list)
+    seconds_to_target: float | None = None
 
+
+async def rl_until_target(
+    model: art.TrainableModel, backend: art.Backend, rng: random.Random, started: float
+) -> RLRun:
+    """ART's RL loop: 8 prompts x 8 rollouts a step, CISPO (ART's default loss), until the rollouts'
+    mean reward reaches the target or MAX_RL_STEPS steps have trained."""
     openai_client = model.openai_client()
-    rewards, scored_tokens = [], []
-    for _ in range(await model.get_step(), await model.get_step() + MAX_RL_STEPS):
+    run = RLRun()
+    for _ in range(MAX_RL_STEPS + 1):
+        rollouts_started = time.perf_counter()
         train_groups = await art.gather_trajectory_groups(
             (
                 art.TrajectoryGroup(rollout(openai_client, model, prompt) for _ in range(8))
@@ -123,26 +145,124 @@ async def yes_no_maybe(target: str, art_path: str) -> dict[str, Any]:
             ),
             pbar_desc="gather",
         )
-        rewards.append(mean_reward(train_groups))
-        if rewards[-1] >= TARGET_REWARD:
+        run.rollout_seconds.append(time.perf_counter() - rollouts_started)
+        run.rewards.append(mean_reward(train_groups))
+        if run.rewards[-1] >= TARGET_REWARD:
+            run.seconds_to_target = time.perf_counter() - started
+            break
+        if len(run.train_seconds) == MAX_RL_STEPS:
             break
         await model.delete_checkpoints()
-        result = await backend.train(model, train_groups, learning_rate=4e-3)
-        scored_tokens.append(result.metrics["data/step_scored_tokens"])
+        train_started = time.perf_counter()
+        result = await backend.train(model, train_groups, learning_rate=RL_LEARNING_RATE)
+        run.train_seconds.append(time.perf_counter() - train_started)
+        run.train_metrics.append(result.metrics)
         await model.log(train_groups, metrics=result.metrics, step=result.step, split="train")
         assert result.step == await model.get_step()
         assert model.get_inference_name() == f"{model.name}@{result.step}"
+    return run
+
+
+async def yes_no_maybe(art_path: str, target: str) -> dict[str, Any]:
+    started = time.perf_counter()
+    rng = random.Random(0)
+    backend = TinkerRPCBackend(target, path=art_path)
+    model = trainable_model()
+    await model.register(backend)
+
+    await model.train_sft(
+        warm_up_trajectories(rng, SFT_BATCH_SIZE * SFT_STEPS),
+        config=art.TrainSFTConfig(learning_rate=SFT_LEARNING_RATE, batch_size=SFT_BATCH_SIZE),
+    )
+    assert await model.get_step() == SFT_STEPS
+
+    run = await rl_until_target(model, backend, rng, started)
     await backend.close()
     # The rollouts asked for no logprobs: every Choice trained on the sampler's own, by its sample key.
+    scored_tokens = [m["data/step_scored_tokens"] for m in run.train_metrics]
     assert scored_tokens and not any(scored_tokens), scored_tokens
+    return {**asdict(run), "inference_base_url": model.inference_base_url, "scored_tokens": scored_tokens}
+
+
+def answer_datum(trajectory: art.Trajectory, renderer: Any) -> tinker.Datum:
+    """A warm-up conversation as the seed samples and trains it in RL: the renderer's generation prompt
+    (with its empty think block) and, trained, the answer and its stop token."""
+    messages = trajectory.messages_and_choices
+    model_input, weights = renderer.build_supervised_example(messages)
+    weights[: renderer.build_generation_prompt(messages[:-1]).length] = 0
+    return datum_from_model_input_weights(model_input, weights)
+
+
+async def warm_up_raw(training_client: tinker.TrainingClient, renderer: Any, rng: random.Random) -> None:
+    """The demo's SFT recipe (same trajectories, batches and learning rate as ART's SFT path above) as
+    cross-entropy steps on a raw tinker training client, saved as the step the seed resumes from."""
+    trajectories = warm_up_trajectories(rng, SFT_BATCH_SIZE * SFT_STEPS)
+    adam = tinker.AdamParams(learning_rate=SFT_LEARNING_RATE)
+    for start in range(0, len(trajectories), SFT_BATCH_SIZE):
+        batch = [answer_datum(t, renderer) for t in trajectories[start : start + SFT_BATCH_SIZE]]
+        trained = training_client.forward_backward(batch, loss_fn="cross_entropy")
+        stepped = training_client.optim_step(adam)
+        await trained
+        await stepped
+    # The seed's checkpoint names: step N's training state and sampler weights.
+    name = f"step_{SFT_STEPS:06d}"
+    saved = [training_client.save_state(name), training_client.save_weights_for_sampler(name)]
+    for future in saved:
+        await future
+
+
+async def engine_checkpoints(rest_client: tinker.RestClient, run_ids: list[str]) -> set[str]:
+    """Every checkpoint the engine lists for the runs, as the tinker paths the seed names them by."""
     return {
-        "rewards": rewards,
-        "inference_base_url": model.inference_base_url,
-        "scored_tokens": scored_tokens,
+        f"tinker://{run_id}/{c.checkpoint_id}"
+        for run_id in run_ids
+        for c in (await rest_client.list_checkpoints(run_id)).checkpoints
     }
 
 
-async def reregister_and_score(target: str, art_path: str) -> dict[str, Any]:
+async def seed_yes_no_maybe(art_path: str) -> dict[str, Any]:
+    """The same flow through ART's TinkerNativeBackend, which finds the engine by TINKER_BASE_URL and
+    TINKER_API_KEY alone: warmed up through its raw training client, then resumed by a fresh backend from
+    the saved step by its own register, RL, then its checkpoints against the engine's list."""
+    started = time.perf_counter()
+    rng = random.Random(0)
+    backend = TinkerNativeBackend(path=art_path)
+    model = trainable_model()
+    await model.register(backend)
+    with pytest.raises(NotImplementedError):
+        await model.train_sft(warm_up_trajectories(random.Random(), 1))
+    state = backend._model_state[model.name]
+    await warm_up_raw(state.training_client, state.renderer, rng)
+    await backend.close()
+
+    backend = TinkerNativeBackend(path=art_path)
+    model = trainable_model()
+    await model.register(backend)
+    assert await model.get_step() == SFT_STEPS, "register resumes from the warmed-up state"
+    run = await rl_until_target(model, backend, rng, started)
+
+    state = backend._model_state[model.name]
+    rest_client = tinker.RestClient()
+    run_ids = list(model.read_state()[STATE_KEY_RUN_IDS])
+    # The engine may list more than the seed recorded: the seed's step pattern skips the sampler
+    # checkpoints of earlier runs ("sampler_weights/step_N") and saves the resumed step's again.
+    listed = await engine_checkpoints(rest_client, run_ids)
+    recorded = {*state.sampler_checkpoint_paths.values(), *state.training_checkpoint_paths.values()}
+    assert recorded <= listed, recorded - listed
+    # ART's delete_checkpoints on the seed deletes nothing ("not yet implemented"): its user deletes
+    # through the tinker SDK, here every sampler but the current step's.
+    await model.delete_checkpoints()
+    assert await engine_checkpoints(rest_client, run_ids) == listed
+    doomed = {p for step, p in state.sampler_checkpoint_paths.items() if step != state.current_step}
+    for path in doomed:
+        await rest_client.delete_checkpoint_from_tinker_path(path)
+    assert await engine_checkpoints(rest_client, run_ids) == listed - doomed
+    assert state.sampler_checkpoint_paths[state.current_step] in listed - doomed
+    await backend.close()
+    return {**asdict(run), "inference_base_url": model.inference_base_url, "deleted": len(doomed)}
+
+
+async def reregister_and_score(art_path: str, target: str) -> dict[str, Any]:
     backend = TinkerRPCBackend(target, path=art_path)
     # The same name with other Tinker options is refused, naming the differences.
     other = art.TrainableModel(name="yes-no-maybe-001", project="yes-no-maybe", base_model=BASE_MODEL)
@@ -184,7 +304,7 @@ async def reregister_and_score(target: str, art_path: str) -> dict[str, Any]:
         assert as_sampled.messages == as_keyed.messages
 
     # A group whose rewards are all equal carries no signal: no step is taken.
-    flat = await backend.train(model, [art.TrajectoryGroup(with_logprobs)], learning_rate=4e-3)
+    flat = await backend.train(model, [art.TrajectoryGroup(with_logprobs)], learning_rate=RL_LEARNING_RATE)
     assert flat.step == step == await model.get_step()
     assert flat.metrics["data/step_num_groups_trainable"] == 0
 
@@ -198,8 +318,12 @@ async def reregister_and_score(target: str, art_path: str) -> dict[str, Any]:
     return {"step": step}
 
 
-FLOWS = {"yes-no-maybe": yes_no_maybe, "reregister": reregister_and_score}
+FLOWS = {
+    "yes-no-maybe": yes_no_maybe,
+    "reregister": reregister_and_score,
+    "seed-yes-no-maybe": seed_yes_no_maybe,
+}
 
 if __name__ == "__main__":
-    flow, target, art_path = sys.argv[1:]
-    print(json.dumps(asyncio.run(FLOWS[flow](target, art_path))))
+    flow, art_path, *args = sys.argv[1:]
+    print(json.dumps(asyncio.run(FLOWS[flow](art_path, *args))))

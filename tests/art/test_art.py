@@ -1,4 +1,5 @@
-"""ART's own code through tinkerrpc.art against `tinkerrpc serve --sidecar-port` (art_flows.py).
+"""ART's own code through tinkerrpc.art against `tinkerrpc serve --sidecar-port`, and ART's own
+TinkerNativeBackend (the seed, unmodified) against `tinkerrpc engine` (art_flows.py).
 
 The flows run in their own process: `import art` patches transformers' attention-mask preprocessing
 in its process (art/transformers/patches.py, with a signature transformers 5 does not call it with),
@@ -9,6 +10,7 @@ there. The server is separate either way.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,10 +19,11 @@ from typing import Any
 
 import pytest
 
-from tinkerrpc_server.local.stack import LocalStack
+from tinkerrpc_server.local.stack import LocalEngine, LocalStack
 
 FLOWS = Path(__file__).with_name("art_flows.py")
 TARGET_REWARD = 0.9
+MAX_RL_STEPS = 30
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +34,36 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         yield running
 
 
-def run_flow(name: str, stack: LocalStack, art_path: Path) -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEngine]:
+    tmp = tmp_path_factory.mktemp("art-engine")
+    with pytest.MonkeyPatch.context() as patch:
+        # The engine lays the built-in models out in this hub cache; the seed's tokenizer loads from it.
+        patch.setenv("HF_HUB_CACHE", str(tmp / "hf-hub"))
+        running = LocalEngine(tmp / "data", tmp / "models", tmp / "engine.log", startup_timeout=240.0)
+    with running:
+        yield running
+
+
+def seed_env(engine: LocalEngine) -> dict[str, str]:
+    """What a user of ART's TinkerNativeBackend sets to reach the engine instead of Tinker."""
+    return {
+        **os.environ,
+        "TINKER_BASE_URL": engine.base_url,
+        "TINKER_API_KEY": engine.api_key,
+        "HF_HUB_CACHE": engine.env["HF_HUB_CACHE"],
+        "HF_HUB_OFFLINE": "1",
+        "TINKER_TELEMETRY": "0",
+    }
+
+
+def run_flow(name: str, art_path: Path, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     done = subprocess.run(
-        [sys.executable, str(FLOWS), name, stack.target, str(art_path)],
+        [sys.executable, str(FLOWS), name, str(art_path), *args],
         capture_output=True,
         text=True,
         timeout=540,
+        env=env,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -44,7 +71,7 @@ def run_flow(name: str, stack: LocalStack, art_path: Path) -> dict[str, Any]:
 
 
 def test_art_yes_no_maybe_reaches_the_target_reward(stack: LocalStack, tmp_path: Path) -> None:
-    result = run_flow("yes-no-maybe", stack, tmp_path / ".art")
+    result = run_flow("yes-no-maybe", tmp_path / ".art", stack.target)
     rewards = result["rewards"]
     assert rewards[-1] >= TARGET_REWARD, rewards
     assert rewards[-1] > rewards[0], rewards
@@ -57,4 +84,21 @@ def test_art_register_is_get_or_create_and_choices_without_logprobs_carry_their_
     """After the test above: registering again gets its model (another shape is refused), a Choice
     without logprobs carries the sample key of the sidecar's own logprobs, a flat group takes no step, and ART's
     delete_checkpoints leaves the latest version's files only."""
-    assert run_flow("reregister", stack, tmp_path / ".art")["step"] > 0
+    assert run_flow("reregister", tmp_path / ".art", stack.target)["step"] > 0
+
+
+def test_art_tinker_native_backend_on_the_engine_reaches_the_target_reward(
+    engine: LocalEngine, tmp_path: Path
+) -> None:
+    """ART's TinkerNativeBackend, unmodified, told of the engine by TINKER_BASE_URL / TINKER_API_KEY only:
+    it registers, resumes from the state its raw training client warmed up, serves ART's rollouts from its
+    own OpenAI server and trains to the target; the checkpoints it recorded are the engine's list, and
+    the ones deleted through the tinker SDK leave that list (the flow checks both)."""
+    result = run_flow("seed-yes-no-maybe", tmp_path / ".art", env=seed_env(engine))
+    rewards = result["rewards"]
+    assert rewards[-1] >= TARGET_REWARD, rewards
+    assert rewards[-1] > rewards[0], rewards
+    assert len(result["train_seconds"]) <= MAX_RL_STEPS
+    assert result["seconds_to_target"] is not None
+    assert result["inference_base_url"] != engine.base_url, "the backend's own OpenAI server"
+    assert result["deleted"] >= len(result["train_seconds"]), "every sampler but the current step's"
