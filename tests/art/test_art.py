@@ -10,7 +10,6 @@ there. The server is separate either way.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -43,18 +42,6 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEngine]:
         running = LocalEngine(tmp / "data", tmp / "models", tmp / "engine.log", startup_timeout=240.0)
     with running:
         yield running
-
-
-def seed_env(engine: LocalEngine) -> dict[str, str]:
-    """What a user of ART's TinkerNativeBackend sets to reach the engine instead of Tinker."""
-    return {
-        **os.environ,
-        "TINKER_BASE_URL": engine.base_url,
-        "TINKER_API_KEY": engine.api_key,
-        "HF_HUB_CACHE": engine.env["HF_HUB_CACHE"],
-        "HF_HUB_OFFLINE": "1",
-        "TINKER_TELEMETRY": "0",
-    }
 
 
 def run_flow(name: str, art_path: Path, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -94,7 +81,7 @@ def test_art_tinker_native_backend_on_the_engine_reaches_the_target_reward(
     it registers, resumes from the state its raw training client warmed up, serves ART's rollouts from its
     own OpenAI server and trains to the target; the checkpoints it recorded are the engine's list, and
     the ones deleted through the tinker SDK leave that list (the flow checks both)."""
-    result = run_flow("seed-yes-no-maybe", tmp_path / ".art", env=seed_env(engine))
+    result = run_flow("seed-yes-no-maybe", tmp_path / ".art", env=engine.sdk_user_env())
     rewards = result["rewards"]
     assert rewards[-1] >= TARGET_REWARD, rewards
     assert rewards[-1] > rewards[0], rewards

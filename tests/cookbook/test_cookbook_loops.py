@@ -11,7 +11,6 @@ only by TINKER_BASE_URL / TINKER_API_KEY and loading the tokenizer by name with 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -53,17 +52,6 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEngine]:
     assert running.stop() == 0, running.log()[-3000:]
 
 
-def _loop_env(engine: LocalEngine) -> dict[str, str]:
-    return {
-        **os.environ,
-        "TINKER_BASE_URL": engine.base_url,
-        "TINKER_API_KEY": engine.api_key,
-        "HF_HUB_CACHE": engine.env["HF_HUB_CACHE"],
-        "HF_HUB_OFFLINE": "1",
-        "TINKER_TELEMETRY": "0",
-    }
-
-
 def _checkpoints(log_path: Path) -> list[dict[str, Any]]:
     path = log_path / "checkpoints.jsonl"
     if not path.is_file():
@@ -91,7 +79,7 @@ def _run(
     command += ["--save-every", str(SAVE_EVERY), "--eval-every", "2", *extra]
     output = log_path.parent / f"{log_path.name}-{loop}-{'killed' if kill_at_checkpoint else 'resumed'}.out"
     with open(output, "wb") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=_loop_env(engine))
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=engine.sdk_user_env())
     deadline = time.monotonic() + RUN_TIMEOUT
     try:
         while process.poll() is None and time.monotonic() < deadline:
@@ -223,7 +211,7 @@ def test_async_rl_loop_samples_off_policy_and_trains(engine: LocalEngine, tmp_pa
 
 def test_tinker_sdk_reaches_the_engine_from_the_environment(engine: LocalEngine) -> None:
     """What the loops rely on: SDK clients made with no arguments find the engine and its key."""
-    env = _loop_env(engine)
+    env = engine.sdk_user_env()
     with pytest.MonkeyPatch.context() as patch:
         for name in ("TINKER_BASE_URL", "TINKER_API_KEY"):
             patch.setenv(name, env[name])

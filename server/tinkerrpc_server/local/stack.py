@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -148,6 +149,16 @@ class LocalEngine(EngineProcess):
         import tinker
 
         return tinker.RestClient(base_url=self.base_url, api_key=self.api_key)
+
+    def sdk_user_env(self) -> dict[str, str]:
+        """This process's environment plus what a tinker SDK user sets to reach this engine instead of
+        Tinker (its URL and key), offline: the built-in models' tokenizers load from the hub cache the
+        engine was started with, when it was given one."""
+        env = {**os.environ, "TINKER_BASE_URL": self.base_url, "TINKER_API_KEY": self.api_key}
+        env.update({"HF_HUB_OFFLINE": "1", "TINKER_TELEMETRY": "0"})
+        if "HF_HUB_CACHE" in self.env:
+            env["HF_HUB_CACHE"] = self.env["HF_HUB_CACHE"]
+        return env
 
     def stats(self) -> dict[str, int]:
         """The engine's scheduling counters (sample requests, the batches they ran in, training ops)."""
