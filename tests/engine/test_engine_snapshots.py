@@ -22,7 +22,7 @@ from tinker import types
 
 from tinkerrpc_server.engine.app import create_app
 from tinkerrpc_server.engine.core import UNNAMED_SNAPSHOTS_KEPT_PER_MODEL
-from tinkerrpc_server.processes.http_serving import bound_port, listen, serve_until_stopped
+from tinkerrpc_server.processes.http_serving import OWNER_ONLY, bound_port, listen, serve_until_stopped
 
 GRACE = 0.5
 TINY = "tinkerrpc/tiny-chat"
@@ -49,7 +49,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessEngine
     stop = asyncio.Event()
     config = uvicorn.Config(app, access_log=False, log_level="warning", timeout_graceful_shutdown=3)
     serving = threading.Thread(
-        target=loop.run_until_complete, args=(serve_until_stopped(config, sock, stop),), daemon=True
+        target=loop.run_until_complete,
+        args=(serve_until_stopped(config, sock, OWNER_ONLY, stop),),
+        daemon=True,
     )
     serving.start()
     yield InProcessEngine(f"http://127.0.0.1:{bound_port(sock)}", api_key, work / "data")

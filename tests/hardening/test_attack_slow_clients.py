@@ -1,14 +1,19 @@
 """Slow and departed clients cannot starve the server (issue 16, item 5), against real processes.
 
 HTTP: half-sent requests to the hosted sidecar are closed by the server within its header timeout while
-normal requests still succeed, and connections beyond the cap are answered 503 and closed at once while
-gRPC keeps answering. Engine: a sample whose caller gave up is dropped instead of run, and a Train of
+normal requests still succeed, and connections beyond one client's share are answered 503 and closed at
+once while gRPC keeps answering; a local user of another uid holds no slot of the engine and one share
+of the sidecar while the server's own Sample and Train and the sidecar's other clients are served. Engine: a sample whose caller gave up is dropped instead of run, and a Train of
 another model queued behind a long sample completes before that sample does (order, not timings)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import statistics
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -17,12 +22,14 @@ from pathlib import Path
 import pytest
 import tinker
 from hardening_support import SIDECAR_KEY, HostedServer
-from service.svc import CALL_TIMEOUT, TINY, create_model, rl_request, sample_chat
+from other_uid_connections import HALF_REQUEST
+from service.svc import CALL_TIMEOUT, TINY, Server, create_model, rl_request, sample_chat
 
 from tinkerrpc_server.local.stack import LocalEngine
-from tinkerrpc_server.processes.http_serving import HEADER_READ_TIMEOUT_SECONDS, MAX_CONNECTIONS
+from tinkerrpc_server.processes.http_serving import HEADER_READ_TIMEOUT_SECONDS, SHARED
 
-HALF_REQUEST = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: appl"
+# The local user the attacks come from: uid 65534, "nobody" on Debian.
+NOBODY = 65534
 # How long past the header timeout a half-sent connection may stay open (a loaded 2-core machine).
 CLOSE_SLACK_SECONDS = 15.0
 
@@ -73,16 +80,18 @@ def test_half_sent_headers_are_closed_within_the_timeout(hosted_server: HostedSe
             sock.close()
 
 
-def test_connections_beyond_the_cap_are_refused_while_grpc_answers(hosted_server: HostedServer) -> None:
+def test_one_client_holds_at_most_its_share_while_grpc_answers(hosted_server: HostedServer) -> None:
     server = hosted_server.server
     create_model(server.stub, "slow-clients")
-    slow = _half_sent(hosted_server.sidecar_url, MAX_CONNECTIONS + 20)
+    share = SHARED.per_peer
+    slow = _half_sent(hosted_server.sidecar_url, share + 20)
     try:
-        # The server closes the newest ones at once (they are beyond the cap), with a 503.
+        # The server closes the newest ones at once (beyond one client's share), with a 503.
         soon = time.monotonic() + 5
         refused = [reply for sock in slow[-20:] if (reply := _closed_by_server(sock, soon)) is not None]
-        assert len(refused) == 20, f"only {len(refused)} of the 20 over-cap connections were refused"
+        assert len(refused) == 20, f"only {len(refused)} of the 20 connections beyond the share were refused"
         assert all(reply.startswith(b"HTTP/1.1 503") for reply in refused)
+        assert all(b"too many connections from this client" in reply for reply in refused)
         # gRPC is another server: Sample and Train still answer while the sidecar is at its cap.
         sample = sample_chat(server.stub, "slow-clients", "respond with yes", n=2, max_tokens=4, seed=3)
         trained = server.stub.Train(rl_request("slow-clients", sample, [1.0, 0.0]), timeout=CALL_TIMEOUT)
@@ -95,6 +104,52 @@ def test_connections_beyond_the_cap_are_refused_while_grpc_answers(hosted_server
     finally:
         for sock in slow:
             sock.close()
+
+
+def _sample_and_train(server: Server, model: str, timeout: float) -> float:
+    """Seconds for one Sample and one Train on its samples, each under `timeout`."""
+    started = time.monotonic()
+    sample = sample_chat(server.stub, model, "respond with yes", n=2, max_tokens=4, seed=3)
+    server.stub.Train(rl_request(model, sample, [1.0, 0.0]), timeout=timeout)
+    return time.monotonic() - started
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="acting as another local user needs root (CI runs as root)")
+def test_another_uid_holds_no_engine_slot_and_one_share_of_the_sidecar(hosted_server: HostedServer) -> None:
+    server = hosted_server.server
+    create_model(server.stub, "other-uid")
+    before = statistics.median(_sample_and_train(server, "other-uid", CALL_TIMEOUT) for _ in range(3))
+    engine_url, sidecar_url = server.engine_url(), hosted_server.sidecar_url
+    attack = 300
+    attacker = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("other_uid_connections.py")),
+            "--uid",
+            str(NOBODY),
+            "--count",
+            str(attack),
+            engine_url,
+            sidecar_url,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert attacker.stdout is not None
+        report = json.loads(attacker.stdout.readline())
+        # The engine answers a local user of another uid at once, before its headers' deadline.
+        assert report[engine_url] == {"closed": attack, "status_lines": ["HTTP/1.1 403 Forbidden"]}
+        # The sidecar keeps one client's share for it and refuses the rest.
+        assert report[sidecar_url]["closed"] == attack - SHARED.per_peer
+        assert report[sidecar_url]["status_lines"] == ["HTTP/1.1 503 Service Unavailable"]
+        # Meanwhile the server's own calls and the sidecar's other clients are served as before.
+        during = [_sample_and_train(server, "other-uid", 2 * before + 2.0) for _ in range(3)]
+        print(f"Sample+Train {before:.2f} s before, {statistics.median(during):.2f} s during the attack")
+        assert _models(sidecar_url) == 200
+    finally:
+        attacker.communicate(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -52,6 +52,12 @@ class Server:
         assert match, "the server log names its engine child"
         return int(match.group(1))
 
+    def engine_url(self) -> str:
+        """Where the engine child serving now listens (the last one started, after any restart)."""
+        urls = re.findall(r"embedded engine healthy on (http://\S+)", self.proc.log())
+        assert urls, "the server log names its engine's URL"
+        return urls[-1]
+
     def close(self) -> int | None:
         self.channel.close()
         return self.proc.stop()

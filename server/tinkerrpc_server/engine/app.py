@@ -36,7 +36,7 @@ from tinkerrpc_server.engine.routes.common import future
 from tinkerrpc_server.engine.signed_urls import Forbidden
 from tinkerrpc_server.engine.storage import InvalidNameError, UnknownPathError
 from tinkerrpc_server.model_store import UnknownBaseModelError, prepare_builtin_models
-from tinkerrpc_server.processes.http_serving import bound_port, serve_until_signalled
+from tinkerrpc_server.processes.http_serving import OWNER_ONLY, bound_port, serve_until_signalled
 
 log = logging.getLogger("tinkerrpc.engine")
 
@@ -142,4 +142,4 @@ def run_engine(
     # The imports (torch, transformers, peft) leave millions of long-lived objects: freezing them keeps
     # every garbage collection, and the final one at exit (3+ s otherwise), from walking them.
     gc.freeze()
-    serve_until_signalled(config, sock, on_serving)
+    serve_until_signalled(config, sock, OWNER_ONLY, on_serving)

@@ -11,7 +11,10 @@ process (`serve_until_signalled`), or the host sets an event (`serve_until_stopp
 Slow or idle clients cannot hold the server's file descriptors: every server here speaks HTTP/1.1
 through `BoundedH11Protocol`, which closes a connection whose request headers are not complete within
 HEADER_READ_TIMEOUT_SECONDS, or whose body stops arriving for BODY_READ_IDLE_SECONDS, and closes at once
-(after a one-line 503) a connection beyond MAX_CONNECTIONS. uvicorn's keep-alive timeout closes idle
+(after a one-line 503) a connection beyond MAX_CONNECTIONS or beyond the share one peer may hold
+(`Admission.per_peer`: a local uid, or a remote address), so one client cannot take every slot; a server
+whose `Admission.owner_only` is set (the engine) refuses at once a loopback peer of another uid, before
+it holds a slot (`peers`). uvicorn's keep-alive timeout closes idle
 connections between requests. When the process still runs out of descriptors, asyncio's "accept out of
 system resource" error is logged once per ACCEPT_ERROR_LOG_INTERVAL_SECONDS with a count, not per
 attempt.
@@ -27,15 +30,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from tinkerrpc_server.processes.peers import UID_LOOKUP_AVAILABLE, Peer, identify
 
 log = logging.getLogger("tinkerrpc.http")
 
@@ -44,29 +51,80 @@ BODY_READ_IDLE_SECONDS = 30.0
 MAX_CONNECTIONS = 256
 ACCEPT_ERROR_LOG_INTERVAL_SECONDS = 60.0
 
-_TOO_MANY_CONNECTIONS = (
-    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\nconnection: close\r\n"
-    b"content-length: 21\r\n\r\ntoo many connections\n"
-)
+
+def _plain_reply(status: str, text: str) -> bytes:
+    body = text.encode() + b"\n"
+    head = f"HTTP/1.1 {status}\r\ncontent-type: text/plain\r\nconnection: close\r\ncontent-length: {len(body)}\r\n\r\n"
+    return head.encode() + body
+
+
+_TOO_MANY_CONNECTIONS = _plain_reply("503 Service Unavailable", "too many connections")
+_TOO_MANY_FROM_PEER = _plain_reply("503 Service Unavailable", "too many connections from this client")
+_NOT_THE_OWNER = _plain_reply("403 Forbidden", "only the server owner's processes may connect")
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Which connections a server takes, decided as each is accepted, before it holds a slot."""
+
+    # Loopback peers of another uid are refused: for a server only its owner's processes hold the key of.
+    owner_only: bool
+    # Connections one peer (a local uid, or a remote address) may hold at once.
+    per_peer: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.per_peer <= MAX_CONNECTIONS:
+            raise ValueError(f"per_peer must be in [1, {MAX_CONNECTIONS}], got {self.per_peer}")
+
+
+# A server any client may reach (the sidecar): one client holds at most half the slots.
+SHARED = Admission(owner_only=False, per_peer=MAX_CONNECTIONS // 2)
+# The engine: its key is in its owner's processes only, so a local user of another uid holds no slot.
+OWNER_ONLY = Admission(owner_only=True, per_peer=MAX_CONNECTIONS)
 
 
 class BoundedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a read deadline on each request and a cap on open connections."""
+    """uvicorn's h11 protocol with a read deadline on each request, a cap on open connections in all and
+    per peer, and the server's `Admission`."""
 
+    admission: ClassVar[Admission] = SHARED
+    peer: Peer | None = None
     _read_timer: asyncio.TimerHandle | None = None
     _reading_headers = False
     _refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        if len(self.connections) >= MAX_CONNECTIONS:
+        self.peer = identify(transport.get_extra_info("peername"), transport.get_extra_info("sockname"))
+        refusal = self._refusal()
+        if refusal is not None:
             # Not tracked in self.connections: connection_lost only closes the transport.
             self._refused = True
             self.transport = transport
-            transport.write(_TOO_MANY_CONNECTIONS)
+            transport.write(refusal)
             transport.close()
             return
         super().connection_made(transport)
         self._watch_request_read(bytes_arrived=True)
+
+    def _refusal(self) -> bytes | None:
+        """The reply that refuses this connection, or None to take it."""
+        if len(self.connections) >= MAX_CONNECTIONS:
+            return _TOO_MANY_CONNECTIONS
+        peer = self.peer
+        if peer is None:
+            return None
+        # Without a socket table (not Linux) a local peer's uid is unknown: only the budgets apply.
+        if self.admission.owner_only and peer.local and UID_LOOKUP_AVAILABLE and peer.uid != os.getuid():
+            log.debug("refusing %s: uid %s is not the server's", peer.address, peer.uid)
+            return _NOT_THE_OWNER
+        held = sum(
+            1
+            for other in self.connections
+            if (other_peer := getattr(other, "peer", None)) and other_peer.key == peer.key
+        )
+        if held >= self.admission.per_peer:
+            return _TOO_MANY_FROM_PEER
+        return None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_read_timer()
@@ -168,10 +226,10 @@ class _AcceptErrorLimiter:
 
 class _LoopOwnsSignals(uvicorn.Server):
     """A uvicorn server that neither installs signal handlers nor re-raises a signal at the end, and
-    speaks through BoundedH11Protocol."""
+    speaks through BoundedH11Protocol under `admission`."""
 
-    def __init__(self, config: uvicorn.Config) -> None:
-        config.http = BoundedH11Protocol
+    def __init__(self, config: uvicorn.Config, admission: Admission) -> None:
+        config.http = type("AdmittingH11Protocol", (BoundedH11Protocol,), {"admission": admission})
         super().__init__(config)
 
     @contextlib.contextmanager
@@ -200,12 +258,15 @@ def bound_port(sock: socket.socket) -> int:
 
 
 def serve_until_signalled(
-    config: uvicorn.Config, sock: socket.socket, on_serving: Callable[[], None] | None = None
+    config: uvicorn.Config,
+    sock: socket.socket,
+    admission: Admission,
+    on_serving: Callable[[], None] | None = None,
 ) -> None:
     """Serve on `sock` as the whole process until SIGTERM or SIGINT, then return after the graceful
     shutdown, so the process exits 0. A second SIGINT stops waiting for open connections, as in uvicorn.
     `on_serving` runs once the signals are handled here (a SIGTERM after it is a clean stop)."""
-    server = _LoopOwnsSignals(config)
+    server = _LoopOwnsSignals(config, admission)
 
     async def serve() -> None:
         loop = asyncio.get_running_loop()
@@ -219,10 +280,12 @@ def serve_until_signalled(
     asyncio.run(serve())
 
 
-async def serve_until_stopped(config: uvicorn.Config, sock: socket.socket, stop: asyncio.Event) -> None:
+async def serve_until_stopped(
+    config: uvicorn.Config, sock: socket.socket, admission: Admission, stop: asyncio.Event
+) -> None:
     """Serve on `sock` on the running loop, whose owner handles the signals, until `stop` is set; then
     shut down gracefully."""
-    server = _LoopOwnsSignals(config)
+    server = _LoopOwnsSignals(config, admission)
     with _AcceptErrorLimiter(asyncio.get_running_loop()).installed():
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         stopping = asyncio.create_task(stop.wait())

@@ -26,7 +26,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
 from tinkerrpc import AsyncClient, ModelInfo, RetryPolicy, RPCError, Sample
-from tinkerrpc_server.processes.http_serving import bound_port, serve_until_signalled, serve_until_stopped
+from tinkerrpc_server.processes.http_serving import (
+    SHARED,
+    bound_port,
+    serve_until_signalled,
+    serve_until_stopped,
+)
 from tinkerrpc_server.sidecar import chat, completions, models, responses
 from tinkerrpc_server.sidecar.errors import OpenAIError, from_rpc_error, param_from_loc
 from tinkerrpc_server.sidecar.metrics import SidecarMetrics
@@ -263,7 +268,7 @@ def run_sidecar(
     graceful shutdown; `on_serving` runs once requests get answers."""
     app = create_app(upstream, api_key)
     _log_start(upstream, sock, api_key)
-    serve_until_signalled(_uvicorn_config(app), sock, on_serving)
+    serve_until_signalled(_uvicorn_config(app), sock, SHARED, on_serving)
 
 
 async def serve_sidecar(
@@ -273,4 +278,4 @@ async def serve_sidecar(
     --sidecar-port`)."""
     app = create_app(upstream, api_key)
     _log_start(upstream, sock, api_key)
-    await serve_until_stopped(_uvicorn_config(app), sock, stop)
+    await serve_until_stopped(_uvicorn_config(app), sock, SHARED, stop)
