@@ -19,14 +19,15 @@ import time
 HALF_REQUEST = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: appl"
 
 
-def _closed_reply(sock: socket.socket) -> bytes | None:
-    """What the server sent before it closed `sock`, or None while it is open."""
+def closed_by_server(sock: socket.socket, deadline: float) -> bytes | None:
+    """What the server sent before closing the connection, or None if it is still open at `deadline`
+    (past it, whether it is closed already)."""
     received = b""
-    sock.setblocking(False)
     while True:
+        sock.settimeout(max(deadline - time.monotonic(), 0.0))
         try:
             chunk = sock.recv(4096)
-        except BlockingIOError:
+        except (TimeoutError, BlockingIOError):
             return None
         except ConnectionResetError:
             return received
@@ -56,7 +57,8 @@ def main() -> None:
     time.sleep(args.settle)
     report = {}
     for url, sockets in held.items():
-        replies = [reply for sock in sockets if (reply := _closed_reply(sock)) is not None]
+        now = time.monotonic()
+        replies = [reply for sock in sockets if (reply := closed_by_server(sock, now)) is not None]
         report[url] = {
             "closed": len(replies),
             "status_lines": sorted({reply.split(b"\r\n", 1)[0].decode() for reply in replies}),

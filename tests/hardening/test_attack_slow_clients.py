@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import tinker
 from hardening_support import SIDECAR_KEY, HostedServer
-from other_uid_connections import HALF_REQUEST
+from other_uid_connections import HALF_REQUEST, closed_by_server
 from service.svc import CALL_TIMEOUT, TINY, Server, create_model, rl_request, sample_chat
 
 from tinkerrpc_server.local.stack import LocalEngine
@@ -44,23 +44,6 @@ def _half_sent(url: str, count: int) -> list[socket.socket]:
     return sockets
 
 
-def _closed_by_server(sock: socket.socket, deadline: float) -> bytes | None:
-    """What the server sent before closing the connection, or None if it is still open at `deadline`."""
-    received = b""
-    while (remaining := deadline - time.monotonic()) > 0:
-        sock.settimeout(remaining)
-        try:
-            chunk = sock.recv(4096)
-        except TimeoutError:
-            return None
-        except ConnectionResetError:
-            return received
-        if not chunk:
-            return received
-        received += chunk
-    return None
-
-
 def _models(url: str) -> int:
     request = urllib.request.Request(f"{url}/v1/models", headers={"Authorization": f"Bearer {SIDECAR_KEY}"})
     with urllib.request.urlopen(request, timeout=30) as response:
@@ -72,7 +55,7 @@ def test_half_sent_headers_are_closed_within_the_timeout(hosted_server: HostedSe
     try:
         assert _models(hosted_server.sidecar_url) == 200
         deadline = time.monotonic() + HEADER_READ_TIMEOUT_SECONDS + CLOSE_SLACK_SECONDS
-        still_open = [sock for sock in slow if _closed_by_server(sock, deadline) is None]
+        still_open = [sock for sock in slow if closed_by_server(sock, deadline) is None]
         assert not still_open, f"{len(still_open)} of {len(slow)} half-sent connections still open"
         assert _models(hosted_server.sidecar_url) == 200
     finally:
@@ -88,7 +71,7 @@ def test_one_client_holds_at_most_its_share_while_grpc_answers(hosted_server: Ho
     try:
         # The server closes the newest ones at once (beyond one client's share), with a 503.
         soon = time.monotonic() + 5
-        refused = [reply for sock in slow[-20:] if (reply := _closed_by_server(sock, soon)) is not None]
+        refused = [reply for sock in slow[-20:] if (reply := closed_by_server(sock, soon)) is not None]
         assert len(refused) == 20, f"only {len(refused)} of the 20 connections beyond the share were refused"
         assert all(reply.startswith(b"HTTP/1.1 503") for reply in refused)
         assert all(b"too many connections from this client" in reply for reply in refused)
@@ -98,7 +81,7 @@ def test_one_client_holds_at_most_its_share_while_grpc_answers(hosted_server: Ho
         assert trained.policy_version == 1
         # The capped connections are still closed by the header timeout, and the sidecar serves again.
         deadline = time.monotonic() + HEADER_READ_TIMEOUT_SECONDS + CLOSE_SLACK_SECONDS
-        still_open = [sock for sock in slow[:-20] if _closed_by_server(sock, deadline) is None]
+        still_open = [sock for sock in slow[:-20] if closed_by_server(sock, deadline) is None]
         assert not still_open, f"{len(still_open)} capped connections still open"
         assert _models(hosted_server.sidecar_url) == 200
     finally:
