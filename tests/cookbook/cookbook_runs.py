@@ -147,7 +147,7 @@ class EvenTokensDataset(RLDataset):
 class EvenTokensDatasetBuilder(RLDatasetBuilder):
     steps: int
     groups_per_batch: int = 4
-    group_size: int = 8
+    group_size: int = 16
 
     async def __call__(self) -> tuple[RLDataset, RLDataset | None]:
         rng = random.Random(0)
