@@ -2,8 +2,9 @@
 
 One module per endpoint family, each with its request checks, response and stream builders and route:
 models.py (GET /v1/models, /v1/models/{id}, and what a model id means), chat.py (POST
-/v1/chat/completions), completions.py (POST /v1/completions), responses.py (POST /v1/responses) and
-runs/ (the live run view). They share sampling_args.py (request → the SDK's Sample arguments),
+/v1/chat/completions), completions.py (POST /v1/completions), responses.py (POST /v1/responses),
+generate.py (POST /inference/v1/generate, vLLM's tokens-in, tokens-out route for RL training clients)
+and runs/ (the live run view). They share sampling_args.py (request → the SDK's Sample arguments),
 sample_output.py (a Sample → stop-cut text, per-token pieces, logprob entries, usage), streaming.py
 (server-sent events) and protocol.py (the wire shapes); app.py adds GET /health and GET /metrics,
 authentication and the error handlers. Model ids are `name` (latest policy version) or `name@N` (pinned);

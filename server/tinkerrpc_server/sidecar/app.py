@@ -2,7 +2,7 @@
 
 The app itself holds what every route shares: the API key check, request metrics, the error handlers,
 GET /health and GET /metrics, and the one Sample call the endpoint routers (models, chat, completions,
-responses, runs) are given. It reaches the server only through the SDK's `tinkerrpc.AsyncClient`;
+responses, generate, runs) are given. It reaches the server only through the SDK's `tinkerrpc.AsyncClient`;
 every gRPC failure is translated to HTTP in `errors.from_rpc_error`.
 """
 
@@ -32,7 +32,7 @@ from tinkerrpc_server.processes.http_serving import (
     serve_until_signalled,
     serve_until_stopped,
 )
-from tinkerrpc_server.sidecar import chat, completions, models, responses
+from tinkerrpc_server.sidecar import chat, completions, generate, models, responses
 from tinkerrpc_server.sidecar.errors import OpenAIError, from_rpc_error, param_from_loc
 from tinkerrpc_server.sidecar.metrics import SidecarMetrics
 from tinkerrpc_server.sidecar.runs import routes as run_view
@@ -48,11 +48,15 @@ ENDPOINTS = (
     "POST /v1/chat/completions",
     "POST /v1/completions",
     "POST /v1/responses",
+    "POST /inference/v1/generate",
     "GET /health",
     "GET /metrics",
     "GET /runs",
     "GET /runs/{model}",
 )
+
+# Paths that need the API key (the run view checks its own, cookie included); /health and /metrics do not.
+KEYED_PATHS = ("/v1/", "/inference/")
 
 # An HTTP caller is waiting: give up on an unreachable server after a short backoff and answer 503
 # (with x-should-retry) instead of holding the request for the SDK's default minute.
@@ -145,7 +149,7 @@ def create_app(upstream: GrpcUpstream, api_key: str | None) -> FastAPI:
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
         started = time.perf_counter()
-        if expected_auth is not None and request.url.path.startswith("/v1/"):
+        if expected_auth is not None and request.url.path.startswith(KEYED_PATHS):
             given = request.headers.get("authorization", "").encode()
             # Constant-time comparison; the key itself is never logged.
             if not hmac.compare_digest(given, expected_auth):
@@ -233,6 +237,7 @@ def create_app(upstream: GrpcUpstream, api_key: str | None) -> FastAPI:
         chat.create_router(sample),
         completions.create_router(sample),
         responses.create_router(sample),
+        generate.create_router(sample),
         run_view.create_router(client, api_key),
     )
     # An included router is matched as a whole, without a template; its own routes carry theirs.

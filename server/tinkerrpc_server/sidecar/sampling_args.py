@@ -16,7 +16,12 @@ from typing import Any
 from tinkerrpc import Sample
 from tinkerrpc_server.sidecar.errors import bad_request
 from tinkerrpc_server.sidecar.models import ModelRef
-from tinkerrpc_server.sidecar.protocol import MAX_STOP_SEQUENCES, ResponseRequest, SamplingFields
+from tinkerrpc_server.sidecar.protocol import (
+    MAX_STOP_SEQUENCES,
+    GenerateSamplingParams,
+    ResponseRequest,
+    SamplingFields,
+)
 
 # Chat and Responses requests that set no token budget get this one.
 DEFAULT_CHAT_MAX_TOKENS = 512
@@ -34,6 +39,7 @@ class SampleArgs:
     seed: int | None
     policy_version: int | None
     top_logprobs: int
+    include_prompt_logprobs: bool = False
     # Always on: stream deltas and OpenAI logprob tokens are built from the tokens' texts.
     return_token_texts: bool = True
     stop: list[str] = field(default_factory=list)
@@ -63,7 +69,7 @@ Sampler = Callable[[str, ModelRef, Prompt, SampleArgs], Awaitable[list[Sample]]]
 
 
 def base_sample_args(
-    request: SamplingFields | ResponseRequest,
+    request: SamplingFields | ResponseRequest | GenerateSamplingParams,
     ref: ModelRef,
     *,
     n: int,
@@ -86,31 +92,38 @@ def base_sample_args(
     )
 
 
-def _stop_list(stop: str | list[str] | None) -> list[str]:
+def stop_list(stop: str | list[str] | None, param: str = "stop") -> list[str]:
+    """The stop strings of a request, one or a list, checked in number and non-empty."""
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > MAX_STOP_SEQUENCES:
         raise bad_request(
-            f"at most {MAX_STOP_SEQUENCES} stop sequences are supported, got {len(stops)}", "stop"
+            f"at most {MAX_STOP_SEQUENCES} stop sequences are supported, got {len(stops)}", param
         )
     if any(not s for s in stops):
-        raise bad_request("stop sequences must be non-empty strings", "stop")
+        raise bad_request("stop sequences must be non-empty strings", param)
     return stops
+
+
+# Knobs Tinker's sampler lacks, with the one value each is accepted at (which changes nothing).
+NEUTRAL_KNOBS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0}
+
+
+def check_neutral_knobs(request: SamplingFields | GenerateSamplingParams, prefix: str = "") -> None:
+    """400 naming the first knob of NEUTRAL_KNOBS that `request` sets to another value."""
+    for name, neutral in NEUTRAL_KNOBS.items():
+        value = getattr(request, name, None)
+        if value is not None and value != neutral:
+            param = prefix + name
+            raise bad_request(
+                f"{param}={value} cannot be honoured: Tinker's sampler has no {name} knob "
+                f"(only the neutral {neutral} is accepted)",
+                param,
+            )
 
 
 def check_sampling_fields(request: SamplingFields) -> None:
     """400 naming the first parameter of chat and legacy completions the sampler cannot honour."""
-    penalties = (
-        ("presence_penalty", request.presence_penalty, 0.0),
-        ("frequency_penalty", request.frequency_penalty, 0.0),
-        ("repetition_penalty", request.repetition_penalty, 1.0),
-    )
-    for param, value, neutral in penalties:
-        if value is not None and value != neutral:
-            raise bad_request(
-                f"{param}={value} cannot be honoured: Tinker's sampler has no {param} knob "
-                f"(only the neutral {neutral} is accepted)",
-                param,
-            )
+    check_neutral_knobs(request)
     if request.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
     if request.stream_options is not None and not request.stream:
@@ -134,7 +147,7 @@ def sampling_fields_args(
         n=request.n,
         max_tokens=max_tokens,
         top_logprobs=top_logprobs,
-        stop=_stop_list(request.stop),
+        stop=stop_list(request.stop),
         stop_token_ids=list(request.stop_token_ids or ()),
         ignore_default_stops=request.ignore_eos,
         min_tokens=request.min_tokens,
