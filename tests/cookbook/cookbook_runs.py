@@ -1,7 +1,8 @@
 """tinker-cookbook's own training loops, run as a user would run them against `tinkerrpc engine`.
 
 `python cookbook_runs.py sft|rl LOG_PATH --steps N` builds the cookbook's `Config` and calls its
-`main`, unmodified. This file writes only what a recipe author writes: a config, an in-memory
+`main`, unmodified; `rl-loop` runs the cookbook's own recipes/rl_loop.py (0.6 and later) with
+stable_reinforce. This file writes only what a recipe author writes: a config, an in-memory
 dataset and a tiny `Env`, in the cookbook's interfaces. The engine comes from the environment, as
 for any cookbook user: TINKER_BASE_URL and TINKER_API_KEY; the tokenizer is loaded by model name
 (offline, from the Hugging Face cache the engine lays out).
@@ -162,7 +163,12 @@ class EvenTokensDatasetBuilder(RLDatasetBuilder):
 
 
 def rl_config(
-    log_path: str, steps: int, save_every: int, eval_every: int, off_policy: int = 0
+    log_path: str,
+    steps: int,
+    save_every: int,
+    eval_every: int,
+    off_policy: int = 0,
+    loss_fn: str = "importance_sampling",
 ) -> rl_train.Config:
     """`off_policy` > 0: the async loop (AsyncConfig), sampling up to that many steps behind training."""
     async_config = (
@@ -181,22 +187,65 @@ def rl_config(
         eval_every=eval_every,
         num_groups_to_log=0,
         async_config=async_config,
+        loss_fn=loss_fn,
+    )
+
+
+# ---- recipes/rl_loop.py: the cookbook's minimal RL loop, its GSM8K data and reward made offline ----
+
+
+def run_rl_loop_recipe(log_path: str, steps: int, save_every: int) -> None:
+    """The recipe's `main` as it is, given what an offline tiny model needs: GSM8K-shaped rows in place
+    of the hub download, the renderer its model_info cannot name, and a dense reward (the share of
+    even code points; a random model never writes a boxed answer, so GSM8K's reward would skip every
+    training step)."""
+    import datasets
+    from tinker_cookbook import model_info
+    from tinker_cookbook.recipes import rl_loop
+
+    batch_size = 2
+    rng = random.Random(0)
+    rows = [answer_format_prompt(rng) for _ in range(steps * batch_size)]
+    train = datasets.Dataset.from_dict({"question": rows, "answer": ["#### 0"] * len(rows)})
+    datasets.load_dataset = lambda *args, **kwargs: datasets.DatasetDict({"train": train})
+    model_info.get_recommended_renderer_name = lambda model_name: RENDERER
+    rl_loop.get_reward = lambda response, answer: (
+        sum(1 for c in response if ord(c) % 2 == 0) / max(len(response), 1)
+    )
+    rl_loop.main(
+        rl_loop.Config(
+            log_path=log_path,
+            model_name=MODEL,
+            batch_size=batch_size,
+            group_size=4,
+            learning_rate=4e-2,
+            lora_rank=LORA_RANK,
+            save_every=save_every,
+            max_tokens=4,
+            loss_fn="stable_reinforce",
+            max_steps=steps,
+        )
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("loop", choices=["sft", "rl"])
+    parser.add_argument("loop", choices=["sft", "rl", "rl-loop"])
     parser.add_argument("log_path")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--save-every", type=int, default=2)
     parser.add_argument("--eval-every", type=int, default=2)
     parser.add_argument("--off-policy", type=int, default=0, help="rl: run the async loop (AsyncConfig)")
+    parser.add_argument("--loss-fn", default="importance_sampling", help="rl: the loop's loss")
     args = parser.parse_args()
     if args.loop == "sft":
         asyncio.run(sl_train.main(sft_config(args.log_path, args.steps, args.save_every, args.eval_every)))
+    elif args.loop == "rl-loop":
+        run_rl_loop_recipe(args.log_path, args.steps, args.save_every)
     else:
-        config = rl_config(args.log_path, args.steps, args.save_every, args.eval_every, args.off_policy)
+        config = rl_config(
+            args.log_path, args.steps, args.save_every, args.eval_every, args.off_policy, args.loss_fn
+        )
         asyncio.run(rl_train.main(config))
 
 

@@ -10,6 +10,7 @@ only by TINKER_BASE_URL / TINKER_API_KEY and loading the tokenizer by name with 
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import signal
 import subprocess
@@ -32,6 +33,8 @@ KILL_AT_CHECKPOINT = 4
 RUN_TIMEOUT = 300.0
 # Twice the SDK's heartbeat period, so a live loop's session never lapses; the engine sweeps every 5 s.
 SESSION_TIMEOUT = 20.0
+# From 0.6 the RL loop evaluates once more after its last step and logs its token totals there, at step STEPS.
+COOKBOOK_0_6 = int(importlib.metadata.version("tinker-cookbook").split(".")[1]) >= 6
 
 
 @pytest.fixture(scope="module")
@@ -102,18 +105,32 @@ def _run(
 
 def _killed_then_resumed(engine: LocalEngine, loop: str, log_path: Path) -> tuple[list[dict[str, Any]], int]:
     """Kill the loop after a checkpoint, run it again on the same log dir: the metrics of both runs and
-    how many lines the killed run logged."""
+    how many lines of the killed run they keep before the resumed run's (all of them up to cookbook 0.5;
+    0.6 drops the killed run's lines at or past the step it resumes at before logging them again)."""
     _run(engine, loop, log_path, kill_at_checkpoint=KILL_AT_CHECKPOINT)
-    killed_lines = len(_metrics(log_path))
+    killed = _metrics(log_path)
     _run(engine, loop, log_path)
     resumed_output = (log_path.parent / f"{log_path.name}-{loop}-resumed.out").read_text()
     assert "Resumed training from tinker://" in resumed_output
-    return _metrics(log_path), killed_lines
+    metrics = _metrics(log_path)
+    kept = next(
+        (i for i, (before, after) in enumerate(zip(killed, metrics, strict=False)) if before != after),
+        min(len(killed), len(metrics)),
+    )
+    resumed_from = int(metrics[kept]["step"])
+    assert all(int(line["step"]) >= resumed_from for line in killed[kept:]), (killed, metrics)
+    return metrics, kept
 
 
 def _assert_resumed_from_checkpoint(metrics: list[dict[str, Any]], killed_lines: int) -> None:
     """The resumed run's step counter continues from the checkpoint, not from 0, up to the last step."""
     steps = [int(line["step"]) for line in metrics[killed_lines:]]
+    after_last = [line for line in metrics[killed_lines:] if int(line["step"]) == STEPS]
+    assert all(
+        COOKBOOK_0_6 and all(key == "step" or key.startswith(("test/", "tokens/")) for key in line)
+        for line in after_last
+    ), after_last
+    steps = steps[: len(steps) - len(after_last)]
     assert steps[0] == KILL_AT_CHECKPOINT and steps == list(range(KILL_AT_CHECKPOINT, STEPS)), steps
 
 
@@ -181,11 +198,16 @@ def test_rl_loop_trains_evaluates_checkpoints_and_resumes(engine: LocalEngine, t
     log_path = tmp_path / "rl"
     metrics, killed_lines = _killed_then_resumed(engine, "rl", log_path)
     _assert_resumed_from_checkpoint(metrics, killed_lines)
-    reward = {int(line["step"]): float(line["env/all/reward/total"]) for line in metrics}
+    reward = {
+        int(line["step"]): float(line["env/all/reward/total"])
+        for line in metrics
+        if int(line["step"]) < STEPS
+    }
     first, last = (reward[0] + reward[1]) / 2, (reward[STEPS - 2] + reward[STEPS - 1]) / 2
     assert last > first + 0.1, reward
     evaluated = [line for line in metrics if "test/env/all/reward/total" in line]
-    assert sorted(int(line["step"]) for line in evaluated) == [0, 2, 4, 6], evaluated
+    expected = [0, 2, 4, 6, STEPS] if COOKBOOK_0_6 else [0, 2, 4, 6]
+    assert sorted(int(line["step"]) for line in evaluated) == expected, evaluated
     _assert_checkpoints_kept(engine, log_path)
 
 
@@ -206,6 +228,26 @@ def test_async_rl_loop_samples_off_policy_and_trains(engine: LocalEngine, tmp_pa
         assert "Samples are too stale, discarding (dataloader done)" in output, output[-3000:]
     behind = [int(line["step"]) - int(line["sampling_client/step_min"]) for line in trained]
     assert 1 <= max(behind) <= off_policy, behind
+    _assert_checkpoints_kept(engine, log_path)
+
+
+def test_stable_reinforce_trains_in_the_cookbook_s_rl_loop(engine: LocalEngine, tmp_path: Path) -> None:
+    """stable_reinforce, cookbook 0.6's default loss: from 0.6 through its own recipes/rl_loop.py (with
+    its sampled-provenance spans), before it through the RL loop's `loss_fn`. Every step samples, trains
+    (no step skipped, no unknown loss) and logs its reward; the final checkpoint is kept."""
+    if COOKBOOK_0_6:
+        log_path, reward_key = tmp_path / "rl-loop", "reward/total"
+        # Its periodic checkpoints are state only; the final one has both, as the other loops' do.
+        _run(engine, "rl-loop", log_path, extra=("--save-every", "0"))
+        output = (log_path.parent / "rl-loop-rl-loop-resumed.out").read_text()
+    else:
+        log_path, reward_key = tmp_path / "rl-stable-reinforce", "env/all/reward/total"
+        _run(engine, "rl", log_path, extra=("--loss-fn", "stable_reinforce"))
+        output = (log_path.parent / "rl-stable-reinforce-rl-resumed.out").read_text()
+    assert "unknown loss_fn" not in output and "skipping training step" not in output, output[-3000:]
+    trained = [line for line in _metrics(log_path) if reward_key in line]
+    assert [int(line["step"]) for line in trained] == list(range(STEPS)), trained
+    assert all(0.0 <= float(line[reward_key]) <= 1.0 for line in trained), trained
     _assert_checkpoints_kept(engine, log_path)
 
 
