@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from bench import (
+    art_seed,
     machine,
     memory,
     multiturn,
@@ -111,6 +112,10 @@ def _retention(ctx: Context) -> list[report.Figure]:
     return retention.measure(ctx.settings, ctx.work_dir, ctx.model_dir)
 
 
+def _art_seed(ctx: Context) -> list[report.Figure]:
+    return art_seed.measure(ctx.settings, ctx.work_dir, ctx.model_dir)
+
+
 COMPARISONS: dict[str, Callable[[Context], list[report.Figure]]] = {
     "training": _training,
     "sampling": _sampling,
@@ -119,6 +124,7 @@ COMPARISONS: dict[str, Callable[[Context], list[report.Figure]]] = {
     "serialization": _serialization,
     "memory": _memory,
     "retention": _retention,
+    "art_seed": _art_seed,
     # Last: the engine holds these models (~0.5 GB, ~0.9 GB) from then on.
     "real_model": _real_model,
     "qwen3_width": _qwen3_width,

@@ -52,6 +52,8 @@ class Settings:
     # Memory: the demo's SFT / RL step caps (short: SFT only; a random model gives RL nothing to train).
     demo_sft_max_steps: int
     demo_rl_max_steps: int
+    # ART's flow vs the seed's backend: alternating rounds of each (short: none; tests/art runs both flows).
+    art_rounds: int
     # Machine matmul FLOP/s measurement.
     matmul_sizes: tuple[int, ...]
     matmul_repeats: int
@@ -79,6 +81,7 @@ FULL = Settings(
     serialization_repeats=3,
     demo_sft_max_steps=150,
     demo_rl_max_steps=40,
+    art_rounds=3,
     matmul_sizes=(1024, 2048),
     matmul_repeats=5,
 )
@@ -105,6 +108,7 @@ SHORT = Settings(
     serialization_repeats=1,
     demo_sft_max_steps=2,
     demo_rl_max_steps=0,
+    art_rounds=0,
     matmul_sizes=(256,),
     matmul_repeats=3,
 )
