@@ -372,7 +372,12 @@ class HttpRow:
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+GENERATE = "/inference/v1/generate"
 HI = [{"role": "user", "content": "hi"}]
+
+
+def _generate(**sampling: Any) -> dict[str, Any]:
+    return {"model": MODEL, "token_ids": [1, 2], "sampling_params": {"max_tokens": 1, **sampling}}
 
 
 def http_rows() -> list[HttpRow]:
@@ -411,6 +416,14 @@ def http_rows() -> list[HttpRow]:
         HttpRow("response_format json", CHAT, {"model": MODEL, "messages": HI, "response_format": {"type": "json_object"}}, 400, "no constrained decoding"),
         HttpRow("min_tokens over max_tokens", CHAT, {"model": MODEL, "messages": HI, "max_tokens": 2, "min_tokens": 3}, 400, "[param min_tokens]"),
         HttpRow("min_tokens negative", COMPLETIONS, {"model": MODEL, "prompt": "x", "min_tokens": -1}, 400, "[param min_tokens]"),
+        # vLLM's tokens-in, tokens-out route (issue 27): the same key, the server's limits named as it names them
+        HttpRow("generate: no key", GENERATE, _generate(), 401, "api key", key=None),
+        HttpRow("generate: wrong key", GENERATE, _generate(), 401, "api key", key="sk-wrong"),
+        HttpRow("generate: foreign token", GENERATE, {**_generate(), "token_ids": [1, BIG_TOKEN]}, 400, "outside the vocabulary"),
+        HttpRow("generate: foreign token, named", GENERATE, {**_generate(), "token_ids": [BIG_TOKEN]}, 400, "(gRPC INVALID_ARGUMENT) [param token_ids]"),
+        HttpRow("generate: n over the server's limit", GENERATE, _generate(n=MAX_SAMPLE_N + 1), 400, "(--max-sample-n) (gRPC INVALID_ARGUMENT) [param sampling_params.n]"),
+        HttpRow("generate: max_tokens over the server's limit", GENERATE, _generate(max_tokens=10**4), 400, "(--max-sample-tokens) (gRPC INVALID_ARGUMENT) [param sampling_params.max_tokens]"),
+        HttpRow("generate: unknown version", GENERATE, {**_generate(), "model": f"{MODEL}@42"}, 404, "42"),
     ]  # fmt: skip
 
 
