@@ -19,10 +19,10 @@ from tinkerrpc import (
     TopLogprob,
     UnavailableError,
 )
-from tinkerrpc_server.sidecar import chat, completions, models, sample_output, sampling_args
+from tinkerrpc_server.sidecar import chat, completions, generate, models, sample_output, sampling_args
 from tinkerrpc_server.sidecar.errors import OpenAIError, from_rpc_error, param_from_loc
 from tinkerrpc_server.sidecar.metrics import SidecarMetrics
-from tinkerrpc_server.sidecar.protocol import ChatCompletionRequest, CompletionRequest
+from tinkerrpc_server.sidecar.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
 
 def chat_request(**fields: Any) -> ChatCompletionRequest:
@@ -106,6 +106,7 @@ def test_chat_parameters_map_onto_sample_arguments() -> None:
         "policy_version": 2,
         "tools": None,
         "top_logprobs": 2,
+        "include_prompt_logprobs": False,
         "return_token_texts": True,
         "ignore_default_stops": True,
         "min_tokens": 0,
@@ -143,6 +144,59 @@ def test_parameters_the_sampler_cannot_honour_are_refused_by_name() -> None:
         chat_request(presence_penalty=0, frequency_penalty=0.0, logit_bias={}, modalities=["text"]),
         models.parse_model_id("run"),
     )
+
+
+def test_generate_parameters_map_onto_sample_arguments_and_server_errors_onto_its_names() -> None:
+    """vLLM's sampling_params as the renderers client sends them (its stop ids, logprobs=1, special
+    tokens kept) become the Sample call's arguments; the server's names for them become this route's."""
+    request = GenerateRequest.model_validate(
+        {
+            "model": "run@3",
+            "token_ids": [1, 2],
+            "sampling_params": {
+                "temperature": 0.7,
+                "top_p": 0.9,
+                "top_k": -1,
+                "max_tokens": 9,
+                "seed": 5,
+                "stop_token_ids": [2],
+                "logprobs": 1,
+                "skip_special_tokens": False,
+                "prompt_logprobs": 0,
+                "repetition_penalty": 1.0,
+                "min_p": 0.0,
+            },
+            "cache_salt": "salt",
+        }
+    )
+    args = generate.generate_sample_args(request, models.parse_model_id(request.model))
+    assert args.sdk_kwargs() == {
+        **sampling_args.SampleArgs(
+            n=1, max_tokens=9, temperature=0.7, top_p=0.9, top_k=0, seed=5, policy_version=3, top_logprobs=1
+        ).sdk_kwargs(),
+        "include_prompt_logprobs": True,
+        "stop_token_ids": [2],
+        "skip_special_tokens": False,
+    }
+    unset = GenerateRequest.model_validate({"model": "run", "token_ids": [1], "sampling_params": {}})
+    defaults = generate.generate_sample_args(unset, models.parse_model_id("run"))
+    assert (defaults.max_tokens, defaults.temperature, defaults.top_logprobs, defaults.policy_version) == (
+        sampling_args.DEFAULT_CHAT_MAX_TOKENS,
+        1.0,
+        0,
+        None,
+    )
+    renamed = {
+        "prompt": "token_ids",
+        "prompt[3]": "token_ids[3]",
+        "max_tokens": "sampling_params.max_tokens",
+        "stop_token_ids": "sampling_params.stop_token_ids",
+        "top_logprobs": "sampling_params.logprobs",
+        "model": "model",
+        None: None,
+    }
+    for server_name, route_name in renamed.items():
+        assert generate.generate_param(server_name) == route_name, server_name
 
 
 def test_schema_violations_name_the_parameter() -> None:
