@@ -1,5 +1,5 @@
 """A loopback connection's peer is known by the uid owning its socket, read from the kernel's socket
-table (processes.peers), for IPv4 and IPv6; a peer that has gone is unknown, not someone else."""
+table over netlink (processes.peers), for IPv4 and IPv6; a peer that has gone is unknown, not someone else."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import socket
 
 import pytest
 
-from tinkerrpc_server.processes.peers import UID_LOOKUP_AVAILABLE, Peer, identify
+from tinkerrpc_server.processes.peers import Peer, identify, uid_lookup_available
 
-pytestmark = pytest.mark.skipif(not UID_LOOKUP_AVAILABLE, reason="the kernel lists no sockets in /proc here")
+pytestmark = pytest.mark.skipif(
+    not uid_lookup_available(), reason="the kernel answers no socket lookups here"
+)
 
 
 @pytest.mark.parametrize(("family", "host"), [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")])

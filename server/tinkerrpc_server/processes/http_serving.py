@@ -42,7 +42,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from tinkerrpc_server.processes.peers import UID_LOOKUP_AVAILABLE, Peer, identify
+from tinkerrpc_server.processes.peers import Peer, identify, uid_lookup_available
 
 log = logging.getLogger("tinkerrpc.http")
 
@@ -113,8 +113,8 @@ class BoundedH11Protocol(H11Protocol):
         peer = self.peer
         if peer is None:
             return None
-        # Without a socket table (not Linux) a local peer's uid is unknown: only the budgets apply.
-        if self.admission.owner_only and peer.local and UID_LOOKUP_AVAILABLE and peer.uid != os.getuid():
+        # Where the kernel cannot name a socket's owner (not Linux) only the budgets apply.
+        if self.admission.owner_only and peer.local and uid_lookup_available() and peer.uid != os.getuid():
             log.debug("refusing %s: uid %s is not the server's", peer.address, peer.uid)
             return _NOT_THE_OWNER
         held = sum(
