@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
+import httpx
 import tinker
 
 from tinkerrpc_server.service.backend import Backend
@@ -89,7 +90,8 @@ class FakeTinker:
     Switches for a Tinker-compatible backend that is not Tinker: `reports_loss_sum=False` sends no
     `loss:sum` metric, only per-token logprobs in loss_fn_outputs; `lists_other_path_form=True` lists
     each checkpoint under another path than its save answered (tinker://<run>/listed/<kind>/<name>) and
-    refuses to delete by the answered one."""
+    refuses to delete by the answered one. Like SkyRL tx, it has no external-weights export: its
+    save_weights_external route answers 404."""
 
     checkpoints: dict[str, FakeCheckpoint] = field(default_factory=dict)
     live_clients: set[str] = field(default_factory=set)
@@ -222,6 +224,11 @@ class FakeTrainingClient:
 
     def save_weights_for_sampler(self, name: str) -> asyncio.Future[_Saved]:
         return self._save("save_weights_for_sampler", "sampler_weights", name, SAMPLER_BYTES)
+
+    def save_weights_external(self, name: str) -> asyncio.Future[_Saved]:
+        request = httpx.Request("POST", "http://fake-tinker/api/v1/save_weights_external")
+        response = httpx.Response(404, request=request, json={"detail": "Not Found"})
+        return _failed(tinker.NotFoundError("Error code: 404 - Not Found", response=response, body=None))
 
 
 @dataclass

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import grpc
 import pytest
 from fake_backend import RETURNED_LOGPROB, FakeTinker
 from in_process import InProcessService
@@ -21,6 +22,7 @@ from in_process import InProcessService
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server.service.errors import ServiceError
+from tinkerrpc_server.service.exporting import Exporter
 from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.rendering import ChatCodecs
 
@@ -54,6 +56,22 @@ async def test_a_refused_restore_leaves_the_model_training_on_its_live_client(
     assert response.policy_version == 3
     assert await service.training_client("m") is live
     assert len(fake.clients) == made and live.model_id in fake.live_clients
+
+
+async def test_export_on_a_backend_without_external_weights_is_one_clear_refusal(
+    tmp_path: Path, codecs: ChatCodecs
+) -> None:
+    service = InProcessService.open(tmp_path / "db.sqlite3", FakeTinker(), codecs)
+    await service.create("m")
+    await service.train("m", "step 1")
+    exporter = Exporter(service.store, service.fake.backend(), service.models)
+    with pytest.raises(ServiceError) as refused:
+        await exporter.fetch(pb.ExportWeightsRequest(model="m"))
+    assert refused.value.code == grpc.StatusCode.UNIMPLEMENTED
+    message = str(refused.value)
+    assert "\n" not in message and "save_weights_external" in message and "answered 404" in message
+    # Nothing moved: the model trains on.
+    assert (await service.train("m", "step 2")).policy_version == 2
 
 
 async def test_pruning_retries_a_refused_path_in_the_listings_form_and_says_so_once(

@@ -89,12 +89,15 @@ class Exporter:
             client = await self._models.training_client(row.name, runtime)
             name = f"export-{version:06d}-{uuid.uuid4().hex[:8]}"
             if version == row.policy_version:
-                path = (await client.save_weights_external(name)).path
+                path = await self._save_external(client, name)
             else:
                 path = await self._export_earlier_version(row, runtime, client, version, name)
         directory = tempfile.TemporaryDirectory(prefix="tinkerrpc-export-")
         try:
-            urls = (await self._backend.rest.get_external_weights_urls(path)).urls
+            try:
+                urls = (await self._backend.rest.get_external_weights_urls(path)).urls
+            except tinker.NotFoundError as err:
+                raise self._no_external_export("get_external_weights_urls", err) from None
             async with httpx.AsyncClient(timeout=EXPORT_DOWNLOAD_TIMEOUT_SECONDS) as http:
                 files = [
                     types_pb2.ExportedFile(
@@ -147,14 +150,30 @@ class Exporter:
             )
         try:
             await client.load_state(state.tinker_path)
-            saved: tinker.types.SaveWeightsExternalResponse = await client.save_weights_external(name)
-            return saved.path
+            return await self._save_external(client, name)
         finally:
             try:
                 await client.load_state_with_optimizer(row.recovery_path)
             except BaseException:
                 runtime.dirty = True  # the next call rolls back to the recovery point: the current state
                 raise
+
+    async def _save_external(self, client: tinker.TrainingClient, name: str) -> str:
+        try:
+            saved: tinker.types.SaveWeightsExternalResponse = await client.save_weights_external(name)
+        except tinker.NotFoundError as err:
+            raise self._no_external_export("save_weights_external", err) from None
+        return saved.path
+
+    def _no_external_export(self, route: str, err: tinker.NotFoundError) -> ServiceError:
+        """A Tinker-compatible backend without Tinker's external-weights export (it answers its route
+        404): one line saying so, instead of the SDK's error."""
+        return ServiceError(
+            grpc.StatusCode.UNIMPLEMENTED,
+            f"ExportWeights needs the Tinker backend at {self._backend.url} to export adapters "
+            f"(save_weights_external) with download URLs (get_external_weights_urls); its {route} "
+            f"answered {err.status_code}. The model's checkpoints stay on the backend (ListCheckpoints)",
+        )
 
     async def _discard_backend_export(self, path: str) -> None:
         try:
