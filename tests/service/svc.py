@@ -92,6 +92,14 @@ def assistant(text: str) -> types_pb2.Message:
     return types_pb2.Message(role=types_pb2.ROLE_ASSISTANT, content=text)
 
 
+def yes_no_sft_request(model: str, learning_rate: float) -> pb.TrainRequest:
+    """A supervised Train of two examples: "respond with yes" answered yes, "respond with no" no."""
+    request = pb.TrainRequest(model=model, adam=types_pb2.AdamParams(learning_rate=learning_rate))
+    request.examples.add(messages=[user("respond with yes"), assistant("yes")])
+    request.examples.add(messages=[user("respond with no"), assistant("no")])
+    return request
+
+
 def sample_chat(
     stub: trainer_service_pb2_grpc.TrainerServiceStub,
     model: str,

@@ -12,10 +12,9 @@ from pathlib import Path
 import grpc
 import pytest
 from fake_tinker_server import API_KEY, LOGPROB, SAMPLED_TOKEN, FakeTinkerState, running_fake_tinker
-from svc import CALL_TIMEOUT, Server, assistant, create_model, sample_chat, user
+from svc import CALL_TIMEOUT, Server, create_model, sample_chat, yes_no_sft_request
 
 from tinkerrpc.v1 import trainer_service_pb2 as pb
-from tinkerrpc.v1 import types_pb2
 
 MODEL = "foreign"
 
@@ -24,13 +23,6 @@ MODEL = "foreign"
 def fake_tinker() -> Iterator[tuple[str, FakeTinkerState]]:
     with running_fake_tinker() as running:
         yield running
-
-
-def _sft_request() -> pb.TrainRequest:
-    request = pb.TrainRequest(model=MODEL, adam=types_pb2.AdamParams(learning_rate=1e-2))
-    request.examples.add(messages=[user("respond with yes"), assistant("yes")])
-    request.examples.add(messages=[user("respond with no"), assistant("no")])
-    return request
 
 
 def test_serve_on_a_foreign_tinker_without_loss_sum_export_or_sessions(
@@ -48,7 +40,7 @@ def test_serve_on_a_foreign_tinker_without_loss_sum_export_or_sessions(
         assert [list(s.token_ids) for s in sampled.sequences] == [[SAMPLED_TOKEN] * 3] * 2
         assert all(s.logprobs == pytest.approx([LOGPROB] * 3) for s in sampled.sequences)
 
-        trained = server.stub.Train(_sft_request(), timeout=CALL_TIMEOUT)
+        trained = server.stub.Train(yes_no_sft_request(MODEL, 1e-2), timeout=CALL_TIMEOUT)
         assert trained.policy_version == 1 and backend.optim_steps[run] == 1
         assert backend.forward_backward_losses == ["cross_entropy"]
         # No loss:sum came back: cross_entropy over the returned logprobs (every one LOGPROB) with 0/1
@@ -69,7 +61,7 @@ def test_serve_on_a_foreign_tinker_without_loss_sum_export_or_sessions(
         assert "\n" not in message and "save_weights_external" in message and "404" in message
         assert backend.checkpoints[run] == on_backend, "a refused export leaves the backend's checkpoints"
 
-        assert server.stub.Train(_sft_request(), timeout=CALL_TIMEOUT).policy_version == 2
+        assert server.stub.Train(yes_no_sft_request(MODEL, 1e-2), timeout=CALL_TIMEOUT).policy_version == 2
         assert backend.optim_steps[run] == 2
         assert "/api/v1/save_weights_external" in backend.routes_missed
     finally:

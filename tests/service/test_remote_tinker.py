@@ -14,7 +14,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from svc import CALL_TIMEOUT, Server, assistant, create_model, prompt_logprobs, rl_request, sample_chat, user
+from svc import (
+    CALL_TIMEOUT,
+    Server,
+    create_model,
+    prompt_logprobs,
+    rl_request,
+    sample_chat,
+    yes_no_sft_request,
+)
 from test_export import load_plain_peft, peft_prompt_logprobs
 
 import tinkerrpc
@@ -40,13 +48,6 @@ def _serve(tmp: Path, model_dir: Path, engine: LocalEngine, tag: str) -> Server:
     return Server(tmp / "data", model_dir, tmp / f"serve-{tag}.log", env, "--tinker-url", engine.base_url)
 
 
-def _sft_request() -> pb.TrainRequest:
-    request = pb.TrainRequest(model=MODEL, adam=types_pb2.AdamParams(learning_rate=2e-2))
-    request.examples.add(messages=[user("respond with yes"), assistant("yes")])
-    request.examples.add(messages=[user("respond with no"), assistant("no")])
-    return request
-
-
 def test_serve_on_a_remote_tinker_trains_exports_and_recovers(
     tmp_path: Path, service_model_dir: Path, engine: LocalEngine
 ) -> None:
@@ -61,7 +62,7 @@ def test_serve_on_a_remote_tinker_trains_exports_and_recovers(
     assert all(len(s.logprobs) == len(s.token_ids) > 0 for s in sampled.sequences)
     probe = list(sample_chat(server.stub, MODEL, "respond with maybe", n=1, max_tokens=1).prompt_token_ids)
 
-    responses = [server.stub.Train(_sft_request(), timeout=CALL_TIMEOUT)]
+    responses = [server.stub.Train(yes_no_sft_request(MODEL, 2e-2), timeout=CALL_TIMEOUT)]
     rl_step = rl_request(MODEL, sampled, [1.0, 0.0, 1.0, 0.0])
     responses += [server.stub.Train(rl_step, timeout=CALL_TIMEOUT) for _ in range(TINKER_CHECKPOINT_EVERY)]
     assert [r.policy_version for r in responses] == list(range(1, TINKER_CHECKPOINT_EVERY + 2))
