@@ -29,7 +29,9 @@ from bench import (
     sampling,
     serialization,
     training,
+    vllm_cpu,
 )
+from bench.vllm_venv import VllmUnavailable
 from bench.workload import FULL, SHORT, BenchModel, Settings, prepare_model
 from tinkerrpc_server.engine.runtime import PlacementError, resolve_placement
 from tinkerrpc_server.local.stack import LocalEngine
@@ -116,6 +118,21 @@ def _art_seed(ctx: Context) -> list[report.Figure]:
     return art_seed.measure(ctx.settings, ctx.work_dir, ctx.model_dir)
 
 
+class Skipped(Exception):
+    """A comparison that cannot run on this machine or in this mode; the message says why."""
+
+
+def _vllm(ctx: Context) -> list[report.Figure]:
+    if ctx.settings.mode == "short":
+        raise Skipped("full runs only (vLLM's start alone takes minutes)")
+    if ctx.device.type != "cpu":
+        raise Skipped("compares against vLLM's CPU build: CPU runs only")
+    try:
+        return vllm_cpu.measure(ctx.engine, ctx.model_dir, ctx.threads, ctx.work_dir)
+    except VllmUnavailable as reason:
+        raise Skipped(str(reason)) from None
+
+
 COMPARISONS: dict[str, Callable[[Context], list[report.Figure]]] = {
     "training": _training,
     "sampling": _sampling,
@@ -128,6 +145,7 @@ COMPARISONS: dict[str, Callable[[Context], list[report.Figure]]] = {
     # Last: the engine holds these models (~0.5 GB, ~0.9 GB) from then on.
     "real_model": _real_model,
     "qwen3_width": _qwen3_width,
+    "vllm": _vllm,
 }
 
 
@@ -178,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
             step_started = time.perf_counter()
             try:
                 figures = run(ctx)
+            except Skipped as reason:
+                print(f"[bench] {name} skipped: {reason}", file=sys.stderr, flush=True)
+                results.skipped[name] = str(reason)
+                continue
             except Exception as exc:
                 traceback.print_exc()
                 results.errors[name] = f"{type(exc).__name__}: {exc}"

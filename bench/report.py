@@ -65,6 +65,8 @@ class Results:
     figures: list[Figure] = field(default_factory=list)
     # Comparisons that could not run, by name: the run is incomplete and exits non-zero.
     errors: dict[str, str] = field(default_factory=dict)
+    # Comparisons that cannot run on this machine or in this mode, by name, with why (not an error).
+    skipped: dict[str, str] = field(default_factory=dict)
     wall_seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -74,6 +76,7 @@ class Results:
             "wall_seconds": round(self.wall_seconds, 1),
             "figures": [f.to_json() for f in self.figures],
             "errors": self.errors,
+            "skipped": self.skipped,
         }
 
     def write(self, path: Path) -> None:
@@ -99,6 +102,8 @@ def markdown_table(results: Results) -> str:
         )
     for name, error in results.errors.items():
         lines.append(f"| {name} | – | – | – | – | – | error: {error} |")
+    for name, reason in results.skipped.items():
+        lines.append(f"| {name} | – | – | – | – | – | skipped: {reason} |")
     return "\n".join(lines)
 
 

@@ -59,6 +59,8 @@ def test_short_run_writes_well_formed_results(tmp_path: Path) -> None:
     results = json.loads(out.read_text())
     assert results["mode"] == "short"
     assert results["errors"] == {}
+    # vLLM's start takes minutes: the short run names it as skipped, and why.
+    assert results["skipped"] == {"vllm": "full runs only (vLLM's start alone takes minutes)"}
     machine = results["machine"]
     assert machine["cpu_model"] and machine["torch"] and machine["torch_threads"] >= 1
     assert machine["matmul_peak_gflops"] > 0
@@ -74,7 +76,8 @@ def test_short_run_writes_well_formed_results(tmp_path: Path) -> None:
 
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
     table_rows = [line for line in run.stdout.splitlines() if line.startswith("| ")]
-    assert len(table_rows) == 1 + len(EXPECTED_FIGURES)  # header + one row per figure
+    assert len(table_rows) == 1 + len(EXPECTED_FIGURES) + 1  # header, one row per figure, the skip
+    assert "| vllm | – | – | – | – | – | skipped: full runs only" in run.stdout
 
 
 def test_goal_direction_decides_met() -> None:

