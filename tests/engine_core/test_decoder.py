@@ -22,7 +22,12 @@ from decoder_parity import (
 )
 from peft import LoraConfig
 
-from tinkerrpc_server.engine.compute.decoder import FusedDecoder, FusedTrainingForward
+from tinkerrpc_server.engine.compute.decoder import (
+    ONEDNN_UNEMBEDDING_ROWS,
+    FusedDecoder,
+    FusedTrainingForward,
+    unembed_for_sampling,
+)
 from tinkerrpc_server.engine.compute.kv_cache import new_cache
 from tinkerrpc_server.engine.runtime import SAMPLER_CACHE_SIZE, BaseModelRuntime, LoraSpec
 
@@ -195,3 +200,25 @@ def test_one_decoder_is_kept_for_the_sampler_weights_sampled_last(
         runtime._sampler_adapter(tmp_path / f"other-{index}")
     assert runtime._last_decoder is None
     assert decoder_of(sampler_dir) is not rebuilt
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 16, 64, 65, 300])
+def test_the_samplers_unembedding_equals_torchs_at_every_row_count(rows: int) -> None:
+    """Decode-step row counts (8-64) go through oneDNN's kernel, the others through torch's; the logits
+    are the same numbers either way, with any leading shape."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(3000, 96, generator=generator)
+    hidden = torch.randn(rows, 1, 96, generator=generator)
+    with torch.inference_mode(), torch.profiler.profile() as profiled:
+        logits = unembed_for_sampling(hidden, weight)
+    assert logits.shape == (rows, 1, 3000)
+    assert_close_at_scale(logits, torch.nn.functional.linear(hidden, weight), 1e-5)
+    kernels = {event.key for event in profiled.key_averages()}
+    assert ("mkldnn::_linear_pointwise" in kernels) == (rows in ONEDNN_UNEMBEDDING_ROWS)
+
+
+def test_the_unembedding_keeps_torchs_kernel_where_a_gradient_is_wanted() -> None:
+    weight = torch.randn(3000, 96, requires_grad=True)
+    logits = unembed_for_sampling(torch.randn(16, 96), weight)
+    logits.sum().backward()
+    assert weight.grad is not None and weight.grad.shape == weight.shape

@@ -12,7 +12,9 @@ same function as the transformers model with one LoRA adapter active, but
   built once per decoder: a decoder lives for one sample batch of one sampler snapshot, so at most one
   merged copy of the layer weights exists at a time (the unembedding stays unmerged: it is usually the
   input embedding too, and it is the largest matrix);
-- a decode step attends with two matmuls under an additive mask (no repeat_kv copy, no SDPA set-up).
+- a decode step attends with two matmuls under an additive mask (no repeat_kv copy, no SDPA set-up);
+- a decode step's unembedding (8-64 rows by the (vocabulary, hidden) weight, most of a step at a large
+  vocabulary) runs oneDNN's kernel instead of MKL's on the CPU (`unembed_for_sampling`).
 
 It reads and writes the sampler's KV cache exactly as the transformers model does (`Cache.update` per
 layer). Models it does not cover (architecture.describe gives None) and LoRA variants or dropout run
@@ -231,7 +233,7 @@ class FusedDecoder:
         return _Segment(rows, length, rotary, attend)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self._head_weight)
+        logits = unembed_for_sampling(hidden, self._head_weight)
         if self._head_lora is not None:
             a, scaled_b = self._head_lora
             # PEFT runs the LoRA branch in the adapter's dtype (float32 on a bf16 base) and casts it back.
@@ -241,6 +243,33 @@ class FusedDecoder:
     def _project(self, x: torch.Tensor, projection: _Projection) -> Sequence[torch.Tensor]:
         weight_t = self._merged.get(id(projection), projection.weight_t)
         return torch.split(x @ weight_t, list(projection.splits), dim=-1)
+
+
+# Rows of a decode step whose unembedding goes through oneDNN (see unembed_for_sampling).
+ONEDNN_UNEMBEDDING_ROWS = range(8, 65)
+_ONEDNN: bool = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+
+
+def unembed_for_sampling(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden · weightᵀ for the (vocabulary, hidden) unembedding. On the CPU in float32, torch's matmul is
+    MKL's sgemm, whose kernel for a few dozen rows against a (vocabulary, hidden) weight (the transposed
+    operand) takes up to 2-2.8x the time of oneDNN's inner product in the same torch build; below 8 rows
+    and at prefill sizes they are about even (`python -m bench.matmul_kernels`). oneDNN reads the weight
+    as stored, without a packed copy. Only the sampler calls this, without grad (oneDNN's kernel has
+    none). The layers' (in, out) weights stay on MKL: oneDNN re-lays that layout on every call."""
+    rows = hidden.numel() // hidden.shape[-1]
+    if (
+        _ONEDNN
+        and rows in ONEDNN_UNEMBEDDING_ROWS
+        and hidden.device.type == "cpu"
+        and hidden.dtype == weight.dtype == torch.float32
+        and weight.is_contiguous()
+        and not torch.is_grad_enabled()
+    ):
+        flat = hidden.reshape(rows, hidden.shape[-1])
+        logits: torch.Tensor = torch.ops.mkldnn._linear_pointwise(flat, weight, None, "none", [], "")
+        return logits.view(*hidden.shape[:-1], weight.shape[0])
+    return F.linear(hidden, weight)
 
 
 Project = Callable[[torch.Tensor, "_Projection"], Sequence[torch.Tensor]]
