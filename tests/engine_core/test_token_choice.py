@@ -1,0 +1,53 @@
+"""Token choice (engine/compute/token_choice.py) against the plain definition: a row's token is the
+first vocabulary index whose cumulative softmax(logits / T) mass exceeds its uniform draw (greedy rows:
+the argmax), and its logprob is log-softmax(logits / T) there, for vocabularies that fill whole blocks
+of the two-level inverse CDF and for those that do not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinkerrpc_server.engine.compute.token_choice import choose
+
+
+def _reference(
+    logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    greedy = temperatures <= 0
+    scale = torch.where(greedy, torch.ones_like(temperatures), temperatures).double()
+    logprobs = torch.log_softmax(logits.double() / scale.unsqueeze(-1), dim=-1)
+    cdf = logprobs.exp().cumsum(-1)
+    drawn = torch.searchsorted(cdf, (uniforms.double() * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    tokens = torch.where(greedy, logits.argmax(-1), drawn.clamp(max=logits.shape[-1] - 1))
+    return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("vocab", [151_936, 49_152, 1000, 7])
+def test_tokens_and_logprobs_are_the_plain_definitions(vocab: int) -> None:
+    generator = torch.Generator().manual_seed(vocab)
+    rows = 48
+    logits = torch.randn(rows, vocab, generator=generator) * 4
+    temperatures = torch.tensor([1.0, 0.7, 0.0, 1.3] * (rows // 4))
+    uniforms = torch.rand(rows, generator=generator)
+    uniforms[:2] = torch.tensor([0.0, 1.0 - 1e-7])  # the ends of the distribution
+    off = torch.zeros(rows, dtype=torch.long), torch.ones(rows)
+    tokens, logprobs = choose(logits, temperatures, off[0], off[1], uniforms)
+    expected_tokens, expected_logprobs = _reference(logits, temperatures, uniforms)
+    # float32 sums may put a draw within ~1e-6 of a boundary on the other side: allow one such row.
+    assert int((tokens != expected_tokens).sum()) <= 1
+    same = tokens == expected_tokens
+    torch.testing.assert_close(logprobs[same].double(), expected_logprobs[same], atol=2e-5, rtol=0)
+    assert bool((tokens < vocab).all()) and bool((tokens >= 0).all())
+
+
+def test_a_draw_follows_the_distribution() -> None:
+    """Over many uniforms, how often each token is drawn matches its probability."""
+    probabilities = torch.tensor([0.05, 0.6, 0.0, 0.35] + [0.0] * 2044)
+    logits = probabilities.clamp(min=1e-30).log().expand(20_000, -1)
+    uniforms = torch.rand(20_000, generator=torch.Generator().manual_seed(3))
+    off = torch.zeros(20_000, dtype=torch.long), torch.ones(20_000)
+    tokens, _ = choose(logits, torch.ones(20_000), off[0], off[1], uniforms)
+    counts = torch.bincount(tokens, minlength=2048).double() / 20_000
+    torch.testing.assert_close(counts[:4], probabilities[:4].double(), atol=0.015, rtol=0)
+    assert counts[4:].sum() == 0
