@@ -32,7 +32,15 @@ _EXAMPLE = [tinkerrpc.Message.user("respond with yes"), tinkerrpc.Message.assist
 
 
 def _disk(directory: Path) -> int:
-    return sum(os.path.getsize(Path(root) / f) for root, _, files in os.walk(directory) for f in files)
+    # The engine prunes old versions while the run goes on: a file listed a moment ago may be gone.
+    total = 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            try:
+                total += os.path.getsize(Path(root) / name)
+            except FileNotFoundError:
+                continue
+    return total
 
 
 def _sqlite_bytes(data_dir: Path) -> int:
