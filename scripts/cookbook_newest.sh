@@ -12,7 +12,7 @@ python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
 "$venv/bin/python" -m pip install -q torch==2.13.0
 "$venv/bin/python" -m pip install -q -e '.[server]' -c scripts/cookbook-tested.txt \
-    'pytest>=8' 'pytest-timeout>=2.3' 'pytest-asyncio>=0.24'
+    'pytest>=8' 'pytest-timeout>=2.3' 'pytest-asyncio>=0.24' 'pytest-xdist>=3.6'
 # 0.6's own requirements that 0.5.8 lacks, and recipes/rl_loop.py's math-rl extra.
 "$venv/bin/python" -m pip install -q 'tiktoken>=0.12' 'pyrage>=1.4' sympy pylatexenc math-verify
 "$venv/bin/python" -m pip install -q --no-deps "tinker-cookbook==$cookbook"
