@@ -407,3 +407,18 @@ def test_two_models_on_one_base_do_not_interfere(service: tinker.ServiceClient) 
     train_step(b_alone)
     train_step(b_alone)
     np.testing.assert_allclose(probe_logprobs(b), probe_logprobs(b_alone), atol=1e-6)
+
+
+def test_the_sdk_reaches_the_engine_through_its_native_transport(service: tinker.ServiceClient) -> None:
+    """The engine's client config lets the SDK use its reqwest-based transport (pyqwest): on 2 cores it
+    halves the SDK's own CPU per request against httpx's pool, whose every request polls each idle
+    connection (64 concurrent 8-token samples: 0.90 -> 0.38 s)."""
+    from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
+
+    sampler = service.create_sampling_client(base_model=TINY).result()
+    result = sampler.sample(types.ModelInput.from_ints([20, 21, 22]), 1, types.SamplingParams(max_tokens=2))
+    assert len(result.result().sequences) == 1
+    pools = sampler.holder._client_pools
+    for pool_type in (ClientConnectionPoolType.SAMPLE, ClientConnectionPoolType.RETRIEVE_PROMISE):
+        transports = {type(client._client._transport).__name__ for client in pools[pool_type]._clients}
+        assert transports == {"AsyncPyqwestTransport"}, (pool_type, transports)

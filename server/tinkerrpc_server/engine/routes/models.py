@@ -41,9 +41,11 @@ async def healthz() -> types.HealthResponse:
 
 @router.post("/client/config")
 async def client_config() -> types.ClientConfigResponse:
-    # Plain httpx transport; zstd-compressed forward_backward bodies (decoded by the training route).
+    # The SDK's reqwest-based transport (pyqwest): httpx's pool polls every idle connection on each
+    # request, which at dozens of concurrent samples cost the SDK's caller more CPU than the engine's
+    # decoding; zstd-compressed forward_backward bodies (decoded by the training route).
     return types.ClientConfigResponse(
-        use_pyqwest_transport=False, proto_compress_fwdbwd=True, pjwt_auth_enabled=False
+        use_pyqwest_transport=True, proto_compress_fwdbwd=True, pjwt_auth_enabled=False
     )
 
 
