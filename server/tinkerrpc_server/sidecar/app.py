@@ -33,6 +33,7 @@ from tinkerrpc_server.processes.http_serving import (
     serve_until_stopped,
 )
 from tinkerrpc_server.sidecar import chat, completions, generate, models, responses
+from tinkerrpc_server.sidecar.coalescing import SampleCoalescer
 from tinkerrpc_server.sidecar.errors import OpenAIError, from_rpc_error, param_from_loc
 from tinkerrpc_server.sidecar.metrics import SidecarMetrics
 from tinkerrpc_server.sidecar.runs import routes as run_view
@@ -195,9 +196,14 @@ def create_app(upstream: GrpcUpstream, api_key: str | None) -> FastAPI:
             500, f"internal error: {type(error).__name__}", error_type="server_error"
         ).to_response()
 
+    async def upstream_sample(name: str, prompt: Prompt, args: SampleArgs) -> list[Sample]:
+        return await client().model(name).sample(prompt, **args.sdk_kwargs())
+
+    coalescer = SampleCoalescer(upstream_sample, metrics.coalesced_requests.inc)
+
     async def sample(route: str, ref: models.ModelRef, prompt: Prompt, args: SampleArgs) -> list[Sample]:
         try:
-            samples = await client().model(ref.name).sample(prompt, **args.sdk_kwargs())
+            samples = await coalescer.sample(ref.name, prompt, args)
         except RPCError as error:
             raise from_rpc_error(error, ref.requested) from error
         except ValueError as error:

@@ -41,6 +41,11 @@ class SidecarMetrics:
             ("route",),
             registry=self.registry,
         )
+        self.coalesced_requests = Counter(
+            "tinkerrpc_sidecar_coalesced_requests_total",
+            "Requests drawn in one Sample call with identical requests that arrived with them.",
+            registry=self.registry,
+        )
         self.errors = Counter(
             "tinkerrpc_sidecar_errors_total",
             "Error responses by status code.",
