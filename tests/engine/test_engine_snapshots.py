@@ -91,9 +91,9 @@ def test_an_older_sampling_client_samples_after_a_newer_snapshot_until_its_sessi
 ) -> None:
     service = engine.service_client()
     trainer = service.create_lora_training_client(base_model=TINY, rank=2).result()
-    first = trainer.save_weights_and_get_sampling_client()
+    first = trainer.save_weights_and_get_sampling_client().result(timeout=120)
     _train_step(trainer)
-    second = trainer.save_weights_and_get_sampling_client()
+    second = trainer.save_weights_and_get_sampling_client().result(timeout=120)
     # The off-policy rollout's case: the first client samples after the second snapshot exists.
     assert len(_sample(first)) == 3
     assert len(_sample(second)) == 3
@@ -110,10 +110,10 @@ def test_an_older_sampling_client_samples_after_a_newer_snapshot_until_its_sessi
 def test_unnamed_snapshots_on_disk_stay_bounded_oldest_first(engine: InProcessEngine) -> None:
     with engine.service_client() as service:
         trainer = service.create_lora_training_client(base_model=TINY, rank=2).result()
-        clients = [trainer.save_weights_and_get_sampling_client()]
+        clients = [trainer.save_weights_and_get_sampling_client().result(timeout=120)]
         paths = [next(iter(_sampler_paths(engine, trainer.model_id)))]
         for _ in range(UNNAMED_SNAPSHOTS_KEPT_PER_MODEL + 1):
-            clients.append(trainer.save_weights_and_get_sampling_client())
+            clients.append(trainer.save_weights_and_get_sampling_client().result(timeout=120))
             paths.append(next(iter(_sampler_paths(engine, trainer.model_id) - set(paths))))
         # Every client is still held (its session lives): the cap alone bounds the disk.
         kept = _sampler_paths(engine, trainer.model_id)
