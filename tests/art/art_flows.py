@@ -36,8 +36,10 @@ from art.tinker_native.backend import STATE_KEY_RUN_IDS
 from tinker_cookbook.supervised.common import datum_from_model_input_weights
 
 import tinkerrpc
+from tinkerrpc import SupervisedExample
 from tinkerrpc.art import TinkerRPCBackend
-from tinkerrpc.art._trajectories import convert_groups
+from tinkerrpc.art._backend import _supervised_step
+from tinkerrpc.art._trajectories import convert_groups, sft_conversation
 
 BASE_MODEL = "tinkerrpc/tiny-chat"
 ANSWERS = ("yes", "no", "maybe")
@@ -318,7 +320,43 @@ async def reregister_and_score(art_path: str, target: str) -> dict[str, Any]:
     return {"step": step}
 
 
+async def sft_in_order(art_path: str, target: str) -> dict[str, Any]:
+    """ART's train_sft with a learning rate per batch: the batches are sent one ahead of the step that
+    trains, yet each version is its own batch's step, in order. Then a step sent ahead of the one it must
+    follow reaches the server first: refused (VERSION_MISMATCH), it trains right after that one."""
+    backend = TinkerRPCBackend(target, path=art_path)
+    model = art.TrainableModel(name="sft-order-001", project="sft-order", base_model=BASE_MODEL)
+    await model.register(backend)
+    rates = [1e-3 * (index + 1) for index in range(6)]
+    await model.train_sft(
+        warm_up_trajectories(random.Random(1), 4 * len(rates)),
+        config=art.TrainSFTConfig(learning_rate=rates, batch_size=4),
+    )
+    async with tinkerrpc.AsyncClient(target) as client:
+        handle = client.model(model.name)
+        steps = (await handle.history()).steps
+        assert [s.policy_version for s in steps] == list(range(1, len(rates) + 1))
+        assert [s.metrics.learning_rate for s in steps] == pytest.approx(rates)
+
+        examples = [
+            SupervisedExample(*sft_conversation(t)) for t in warm_up_trajectories(random.Random(2), 2)
+        ]
+
+        async def first_step_later() -> tinkerrpc.TrainResult:
+            await asyncio.sleep(1.0)
+            return await handle.train_supervised(examples[:1], learning_rate=1e-3, expected_policy_version=6)
+
+        first = asyncio.ensure_future(first_step_later())
+        second = await _supervised_step(handle, examples[1:], 2e-3, 7, first)
+        assert ((await first).policy_version, second.policy_version) == (7, 8)
+        overtaken = await handle.history(from_version=7)
+    assert [s.metrics.learning_rate for s in overtaken.steps] == pytest.approx([1e-3, 2e-3])
+    await backend.close()
+    return {"versions": len(steps) + 2}
+
+
 FLOWS = {
+    "sft-in-order": sft_in_order,
     "yes-no-maybe": yes_no_maybe,
     "reregister": reregister_and_score,
     "seed-yes-no-maybe": seed_yes_no_maybe,

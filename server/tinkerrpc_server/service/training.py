@@ -145,6 +145,28 @@ class Trainer:
         runtime = self._models.runtime(request.model)
         check_train_size(request, self._limits)
         hashed = request_hash(request) if request.idempotency_key else ""
+        # Supervised examples render alike at every version, so they render while the steps queued
+        # before this one run; their result (or error) is taken where the batch is built.
+        early_batch = None if request.groups else asyncio.ensure_future(self._supervised_batch(request))
+        try:
+            return await self._train_in_turn(request, runtime, hashed, early_batch)
+        finally:
+            if early_batch is not None:
+                early_batch.cancel()
+                # A step that ended before its batch (a replay, an invalid request) discards the render.
+                await asyncio.gather(early_batch, return_exceptions=True)
+
+    async def _supervised_batch(self, request: pb.TrainRequest) -> Batch:
+        codec = await self._models.codec(self._models.row(request.model))
+        return await build_batch(request, 0, codec)
+
+    async def _train_in_turn(
+        self,
+        request: pb.TrainRequest,
+        runtime: ModelRuntime,
+        hashed: str,
+        early_batch: asyncio.Future[Batch] | None,
+    ) -> pb.TrainResponse:
         # Steps on one model queue here in arrival order; a retry of a running step waits for it and
         # then finds its record.
         async with runtime.lock:
@@ -158,7 +180,7 @@ class Trainer:
             check_train_request(request, row.policy_version, codec.vocab_size, codec.max_context_length)
             check_expected_version(row, request)
             request, scored_tokens = await self._with_sampler_logprobs(request, row, codec)
-            batch = await build_batch(request, row.policy_version, codec)
+            batch = await (early_batch or build_batch(request, row.policy_version, codec))
             if not batch.datums:
                 emptied_by = (
                     "dropping stale trajectories and zero-variance groups"
