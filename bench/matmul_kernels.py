@@ -1,11 +1,12 @@
 """`python -m bench.matmul_kernels`: MKL's sgemm (torch's float32 CPU matmul) against oneDNN's inner
 product in the same torch build, for the sampler's matmul shapes at decode-step row counts; the
-measurement behind the decoder's choice of kernel for the unembedding (engine/compute/decoder.py).
+measurement behind the decoder's choice of kernels (engine/compute/decoder.py).
 
 For each model shape and row count it times, interleaved, the unembedding as the decoder stores it
 ((vocabulary, hidden), the transposed operand), by F.linear and by oneDNN, and one decoder layer's four
-projections as stored ((in, out)) by a matmul and by oneDNN over the transposed view. Every weight
-is larger than the caches or read in a round over several copies, as a decode step reads it.
+projections as stored ((in, out)) by a matmul, by oneDNN over the transposed view, and by MKL's packed
+sgemm on the decoder's packed copy (`DecodingWeight`: plain outside its PACKED_ROWS). Every weight is larger than the caches or read
+in a round over several copies, as a decode step reads it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from tinkerrpc_server.engine.compute.decoder import DecodingWeight
 
 # (hidden, vocabulary, [(in, out) of q/k/v, o, gate/up, down])
 SHAPES = {
@@ -47,9 +50,11 @@ def _times(
     head: torch.Tensor,
     inputs: dict[int, torch.Tensor],
     layers: list[list[torch.Tensor]],
+    packed: list[list[DecodingWeight]],
     repeats: int,
-) -> tuple[float, float, float, float]:
-    """Milliseconds of the unembedding by MKL and by oneDNN, then of all layer copies by each."""
+) -> tuple[float, ...]:
+    """Milliseconds of the unembedding by MKL and by oneDNN, then of all layer copies by MKL, oneDNN and
+    MKL packed."""
     with torch.inference_mode():
         return (
             _median_ms(lambda: F.linear(x, head), repeats),
@@ -57,6 +62,9 @@ def _times(
             _median_ms(lambda: [inputs[w.shape[0]] @ w for layer in layers for w in layer], repeats),
             _median_ms(
                 lambda: [_onednn(inputs[w.shape[0]], w.t()) for layer in layers for w in layer], repeats
+            ),
+            _median_ms(
+                lambda: [p.times(inputs[p.plain.shape[0]]) for layer in packed for p in layer], repeats
             ),
         )
 
@@ -69,25 +77,37 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(0)
     print(
-        "| model | rows | unembedding MKL ms | oneDNN ms | MKL/oneDNN | layer MKL ms | oneDNN ms | MKL/oneDNN |"
+        "| model | rows | unembedding MKL ms | oneDNN ms | MKL/oneDNN | layer MKL ms | oneDNN ms | MKL/oneDNN "
+        "| MKL packed ms | MKL/packed |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for label, (hidden, vocabulary, projections) in SHAPES.items():
         head = torch.randn(vocabulary, hidden, generator=generator) * 0.02
         layers = [
             [torch.randn(size_in, size_out, generator=generator) * 0.02 for size_in, size_out in projections]
             for _ in range(LAYER_COPIES)
         ]
+        packed = [[_packed(w) for w in layer] for layer in layers]
         for rows in ROWS:
             x = torch.randn(rows, hidden, generator=generator)
             inputs = {size_in: torch.randn(rows, size_in, generator=generator) for size_in, _ in projections}
-            head_mkl, head_onednn, layer_mkl, layer_onednn = _times(x, head, inputs, layers, args.repeats)
+            head_mkl, head_onednn, layer_mkl, layer_onednn, layer_packed = _times(
+                x, head, inputs, layers, packed, args.repeats
+            )
             print(
                 f"| {label} | {rows} | {head_mkl:.1f} | {head_onednn:.1f} | {head_mkl / head_onednn:.2f} "
                 f"| {layer_mkl / LAYER_COPIES:.2f} | {layer_onednn / LAYER_COPIES:.2f} "
-                f"| {layer_mkl / layer_onednn:.2f} |",
+                f"| {layer_mkl / layer_onednn:.2f} | {layer_packed / LAYER_COPIES:.2f} "
+                f"| {layer_mkl / layer_packed:.2f} |",
                 flush=True,
             )
+
+
+def _packed(weight_t: torch.Tensor) -> DecodingWeight:
+    weight = DecodingWeight.of(weight_t)
+    if weight.packed is None:
+        raise SystemExit("this torch build has no MKL packed sgemm")
+    return weight
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ from peft import LoraConfig
 
 from tinkerrpc_server.engine.compute.decoder import (
     ONEDNN_UNEMBEDDING_ROWS,
+    PACKED_ROWS,
+    DecodingWeight,
     FusedDecoder,
     FusedTrainingForward,
     unembed_for_sampling,
@@ -222,3 +224,21 @@ def test_the_unembedding_keeps_torchs_kernel_where_a_gradient_is_wanted() -> Non
     logits = unembed_for_sampling(torch.randn(16, 96), weight)
     logits.sum().backward()
     assert weight.grad is not None and weight.grad.shape == weight.shape
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 33, 64, 65, 130])
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (96, 3000)])
+def test_a_packed_projection_multiplies_any_row_count_as_a_matmul(rows: int, shape: tuple[int, int]) -> None:
+    """The decoder's projections: MKL's packed kernel for PACKED_ROWS (a layout made for one row count
+    serves every count), a plain matmul for the others; the same numbers either way."""
+    generator = torch.Generator().manual_seed(rows)
+    weight_t = torch.randn(*shape, generator=generator)
+    x = torch.randn(rows, shape[0], generator=generator)
+    projection = DecodingWeight.of(weight_t)
+    with torch.inference_mode(), torch.profiler.profile() as profiled:
+        product = projection.times(x)
+    assert product.shape == (rows, shape[1])
+    assert_close_at_scale(product, x @ weight_t, 1e-5)
+    kernels = {event.key for event in profiled.key_averages()}
+    packed = torch.backends.mkl.is_available() and rows in PACKED_ROWS  # type: ignore[no-untyped-call]
+    assert ("mkl::_mkl_linear" in kernels) == packed

@@ -14,7 +14,9 @@ same function as the transformers model with one LoRA adapter active, but
   input embedding too, and it is the largest matrix);
 - a decode step attends with two matmuls under an additive mask (no repeat_kv copy, no SDPA set-up);
 - a decode step's unembedding (8-64 rows by the (vocabulary, hidden) weight, most of a step at a large
-  vocabulary) runs oneDNN's kernel instead of MKL's on the CPU (`unembed_for_sampling`).
+  vocabulary) runs oneDNN's kernel instead of MKL's on the CPU (`unembed_for_sampling`);
+- a decode step's projections (2-64 rows) run MKL's packed sgemm on a copy of each weight packed once per
+  decoder (`DecodingWeight`): memory for one more copy of the layer weights while the decoder lives.
 
 It reads and writes the sampler's KV cache exactly as the transformers model does (`Cache.update` per
 layer). Models it does not cover (architecture.describe gives None) and LoRA variants or dropout run
@@ -138,13 +140,15 @@ class FusedDecoder:
 
     def __init__(self, base: BaseWeights, adapter: str | None) -> None:
         self._base = base
-        # Projections the adapter changes get their own merged copy (W + scaling · B·A, transposed).
-        self._merged: dict[int, torch.Tensor] = {}
+        # Each projection's weight as the decoder multiplies by it: the adapter's merged copy
+        # (W + scaling · B·A, transposed) where it changes the projection, the base weight elsewhere.
+        self._weights: dict[int, DecodingWeight] = {}
         for layer in base.layers:
             for projection in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 merged = _merged_weight(projection, adapter)
-                if merged is not None:
-                    self._merged[id(projection)] = merged
+                self._weights[id(projection)] = DecodingWeight.of(
+                    merged if merged is not None else projection.weight_t
+                )
         head: Any = base.causal_lm.get_output_embeddings()
         head_linear: Any = head.base_layer if isinstance(head, LoraLayer) else head
         self._head_weight: torch.Tensor = head_linear.weight
@@ -241,8 +245,44 @@ class FusedDecoder:
         return logits
 
     def _project(self, x: torch.Tensor, projection: _Projection) -> Sequence[torch.Tensor]:
-        weight_t = self._merged.get(id(projection), projection.weight_t)
-        return torch.split(x @ weight_t, list(projection.splits), dim=-1)
+        return torch.split(self._weights[id(projection)].times(x), list(projection.splits), dim=-1)
+
+
+_MKL_PACKED: bool = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")  # type: ignore[no-untyped-call]
+# Rows of a forward pass whose projections run MKL's packed kernel: 1.1-1.5x a plain matmul for 2-64 rows
+# on the CPU, about 0.9x for one row (`python -m bench.matmul_kernels`); prefill sizes stay plain.
+PACKED_ROWS = range(2, 65)
+# The row count the packed layout is made for (the fastest over PACKED_ROWS). MKL reads the layout from
+# the packed buffer, so it multiplies any row count (tests/engine_core/test_decoder.py checks 1 to 130).
+_PACKED_FOR_ROWS = 64
+
+
+@dataclass(frozen=True)
+class DecodingWeight:
+    """An (in, out) projection weight as the sampler's decoder multiplies by it: plainly, and where MKL's
+    packed sgemm applies (a float32 weight on the CPU) also in its packed layout, which spares MKL
+    re-laying the weight on every call. Sampling only: the packed kernel has no gradient."""
+
+    plain: torch.Tensor
+    packed: torch.Tensor | None = None
+    # A zero-stride (out, in) stand-in: the packed kernel reads only its shape and dtype.
+    stand_in: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, weight_t: torch.Tensor) -> DecodingWeight:
+        if not (_MKL_PACKED and weight_t.device.type == "cpu" and weight_t.dtype == torch.float32):
+            return cls(weight_t)
+        weight = weight_t.t().contiguous()
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, _PACKED_FOR_ROWS)
+        return cls(weight_t, packed, weight.new_zeros(()).expand(weight.shape))
+
+    def times(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight for x (tokens, in)."""
+        rows = x.shape[0]
+        if self.packed is None or rows not in PACKED_ROWS:
+            return x @ self.plain
+        product: torch.Tensor = torch.ops.mkl._mkl_linear(x, self.packed, self.stand_in, None, rows)
+        return product
 
 
 # Rows of a decode step whose unembedding goes through oneDNN (see unembed_for_sampling).
