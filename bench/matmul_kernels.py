@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _packed(weight_t: torch.Tensor) -> DecodingWeight:
-    weight = DecodingWeight.of(weight_t)
+    weight = DecodingWeight(weight_t).packed_copy()
     if weight.packed is None:
         raise SystemExit("this torch build has no MKL packed sgemm")
     return weight

@@ -22,6 +22,7 @@ from decoder_parity import (
 )
 from peft import LoraConfig
 
+from tinkerrpc_server.engine.compute import decoder as decoder_module
 from tinkerrpc_server.engine.compute.decoder import (
     ONEDNN_UNEMBEDDING_ROWS,
     PACKED_ROWS,
@@ -234,7 +235,7 @@ def test_a_packed_projection_multiplies_any_row_count_as_a_matmul(rows: int, sha
     generator = torch.Generator().manual_seed(rows)
     weight_t = torch.randn(*shape, generator=generator)
     x = torch.randn(rows, shape[0], generator=generator)
-    projection = DecodingWeight.of(weight_t)
+    projection = DecodingWeight(weight_t).packed_copy()
     with torch.inference_mode(), torch.profiler.profile() as profiled:
         product = projection.times(x)
     assert product.shape == (rows, shape[1])
@@ -242,3 +243,15 @@ def test_a_packed_projection_multiplies_any_row_count_as_a_matmul(rows: int, sha
     kernels = {event.key for event in profiled.key_averages()}
     packed = torch.backends.mkl.is_available() and rows in PACKED_ROWS  # type: ignore[no-untyped-call]
     assert ("mkl::_mkl_linear" in kernels) == packed
+
+
+def test_a_decoder_that_packs_its_weights_midway_keeps_transformers_logits(
+    runtime: BaseModelRuntime, sampler_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After PACK_AFTER_PASSES passes of PACKED_ROWS tokens a decoder packs its projections and runs MKL's
+    packed kernel from then on (where torch has MKL): its logits stay those of transformers + PEFT."""
+    monkeypatch.setattr(decoder_module, "PACK_AFTER_PASSES", 2)
+    with torch.profiler.profile() as profiled:
+        assert_decoder_logits_equal_transformers(runtime, runtime._sampler_adapter(sampler_dir))
+    kernels = {event.key for event in profiled.key_averages()}
+    assert ("mkl::_mkl_linear" in kernels) == torch.backends.mkl.is_available()  # type: ignore[no-untyped-call]

@@ -15,8 +15,8 @@ same function as the transformers model with one LoRA adapter active, but
 - a decode step attends with two matmuls under an additive mask (no repeat_kv copy, no SDPA set-up);
 - a decode step's unembedding (8-64 rows by the (vocabulary, hidden) weight, most of a step at a large
   vocabulary) runs oneDNN's kernel instead of MKL's on the CPU (`unembed_for_sampling`);
-- a decode step's projections (2-64 rows) run MKL's packed sgemm on a copy of each weight packed once per
-  decoder (`DecodingWeight`): memory for one more copy of the layer weights while the decoder lives.
+- a decode step's projections (2-64 rows) run MKL's packed sgemm once the decoder has lived long enough
+  to earn the packing (`DecodingWeight`): memory for one more copy of the layer weights from then on.
 
 It reads and writes the sampler's KV cache exactly as the transformers model does (`Cache.update` per
 layer). Models it does not cover (architecture.describe gives None) and LoRA variants or dropout run
@@ -146,9 +146,10 @@ class FusedDecoder:
         for layer in base.layers:
             for projection in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 merged = _merged_weight(projection, adapter)
-                self._weights[id(projection)] = DecodingWeight.of(
+                self._weights[id(projection)] = DecodingWeight(
                     merged if merged is not None else projection.weight_t
                 )
+        self._packed_rows_passes = 0
         head: Any = base.causal_lm.get_output_embeddings()
         head_linear: Any = head.base_layer if isinstance(head, LoraLayer) else head
         self._head_weight: torch.Tensor = head_linear.weight
@@ -191,6 +192,7 @@ class FusedDecoder:
         embedded = [inner.embed_tokens(call["input_ids"]) for call in calls]
         segments = [self._segment(call, x) for call, x in zip(calls, embedded, strict=True)]
         flat = [x.reshape(-1, x.shape[-1]) for x in embedded]
+        self._count_pass(sum(len(tokens) for tokens in flat))
         x = _decoder_layers(
             self._base, flat[0] if len(flat) == 1 else torch.cat(flat), segments, self._project
         )
@@ -244,37 +246,53 @@ class FusedDecoder:
             logits = logits + F.linear(F.linear(hidden.to(a.dtype), a), scaled_b).to(logits.dtype)
         return logits
 
+    def _count_pass(self, tokens: int) -> None:
+        """Packing costs about what PACK_AFTER_PASSES passes of PACKED_ROWS save: a decoder packs its
+        weights once it has run that many, i.e. once it has shown it lives long (a base model served,
+        a snapshot evaluated at length), never for a short RL rollout."""
+        if tokens in PACKED_ROWS:
+            self._packed_rows_passes += 1
+            if self._packed_rows_passes == PACK_AFTER_PASSES:
+                self._weights = {key: weight.packed_copy() for key, weight in self._weights.items()}
+
     def _project(self, x: torch.Tensor, projection: _Projection) -> Sequence[torch.Tensor]:
         return torch.split(self._weights[id(projection)].times(x), list(projection.splits), dim=-1)
 
 
 _MKL_PACKED: bool = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")  # type: ignore[no-untyped-call]
-# Rows of a forward pass whose projections run MKL's packed kernel: 1.1-1.5x a plain matmul for 2-64 rows
-# on the CPU, about 0.9x for one row (`python -m bench.matmul_kernels`); prefill sizes stay plain.
+# Rows of a forward pass whose projections run MKL's packed kernel once packed: 1.1-1.5x a plain matmul
+# for 2-64 rows on the CPU, about 0.9x for one row (`python -m bench.matmul_kernels`); prefill stays plain.
 PACKED_ROWS = range(2, 65)
 # The row count the packed layout is made for (the fastest over PACKED_ROWS). MKL reads the layout from
 # the packed buffer, so it multiplies any row count (tests/engine_core/test_decoder.py checks 1 to 130).
 _PACKED_FOR_ROWS = 64
+# Passes of PACKED_ROWS after which a decoder packs its weights: packing SmolLM2's layers takes ~0.5 s
+# here, what ~60 passes of 16 rows save.
+PACK_AFTER_PASSES = 64
 
 
 @dataclass(frozen=True)
 class DecodingWeight:
-    """An (in, out) projection weight as the sampler's decoder multiplies by it: plainly, and where MKL's
-    packed sgemm applies (a float32 weight on the CPU) also in its packed layout, which spares MKL
-    re-laying the weight on every call. Sampling only: the packed kernel has no gradient."""
+    """An (in, out) projection weight as the sampler's decoder multiplies by it: plainly, and once
+    packed (`packed_copy`, where MKL's packed sgemm applies: a float32 weight on the CPU) also in that
+    kernel's layout, which spares MKL re-laying the weight on every call. Sampling only: the packed
+    kernel has no gradient."""
 
     plain: torch.Tensor
     packed: torch.Tensor | None = None
     # A zero-stride (out, in) stand-in: the packed kernel reads only its shape and dtype.
     stand_in: torch.Tensor | None = None
 
-    @classmethod
-    def of(cls, weight_t: torch.Tensor) -> DecodingWeight:
-        if not (_MKL_PACKED and weight_t.device.type == "cpu" and weight_t.dtype == torch.float32):
-            return cls(weight_t)
-        weight = weight_t.t().contiguous()
+    def packed_copy(self) -> DecodingWeight:
+        """This weight with its packed layout (another copy of it in memory); itself where none applies."""
+        plain = self.plain
+        if self.packed is not None or not (
+            _MKL_PACKED and plain.device.type == "cpu" and plain.dtype == torch.float32
+        ):
+            return self
+        weight = plain.t().contiguous()
         packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, _PACKED_FOR_ROWS)
-        return cls(weight_t, packed, weight.new_zeros(()).expand(weight.shape))
+        return DecodingWeight(plain, packed, weight.new_zeros(()).expand(weight.shape))
 
     def times(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight for x (tokens, in)."""
