@@ -248,10 +248,19 @@ def test_a_packed_projection_multiplies_any_row_count_as_a_matmul(rows: int, sha
 def test_a_decoder_that_packs_its_weights_midway_keeps_transformers_logits(
     runtime: BaseModelRuntime, sampler_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """After PACK_AFTER_PASSES passes of PACKED_ROWS tokens a decoder packs its projections and runs MKL's
-    packed kernel from then on (where torch has MKL): its logits stay those of transformers + PEFT."""
+    """After PACK_AFTER_PASSES passes of PACKED_ROWS tokens a decoder packs its projections and its
+    unembedding and runs MKL's packed kernel from then on (where torch has MKL): its logits stay those of
+    transformers + PEFT."""
     monkeypatch.setattr(decoder_module, "PACK_AFTER_PASSES", 2)
-    with torch.profiler.profile() as profiled:
+    with torch.profiler.profile(record_shapes=True) as profiled:
         assert_decoder_logits_equal_transformers(runtime, runtime._sampler_adapter(sampler_dir))
-    kernels = {event.key for event in profiled.key_averages()}
-    assert ("mkl::_mkl_linear" in kernels) == torch.backends.mkl.is_available()  # type: ignore[no-untyped-call]
+    mkl = torch.backends.mkl.is_available()  # type: ignore[no-untyped-call]
+    # The unembedding's (vocabulary, hidden) product ran packed too.
+    vocabulary = runtime.vocab_size
+    packed_shapes = {
+        tuple(event.input_shapes[2])
+        for event in profiled.events()
+        if event.name == "mkl::_mkl_linear" and event.input_shapes
+    }
+    assert bool(packed_shapes) == mkl
+    assert any(shape[0] == vocabulary for shape in packed_shapes) == mkl

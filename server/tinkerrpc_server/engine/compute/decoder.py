@@ -15,8 +15,9 @@ same function as the transformers model with one LoRA adapter active, but
 - a decode step attends with two matmuls under an additive mask (no repeat_kv copy, no SDPA set-up);
 - a decode step's unembedding (8-64 rows by the (vocabulary, hidden) weight, most of a step at a large
   vocabulary) runs oneDNN's kernel instead of MKL's on the CPU (`unembed_for_sampling`);
-- a decode step's projections (2-64 rows) run MKL's packed sgemm once the decoder has lived long enough
-  to earn the packing (`DecodingWeight`): memory for one more copy of the layer weights from then on.
+- a decode step's projections and unembedding (2-64 rows) run MKL's packed sgemm once the decoder has
+  lived long enough to earn the packing (`DecodingWeight`, `MklPacked`): memory for one more copy of
+  those weights from then on.
 
 It reads and writes the sampler's KV cache exactly as the transformers model does (`Cache.update` per
 layer). Models it does not cover (architecture.describe gives None) and LoRA variants or dropout run
@@ -153,6 +154,7 @@ class FusedDecoder:
         head: Any = base.causal_lm.get_output_embeddings()
         head_linear: Any = head.base_layer if isinstance(head, LoraLayer) else head
         self._head_weight: torch.Tensor = head_linear.weight
+        self._head_packed: MklPacked | None = None
         # The head stays unmerged: its weight is usually the input embedding too.
         self._head_lora = _plain_lora(head, adapter)
 
@@ -239,7 +241,11 @@ class FusedDecoder:
         return _Segment(rows, length, rotary, attend)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = unembed_for_sampling(hidden, self._head_weight)
+        if self._head_packed is not None and hidden.numel() // hidden.shape[-1] in PACKED_ROWS:
+            # 1.1-1.5x oneDNN's kernel for these rows here (`python -m bench.matmul_kernels`).
+            logits = self._head_packed.times(hidden)
+        else:
+            logits = unembed_for_sampling(hidden, self._head_weight)
         if self._head_lora is not None:
             a, scaled_b = self._head_lora
             # PEFT runs the LoRA branch in the adapter's dtype (float32 on a bf16 base) and casts it back.
@@ -254,6 +260,7 @@ class FusedDecoder:
             self._packed_rows_passes += 1
             if self._packed_rows_passes == PACK_AFTER_PASSES:
                 self._weights = {key: weight.packed_copy() for key, weight in self._weights.items()}
+                self._head_packed = MklPacked.of(self._head_weight)
 
     def _project(self, x: torch.Tensor, projection: _Projection) -> Sequence[torch.Tensor]:
         return torch.split(self._weights[id(projection)].times(x), list(projection.splits), dim=-1)
@@ -272,35 +279,49 @@ PACK_AFTER_PASSES = 64
 
 
 @dataclass(frozen=True)
+class MklPacked:
+    """An (out, in) weight in MKL's packed sgemm layout: x · weightᵀ without MKL re-laying the weight on
+    every call. Sampling only: the packed kernel has no gradient."""
+
+    packed: torch.Tensor
+    # A zero-stride (out, in) stand-in: the kernel reads only its shape and dtype.
+    stand_in: torch.Tensor
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> MklPacked | None:
+        """`weight` (out, in) packed (another copy of it in memory); None where the kernel does not apply
+        (no MKL, not a float32 weight on the CPU)."""
+        if not (_MKL_PACKED and weight.device.type == "cpu" and weight.dtype == torch.float32):
+            return None
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), _PACKED_FOR_ROWS)
+        return cls(packed, weight.new_zeros(()).expand(weight.shape))
+
+    def times(self, x: torch.Tensor) -> torch.Tensor:
+        """x · weightᵀ for x (..., in)."""
+        rows = x.numel() // x.shape[-1]
+        product: torch.Tensor = torch.ops.mkl._mkl_linear(x, self.packed, self.stand_in, None, rows)
+        return product
+
+
+@dataclass(frozen=True)
 class DecodingWeight:
     """An (in, out) projection weight as the sampler's decoder multiplies by it: plainly, and once
-    packed (`packed_copy`, where MKL's packed sgemm applies: a float32 weight on the CPU) also in that
-    kernel's layout, which spares MKL re-laying the weight on every call. Sampling only: the packed
-    kernel has no gradient."""
+    packed (`packed_copy`) by MKL's packed kernel for PACKED_ROWS."""
 
     plain: torch.Tensor
-    packed: torch.Tensor | None = None
-    # A zero-stride (out, in) stand-in: the packed kernel reads only its shape and dtype.
-    stand_in: torch.Tensor | None = None
+    packed: MklPacked | None = None
 
     def packed_copy(self) -> DecodingWeight:
-        """This weight with its packed layout (another copy of it in memory); itself where none applies."""
-        plain = self.plain
-        if self.packed is not None or not (
-            _MKL_PACKED and plain.device.type == "cpu" and plain.dtype == torch.float32
-        ):
+        """This weight with its packed layout; itself where the kernel does not apply."""
+        if self.packed is not None:
             return self
-        weight = plain.t().contiguous()
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, _PACKED_FOR_ROWS)
-        return DecodingWeight(plain, packed, weight.new_zeros(()).expand(weight.shape))
+        return DecodingWeight(self.plain, MklPacked.of(self.plain.t()))
 
     def times(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight for x (tokens, in)."""
-        rows = x.shape[0]
-        if self.packed is None or rows not in PACKED_ROWS:
+        if self.packed is None or x.shape[0] not in PACKED_ROWS:
             return x @ self.plain
-        product: torch.Tensor = torch.ops.mkl._mkl_linear(x, self.packed, self.stand_in, None, rows)
-        return product
+        return self.packed.times(x)
 
 
 # Rows of a decode step whose unembedding goes through oneDNN (see unembed_for_sampling).
