@@ -60,7 +60,7 @@ def target_logprobs(
     """Logprobs of `targets` (one per real position of the right-padded batch, row by row) under
     `model` (a causal LM, or a PeftModel around one) as fp32, differentiable. `hidden_states(input_ids,
     attention_mask)`, when given, computes the decoder's last hidden states in its place (the engine's
-    own forward, engine/compute/decoder.py)."""
+    own forward, engine/compute/decoder.py), those of the real positions only, row by row."""
     real = attention_mask.bool()
     causal_lm: Any = model.get_base_model() if isinstance(model, PeftModel) else model
     unembedding = _plain_unembedding(causal_lm)
@@ -73,10 +73,10 @@ def target_logprobs(
         decoder = causal_lm.get_decoder()
         hidden = decoder(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False
-        ).last_hidden_state
+        ).last_hidden_state[real]
     lora = unembedding.lora
     args = (
-        hidden[real],
+        hidden,
         targets,
         unembedding.weight,
         None if lora is None else lora.a,
