@@ -69,8 +69,8 @@ def _sample(client: tinker.SamplingClient) -> list[int]:
 
 
 def _sampler_paths(engine: InProcessEngine, model_id: str) -> set[str]:
-    with engine.service_client() as service:
-        listed = service.create_rest_client().list_checkpoints(model_id).result().checkpoints
+    rest = tinker.RestClient(base_url=engine.base_url, api_key=engine.api_key)
+    listed = rest.list_checkpoints(model_id).result().checkpoints
     return {c.tinker_path for c in listed if c.checkpoint_type == "sampler"}
 
 
