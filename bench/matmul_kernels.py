@@ -1,12 +1,13 @@
 """`python -m bench.matmul_kernels`: MKL's sgemm (torch's float32 CPU matmul) against oneDNN's inner
 product in the same torch build, for the sampler's matmul shapes at decode-step row counts; the
-measurement behind the decoder's choice of kernels (engine/compute/decoder.py).
+measurement behind the decoder's choice of kernels (engine/compute/decoder.py, engine/compute/packing.py).
 
 For each model shape and row count it times, interleaved, the unembedding as the decoder stores it
 ((vocabulary, hidden), the transposed operand), by F.linear and by oneDNN, and one decoder layer's four
-projections as stored ((in, out)) by a matmul, by oneDNN over the transposed view, and by MKL's packed
-sgemm on the decoder's packed copy (`DecodingWeight`: plain outside its PACKED_ROWS). Every weight is larger than the caches or read
-in a round over several copies, as a decode step reads it.
+projections as stored ((in, out)) by a matmul, by oneDNN over the transposed view, and packed
+(`PackedWeight`) for MKL's and for oneDNN's packed kernel. Every weight is larger than the caches or
+read in a round over several copies, as a decode step reads it. The last line is the packing plan the
+engine measures for itself on this machine.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tinkerrpc_server.engine.compute.decoder import DecodingWeight
+from tinkerrpc_server.engine.compute.packing import Kernel, PackedWeight, packing_plan
 
 # (hidden, vocabulary, [(in, out) of q/k/v, o, gate/up, down])
 SHAPES = {
@@ -50,11 +51,11 @@ def _times(
     head: torch.Tensor,
     inputs: dict[int, torch.Tensor],
     layers: list[list[torch.Tensor]],
-    packed: list[list[DecodingWeight]],
+    packed: dict[Kernel, list[list[PackedWeight]]],
     repeats: int,
 ) -> tuple[float, ...]:
-    """Milliseconds of the unembedding by MKL and by oneDNN, then of all layer copies by MKL, oneDNN and
-    MKL packed."""
+    """Milliseconds of the unembedding by MKL and by oneDNN, then of all layer copies by MKL, oneDNN,
+    MKL packed and oneDNN packed."""
     with torch.inference_mode():
         return (
             _median_ms(lambda: F.linear(x, head), repeats),
@@ -63,8 +64,14 @@ def _times(
             _median_ms(
                 lambda: [_onednn(inputs[w.shape[0]], w.t()) for layer in layers for w in layer], repeats
             ),
-            _median_ms(
-                lambda: [p.times(inputs[p.plain.shape[0]]) for layer in packed for p in layer], repeats
+            *(
+                _median_ms(
+                    lambda copies=copies: [
+                        p.times(inputs[p.stand_in.shape[1]]) for layer in copies for p in layer
+                    ],
+                    repeats,
+                )
+                for copies in (packed["mkl"], packed["onednn"])
             ),
         )
 
@@ -78,36 +85,39 @@ def main(argv: list[str] | None = None) -> None:
     generator = torch.Generator().manual_seed(0)
     print(
         "| model | rows | unembedding MKL ms | oneDNN ms | MKL/oneDNN | layer MKL ms | oneDNN ms | MKL/oneDNN "
-        "| MKL packed ms | MKL/packed |"
+        "| MKL packed ms | oneDNN packed ms | MKL/oneDNN packed |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for label, (hidden, vocabulary, projections) in SHAPES.items():
         head = torch.randn(vocabulary, hidden, generator=generator) * 0.02
         layers = [
             [torch.randn(size_in, size_out, generator=generator) * 0.02 for size_in, size_out in projections]
             for _ in range(LAYER_COPIES)
         ]
-        packed = [[_packed(w) for w in layer] for layer in layers]
+        packed: dict[Kernel, list[list[PackedWeight]]] = {
+            kernel: [[_packed(w, kernel) for w in layer] for layer in layers] for kernel in ("mkl", "onednn")
+        }
         for rows in ROWS:
             x = torch.randn(rows, hidden, generator=generator)
             inputs = {size_in: torch.randn(rows, size_in, generator=generator) for size_in, _ in projections}
-            head_mkl, head_onednn, layer_mkl, layer_onednn, layer_packed = _times(
+            head_mkl, head_onednn, layer_mkl, layer_onednn, layer_mkl_packed, layer_onednn_packed = _times(
                 x, head, inputs, layers, packed, args.repeats
             )
             print(
                 f"| {label} | {rows} | {head_mkl:.1f} | {head_onednn:.1f} | {head_mkl / head_onednn:.2f} "
                 f"| {layer_mkl / LAYER_COPIES:.2f} | {layer_onednn / LAYER_COPIES:.2f} "
-                f"| {layer_mkl / layer_onednn:.2f} | {layer_packed / LAYER_COPIES:.2f} "
-                f"| {layer_mkl / layer_packed:.2f} |",
+                f"| {layer_mkl / layer_onednn:.2f} | {layer_mkl_packed / LAYER_COPIES:.2f} "
+                f"| {layer_onednn_packed / LAYER_COPIES:.2f} | {layer_mkl_packed / layer_onednn_packed:.2f} |",
                 flush=True,
             )
+    print(f"\nthe engine's packing plan here: {packing_plan()}")
 
 
-def _packed(weight_t: torch.Tensor) -> DecodingWeight:
-    weight = DecodingWeight(weight_t).packed_copy()
-    if weight.packed is None:
-        raise SystemExit("this torch build has no MKL packed sgemm")
-    return weight
+def _packed(weight_t: torch.Tensor, kernel: Kernel) -> PackedWeight:
+    packed = PackedWeight.of(weight_t.t(), kernel)
+    if packed is None:
+        raise SystemExit("packed kernels multiply float32 CPU weights only")
+    return packed
 
 
 if __name__ == "__main__":

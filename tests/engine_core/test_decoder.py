@@ -25,13 +25,13 @@ from peft import LoraConfig
 from tinkerrpc_server.engine.compute import decoder as decoder_module
 from tinkerrpc_server.engine.compute.decoder import (
     ONEDNN_UNEMBEDDING_ROWS,
-    PACKED_ROWS,
     DecodingWeight,
     FusedDecoder,
     FusedTrainingForward,
     unembed_for_sampling,
 )
 from tinkerrpc_server.engine.compute.kv_cache import new_cache
+from tinkerrpc_server.engine.compute.packing import PackingPlan, packing_plan
 from tinkerrpc_server.engine.runtime import SAMPLER_CACHE_SIZE, BaseModelRuntime, LoraSpec
 
 
@@ -227,40 +227,57 @@ def test_the_unembedding_keeps_torchs_kernel_where_a_gradient_is_wanted() -> Non
     assert weight.grad is not None and weight.grad.shape == weight.shape
 
 
+# What each packed kernel shows in torch's profiler.
+KERNEL_OPS = {"mkl": "mkl::_mkl_linear", "onednn": "mkldnn::_linear_pointwise"}
+# Which argument of that op is the (out, in) weight (MKL's zero-stride stand-in, oneDNN's packed one).
+WEIGHT_ARGUMENT = {"mkl": 2, "onednn": 1}
+PLANS = [PackingPlan("mkl", range(2, 65), 2), PackingPlan("onednn", range(1, 65), 2)]
+
+
+def test_the_packing_plan_takes_the_faster_kernel_here() -> None:
+    """Measured once per process: a kernel this torch build has, its rows, passes within bounds."""
+    plan = packing_plan()
+    assert plan is not None  # torch's CPU builds have MKL and oneDNN
+    assert plan.kernel in KERNEL_OPS
+    assert plan.rows == (range(2, 65) if plan.kernel == "mkl" else range(1, 65))
+    assert 4 <= plan.pack_after_passes <= 64
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=lambda plan: plan.kernel)
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 33, 64, 65, 130])
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (96, 3000)])
-def test_a_packed_projection_multiplies_any_row_count_as_a_matmul(rows: int, shape: tuple[int, int]) -> None:
-    """The decoder's projections: MKL's packed kernel for PACKED_ROWS (a layout made for one row count
+def test_a_packed_projection_multiplies_any_row_count_as_a_matmul(
+    plan: PackingPlan, rows: int, shape: tuple[int, int]
+) -> None:
+    """The decoder's projections: the plan's packed kernel for its rows (a layout made for one row count
     serves every count), a plain matmul for the others; the same numbers either way."""
     generator = torch.Generator().manual_seed(rows)
     weight_t = torch.randn(*shape, generator=generator)
     x = torch.randn(rows, shape[0], generator=generator)
-    projection = DecodingWeight(weight_t).packed_copy()
+    projection = DecodingWeight(weight_t).packed_copy(plan)
     with torch.inference_mode(), torch.profiler.profile() as profiled:
         product = projection.times(x)
     assert product.shape == (rows, shape[1])
     assert_close_at_scale(product, x @ weight_t, 1e-5)
     kernels = {event.key for event in profiled.key_averages()}
-    packed = torch.backends.mkl.is_available() and rows in PACKED_ROWS  # type: ignore[no-untyped-call]
-    assert ("mkl::_mkl_linear" in kernels) == packed
+    assert (KERNEL_OPS[plan.kernel] in kernels) == (rows in plan.rows)
 
 
+@pytest.mark.parametrize("plan", PLANS, ids=lambda plan: plan.kernel)
 def test_a_decoder_that_packs_its_weights_midway_keeps_transformers_logits(
-    runtime: BaseModelRuntime, sampler_dir: Path, monkeypatch: pytest.MonkeyPatch
+    runtime: BaseModelRuntime, sampler_dir: Path, monkeypatch: pytest.MonkeyPatch, plan: PackingPlan
 ) -> None:
-    """After PACK_AFTER_PASSES passes of PACKED_ROWS tokens a decoder packs its projections and its
-    unembedding and runs MKL's packed kernel from then on (where torch has MKL): its logits stay those of
-    transformers + PEFT."""
-    monkeypatch.setattr(decoder_module, "PACK_AFTER_PASSES", 2)
+    """After the plan's passes of its rows a decoder packs its projections and its unembedding and runs
+    the plan's packed kernel from then on: its logits stay those of transformers + PEFT."""
+    monkeypatch.setattr(decoder_module, "packing_plan", lambda: plan)
     with torch.profiler.profile(record_shapes=True) as profiled:
         assert_decoder_logits_equal_transformers(runtime, runtime._sampler_adapter(sampler_dir))
-    mkl = torch.backends.mkl.is_available()  # type: ignore[no-untyped-call]
-    # The unembedding's (vocabulary, hidden) product ran packed too.
-    vocabulary = runtime.vocab_size
-    packed_shapes = {
-        tuple(event.input_shapes[2])
+    # The unembedding's (vocabulary, hidden) product ran packed too (two rows: below the rows for which
+    # the unpacked unembedding takes oneDNN's kernel).
+    weights = [
+        tuple(event.input_shapes[WEIGHT_ARGUMENT[plan.kernel]])
         for event in profiled.events()
-        if event.name == "mkl::_mkl_linear" and event.input_shapes
-    }
-    assert bool(packed_shapes) == mkl
-    assert any(shape[0] == vocabulary for shape in packed_shapes) == mkl
+        if event.name == KERNEL_OPS[plan.kernel] and event.input_shapes
+    ]
+    assert weights
+    assert any(weight[0] == runtime.vocab_size for weight in weights)

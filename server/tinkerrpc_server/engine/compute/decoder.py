@@ -17,8 +17,9 @@ same function as the transformers model with one LoRA adapter active, but
 - a decode step attends with two matmuls under an additive mask (no repeat_kv copy, no SDPA set-up);
 - a decode step's unembedding (8-64 rows by the (vocabulary, hidden) weight, most of a step at a large
   vocabulary) runs oneDNN's kernel instead of MKL's on the CPU (`unembed_for_sampling`);
-- a decode step's projections and unembedding (2-64 rows) run MKL's packed sgemm once the decoder has
-  lived long enough to earn the packing (`DecodingWeight`, `MklPacked`): memory for one more copy of
+- a decode step's projections and unembedding (1-64 rows) run a packed kernel, MKL's or oneDNN's,
+  whichever this CPU runs faster (`compute/packing.py`), once the decoder has lived long enough to earn
+  the packing (`DecodingWeight`, `PackedWeight`): memory for one more copy of
   those weights from then on.
 
 It reads and writes the sampler's KV cache exactly as the transformers model does (`Cache.update` per
@@ -39,6 +40,7 @@ from peft.tuners.lora import LoraLayer
 from transformers.activations import ACT2FN
 
 from tinkerrpc_server.engine.compute.architecture import Architecture, describe
+from tinkerrpc_server.engine.compute.packing import PackedWeight, PackingPlan, packing_plan
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj")
 _GATE_UP = ("gate_proj", "up_proj")
@@ -156,7 +158,8 @@ class FusedDecoder:
         head: Any = base.causal_lm.get_output_embeddings()
         head_linear: Any = head.base_layer if isinstance(head, LoraLayer) else head
         self._head_weight: torch.Tensor = head_linear.weight
-        self._head_packed: MklPacked | None = None
+        self._head_packed: PackedWeight | None = None
+        self._packed_rows = range(0)
         # The head stays unmerged: its weight is usually the input embedding too.
         self._head_lora = _plain_lora(head, adapter)
 
@@ -243,8 +246,9 @@ class FusedDecoder:
         return _Segment(rows, length, rotary, attend)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self._head_packed is not None and hidden.numel() // hidden.shape[-1] in PACKED_ROWS:
-            # 1.1-1.5x oneDNN's kernel for these rows here (`python -m bench.matmul_kernels`).
+        if self._head_packed is not None and hidden.numel() // hidden.shape[-1] in self._packed_rows:
+            # MKL's packed kernel: 1.1-1.5x oneDNN's plain one on a Xeon; oneDNN's packed: 1.1-1.5x on
+            # an EPYC (`python -m bench.matmul_kernels`).
             logits = self._head_packed.times(hidden)
         else:
             logits = unembed_for_sampling(hidden, self._head_weight)
@@ -255,73 +259,39 @@ class FusedDecoder:
         return logits
 
     def _count_pass(self, tokens: int) -> None:
-        """Packing costs about what PACK_AFTER_PASSES passes of PACKED_ROWS save: a decoder packs its
-        weights once it has run that many, i.e. once it has shown it lives long (a base model served,
-        a snapshot evaluated at length), never for a short RL rollout."""
-        if tokens in PACKED_ROWS:
+        """A decoder packs its weights once it has run the passes that packing costs (the packing
+        plan's), i.e. once it has shown it lives long (a base model served, a snapshot evaluated at
+        length): where packing gains little that is never for a short RL rollout."""
+        plan = packing_plan()
+        if plan is not None and tokens in plan.rows:
             self._packed_rows_passes += 1
-            if self._packed_rows_passes == PACK_AFTER_PASSES:
-                self._weights = {key: weight.packed_copy() for key, weight in self._weights.items()}
-                self._head_packed = MklPacked.of(self._head_weight)
+            if self._packed_rows_passes == plan.pack_after_passes:
+                self._weights = {key: weight.packed_copy(plan) for key, weight in self._weights.items()}
+                self._head_packed = PackedWeight.of(self._head_weight, plan.kernel)
+                self._packed_rows = plan.rows
 
     def _project(self, x: torch.Tensor, projection: _Projection) -> Sequence[torch.Tensor]:
         return torch.split(self._weights[id(projection)].times(x), list(projection.splits), dim=-1)
 
 
-_MKL_PACKED: bool = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")  # type: ignore[no-untyped-call]
-# Rows of a forward pass whose projections run MKL's packed kernel once packed: 1.1-1.5x a plain matmul
-# for 2-64 rows on the CPU, about 0.9x for one row (`python -m bench.matmul_kernels`); prefill stays plain.
-PACKED_ROWS = range(2, 65)
-# The row count the packed layout is made for (the fastest over PACKED_ROWS). MKL reads the layout from
-# the packed buffer, so it multiplies any row count (tests/engine_core/test_decoder.py checks 1 to 130).
-_PACKED_FOR_ROWS = 64
-# Passes of PACKED_ROWS after which a decoder packs its weights: packing SmolLM2's layers takes ~0.5 s
-# here, what ~60 passes of 16 rows save.
-PACK_AFTER_PASSES = 64
-
-
-@dataclass(frozen=True)
-class MklPacked:
-    """An (out, in) weight in MKL's packed sgemm layout: x · weightᵀ without MKL re-laying the weight on
-    every call. Sampling only: the packed kernel has no gradient."""
-
-    packed: torch.Tensor
-    # A zero-stride (out, in) stand-in: the kernel reads only its shape and dtype.
-    stand_in: torch.Tensor
-
-    @classmethod
-    def of(cls, weight: torch.Tensor) -> MklPacked | None:
-        """`weight` (out, in) packed (another copy of it in memory); None where the kernel does not apply
-        (no MKL, not a float32 weight on the CPU)."""
-        if not (_MKL_PACKED and weight.device.type == "cpu" and weight.dtype == torch.float32):
-            return None
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), _PACKED_FOR_ROWS)
-        return cls(packed, weight.new_zeros(()).expand(weight.shape))
-
-    def times(self, x: torch.Tensor) -> torch.Tensor:
-        """x · weightᵀ for x (..., in)."""
-        rows = x.numel() // x.shape[-1]
-        product: torch.Tensor = torch.ops.mkl._mkl_linear(x, self.packed, self.stand_in, None, rows)
-        return product
-
-
 @dataclass(frozen=True)
 class DecodingWeight:
     """An (in, out) projection weight as the sampler's decoder multiplies by it: plainly, and once
-    packed (`packed_copy`) by MKL's packed kernel for PACKED_ROWS."""
+    packed (`packed_copy`) by the plan's packed kernel for the plan's rows."""
 
     plain: torch.Tensor
-    packed: MklPacked | None = None
+    packed: PackedWeight | None = None
+    packed_rows: range = range(0)
 
-    def packed_copy(self) -> DecodingWeight:
-        """This weight with its packed layout; itself where the kernel does not apply."""
+    def packed_copy(self, plan: PackingPlan) -> DecodingWeight:
+        """This weight with its packed layout; itself where no packed kernel applies."""
         if self.packed is not None:
             return self
-        return DecodingWeight(self.plain, MklPacked.of(self.plain.t()))
+        return DecodingWeight(self.plain, PackedWeight.of(self.plain.t(), plan.kernel), plan.rows)
 
     def times(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight for x (tokens, in)."""
-        if self.packed is None or x.shape[0] not in PACKED_ROWS:
+        if self.packed is None or x.shape[0] not in self.packed_rows:
             return x @ self.plain
         return self.packed.times(x)
 
@@ -337,7 +307,8 @@ def unembed_for_sampling(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Te
     operand) takes up to 2-2.8x the time of oneDNN's inner product in the same torch build; below 8 rows
     and at prefill sizes they are about even (`python -m bench.matmul_kernels`). oneDNN reads the weight
     as stored, without a packed copy. Only the sampler calls this, without grad (oneDNN's kernel has
-    none). The layers' (in, out) weights stay on MKL: oneDNN re-lays that layout on every call."""
+    none). The layers' (in, out) weights stay on MKL until packed: oneDNN re-lays that layout on every
+    call."""
     rows = hidden.numel() // hidden.shape[-1]
     if (
         _ONEDNN

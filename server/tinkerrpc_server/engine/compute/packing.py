@@ -1,0 +1,119 @@
+"""Prepacked weights for the sampler's decode steps on the CPU, and which kernel packs them here.
+
+A decode step multiplies a few dozen rows by every weight. torch's float32 CPU matmul is MKL's sgemm,
+which re-lays the weight on every call; both MKL and oneDNN (in the same torch build) can lay a weight
+out once for their kernel instead. Which one is faster depends on the CPU, by a factor: on a 2-core
+Intel Xeon MKL's packed kernel was 1.1-1.5x a plain matmul, while on an AMD EPYC MKL runs its generic
+code and oneDNN's packed kernel is 3-5x MKL's, plain or packed, for 8-64 rows
+(`python -m bench.matmul_kernels`). So the engine measures both once per process on one weight
+(`packing_plan`) and packs with the faster; the same measurement says after how many passes packing
+pays for itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Kernel = Literal["mkl", "onednn"]
+_MKL: bool = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")  # type: ignore[no-untyped-call]
+_ONEDNN: bool = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+# The row count a packed layout is made for (MKL: the fastest over its rows on the Xeon; oneDNN: a
+# 16-row decode step). Both kernels read the layout from the packed buffer, so they multiply any row
+# count (tests/engine_core/test_decoder.py checks 1 to 130).
+_PACKED_FOR_ROWS: dict[Kernel, int] = {"mkl": 64, "onednn": 16}
+# The probe: one SmolLM2-sized gate/up weight at a 16-row decode step, timed in turns.
+_PROBE_SHAPE = (3072, 576)
+_PROBE_ROWS = 16
+_PROBE_REPEATS = 7
+# Bounds on the passes after which a decoder packs: the probe's break-even, doubled, within these.
+_MIN_PASSES_BEFORE_PACKING = 4
+_MAX_PASSES_BEFORE_PACKING = 64
+
+
+@dataclass(frozen=True)
+class PackingPlan:
+    """How this process packs: with `kernel`, used for passes of `rows` rows, once a decoder has run
+    `pack_after_passes` such passes (by then the passes it ran would have paid for the packing)."""
+
+    kernel: Kernel
+    rows: range
+    pack_after_passes: int
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """An (out, in) weight laid out for `kernel`: x · weightᵀ without the layout work on every call.
+    Sampling only: the packed kernels have no gradient."""
+
+    kernel: Kernel
+    packed: torch.Tensor
+    # MKL's kernel reads the shape and dtype of a zero-stride (out, in) stand-in; oneDNN needs none.
+    stand_in: torch.Tensor
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, kernel: Kernel) -> PackedWeight | None:
+        """`weight` (out, in) packed for `kernel` (another copy of it in memory); None where no packed
+        kernel applies (not a float32 weight on the CPU)."""
+        if not (weight.device.type == "cpu" and weight.dtype == torch.float32):
+            return None
+        stand_in = weight.new_zeros(()).expand(weight.shape)
+        if kernel == "mkl":
+            packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), _PACKED_FOR_ROWS[kernel])
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACKED_FOR_ROWS[kernel])
+        return cls(kernel, packed, stand_in)
+
+    def times(self, x: torch.Tensor) -> torch.Tensor:
+        """x · weightᵀ for x (..., in)."""
+        product: torch.Tensor
+        if self.kernel == "mkl":
+            rows = x.numel() // x.shape[-1]
+            product = torch.ops.mkl._mkl_linear(x, self.packed, self.stand_in, None, rows)
+        else:
+            product = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return product
+
+
+@functools.cache
+def packing_plan() -> PackingPlan | None:
+    """This process's plan, measured on its first call; None without either kernel."""
+    available: dict[Kernel, bool] = {"mkl": _MKL, "onednn": _ONEDNN}
+    kernels = [kernel for kernel, present in available.items() if present]
+    if not kernels:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(*_PROBE_SHAPE, generator=generator)
+    x = torch.randn(_PROBE_ROWS, _PROBE_SHAPE[1], generator=generator)
+    weight_t = weight.t().contiguous()
+    with torch.inference_mode():
+        packing_seconds = {}
+        runs: dict[str, Callable[[], torch.Tensor]] = {"plain": lambda: x @ weight_t}
+        for kernel in kernels:
+            PackedWeight.of(weight, kernel)  # the kernel's first call sets it up: not what packing costs
+            started = time.perf_counter()
+            packed = PackedWeight.of(weight, kernel)
+            packing_seconds[kernel] = time.perf_counter() - started
+            assert packed is not None  # a float32 CPU weight
+            runs[kernel] = functools.partial(packed.times, x)
+        seconds: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(_PROBE_REPEATS):
+            for name, run in runs.items():
+                started = time.perf_counter()
+                run()
+                seconds[name].append(time.perf_counter() - started)
+    median = {name: statistics.median(values) for name, values in seconds.items()}
+    best: Kernel = min(kernels, key=lambda kernel: median[kernel])
+    saved = median["plain"] - median[best]
+    break_even = packing_seconds[best] / saved if saved > 0 else math.inf
+    passes = min(_MAX_PASSES_BEFORE_PACKING, max(_MIN_PASSES_BEFORE_PACKING, math.ceil(2 * break_even)))
+    # MKL's packed kernel was ~0.9x a plain matmul for one row; oneDNN's is faster at one row too.
+    rows = range(2, 65) if best == "mkl" else range(1, 65)
+    return PackingPlan(best, rows, passes)
