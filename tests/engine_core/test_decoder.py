@@ -31,7 +31,7 @@ from tinkerrpc_server.engine.compute.decoder import (
     unembed_for_sampling,
 )
 from tinkerrpc_server.engine.compute.kv_cache import new_cache
-from tinkerrpc_server.engine.compute.packing import PackingPlan, packing_plan
+from tinkerrpc_server.engine.compute.packing import PACKED_ROWS, PackingPlan, packing_plan
 from tinkerrpc_server.engine.runtime import SAMPLER_CACHE_SIZE, BaseModelRuntime, LoraSpec
 
 
@@ -231,7 +231,7 @@ def test_the_unembedding_keeps_torchs_kernel_where_a_gradient_is_wanted() -> Non
 KERNEL_OPS = {"mkl": "mkl::_mkl_linear", "onednn": "mkldnn::_linear_pointwise"}
 # Which argument of that op is the (out, in) weight (MKL's zero-stride stand-in, oneDNN's packed one).
 WEIGHT_ARGUMENT = {"mkl": 2, "onednn": 1}
-PLANS = [PackingPlan("mkl", range(2, 65), 2), PackingPlan("onednn", range(1, 65), 2)]
+PLANS = [PackingPlan(kernel, PACKED_ROWS[kernel], 2) for kernel in ("mkl", "onednn")]
 
 
 def test_the_packing_plan_takes_the_faster_kernel_here() -> None:
@@ -239,7 +239,7 @@ def test_the_packing_plan_takes_the_faster_kernel_here() -> None:
     plan = packing_plan()
     assert plan is not None  # torch's CPU builds have MKL and oneDNN
     assert plan.kernel in KERNEL_OPS
-    assert plan.rows == (range(2, 65) if plan.kernel == "mkl" else range(1, 65))
+    assert plan.rows == PACKED_ROWS[plan.kernel]
     assert 4 <= plan.pack_after_passes <= 64
 
 

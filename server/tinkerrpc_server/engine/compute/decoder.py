@@ -17,10 +17,10 @@ same function as the transformers model with one LoRA adapter active, but
 - a decode step attends with two matmuls under an additive mask (no repeat_kv copy, no SDPA set-up);
 - a decode step's unembedding (8-64 rows by the (vocabulary, hidden) weight, most of a step at a large
   vocabulary) runs oneDNN's kernel instead of MKL's on the CPU (`unembed_for_sampling`);
-- a decode step's projections and unembedding (1-64 rows) run a packed kernel, MKL's or oneDNN's,
-  whichever this CPU runs faster (`compute/packing.py`), once the decoder has lived long enough to earn
-  the packing (`DecodingWeight`, `PackedWeight`): memory for one more copy of
-  those weights from then on.
+- the sampler's projections and unembedding run a packed kernel, MKL's (2-64 rows) or oneDNN's (every
+  row count), whichever this CPU runs faster (`compute/packing.py`), once the decoder has lived long
+  enough to earn the packing (`DecodingWeight`, `PackedWeight`): memory for one more copy of those
+  weights from then on.
 
 It reads and writes the sampler's KV cache exactly as the transformers model does (`Cache.update` per
 layer). Models it does not cover (architecture.describe gives None) and LoRA variants or dropout run

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,10 @@ _ONEDNN: bool = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-
 # 16-row decode step). Both kernels read the layout from the packed buffer, so they multiply any row
 # count (tests/engine_core/test_decoder.py checks 1 to 130).
 _PACKED_FOR_ROWS: dict[Kernel, int] = {"mkl": 64, "onednn": 16}
+# Rows each packed kernel runs once packed. MKL's: 1.1-1.5x a plain matmul for 2-64 rows on the Xeon,
+# ~0.9x for one row, even at prefill sizes. oneDNN's on the EPYC: 1.2-1.4x MKL's plain matmul from 128
+# to 1,230 rows as well, so prefill takes it too.
+PACKED_ROWS: dict[Kernel, range] = {"mkl": range(2, 65), "onednn": range(1, sys.maxsize)}
 # The probe: one SmolLM2-sized gate/up weight at a 16-row decode step, timed in turns.
 _PROBE_SHAPE = (3072, 576)
 _PROBE_ROWS = 16
@@ -114,6 +119,4 @@ def packing_plan() -> PackingPlan | None:
     saved = median["plain"] - median[best]
     break_even = packing_seconds[best] / saved if saved > 0 else math.inf
     passes = min(_MAX_PASSES_BEFORE_PACKING, max(_MIN_PASSES_BEFORE_PACKING, math.ceil(2 * break_even)))
-    # MKL's packed kernel was ~0.9x a plain matmul for one row; oneDNN's is faster at one row too.
-    rows = range(2, 65) if best == "mkl" else range(1, 65)
-    return PackingPlan(best, rows, passes)
+    return PackingPlan(best, PACKED_ROWS[best], passes)
