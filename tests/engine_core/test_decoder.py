@@ -31,7 +31,7 @@ from tinkerrpc_server.engine.compute.decoder import (
     unembed_for_sampling,
 )
 from tinkerrpc_server.engine.compute.kv_cache import new_cache
-from tinkerrpc_server.engine.compute.packing import PACKED_ROWS, PackingPlan, packing_plan
+from tinkerrpc_server.engine.compute.packing import PACK_AFTER_PASSES, PACKED_ROWS, PackingPlan, packing_plan
 from tinkerrpc_server.engine.runtime import SAMPLER_CACHE_SIZE, BaseModelRuntime, LoraSpec
 
 
@@ -240,7 +240,7 @@ def test_the_packing_plan_takes_the_faster_kernel_here() -> None:
     assert plan is not None  # torch's CPU builds have MKL and oneDNN
     assert plan.kernel in KERNEL_OPS
     assert plan.rows == PACKED_ROWS[plan.kernel]
-    assert 4 <= plan.pack_after_passes <= 64
+    assert plan.pack_after_passes == PACK_AFTER_PASSES[plan.kernel]
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda plan: plan.kernel)

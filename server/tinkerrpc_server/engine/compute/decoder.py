@@ -162,6 +162,9 @@ class FusedDecoder:
         self._packed_rows = range(0)
         # The head stays unmerged: its weight is usually the input embedding too.
         self._head_lora = _plain_lora(head, adapter)
+        plan = packing_plan()
+        if plan is not None and plan.pack_after_passes == 0:
+            self._pack(plan)
 
     @classmethod
     def build(cls, base: BaseWeights | None, adapter: str | None) -> FusedDecoder | None:
@@ -266,9 +269,12 @@ class FusedDecoder:
         if plan is not None and tokens in plan.rows:
             self._packed_rows_passes += 1
             if self._packed_rows_passes == plan.pack_after_passes:
-                self._weights = {key: weight.packed_copy(plan) for key, weight in self._weights.items()}
-                self._head_packed = PackedWeight.of(self._head_weight, plan.kernel)
-                self._packed_rows = plan.rows
+                self._pack(plan)
+
+    def _pack(self, plan: PackingPlan) -> None:
+        self._weights = {key: weight.packed_copy(plan) for key, weight in self._weights.items()}
+        self._head_packed = PackedWeight.of(self._head_weight, plan.kernel)
+        self._packed_rows = plan.rows
 
     def _project(self, x: torch.Tensor, projection: _Projection) -> Sequence[torch.Tensor]:
         return torch.split(self._weights[id(projection)].times(x), list(projection.splits), dim=-1)

@@ -6,14 +6,12 @@ out once for their kernel instead. Which one is faster depends on the CPU, by a 
 Intel Xeon MKL's packed kernel was 1.1-1.5x a plain matmul, while on an AMD EPYC MKL runs its generic
 code and oneDNN's packed kernel is 3-5x MKL's, plain or packed, for 8-64 rows
 (`python -m bench.matmul_kernels`). So the engine measures both once per process on one weight
-(`packing_plan`) and packs with the faster; the same measurement says after how many passes packing
-pays for itself.
+(`packing_plan`) and packs with the faster.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import statistics
 import sys
 import time
@@ -38,15 +36,17 @@ PACKED_ROWS: dict[Kernel, range] = {"mkl": range(2, 65), "onednn": range(1, sys.
 _PROBE_SHAPE = (3072, 576)
 _PROBE_ROWS = 16
 _PROBE_REPEATS = 7
-# Bounds on the passes after which a decoder packs: the probe's break-even, doubled, within these.
-_MIN_PASSES_BEFORE_PACKING = 4
-_MAX_PASSES_BEFORE_PACKING = 64
+# Passes of its rows after which a decoder packs. MKL's: packing SmolLM2's layers took ~0.5 s on the
+# Xeon, what ~60 passes of 16 rows save there. oneDNN's: ~0.23 s on the EPYC, what 3-4 passes save,
+# so a decoder packs when it is built and computes every pass with one kernel (the same request gives
+# the same logprobs in whichever pass of the decoder's life it runs).
+PACK_AFTER_PASSES: dict[Kernel, int] = {"mkl": 64, "onednn": 0}
 
 
 @dataclass(frozen=True)
 class PackingPlan:
     """How this process packs: with `kernel`, used for passes of `rows` rows, once a decoder has run
-    `pack_after_passes` such passes (by then the passes it ran would have paid for the packing)."""
+    `pack_after_passes` such passes (0: when it is built)."""
 
     kernel: Kernel
     rows: range
@@ -97,26 +97,18 @@ def packing_plan() -> PackingPlan | None:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(*_PROBE_SHAPE, generator=generator)
     x = torch.randn(_PROBE_ROWS, _PROBE_SHAPE[1], generator=generator)
-    weight_t = weight.t().contiguous()
+    seconds: dict[Kernel, list[float]] = {kernel: [] for kernel in kernels}
     with torch.inference_mode():
-        packing_seconds = {}
-        runs: dict[str, Callable[[], torch.Tensor]] = {"plain": lambda: x @ weight_t}
+        runs: dict[Kernel, Callable[[], torch.Tensor]] = {}
         for kernel in kernels:
-            PackedWeight.of(weight, kernel)  # the kernel's first call sets it up: not what packing costs
-            started = time.perf_counter()
             packed = PackedWeight.of(weight, kernel)
-            packing_seconds[kernel] = time.perf_counter() - started
             assert packed is not None  # a float32 CPU weight
             runs[kernel] = functools.partial(packed.times, x)
-        seconds: dict[str, list[float]] = {name: [] for name in runs}
+            runs[kernel]()  # a kernel's first call sets it up
         for _ in range(_PROBE_REPEATS):
-            for name, run in runs.items():
+            for kernel, run in runs.items():
                 started = time.perf_counter()
                 run()
-                seconds[name].append(time.perf_counter() - started)
-    median = {name: statistics.median(values) for name, values in seconds.items()}
-    best: Kernel = min(kernels, key=lambda kernel: median[kernel])
-    saved = median["plain"] - median[best]
-    break_even = packing_seconds[best] / saved if saved > 0 else math.inf
-    passes = min(_MAX_PASSES_BEFORE_PACKING, max(_MIN_PASSES_BEFORE_PACKING, math.ceil(2 * break_even)))
-    return PackingPlan(best, PACKED_ROWS[best], passes)
+                seconds[kernel].append(time.perf_counter() - started)
+    best = min(kernels, key=lambda kernel: statistics.median(seconds[kernel]))
+    return PackingPlan(best, PACKED_ROWS[best], PACK_AFTER_PASSES[best])
