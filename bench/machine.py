@@ -43,6 +43,41 @@ def describe_machine(threads: int, device: torch.device, dtype: torch.dtype) -> 
     }
 
 
+def busy_cores(window: float) -> float:
+    """Cores' worth of CPU time spent over the next `window` seconds, by every process on the machine
+    (from /proc/stat; 0.0 where there is none)."""
+
+    def busy_and_total() -> tuple[int, int]:
+        with open("/proc/stat") as handle:
+            ticks = [int(field) for field in handle.readline().split()[1:]]
+        idle = ticks[3] + ticks[4]  # idle + iowait
+        return sum(ticks) - idle, sum(ticks)
+
+    try:
+        busy_before, total_before = busy_and_total()
+        time.sleep(window)
+        busy_after, total_after = busy_and_total()
+    except OSError:
+        return 0.0
+    cores = os.cpu_count() or 1
+    return cores * (busy_after - busy_before) / max(1, total_after - total_before)
+
+
+def wait_for_quiet_cpu(
+    max_busy_cores: float = 0.15, window: float = 0.5, timeout: float = 30.0
+) -> tuple[bool, float]:
+    """Wait until the machine's CPUs are quiet (at most `max_busy_cores` busy over a `window`), at most
+    `timeout` seconds: a server that busy-waits for more work after answering (vLLM's CPU worker does,
+    for about a second) would otherwise take a core from whatever is timed next. Returns (quiet, the
+    seconds waited)."""
+    started = time.monotonic()
+    while True:
+        if busy_cores(window) <= max_busy_cores:
+            return True, time.monotonic() - started
+        if time.monotonic() - started >= timeout:
+            return False, time.monotonic() - started
+
+
 def matmul_flops(size: int, repeats: int, device: torch.device, dtype: torch.dtype) -> float:
     """Peak FLOP/s of square matmuls on `device` in `dtype` (the engine's base weights): the fastest of
     `repeats` timed runs after a warm-up (the fastest, because other load on the machine only ever slows

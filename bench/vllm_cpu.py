@@ -8,7 +8,8 @@ OpenAI `/v1/completions` with token-id prompts and `ignore_eos`. Both sample the
 no adapter here) at temperature 1 without top-k/top-p, with every stop off, so each request generates
 exactly its max_tokens. Workloads: equal concurrent requests, staggered arrivals (throughput and p50
 latency), n samples of one long prompt, and one request alone. Rounds alternate the sides workload by
-workload; a figure is the median of the rounds' values, and its detail gives every round's ratio.
+workload, each side started once the CPUs are quiet (vLLM's worker busy-waits for about a second after
+answering); a figure is the median of the rounds' values, and its detail gives every round's ratio.
 
 vLLM idles without spinning while the engine runs (and the engine while vLLM runs), so one of each
 stays up for all rounds on a model. Full runs only: vLLM's start (torch.compile of the model) alone
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ import numpy as np
 import tinker
 from tinker import types
 
+from bench.machine import wait_for_quiet_cpu
 from bench.report import Figure
 from bench.vllm_venv import VLLM_VERSION, venv_python
 from bench.workload import token_sequences
@@ -269,7 +271,10 @@ def figures_of(label: str, workload: Workload, ours: list[Outcome], theirs: list
     """The throughput figure of a workload (and its p50 latency figure for staggered arrivals) from
     alternating rounds: medians of each side's rounds; the detail lists each round's ratio."""
     round_ratios = ", ".join(f"{o.throughput / t.throughput:.2f}" for o, t in zip(ours, theirs, strict=True))
-    about = f"{workload.about}; base model, float32, temperature 1; {len(ours)} alternating rounds"
+    about = (
+        f"{workload.about}; base model, float32, temperature 1; {len(ours)} alternating rounds, each side "
+        "started on quiet CPUs"
+    )
     figures = [
         Figure(
             name=f"vs vLLM: {workload.name} ({label})",
@@ -303,16 +308,21 @@ def figures_of(label: str, workload: Workload, ours: list[Outcome], theirs: list
     return figures
 
 
-@contextlib.contextmanager
-def _progress(label: str, workload: Workload, side: str, round_index: int) -> Iterator[None]:
-    started = time.perf_counter()
-    yield
+def _timed_round(
+    label: str, workload: Workload, side: str, round_index: int, send: Callable[[Request, int], int]
+) -> Outcome:
+    """One side's round of `workload`, started once the CPUs are quiet: vLLM's CPU worker busy-waits for
+    about a second after it answers, which would take one of the two cores from the side timed next."""
+    quiet, waited = wait_for_quiet_cpu()
+    outcome = run_workload(workload.requests, send)
     print(
         f"[bench]   vLLM comparison {label}: {workload.name}, {side}, round {round_index + 1}/{ROUNDS} "
-        f"in {time.perf_counter() - started:.1f} s",
+        f"in {outcome.seconds:.1f} s (after {waited:.1f} s waiting for quiet CPUs"
+        f"{'' if quiet else ', which never came: timed on a busy machine'})",
         file=sys.stderr,
         flush=True,
     )
+    return outcome
 
 
 def measure(engine: LocalEngine, model_dir: Path, threads: int, work_dir: Path) -> list[Figure]:
@@ -333,10 +343,8 @@ def measure(engine: LocalEngine, model_dir: Path, threads: int, work_dir: Path) 
                 ours: list[Outcome] = []
                 theirs: list[Outcome] = []
                 for round_index in range(ROUNDS):
-                    with _progress(label, workload, "ours", round_index):
-                        ours.append(run_workload(workload.requests, ours_send))
-                    with _progress(label, workload, "vLLM", round_index):
-                        theirs.append(run_workload(workload.requests, vllm.send))
+                    ours.append(_timed_round(label, workload, "ours", round_index, ours_send))
+                    theirs.append(_timed_round(label, workload, "vLLM", round_index, vllm.send))
                 figures += figures_of(label, workload, ours, theirs)
     return figures
 

