@@ -12,8 +12,9 @@ same function as the transformers model with one LoRA adapter active, but
   built once per decoder: a decoder lives for one sample batch of one sampler snapshot, so at most one
   merged copy of the layer weights exists at a time (the unembedding stays unmerged: it is usually the
   input embedding too, and it is the largest matrix);
-- the learner's matmuls take only the real positions of its right-padded batch (1.3x a step of
-  SmolLM2 at 16-128 tokens per sequence); attention alone sees the padded layout;
+- the matmuls take only the real positions of a padded batch: the learner's right-padded one (1.3x a
+  step of SmolLM2 at 16-128 tokens per sequence) and a prefill chunk of left-padded prompts (0.7x the
+  time of 16 prompts of 16-48 tokens); attention alone sees the padded layout;
 - a decode step attends with two matmuls under an additive mask (no repeat_kv copy, no SDPA set-up);
 - a decode step's unembedding (8-64 rows by the (vocabulary, hidden) weight, most of a step at a large
   vocabulary) runs oneDNN's kernel instead of MKL's on the CPU (`unembed_for_sampling`);
@@ -198,19 +199,21 @@ class FusedDecoder:
         one pass: the calls' tokens (e.g. a decode step's rows and a prefill chunk) share every matmul,
         and each call attends over its own KV cache. At a few dozen rows a matmul costs about the same
         for 20 rows as for 60, so a prefill chunk run with a decode step costs a fraction of a pass."""
-        inner = self._base.causal_lm.model
-        embedded = [inner.embed_tokens(call["input_ids"]) for call in calls]
-        segments = [self._segment(call, x) for call, x in zip(calls, embedded, strict=True)]
-        flat = [x.reshape(-1, x.shape[-1]) for x in embedded]
+        embed = self._base.causal_lm.model.embed_tokens
+        segments = [self._segment(call) for call in calls]
+        flat = [
+            embed(segment.unpadded(call["input_ids"])) for call, segment in zip(calls, segments, strict=True)
+        ]
         self._count_pass(sum(len(tokens) for tokens in flat))
         x = _decoder_layers(
             self._base, flat[0] if len(flat) == 1 else torch.cat(flat), segments, self._project
         )
-        # Only the positions whose logits are wanted go through the final norm and the head, together.
+        # Only the positions whose logits are wanted go through the final norm and the head, together
+        # (a padding position's hidden state is zeros: its logits are never read).
         kept = []
         for call, segment, part in zip(calls, segments, _segment_slices(x, segments), strict=True):
             keep = int(call.get("logits_to_keep", 0))
-            shaped = part.view(segment.rows, segment.length, -1)
+            shaped = segment.padded(part)
             kept.append(shaped[:, -keep:] if keep else shaped)
         hidden = torch.cat([k.reshape(-1, k.shape[-1]) for k in kept]) if len(kept) > 1 else kept[0]
         logits = self._head(_rms_norm(hidden, self._base.final_norm, self._base.architecture.norm_eps))
@@ -228,11 +231,13 @@ class FusedDecoder:
             start += rows * length
         return outputs
 
-    def _segment(self, call: Mapping[str, Any], embedded: torch.Tensor) -> _Segment:
+    def _segment(self, call: Mapping[str, Any]) -> _Segment:
         base = self._base
         input_ids, padding, cache = call["input_ids"], call["attention_mask"], call["past_key_values"]
         rows, length = input_ids.shape
-        rotary = base.causal_lm.model.rotary_emb(embedded, call["position_ids"])
+        inner = base.causal_lm.model
+        # Takes the dtype and device of its first argument.
+        rotary = inner.rotary_emb(inner.embed_tokens.weight, call["position_ids"])
         # A decode step attends with two matmuls and a softmax under an additive mask: SDPA's CPU kernel
         # costs ~1.5x that for one query per row.
         mask = _attention_bias(padding) if length == 1 else _attention_mask(padding, length)
@@ -246,7 +251,12 @@ class FusedDecoder:
                 return _one_query_attention(q, k, v, mask, scale, shared)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
-        return _Segment(rows, length, rotary, attend)
+        # A prefill chunk's matmuls take its real tokens only (left padding is up to a third of a
+        # chunk of prompts of uneven lengths); a decode step's rows are all real.
+        real = padding[:, -length:].reshape(-1).nonzero().squeeze(-1) if length > 1 else None
+        if real is not None and len(real) == rows * length:
+            real = None
+        return _Segment(rows, length, rotary, attend, real)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._head_packed is not None and hidden.numel() // hidden.shape[-1] in self._packed_rows:
