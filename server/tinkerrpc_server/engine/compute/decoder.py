@@ -237,7 +237,7 @@ class FusedDecoder:
         rows, length = input_ids.shape
         inner = base.causal_lm.model
         # Takes the dtype and device of its first argument.
-        rotary = inner.rotary_emb(inner.embed_tokens.weight, call["position_ids"])
+        rotary = Rotary.of(*inner.rotary_emb(inner.embed_tokens.weight, call["position_ids"]))
         # A decode step attends with two matmuls and a softmax under an additive mask: SDPA's CPU kernel
         # costs ~1.5x that for one query per row.
         mask = _attention_bias(padding) if length == 1 else _attention_mask(padding, length)
@@ -286,8 +286,8 @@ class FusedDecoder:
         self._head_packed = PackedWeight.of(self._head_weight, plan.kernel)
         self._packed_rows = plan.rows
 
-    def _project(self, x: torch.Tensor, projection: _Projection) -> Sequence[torch.Tensor]:
-        return torch.split(self._weights[id(projection)].times(x), list(projection.splits), dim=-1)
+    def _project(self, x: torch.Tensor, projection: _Projection) -> torch.Tensor:
+        return self._weights[id(projection)].times(x)
 
 
 @dataclass(frozen=True)
@@ -340,20 +340,21 @@ def unembed_for_sampling(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Te
     return F.linear(hidden, weight)
 
 
-Project = Callable[[torch.Tensor, "_Projection"], Sequence[torch.Tensor]]
+# x (tokens, in) times a fused projection: (tokens, sum of its outs), its members' outputs side by side.
+Project = Callable[[torch.Tensor, "_Projection"], torch.Tensor]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class _Segment:
-    """`rows` × `length` tokens of one batch in a forward pass: their rotary (cos, sin) and how they
+    """`rows` × `length` tokens of one batch in a forward pass: their rotary (`Rotary`) and how they
     attend: `attend(q, k, v, layer index)` over (rows, heads, length, head_dim) tensors. With `real` (the
     flat indices of its real positions in rows × length), the pass carries only those tokens: padding
     costs no matmul, and attention alone sees the (rows, length) layout, zeros where padding would be."""
 
     rows: int
     length: int
-    rotary: tuple[torch.Tensor, torch.Tensor]
+    rotary: Rotary
     attend: Attend
     real: torch.Tensor | None = None
 
@@ -395,27 +396,26 @@ def _decoder_layers(
     tokens = x.shape[0]
     architecture = base.architecture
     dim, heads, eps = architecture.head_dim, architecture.num_heads, architecture.norm_eps
+    qk_width = (heads + architecture.num_kv_heads) * dim
     for index, layer in enumerate(base.layers):
-        q, k, v = project(_rms_norm(x, layer.input_norm, eps), layer.qkv)
-        # q and k (adjacent heads of one tensor) take their norm and rotary together: half the ops.
-        qk = torch.cat([q, k], dim=-1).view(tokens, -1, dim)
+        qkv = project(_rms_norm(x, layer.input_norm, eps), layer.qkv)
+        # q and k are adjacent heads of one view: they take their norm and rotary together, half the ops.
+        qk = qkv[:, :qk_width].view(tokens, -1, dim)
         if layer.qk_norm_weight is not None:
             qk = _rms_norm(qk, layer.qk_norm_weight, eps)
-        v = v.view(tokens, architecture.num_kv_heads, dim)
+        v = qkv[:, qk_width:].view(tokens, architecture.num_kv_heads, dim)
         attended = []
         for segment, (sqk, sv) in zip(
             segments, zip(*(_segment_slices(t, segments) for t in (qk, v)), strict=True), strict=True
         ):
             sqk, sv = (segment.padded(t).transpose(1, 2) for t in (sqk, sv))
-            cos, sin = (part.unsqueeze(1) for part in segment.rotary)
-            sqk = sqk * cos + _rotate_half(sqk) * sin
+            sqk = segment.rotary.apply(sqk)
             out = segment.attend(sqk[:, :heads], sqk[:, heads:], sv, index)
             attended.append(segment.unpadded(out.transpose(1, 2)).flatten(1))
-        (o,) = project(attended[0] if len(attended) == 1 else torch.cat(attended), layer.o)
-        x = x + o
-        gate, up = project(_rms_norm(x, layer.post_attention_norm, eps), layer.gate_up)
-        (down,) = project(base.activation(gate) * up, layer.down)
-        x = x + down
+        x = x + project(attended[0] if len(attended) == 1 else torch.cat(attended), layer.o)
+        gate_up = project(_rms_norm(x, layer.post_attention_norm, eps), layer.gate_up)
+        gate_width = layer.gate_up.splits[0]
+        x = x + project(base.activation(gate_up[:, :gate_width]) * gate_up[:, gate_width:], layer.down)
     return x
 
 
@@ -475,20 +475,20 @@ class FusedTrainingForward:
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int) -> torch.Tensor:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
 
-        segment = _Segment(rows, length, inner.rotary_emb(x, positions), attend, real)
+        segment = _Segment(rows, length, Rotary.of(*inner.rotary_emb(x, positions)), attend, real)
         x = _decoder_layers(base, x, [segment], self._project)
         return _rms_norm(x, base.final_norm, base.architecture.norm_eps)
 
-    def _project(self, x: torch.Tensor, projection: _Projection) -> Sequence[torch.Tensor]:
-        outs = torch.split(x @ projection.weight_t, list(projection.splits), dim=-1)
+    def _project(self, x: torch.Tensor, projection: _Projection) -> torch.Tensor:
+        out = x @ projection.weight_t
         lora = self._lora.get(id(projection))
         if lora is None:
-            return outs
+            return out
         # The scaling goes on B (rank × out), not on the output (positions × out).
-        return [
-            out + (reduced @ (b.t() * scale)).to(out.dtype)
-            for out, reduced, (b, scale) in zip(outs, lora.down(x), lora.scaled_b, strict=True)
+        updates = [
+            reduced @ (b.t() * scale) for reduced, (b, scale) in zip(lora.down(x), lora.scaled_b, strict=True)
         ]
+        return out + (updates[0] if len(updates) == 1 else torch.cat(updates, dim=-1)).to(out.dtype)
 
 
 def _trainable_lora(module: Any, adapter: str) -> tuple[torch.Tensor, torch.Tensor, float] | None:
@@ -567,10 +567,24 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * normalized.to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """The rotary's pairing of the last dim's halves: (x1, x2) -> (-x2, x1)."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+@dataclass(frozen=True)
+class Rotary:
+    """The rotary embedding of a segment's positions, for (rows, heads, length, head_dim) tensors:
+    x·cos + rotate_half(x)·sin as transformers computes it, where rotate_half pairs the halves of the
+    last dim as (x1, x2) -> (-x2, x1). That is x rolled by half a head (x2, x1) times the sine with the
+    sign of its first half flipped: two ops fewer per layer, the same numbers (a sign flip is exact)."""
+
+    cos: torch.Tensor  # (rows, 1, length, head_dim)
+    signed_sin: torch.Tensor
+
+    @classmethod
+    def of(cls, cos: torch.Tensor, sin: torch.Tensor) -> Rotary:
+        """From transformers' (cos, sin), each (rows, length, head_dim)."""
+        half = sin.shape[-1] // 2
+        return cls(cos.unsqueeze(1), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1))
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.cos + x.roll(x.shape[-1] // 2, dims=-1) * self.signed_sin
 
 
 def _attention_bias(padding: torch.Tensor) -> torch.Tensor:
