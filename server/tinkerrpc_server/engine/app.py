@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,6 +36,7 @@ from tinkerrpc_server.engine.routes import models, sampling, training, weights
 from tinkerrpc_server.engine.routes.common import future
 from tinkerrpc_server.engine.signed_urls import Forbidden
 from tinkerrpc_server.engine.storage import InvalidNameError, UnknownPathError
+from tinkerrpc_server.engine.worker import in_passing_thread
 from tinkerrpc_server.model_store import UnknownBaseModelError, prepare_builtin_models
 from tinkerrpc_server.processes.http_serving import OWNER_ONLY, bound_port, serve_until_signalled
 
@@ -68,11 +70,14 @@ def create_app(
     dtype: str | None = None,
     policy: BatchPolicy | None = None,
     snapshot_grace: float = DEFAULT_SNAPSHOT_GRACE_SECONDS,
+    torch_threads: int | None = None,
 ) -> FastAPI:
     """The engine's app; with `api_key`, every request but the health check and signed downloads needs
     it (engine.auth), with None the engine serves anyone who reaches its port. `device`, `dtype`,
-    `policy` and `snapshot_grace` as in core.Engine."""
-    engine = Engine(data_dir, model_dir, session_timeout, device, dtype, policy, snapshot_grace)
+    `policy`, `snapshot_grace` and `torch_threads` as in core.Engine."""
+    engine = Engine(
+        data_dir, model_dir, session_timeout, device, dtype, policy, snapshot_grace, torch_threads
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -125,9 +130,16 @@ def run_engine(
     `on_serving` runs once the app is built and the signals are handled (requests then get answers)."""
     # Everything the engine writes (weights, optimizer state, its index) is its owner's alone.
     os.umask(0o077)
+    # torch's parallel ops run on the compute thread alone, with the threads this process has (see
+    # engine/worker.py); this thread, which serves HTTP, keeps one.
+    torch_threads = torch.get_num_threads()
     # Before serving: once the engine answers, clients can load the built-in models by name.
-    prepare_builtin_models(model_dir)
-    app = create_app(data_dir, model_dir, api_key, session_timeout, device, dtype, policy)
+    in_passing_thread(lambda: prepare_builtin_models(model_dir))
+    torch.set_num_threads(1)
+    torch.get_num_threads()  # pins it for this thread (see ComputeWorker._loop)
+    app = create_app(
+        data_dir, model_dir, api_key, session_timeout, device, dtype, policy, torch_threads=torch_threads
+    )
     host = sock.getsockname()[0]
     log.info(
         "engine on http://%s:%d (data %s, models %s, %s)",

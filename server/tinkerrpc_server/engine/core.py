@@ -125,10 +125,11 @@ class Engine:
         dtype: str | None = None,
         policy: BatchPolicy | None = None,
         snapshot_grace: float = DEFAULT_SNAPSHOT_GRACE_SECONDS,
+        torch_threads: int | None = None,
     ) -> None:
         """`device` and `dtype` place every base model (runtime.resolve_placement; None: the default),
         `policy` batches its samples (default: continuous batching), `snapshot_grace` is how long an
-        unused superseded unnamed snapshot stays (seconds)."""
+        unused superseded unnamed snapshot stays (seconds), `torch_threads` as in ComputeWorker."""
         if not 0 < session_timeout < float("inf"):
             raise ValueError(f"session timeout must be a positive number of seconds, got {session_timeout}")
         if not 0 < snapshot_grace <= 3600:
@@ -139,7 +140,7 @@ class Engine:
         self.session_timeout = session_timeout
         self.storage = Storage(data_dir)
         self.futures = FutureTable()
-        self.worker = ComputeWorker(classify_error)
+        self.worker = ComputeWorker(classify_error, torch_threads=torch_threads)
         self.url_secret = secrets.token_bytes(32)  # signs external-weights file URLs
         self._resolve_lock = threading.Lock()
         self._runtimes: dict[Path, BaseModelRuntime] = {}
