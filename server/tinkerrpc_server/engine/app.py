@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 
 from tinkerrpc_server.engine import protocol
 from tinkerrpc_server.engine.auth import ApiKeyMiddleware
+from tinkerrpc_server.engine.compute import cpu_kernels
 from tinkerrpc_server.engine.compute.scheduler import BatchPolicy
 from tinkerrpc_server.engine.core import (
     DEFAULT_SESSION_TIMEOUT_SECONDS,
@@ -133,8 +134,10 @@ def run_engine(
     # torch's parallel ops run on the compute thread alone, with the threads this process has (see
     # engine/worker.py); this thread, which serves HTTP, keeps one.
     torch_threads = torch.get_num_threads()
-    # Before serving: once the engine answers, clients can load the built-in models by name.
+    # Before serving: once the engine answers, clients can load the built-in models by name, and the
+    # first sample does not wait for the CPU kernels to build.
     in_passing_thread(lambda: prepare_builtin_models(model_dir))
+    cpu_kernels.available()
     torch.set_num_threads(1)
     torch.get_num_threads()  # pins it for this thread (see ComputeWorker._loop)
     app = create_app(

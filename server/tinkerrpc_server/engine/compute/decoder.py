@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from peft.tuners.lora import LoraLayer
 from transformers.activations import ACT2FN
 
+from tinkerrpc_server.engine.compute import cpu_kernels
 from tinkerrpc_server.engine.compute.architecture import Architecture, describe
 from tinkerrpc_server.engine.compute.packing import PackedWeight, PackingPlan, packing_plan
 
@@ -200,13 +201,16 @@ class FusedDecoder:
         and each call attends over its own KV cache. At a few dozen rows a matmul costs about the same
         for 20 rows as for 60, so a prefill chunk run with a decode step costs a fraction of a pass."""
         embed = self._base.causal_lm.model.embed_tokens
-        segments = [self._segment(call) for call in calls]
+        # The sampler only: the learner's forward stays on torch ops, so a datum's logprobs are the same
+        # whether or not its call trains.
+        kernels = cpu_kernels.apply_to(embed.weight)
+        segments = [self._segment(call, kernels) for call in calls]
         flat = [
             embed(segment.unpadded(call["input_ids"])) for call, segment in zip(calls, segments, strict=True)
         ]
         self._count_pass(sum(len(tokens) for tokens in flat))
         x = _decoder_layers(
-            self._base, flat[0] if len(flat) == 1 else torch.cat(flat), segments, self._project
+            self._base, flat[0] if len(flat) == 1 else torch.cat(flat), segments, self._project, kernels
         )
         # Only the positions whose logits are wanted go through the final norm and the head, together
         # (a padding position's hidden state is zeros: its logits are never read).
@@ -231,7 +235,7 @@ class FusedDecoder:
             start += rows * length
         return outputs
 
-    def _segment(self, call: Mapping[str, Any]) -> _Segment:
+    def _segment(self, call: Mapping[str, Any], kernels: bool) -> _Segment:
         base = self._base
         input_ids, padding, cache = call["input_ids"], call["attention_mask"], call["past_key_values"]
         rows, length = input_ids.shape
@@ -256,7 +260,12 @@ class FusedDecoder:
         real = padding[:, -length:].reshape(-1).nonzero().squeeze(-1) if length > 1 else None
         if real is not None and len(real) == rows * length:
             real = None
-        return _Segment(rows, length, rotary, attend, real)
+        fused = (
+            _fused_decode_attention(base.architecture, rotary, cache, mask, shared)
+            if length == 1 and kernels
+            else None
+        )
+        return _Segment(rows, length, rotary, attend, real, fused)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._head_packed is not None and hidden.numel() // hidden.shape[-1] in self._packed_rows:
@@ -343,6 +352,9 @@ def unembed_for_sampling(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Te
 # x (tokens, in) times a fused projection: (tokens, sum of its outs), its members' outputs side by side.
 Project = Callable[[torch.Tensor, "_Projection"], torch.Tensor]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+# One segment's qkv (rows, q/k/v widths) of layer `index`, with the layer's q/k norm weight (or None) ->
+# attention output (rows, heads · head_dim).
+FusedAttention = Callable[[torch.Tensor, int, "torch.Tensor | None"], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -357,6 +369,8 @@ class _Segment:
     rotary: Rotary
     attend: Attend
     real: torch.Tensor | None = None
+    # A decode step's whole attention on the CPU kernels (set where they apply; `attend` is then unused).
+    fused_attention: FusedAttention | None = None
 
     @property
     def tokens(self) -> int:
@@ -374,6 +388,33 @@ class _Segment:
         return flat if self.real is None else flat.index_select(0, self.real)
 
 
+def _fused_decode_attention(
+    architecture: Architecture,
+    rotary: Rotary,
+    cache: Any,
+    bias: torch.Tensor,
+    shared: tuple[int, int] | None,
+) -> FusedAttention:
+    """A decode step's attention on the CPU kernels: q/k norm and rotary in one op, the new keys and values
+    into the cache, one op over the cache (reading the `shared` columns once)."""
+    rows, dim, heads = bias.shape[0], architecture.head_dim, architecture.num_heads
+    kv_heads = architecture.num_kv_heads
+    qk_width = (heads + kv_heads) * dim
+    cos, signed_sin = rotary.cos.reshape(rows, dim), rotary.signed_sin.reshape(rows, dim)
+    bias = bias.view(rows, -1)
+    scale = dim**-0.5
+
+    def attend(qkv: torch.Tensor, index: int, qk_norm_weight: torch.Tensor | None) -> torch.Tensor:
+        qk = cpu_kernels.rotary_qk(
+            qkv[:, :qk_width].view(rows, -1, dim), cos, signed_sin, qk_norm_weight, architecture.norm_eps
+        )
+        v = qkv[:, qk_width:].view(rows, kv_heads, 1, dim)
+        keys, values = cache.update(qk[:, heads:].unsqueeze(2), v, index)
+        return cpu_kernels.decode_attention(qk[:, :heads], keys, values, bias, scale, shared)
+
+    return attend
+
+
 def _segment_slices(x: torch.Tensor, segments: Sequence[_Segment]) -> list[torch.Tensor]:
     """The tokens of each segment in `x` (tokens, ...), in order."""
     if len(segments) == 1:
@@ -388,35 +429,68 @@ def _segment_slices(x: torch.Tensor, segments: Sequence[_Segment]) -> list[torch
 
 
 def _decoder_layers(
-    base: BaseWeights, x: torch.Tensor, segments: Sequence[_Segment], project: Project
+    base: BaseWeights, x: torch.Tensor, segments: Sequence[_Segment], project: Project, kernels: bool
 ) -> torch.Tensor:
     """The decoder layers over embeddings `x` (tokens, hidden): the segments' tokens one after the
     other, each segment's row by row. `project` computes a fused projection over all tokens at once;
-    each segment attends on its own."""
-    tokens = x.shape[0]
-    architecture = base.architecture
-    dim, heads, eps = architecture.head_dim, architecture.num_heads, architecture.norm_eps
-    qk_width = (heads + architecture.num_kv_heads) * dim
+    each segment attends on its own. With `kernels` the element-wise stretches run on the fused CPU
+    kernels (cpu_kernels.py), which add the residual into `x` in place."""
+    gate_kernel = kernels and base.architecture.activation == "silu"
+    eps = base.architecture.norm_eps
+    residual: torch.Tensor | None = None
     for index, layer in enumerate(base.layers):
-        qkv = project(_rms_norm(x, layer.input_norm, eps), layer.qkv)
-        # q and k are adjacent heads of one view: they take their norm and rotary together, half the ops.
-        qk = qkv[:, :qk_width].view(tokens, -1, dim)
-        if layer.qk_norm_weight is not None:
-            qk = _rms_norm(qk, layer.qk_norm_weight, eps)
-        v = qkv[:, qk_width:].view(tokens, architecture.num_kv_heads, dim)
-        attended = []
-        for segment, (sqk, sv) in zip(
-            segments, zip(*(_segment_slices(t, segments) for t in (qk, v)), strict=True), strict=True
-        ):
-            sqk, sv = (segment.padded(t).transpose(1, 2) for t in (sqk, sv))
-            sqk = segment.rotary.apply(sqk)
-            out = segment.attend(sqk[:, :heads], sqk[:, heads:], sv, index)
-            attended.append(segment.unpadded(out.transpose(1, 2)).flatten(1))
-        x = x + project(attended[0] if len(attended) == 1 else torch.cat(attended), layer.o)
-        gate_up = project(_rms_norm(x, layer.post_attention_norm, eps), layer.gate_up)
-        gate_width = layer.gate_up.splits[0]
-        x = x + project(base.activation(gate_up[:, :gate_width]) * gate_up[:, gate_width:], layer.down)
-    return x
+        x, normed = _add_and_norm(x, residual, layer.input_norm, eps, kernels)
+        qkv = project(normed, layer.qkv)
+        attended = [
+            _attend(base.architecture, layer, index, segment, part)
+            for segment, part in zip(segments, _segment_slices(qkv, segments), strict=True)
+        ]
+        x, normed = _add_and_norm(
+            x,
+            project(attended[0] if len(attended) == 1 else torch.cat(attended), layer.o),
+            layer.post_attention_norm,
+            eps,
+            kernels,
+        )
+        gate_up = project(normed, layer.gate_up)
+        if gate_kernel:
+            gated = cpu_kernels.silu_and_multiply(gate_up)
+        else:
+            gate_width = layer.gate_up.splits[0]
+            gated = base.activation(gate_up[:, :gate_width]) * gate_up[:, gate_width:]
+        residual = project(gated, layer.down)
+    return x if residual is None else x + residual
+
+
+def _add_and_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, kernels: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x + delta (x when delta is None) and its RMSNorm; the kernel adds into x in place."""
+    if kernels:
+        return x, cpu_kernels.residual_rms_norm(x, delta, weight, eps)
+    if delta is not None:
+        x = x + delta
+    return x, _rms_norm(x, weight, eps)
+
+
+def _attend(
+    architecture: Architecture, layer: _Layer, index: int, segment: _Segment, qkv: torch.Tensor
+) -> torch.Tensor:
+    """Attention of one segment's tokens in layer `index`: qkv (tokens, q/k/v widths) -> (tokens, heads ·
+    head_dim)."""
+    if segment.fused_attention is not None:
+        return segment.fused_attention(qkv, index, layer.qk_norm_weight)
+    tokens, dim, heads = qkv.shape[0], architecture.head_dim, architecture.num_heads
+    qk_width = (heads + architecture.num_kv_heads) * dim
+    # q and k are adjacent heads of one view: they take their norm and rotary together, half the ops.
+    qk = qkv[:, :qk_width].view(tokens, -1, dim)
+    if layer.qk_norm_weight is not None:
+        qk = _rms_norm(qk, layer.qk_norm_weight, architecture.norm_eps)
+    v = qkv[:, qk_width:].view(tokens, architecture.num_kv_heads, dim)
+    qk, v = (segment.padded(t).transpose(1, 2) for t in (qk, v))
+    qk = segment.rotary.apply(qk)
+    out = segment.attend(qk[:, :heads], qk[:, heads:], v, index)
+    return segment.unpadded(out.transpose(1, 2)).flatten(1)
 
 
 @dataclass(frozen=True)
@@ -476,7 +550,7 @@ class FusedTrainingForward:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
 
         segment = _Segment(rows, length, Rotary.of(*inner.rotary_emb(x, positions)), attend, real)
-        x = _decoder_layers(base, x, [segment], self._project)
+        x = _decoder_layers(base, x, [segment], self._project, kernels=False)
         return _rms_norm(x, base.final_norm, base.architecture.norm_eps)
 
     def _project(self, x: torch.Tensor, projection: _Projection) -> torch.Tensor:

@@ -1,0 +1,296 @@
+// The sampler's element-wise stretches of a decoder layer as single CPU kernels, float32 only.
+// A decode step of a small model is ~30 torch ops per layer around its four matmuls; each op pays the
+// dispatcher, an allocation and a pass over memory. These kernels do the same arithmetic in one pass:
+// the residual add with the RMSNorm after it, the gated activation, and a decode step's attention
+// (q/k norm, rotary, and softmax(q·kᵀ·scale + bias)·v over the KV cache, grouped-query, reading the
+// columns every row shares once). engine/compute/cpu_kernels.py builds this file with g++ and checks
+// it against the torch ops it replaces (tests/engine_core/test_cpu_kernels.py).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = Vec::size();
+// Below this many floats of work a kernel runs on the calling thread: waking the pool costs more.
+constexpr int64_t kParallelFloats = 1 << 15;
+
+float dot(const float* a, const float* b, int64_t n) {
+  // Two accumulators: half the chain of dependent fused multiply-adds.
+  Vec even(0.f), odd(0.f);
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    even = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), even);
+    odd = at::vec::fmadd(Vec::loadu(a + i + kLanes), Vec::loadu(b + i + kLanes), odd);
+  }
+  for (; i + kLanes <= n; i += kLanes) {
+    even = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), even);
+  }
+  Vec both = even + odd;
+  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, both);
+  for (; i < n; ++i) {
+    sum += a[i] * b[i];
+  }
+  return sum;
+}
+
+// out = x * inv * weight, as transformers' RMSNorm scales (normalized first, then the weight).
+void scale_row(const float* x, float inv, const float* weight, float* out, int64_t n) {
+  const Vec inv_vec(inv);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    (Vec::loadu(x + i) * inv_vec * Vec::loadu(weight + i)).store(out + i);
+  }
+  for (; i < n; ++i) {
+    out[i] = x[i] * inv * weight[i];
+  }
+}
+
+float inverse_rms(const float* x, int64_t n, double eps) {
+  return 1.f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + static_cast<float>(eps));
+}
+
+void check_float_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
+}
+
+// x += delta (when given), in place; returns rms_norm(x) · weight. x: (tokens, hidden) contiguous.
+at::Tensor residual_rms_norm(at::Tensor x, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
+                             double eps) {
+  check_float_cpu(x, "x");
+  check_float_cpu(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be (tokens, hidden) and contiguous");
+  const int64_t tokens = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == hidden, "weight must hold `hidden` floats");
+  at::Tensor delta_c;
+  if (delta.has_value()) {
+    check_float_cpu(*delta, "delta");
+    TORCH_CHECK(delta->sizes() == x.sizes(), "delta must match x");
+    delta_c = delta->contiguous();
+  }
+  at::Tensor out = at::empty_like(x);
+  float* xs = x.data_ptr<float>();
+  const float* ds = delta_c.defined() ? delta_c.data_ptr<float>() : nullptr;
+  const float* ws = weight.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  at::parallel_for(0, tokens, std::max<int64_t>(1, kParallelFloats / hidden), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* row = xs + t * hidden;
+      if (ds != nullptr) {
+        const float* add = ds + t * hidden;
+        int64_t i = 0;
+        for (; i + kLanes <= hidden; i += kLanes) {
+          (Vec::loadu(row + i) + Vec::loadu(add + i)).store(row + i);
+        }
+        for (; i < hidden; ++i) {
+          row[i] += add[i];
+        }
+      }
+      scale_row(row, inverse_rms(row, hidden, eps), ws, os + t * hidden, hidden);
+    }
+  });
+  return out;
+}
+
+// silu(gate) · up for gate_up (tokens, 2·width): the gate in its first `width` columns.
+at::Tensor silu_and_multiply(const at::Tensor& gate_up) {
+  check_float_cpu(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gate_up must be (tokens, 2 · width) with contiguous rows");
+  const int64_t tokens = gate_up.size(0), width = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  at::Tensor out = at::empty({tokens, width}, gate_up.options());
+  const float* in = gate_up.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  const Vec one(1.f);
+  at::parallel_for(0, tokens, std::max<int64_t>(1, kParallelFloats / width), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* gate = in + t * stride;
+      const float* up = gate + width;
+      float* row = os + t * width;
+      int64_t i = 0;
+      for (; i + kLanes <= width; i += kLanes) {
+        const Vec g = Vec::loadu(gate + i);
+        // torch's silu: x / (1 + exp(-x)).
+        (g / (one + g.neg().exp()) * Vec::loadu(up + i)).store(row + i);
+      }
+      for (; i < width; ++i) {
+        row[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+      }
+    }
+  });
+  return out;
+}
+
+// q and k of one decode step, ready for attention: qk (tokens, heads + kv heads, dim), rows of a
+// (tokens, ...) view; each head optionally RMS-normalized with its own weight row (q/k norm), then
+// rotated: x·cos + roll(x, dim/2)·signed_sin. Returns (tokens, heads + kv heads, dim), contiguous.
+at::Tensor rotary_qk(const at::Tensor& qk, const at::Tensor& cos, const at::Tensor& signed_sin,
+                     const std::optional<at::Tensor>& norm_weight, double eps) {
+  check_float_cpu(qk, "qk");
+  check_float_cpu(cos, "cos");
+  check_float_cpu(signed_sin, "signed_sin");
+  TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2), "qk must be (tokens, heads, dim) rows");
+  const int64_t tokens = qk.size(0), heads = qk.size(1), dim = qk.size(2), half = dim / 2;
+  TORCH_CHECK(dim % 2 == 0, "head dim must be even");
+  TORCH_CHECK(cos.is_contiguous() && signed_sin.is_contiguous() && cos.numel() == tokens * dim &&
+                  signed_sin.numel() == tokens * dim,
+              "cos and signed_sin must be (tokens, dim) and contiguous");
+  const float* norm = nullptr;
+  if (norm_weight.has_value()) {
+    check_float_cpu(*norm_weight, "norm_weight");
+    TORCH_CHECK(norm_weight->is_contiguous() && norm_weight->numel() == heads * dim, "norm_weight must be (heads, dim)");
+    norm = norm_weight->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({tokens, heads, dim}, qk.options());
+  const float* in = qk.data_ptr<float>();
+  const float* cs = cos.data_ptr<float>();
+  const float* ss = signed_sin.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  const int64_t row_stride = qk.stride(0);
+  at::parallel_for(0, tokens, std::max<int64_t>(1, kParallelFloats / (heads * dim)), [&](int64_t begin, int64_t end) {
+    std::vector<float> normed(dim);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cs + t * dim;
+      const float* s = ss + t * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* x = in + t * row_stride + h * dim;
+        if (norm != nullptr) {
+          scale_row(x, inverse_rms(x, dim, eps), norm + h * dim, normed.data(), dim);
+          x = normed.data();
+        }
+        float* o = os + (t * heads + h) * dim;
+        for (int64_t i = 0; i < dim; ++i) {
+          const int64_t rolled = i < half ? i + half : i - half;
+          o[i] = x[i] * c[i] + x[rolled] * s[i];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// One query per row: out[r, h] = softmax(q[r, h]·k[r, h/groups]ᵀ·scale + bias[r]) · v[r, h/groups].
+// q (rows, heads, dim) with contiguous head rows; k, v (rows, kv heads, columns, dim) with contiguous
+// head-dim rows (views of the cache's buffers); bias (rows, columns): 0, or -inf where a column is
+// padding (skipped, not read). Columns [shared_begin, shared_end) hold the same keys and values in
+// every row (the samples of one prompt): they are read from row 0. Returns (rows, heads · dim).
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
+                            double scale, int64_t shared_begin, int64_t shared_end) {
+  for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&bias, "bias"}}) {
+    check_float_cpu(*t, name);
+  }
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be (rows, heads, dim)");
+  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.stride(3) == 1 && v.stride(3) == 1,
+              "k and v must be (rows, kv heads, columns, dim) with contiguous dim");
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k.size(1), columns = k.size(2);
+  TORCH_CHECK(k.size(0) == rows && k.size(3) == dim && kv_heads > 0 && heads % kv_heads == 0,
+              "k must be (rows, kv heads, columns, dim) with kv heads dividing heads");
+  TORCH_CHECK(bias.dim() == 2 && bias.is_contiguous() && bias.size(0) == rows && bias.size(1) == columns,
+              "bias must be (rows, columns) and contiguous");
+  TORCH_CHECK(0 <= shared_begin && shared_begin <= shared_end && shared_end <= columns, "bad shared columns");
+  const int64_t groups = heads / kv_heads;
+  at::Tensor out = at::empty({rows, heads * dim}, q.options());
+  const float* qs = q.data_ptr<float>();
+  const float* ks = k.data_ptr<float>();
+  const float* vs = v.data_ptr<float>();
+  const float* bs = bias.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  const float scale_f = static_cast<float>(scale);
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  const int64_t k_strides[3] = {k.stride(0), k.stride(1), k.stride(2)};
+  const int64_t v_strides[3] = {v.stride(0), v.stride(1), v.stride(2)};
+  const int64_t q_row = q.stride(0), q_head = q.stride(1);
+  const int64_t units = rows * kv_heads;
+  const int64_t unit_floats = std::max<int64_t>(1, 2 * columns * dim);
+  at::parallel_for(0, units, std::max<int64_t>(1, kParallelFloats / unit_floats), [&](int64_t begin, int64_t end) {
+    std::vector<float> weights(groups * columns);
+    std::vector<float> inverse_totals(groups);
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t r = unit / kv_heads, kvh = unit % kv_heads;
+      const float* row_bias = bs + r * columns;
+      auto column = [&](const float* base, const int64_t* strides, int64_t c) {
+        const int64_t source = (c >= shared_begin && c < shared_end) ? 0 : r;
+        return base + source * strides[0] + kvh * strides[1] + c * strides[2];
+      };
+      for (int64_t c = 0; c < columns; ++c) {
+        if (row_bias[c] == minus_inf) {
+          for (int64_t g = 0; g < groups; ++g) {
+            weights[g * columns + c] = minus_inf;
+          }
+          continue;
+        }
+        const float* kc = column(ks, k_strides, c);
+        for (int64_t g = 0; g < groups; ++g) {
+          const float* qg = qs + r * q_row + (kvh * groups + g) * q_head;
+          weights[g * columns + c] = dot(qg, kc, dim) * scale_f + row_bias[c];
+        }
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        float* w = weights.data() + g * columns;
+        const float peak = *std::max_element(w, w + columns);
+        const Vec peak_vec(peak);
+        Vec total_vec(0.f);
+        int64_t c = 0;
+        for (; c + kLanes <= columns; c += kLanes) {
+          const Vec e = (Vec::loadu(w + c) - peak_vec).exp();
+          e.store(w + c);
+          total_vec = total_vec + e;
+        }
+        float total = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, total_vec);
+        for (; c < columns; ++c) {
+          w[c] = std::exp(w[c] - peak);
+          total += w[c];
+        }
+        inverse_totals[g] = 1.f / total;
+      }
+      float* o = os + r * heads * dim + kvh * groups * dim;
+      std::fill(o, o + groups * dim, 0.f);
+      for (int64_t c = 0; c < columns; ++c) {
+        if (row_bias[c] == minus_inf) {
+          continue;
+        }
+        const float* vc = column(vs, v_strides, c);
+        for (int64_t g = 0; g < groups; ++g) {
+          const float weight = weights[g * columns + c] * inverse_totals[g];
+          const Vec weight_vec(weight);
+          float* og = o + g * dim;
+          int64_t i = 0;
+          for (; i + kLanes <= dim; i += kLanes) {
+            at::vec::fmadd(weight_vec, Vec::loadu(vc + i), Vec::loadu(og + i)).store(og + i);
+          }
+          for (; i < dim; ++i) {
+            og[i] += weight * vc[i];
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tinkerrpc_cpu, m) {
+  m.def("residual_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_multiply(Tensor gate_up) -> Tensor");
+  m.def("rotary_qk(Tensor qk, Tensor cos, Tensor signed_sin, Tensor? norm_weight, float eps) -> Tensor");
+  m.def(
+      "decode_attention(Tensor q, Tensor k, Tensor v, Tensor bias, float scale, int shared_begin, int shared_end)"
+      " -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tinkerrpc_cpu, CPU, m) {
+  m.impl("residual_rms_norm", residual_rms_norm);
+  m.impl("silu_and_multiply", silu_and_multiply);
+  m.impl("rotary_qk", rotary_qk);
+  m.impl("decode_attention", decode_attention);
+}

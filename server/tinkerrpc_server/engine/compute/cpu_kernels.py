@@ -1,0 +1,159 @@
+"""The sampler's fused CPU kernels (cpu_kernels.cpp): built once per machine with the system's g++
+against the installed torch, loaded as torch ops, and used for float32 CPU passes outside autograd.
+
+A decode step of SmolLM2 at 16 rows spent ~27 ms of ~97 ms outside its matmuls, in ~30 small torch ops
+per layer; these kernels do those stretches in four ops per layer (tests/engine_core/test_cpu_kernels.py
+checks each against the torch ops it replaces, and the decoder's logits against transformers').
+
+The build is cached under $TINKERRPC_KERNELS_DIR (default ~/.cache/tinkerrpc/cpu-kernels), keyed by the
+source, torch's version and the CPU's vector width; scripts/setup.sh builds it. Where it cannot be built
+(no compiler), the engine logs why once and runs the torch ops. TINKERRPC_CPU_KERNELS=0 turns the
+kernels off (to measure what they change).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.utils.cpp_extension
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+# torch's own vectorized code paths: AVX2's serves AVX-512 CPUs too; elsewhere the portable one.
+_VECTOR_FLAGS = {
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+    "AVX512": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+}
+# -ffp-contract=off: a·b + c stays a multiply and an add, as torch's element-wise ops compute it.
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-w"]
+_BUILD_SECONDS = 600
+
+
+def kernels_dir() -> Path:
+    configured = os.environ.get("TINKERRPC_KERNELS_DIR")
+    return Path(configured) if configured else Path.home() / ".cache" / "tinkerrpc" / "cpu-kernels"
+
+
+def _command(output: Path) -> list[str]:
+    torch_dir = Path(torch.__file__).parent
+    capability = torch.backends.cpu.get_cpu_capability()
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [f"-I{path}" for path in torch.utils.cpp_extension.include_paths()]
+    return [
+        os.environ.get("CXX", "g++"),
+        *_FLAGS,
+        *_VECTOR_FLAGS.get(capability, []),
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *includes,
+        str(_SOURCE),
+        "-o",
+        str(output),
+        f"-L{torch_dir / 'lib'}",
+        "-lc10",
+        "-ltorch_cpu",
+        f"-Wl,-rpath,{torch_dir / 'lib'}",
+    ]
+
+
+def _library_path() -> Path:
+    key = hashlib.sha256()
+    key.update(_SOURCE.read_bytes())
+    key.update(" ".join(_command(Path("out"))).encode())
+    key.update(f"{torch.__version__} {sys.version}".encode())
+    return kernels_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+
+
+def build() -> Path:
+    """The kernels' shared library, compiled unless already there (written aside, then renamed into place,
+    so processes building at once never load a half-written file)."""
+    library = _library_path()
+    if library.is_file():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as work:
+        built = Path(work) / library.name
+        subprocess.run(_command(built), check=True, capture_output=True, text=True, timeout=_BUILD_SECONDS)
+        os.replace(built, library)
+    return library
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernels are loaded into this process (built first where needed)."""
+    if os.environ.get("TINKERRPC_CPU_KERNELS", "1") == "0":
+        return False
+    try:
+        torch.ops.load_library(str(build()))  # type: ignore[no-untyped-call]
+    except (OSError, subprocess.SubprocessError) as err:
+        detail = getattr(err, "stderr", "") or ""
+        log.warning("CPU kernels unavailable, running torch ops instead: %s %s", err, detail[-2000:])
+        return False
+    return True
+
+
+def apply_to(tensor: torch.Tensor) -> bool:
+    """Whether a pass over `tensor` runs on the kernels: float32 on the CPU, no autograd (they have no
+    backward), and the kernels loaded."""
+    return (
+        tensor.device.type == "cpu"
+        and tensor.dtype == torch.float32
+        and not torch.is_grad_enabled()
+        and available()
+    )
+
+
+def residual_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """x += delta (when given), in place; returns rms_norm(x) · weight. x (tokens, hidden), contiguous."""
+    out: torch.Tensor = torch.ops.tinkerrpc_cpu.residual_rms_norm(x, delta, weight, eps)
+    return out
+
+
+def silu_and_multiply(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up for gate_up (tokens, 2 · width), the gate first."""
+    out: torch.Tensor = torch.ops.tinkerrpc_cpu.silu_and_multiply(gate_up)
+    return out
+
+
+def rotary_qk(
+    qk: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """qk (tokens, heads, dim) each head optionally RMS-normalized by its row of `norm_weight`, then
+    rotated: x·cos + roll(x, dim/2)·signed_sin, for cos and signed_sin (tokens, dim). Contiguous."""
+    out: torch.Tensor = torch.ops.tinkerrpc_cpu.rotary_qk(qk, cos, signed_sin, norm_weight, eps)
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+    shared: tuple[int, int] | None,
+) -> torch.Tensor:
+    """softmax(q·kᵀ·scale + bias)·v for one query per row: q (rows, heads, dim) over grouped k, v (rows,
+    kv heads, columns, dim), bias (rows, columns) 0 or -inf (padding, not read). Columns `shared` (start,
+    end), the same in every row, are read from row 0. Returns (rows, heads · dim)."""
+    begin, end = shared if shared is not None else (0, 0)
+    out: torch.Tensor = torch.ops.tinkerrpc_cpu.decode_attention(q, k, v, bias, scale, begin, end)
+    return out
+
+
+if __name__ == "__main__":
+    # scripts/setup.sh: build now rather than at the first engine start.
+    print(build())

@@ -1,0 +1,160 @@
+"""The fused CPU kernels (engine/compute/cpu_kernels.cpp) compute what the torch ops they replace compute,
+at shapes that reach their vector tails and their threaded paths; they refuse what they cannot compute;
+they build here; and the sampler's decoder runs on them (and equals transformers with or without them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from decoder_parity import assert_decoder_logits_equal_transformers, run_forward
+
+from tinkerrpc_server.engine.compute import cpu_kernels
+from tinkerrpc_server.engine.compute.decoder import FusedDecoder, Rotary, _one_query_attention
+from tinkerrpc_server.engine.runtime import BaseModelRuntime
+
+TOLERANCE = {"rtol": 2e-6, "atol": 2e-6}
+
+
+@pytest.fixture(autouse=True)
+def _inference() -> object:
+    with torch.inference_mode():
+        yield
+
+
+def test_the_kernels_build_and_load_here() -> None:
+    assert cpu_kernels.available()
+    assert cpu_kernels.apply_to(torch.zeros(1))
+    assert not cpu_kernels.apply_to(torch.zeros(1, dtype=torch.bfloat16))
+    with torch.inference_mode(False), torch.enable_grad():
+        assert not cpu_kernels.apply_to(torch.zeros(1))  # no backward
+
+
+@pytest.mark.parametrize("tokens,hidden", [(1, 576), (16, 576), (3, 37), (700, 64)])
+def test_residual_rms_norm(tokens: int, hidden: int) -> None:
+    generator = torch.Generator().manual_seed(tokens)
+    x, delta = (torch.randn(tokens, hidden, generator=generator) * 3 for _ in range(2))
+    weight = torch.randn(hidden, generator=generator)
+    expected_x = x + delta
+    expected = weight * F.rms_norm(expected_x, (hidden,), eps=1e-6)
+    out = cpu_kernels.residual_rms_norm(x, delta, weight, 1e-6)
+    assert torch.equal(x, expected_x)  # the residual lands in x
+    torch.testing.assert_close(out, expected, **TOLERANCE)
+    torch.testing.assert_close(
+        cpu_kernels.residual_rms_norm(x.clone(), None, weight, 1e-6), expected, **TOLERANCE
+    )
+
+
+@pytest.mark.parametrize("tokens,width", [(1, 1536), (16, 1536), (5, 13), (300, 256)])
+def test_silu_and_multiply(tokens: int, width: int) -> None:
+    gate_up = torch.randn(tokens, 2 * width, generator=torch.Generator().manual_seed(width)) * 4
+    expected = F.silu(gate_up[:, :width]) * gate_up[:, width:]
+    torch.testing.assert_close(cpu_kernels.silu_and_multiply(gate_up), expected, **TOLERANCE)
+    # A column slice of a wider row (the fused projection's output has contiguous rows, not columns).
+    wide = torch.randn(tokens, 2 * width + 8)
+    torch.testing.assert_close(
+        cpu_kernels.silu_and_multiply(wide[:, : 2 * width]),
+        F.silu(wide[:, :width]) * wide[:, width : 2 * width],
+        **TOLERANCE,
+    )
+
+
+@pytest.mark.parametrize("heads,dim", [(12, 64), (5, 12)])
+@pytest.mark.parametrize("normed", [False, True])
+def test_rotary_qk(heads: int, dim: int, normed: bool) -> None:
+    rows = 9
+    generator = torch.Generator().manual_seed(heads * dim)
+    qkv = torch.randn(rows, (heads + 2) * dim, generator=generator)
+    qk = qkv[:, : heads * dim].view(rows, heads, dim)  # rows of a wider tensor, as in the decoder
+    angles = torch.rand(rows, 1, dim, generator=generator) * 6
+    rotary = Rotary.of(angles.cos(), angles.sin())
+    weight = torch.randn(heads, dim, generator=generator) if normed else None
+    reference = qk if weight is None else weight * F.rms_norm(qk, (dim,), eps=1e-6)
+    expected = rotary.apply(reference.unsqueeze(2).transpose(1, 2)).transpose(1, 2).reshape(rows, heads, dim)
+    out = cpu_kernels.rotary_qk(
+        qk, rotary.cos.reshape(rows, dim), rotary.signed_sin.reshape(rows, dim), weight, 1e-6
+    )
+    torch.testing.assert_close(out, expected, **TOLERANCE)
+
+
+def _cache_views(rows: int, kv_heads: int, columns: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values as the sampler's cache hands them over: leading views of larger buffers."""
+    generator = torch.Generator().manual_seed(columns)
+    buffers = [torch.randn(rows + 3, kv_heads, columns + 40, dim, generator=generator) for _ in range(2)]
+    return buffers[0][:rows, :, :columns], buffers[1][:rows, :, :columns]
+
+
+@pytest.mark.parametrize(
+    "rows,heads,kv_heads,columns,dim",
+    [(1, 9, 3, 70, 64), (16, 9, 3, 93, 64), (16, 16, 8, 40, 128), (5, 4, 4, 7, 12), (24, 6, 2, 301, 16)],
+)
+def test_decode_attention(rows: int, heads: int, kv_heads: int, columns: int, dim: int) -> None:
+    k, v = _cache_views(rows, kv_heads, columns, dim)
+    q = torch.randn(rows, heads, dim)
+    padding = torch.ones(rows, columns, dtype=torch.long)
+    padding[0, : columns // 3] = 0  # one left-padded row
+    bias = torch.zeros(rows, columns).masked_fill_(padding == 0, float("-inf"))
+    # Padding columns are not read: NaN there must not reach the output.
+    k[0, :, : columns // 3] = float("nan")
+    scale = dim**-0.5
+    expected = _one_query_attention(
+        q.unsqueeze(2), k.nan_to_num(0.0), v, bias[:, None, None, :], scale, None
+    ).reshape(rows, heads * dim)
+    torch.testing.assert_close(
+        cpu_kernels.decode_attention(q, k, v, bias, scale, None), expected, **TOLERANCE
+    )
+
+
+def test_decode_attention_reads_shared_columns_from_the_first_row() -> None:
+    rows, heads, kv_heads, columns, dim = 8, 9, 3, 60, 64
+    k, v = _cache_views(rows, kv_heads, columns, dim)
+    start, end = 4, 40  # the prompt every row shares, after 4 columns of padding
+    k[:, :, start:end] = k[:1, :, start:end].clone()
+    v[:, :, start:end] = v[:1, :, start:end].clone()
+    q = torch.randn(rows, heads, dim)
+    bias = torch.zeros(rows, columns)
+    bias[:, :start] = float("-inf")
+    expected = _one_query_attention(
+        q.unsqueeze(2), k, v, bias[:, None, None, :], 0.125, (start, end)
+    ).reshape(rows, heads * dim)
+    # The other rows' copies are never read: garbage there changes nothing.
+    k[1:, :, start:end] = float("nan")
+    v[1:, :, start:end] = float("nan")
+    out = cpu_kernels.decode_attention(q, k, v, bias, 0.125, (start, end))
+    torch.testing.assert_close(out, expected, **TOLERANCE)
+
+
+def test_the_kernels_refuse_what_they_cannot_compute() -> None:
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.silu_and_multiply(torch.zeros(2, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="delta must match"):
+        cpu_kernels.residual_rms_norm(torch.zeros(2, 8), torch.zeros(3, 8), torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="kv heads dividing heads"):
+        q, (k, v) = torch.zeros(2, 5, 16), _cache_views(2, 2, 4, 16)
+        cpu_kernels.decode_attention(q, k, v, torch.zeros(2, 4), 0.25, None)
+    with pytest.raises(RuntimeError, match="shared columns"):
+        q, (k, v) = torch.zeros(2, 4, 16), _cache_views(2, 2, 4, 16)
+        cpu_kernels.decode_attention(q, k, v, torch.zeros(2, 4), 0.25, (3, 9))
+
+
+def test_the_sampler_runs_on_the_kernels(runtime: BaseModelRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decoder's decode steps call the fused attention (so the parity tests below check the kernels),
+    and its logits equal transformers' with the kernels and without them."""
+    calls = []
+    real = cpu_kernels.decode_attention
+    monkeypatch.setattr(cpu_kernels, "decode_attention", lambda *args: calls.append(1) or real(*args))
+    decoder = FusedDecoder.build(runtime._decoder_weights, None)
+    run_forward(decoder, steps=2)
+    assert len(calls) == 2 * len(runtime._base.model.layers)
+    assert_decoder_logits_equal_transformers(runtime, None)
+    monkeypatch.setattr(cpu_kernels, "apply_to", lambda tensor: False)
+    calls.clear()
+    assert_decoder_logits_equal_transformers(runtime, None)
+    assert not calls
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_model_path: Path) -> BaseModelRuntime:
+    return BaseModelRuntime(tiny_model_path, device="cpu")
