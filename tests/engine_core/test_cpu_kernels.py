@@ -126,6 +126,23 @@ def test_decode_attention_reads_shared_columns_from_the_first_row() -> None:
     torch.testing.assert_close(out, expected, **TOLERANCE)
 
 
+@pytest.mark.parametrize(
+    "rows,in_features,out_features", [(1, 576, 960), (7, 37, 50), (16, 1536, 576), (700, 96, 40)]
+)
+def test_packed_linear(rows: int, in_features: int, out_features: int) -> None:
+    """Any row count (row blocks of 6 and their remainder, several sweeps of rows at 700 × 96), out
+    features that end mid-panel, x as rows of a wider tensor."""
+    if not cpu_kernels.has_packed_linear():
+        pytest.skip("the panel matmul is built for AVX2 CPUs")
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    x = torch.randn(rows, in_features + 3, generator=generator)[:, :in_features]
+    packed = cpu_kernels.pack_linear_weight(weight)
+    assert packed.shape == (-(-out_features // 16), in_features, 16)
+    out = cpu_kernels.packed_linear(x, packed, out_features)
+    torch.testing.assert_close(out, x @ weight.t(), rtol=1e-5, atol=1e-4)
+
+
 def test_the_kernels_refuse_what_they_cannot_compute() -> None:
     with pytest.raises(RuntimeError, match="float32"):
         cpu_kernels.silu_and_multiply(torch.zeros(2, 8, dtype=torch.float64))
@@ -134,6 +151,11 @@ def test_the_kernels_refuse_what_they_cannot_compute() -> None:
     with pytest.raises(RuntimeError, match="kv heads dividing heads"):
         q, (k, v) = torch.zeros(2, 5, 16), _cache_views(2, 2, 4, 16)
         cpu_kernels.decode_attention(q, k, v, torch.zeros(2, 4), 0.25, None)
+    if cpu_kernels.has_packed_linear():
+        with pytest.raises(RuntimeError, match="pack_linear_weight's layout"):
+            cpu_kernels.packed_linear(
+                torch.zeros(2, 8), cpu_kernels.pack_linear_weight(torch.zeros(20, 8)), 40
+            )
     with pytest.raises(RuntimeError, match="shared columns"):
         q, (k, v) = torch.zeros(2, 4, 16), _cache_views(2, 2, 4, 16)
         cpu_kernels.decode_attention(q, k, v, torch.zeros(2, 4), 0.25, (3, 9))

@@ -228,10 +228,27 @@ def test_the_unembedding_keeps_torchs_kernel_where_a_gradient_is_wanted() -> Non
 
 
 # What each packed kernel shows in torch's profiler.
-KERNEL_OPS = {"mkl": "mkl::_mkl_linear", "onednn": "mkldnn::_linear_pointwise"}
-# Which argument of that op is the (out, in) weight (MKL's zero-stride stand-in, oneDNN's packed one).
-WEIGHT_ARGUMENT = {"mkl": 2, "onednn": 1}
-PLANS = [PackingPlan(kernel, PACKED_ROWS[kernel], 2) for kernel in ("mkl", "onednn")]
+KERNEL_OPS = {
+    "mkl": "mkl::_mkl_linear",
+    "onednn": "mkldnn::_linear_pointwise",
+    "panels": "tinkerrpc_cpu::packed_linear",
+}
+PLANS = [PackingPlan(kernel, PACKED_ROWS[kernel], 2) for kernel in ("mkl", "onednn", "panels")]
+
+
+def _out_features(kernel: str, input_shapes: list[list[int]]) -> int:
+    """The weight's out features from the shapes a packed kernel's op was called with: MKL's zero-stride
+    (out, in) stand-in, oneDNN's packed (out, in), or the panels (out / 16 rounded up, in, 16): rounded
+    up to whole panels there."""
+    if kernel == "mkl":
+        return input_shapes[2][0]
+    if kernel == "onednn":
+        return input_shapes[1][0]
+    return input_shapes[1][0] * input_shapes[1][2]
+
+
+def _whole_panels(kernel: str, out_features: int) -> int:
+    return -(-out_features // 16) * 16 if kernel == "panels" else out_features
 
 
 def test_the_packing_plan_takes_the_faster_kernel_here() -> None:
@@ -274,10 +291,10 @@ def test_a_decoder_that_packs_its_weights_midway_keeps_transformers_logits(
         assert_decoder_logits_equal_transformers(runtime, runtime._sampler_adapter(sampler_dir))
     # The unembedding's (vocabulary, hidden) product ran packed too (two rows: below the rows for which
     # the unpacked unembedding takes oneDNN's kernel).
-    weights = [
-        tuple(event.input_shapes[WEIGHT_ARGUMENT[plan.kernel]])
+    out_features = [
+        _out_features(plan.kernel, event.input_shapes)
         for event in profiled.events()
         if event.name == KERNEL_OPS[plan.kernel] and event.input_shapes
     ]
-    assert weights
-    assert any(weight[0] == runtime.vocab_size for weight in weights)
+    assert out_features
+    assert _whole_panels(plan.kernel, runtime.vocab_size) in out_features

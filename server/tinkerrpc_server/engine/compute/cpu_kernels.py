@@ -111,6 +111,23 @@ def apply_to(tensor: torch.Tensor) -> bool:
     )
 
 
+def has_packed_linear() -> bool:
+    """Whether this process has the panel matmul (`pack_linear_weight`, `packed_linear`): AVX2 builds."""
+    return available() and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """An (out, in) float32 weight as column panels for `packed_linear` (another copy in memory)."""
+    packed: torch.Tensor = torch.ops.tinkerrpc_cpu.pack_linear_weight(weight)
+    return packed
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x (rows, in) · weightᵀ for the weight `pack_linear_weight` packed: (rows, out_features)."""
+    out: torch.Tensor = torch.ops.tinkerrpc_cpu.packed_linear(x, packed, out_features)
+    return out
+
+
 def residual_rms_norm(
     x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:

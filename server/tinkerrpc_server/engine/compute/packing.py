@@ -5,8 +5,11 @@ which re-lays the weight on every call; both MKL and oneDNN (in the same torch b
 out once for their kernel instead. Which one is faster depends on the CPU, by a factor: on a 2-core
 Intel Xeon MKL's packed kernel was 1.1-1.5x a plain matmul, while on an AMD EPYC MKL runs its generic
 code and oneDNN's packed kernel is 3-5x MKL's, plain or packed, for 8-64 rows
-(`python -m bench.matmul_kernels`). So the engine measures both once per process on one weight
-(`packing_plan`) and packs with the faster.
+(`python -m bench.matmul_kernels`). The engine's own kernel (engine/compute/cpu_kernels.cpp, AVX2 CPUs)
+lays a weight out as column panels streamed in order, six rows of x at a time in registers: on the EPYC
+1.3-1.6x oneDNN's packed kernel for 1-64 rows over weights read from memory, ~1.05x at 512. So the
+engine measures the kernels it has once per process on one weight (`packing_plan`) and packs with the
+fastest.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from typing import Literal
 
 import torch
 
-Kernel = Literal["mkl", "onednn"]
+from tinkerrpc_server.engine.compute import cpu_kernels
+
+Kernel = Literal["mkl", "onednn", "panels"]
 _MKL: bool = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")  # type: ignore[no-untyped-call]
 _ONEDNN: bool = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
 # The row count a packed layout is made for (MKL: the fastest over its rows on the Xeon; oneDNN: a
@@ -31,7 +36,12 @@ _PACKED_FOR_ROWS: dict[Kernel, int] = {"mkl": 64, "onednn": 16}
 # Rows each packed kernel runs once packed. MKL's: 1.1-1.5x a plain matmul for 2-64 rows on the Xeon,
 # ~0.9x for one row, even at prefill sizes. oneDNN's on the EPYC: 1.2-1.4x MKL's plain matmul from 128
 # to 1,230 rows as well, so prefill takes it too.
-PACKED_ROWS: dict[Kernel, range] = {"mkl": range(2, 65), "onednn": range(1, sys.maxsize)}
+# The panels' kernel: every row count.
+PACKED_ROWS: dict[Kernel, range] = {
+    "mkl": range(2, 65),
+    "onednn": range(1, sys.maxsize),
+    "panels": range(1, sys.maxsize),
+}
 # The probe: one SmolLM2-sized gate/up weight at a 16-row decode step, timed in turns.
 _PROBE_SHAPE = (3072, 576)
 _PROBE_ROWS = 16
@@ -40,7 +50,7 @@ _PROBE_REPEATS = 7
 # Xeon, what ~60 passes of 16 rows save there. oneDNN's: ~0.23 s on the EPYC, what 3-4 passes save,
 # so a decoder packs when it is built and computes every pass with one kernel (the same request gives
 # the same logprobs in whichever pass of the decoder's life it runs).
-PACK_AFTER_PASSES: dict[Kernel, int] = {"mkl": 64, "onednn": 0}
+PACK_AFTER_PASSES: dict[Kernel, int] = {"mkl": 64, "onednn": 0, "panels": 0}
 
 
 @dataclass(frozen=True)
@@ -60,7 +70,8 @@ class PackedWeight:
 
     kernel: Kernel
     packed: torch.Tensor
-    # MKL's kernel reads the shape and dtype of a zero-stride (out, in) stand-in; oneDNN needs none.
+    # A zero-stride (out, in) stand-in: MKL's kernel reads its shape and dtype, the panels' kernel its
+    # out features (oneDNN's packed buffer carries its shape).
     stand_in: torch.Tensor
 
     @classmethod
@@ -70,7 +81,9 @@ class PackedWeight:
         if not (weight.device.type == "cpu" and weight.dtype == torch.float32):
             return None
         stand_in = weight.new_zeros(()).expand(weight.shape)
-        if kernel == "mkl":
+        if kernel == "panels":
+            packed = cpu_kernels.pack_linear_weight(weight)
+        elif kernel == "mkl":
             packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), _PACKED_FOR_ROWS[kernel])
         else:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACKED_FOR_ROWS[kernel])
@@ -79,7 +92,12 @@ class PackedWeight:
     def times(self, x: torch.Tensor) -> torch.Tensor:
         """x · weightᵀ for x (..., in)."""
         product: torch.Tensor
-        if self.kernel == "mkl":
+        if self.kernel == "panels":
+            out_features = self.stand_in.shape[0]
+            flat = x.reshape(-1, x.shape[-1])
+            product = cpu_kernels.packed_linear(flat, self.packed, out_features)
+            product = product.view(*x.shape[:-1], out_features)
+        elif self.kernel == "mkl":
             rows = x.numel() // x.shape[-1]
             product = torch.ops.mkl._mkl_linear(x, self.packed, self.stand_in, None, rows)
         else:
@@ -90,7 +108,11 @@ class PackedWeight:
 @functools.cache
 def packing_plan() -> PackingPlan | None:
     """This process's plan, measured on its first call; None without either kernel."""
-    available: dict[Kernel, bool] = {"mkl": _MKL, "onednn": _ONEDNN}
+    available: dict[Kernel, bool] = {
+        "mkl": _MKL,
+        "onednn": _ONEDNN,
+        "panels": cpu_kernels.has_packed_linear(),
+    }
     kernels = [kernel for kernel, present in available.items() if present]
     if not kernels:
         return None
