@@ -5,7 +5,7 @@ measurement behind the decoder's choice of kernels (engine/compute/decoder.py, e
 For each model shape and row count it times, interleaved, the unembedding as the decoder stores it
 ((vocabulary, hidden), the transposed operand), by F.linear and by oneDNN, and one decoder layer's four
 projections as stored ((in, out)) by a matmul, by oneDNN over the transposed view, and packed
-(`PackedWeight`) for MKL's and for oneDNN's packed kernel. Every weight is larger than the caches or
+(`PackedWeight`) for MKL's, oneDNN's and, on AVX2 CPUs, the engine's own panel kernel. Every weight is larger than the caches or
 read in a round over several copies, as a decode step reads it. The last line is the packing plan the
 engine measures for itself on this machine.
 """
@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from tinkerrpc_server.engine.compute import cpu_kernels
 from tinkerrpc_server.engine.compute.packing import Kernel, PackedWeight, packing_plan
 
 # (hidden, vocabulary, [(in, out) of q/k/v, o, gate/up, down])
@@ -55,7 +56,7 @@ def _times(
     repeats: int,
 ) -> tuple[float, ...]:
     """Milliseconds of the unembedding by MKL and by oneDNN, then of all layer copies by MKL, oneDNN,
-    MKL packed and oneDNN packed."""
+    and each packed kernel of `packed`, in its order."""
     with torch.inference_mode():
         return (
             _median_ms(lambda: F.linear(x, head), repeats),
@@ -71,7 +72,7 @@ def _times(
                     ],
                     repeats,
                 )
-                for copies in (packed["mkl"], packed["onednn"])
+                for copies in packed.values()
             ),
         )
 
@@ -85,9 +86,12 @@ def main(argv: list[str] | None = None) -> None:
     generator = torch.Generator().manual_seed(0)
     print(
         "| model | rows | unembedding MKL ms | oneDNN ms | MKL/oneDNN | layer MKL ms | oneDNN ms | MKL/oneDNN "
-        "| MKL packed ms | oneDNN packed ms | MKL/oneDNN packed |"
+        "| MKL packed ms | oneDNN packed ms | MKL/oneDNN packed | panels ms | oneDNN packed/panels |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    kernels: tuple[Kernel, ...] = (
+        ("mkl", "onednn", "panels") if cpu_kernels.has_packed_linear() else ("mkl", "onednn")
+    )
     for label, (hidden, vocabulary, projections) in SHAPES.items():
         head = torch.randn(vocabulary, hidden, generator=generator) * 0.02
         layers = [
@@ -95,19 +99,25 @@ def main(argv: list[str] | None = None) -> None:
             for _ in range(LAYER_COPIES)
         ]
         packed: dict[Kernel, list[list[PackedWeight]]] = {
-            kernel: [[_packed(w, kernel) for w in layer] for layer in layers] for kernel in ("mkl", "onednn")
+            kernel: [[_packed(w, kernel) for w in layer] for layer in layers] for kernel in kernels
         }
         for rows in ROWS:
             x = torch.randn(rows, hidden, generator=generator)
             inputs = {size_in: torch.randn(rows, size_in, generator=generator) for size_in, _ in projections}
-            head_mkl, head_onednn, layer_mkl, layer_onednn, layer_mkl_packed, layer_onednn_packed = _times(
-                x, head, inputs, layers, packed, args.repeats
+            head_mkl, head_onednn, layer_mkl, layer_onednn, layer_mkl_packed, layer_onednn_packed, *panels = (
+                _times(x, head, inputs, layers, packed, args.repeats)
+            )
+            panels_columns = (
+                f" {panels[0] / LAYER_COPIES:.2f} | {layer_onednn_packed / panels[0]:.2f} |"
+                if panels
+                else " - | - |"
             )
             print(
                 f"| {label} | {rows} | {head_mkl:.1f} | {head_onednn:.1f} | {head_mkl / head_onednn:.2f} "
                 f"| {layer_mkl / LAYER_COPIES:.2f} | {layer_onednn / LAYER_COPIES:.2f} "
                 f"| {layer_mkl / layer_onednn:.2f} | {layer_mkl_packed / LAYER_COPIES:.2f} "
-                f"| {layer_onednn_packed / LAYER_COPIES:.2f} | {layer_mkl_packed / layer_onednn_packed:.2f} |",
+                f"| {layer_onednn_packed / LAYER_COPIES:.2f} | {layer_mkl_packed / layer_onednn_packed:.2f} |"
+                + panels_columns,
                 flush=True,
             )
     print(f"\nthe engine's packing plan here: {packing_plan()}")
