@@ -21,7 +21,10 @@ same function as the transformers model with one LoRA adapter active, but
 - the sampler's projections and unembedding run a packed kernel, MKL's (2-64 rows) or oneDNN's (every
   row count), whichever this CPU runs faster (`compute/packing.py`), once the decoder has lived long
   enough to earn the packing (`DecodingWeight`, `PackedWeight`): memory for one more copy of those
-  weights from then on.
+  weights from then on; on AVX2 CPUs that kernel is usually the engine's own (compute/cpu_kernels.cpp);
+- a float32 sampler pass on the CPU runs each layer's element-wise stretches as fused kernels (residual
+  add + RMSNorm, silu·up, and a decode step's q/k norm + rotary and attention over the cache): four ops
+  where torch takes ~30 (`cpu_kernels.apply_to`).
 
 It reads and writes the sampler's KV cache exactly as the transformers model does (`Cache.update` per
 layer). Models it does not cover (architecture.describe gives None) and LoRA variants or dropout run
