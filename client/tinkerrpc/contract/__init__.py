@@ -1,0 +1,1 @@
+"""The tinkerrpc contract's rules in one place (a leaf package: stdlib only)."""
