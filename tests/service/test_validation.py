@@ -11,9 +11,11 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2  # type: ignore[import-untyped]
 
+from tinkerrpc.contract.limits import MAX_JSON_DEPTH, MAX_JSON_NUMBER_CHARS
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
-from tinkerrpc_server.service import errors, limits, tool_json, validation
+from tinkerrpc_server import bounded_json
+from tinkerrpc_server.service import errors, limits, validation
 from tinkerrpc_server.service.errors import ServiceError
 from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.store import ModelRow
@@ -24,9 +26,9 @@ CONTEXT = 64
 LIMITS = Limits(max_sample_n=8, max_sample_tokens=32, max_train_trajectories=2, max_train_tokens=50)
 # Over the context's text bound (validation.MAX_TEXT_BYTES_PER_TOKEN bytes per token).
 TOO_MUCH_TEXT = "x" * (CONTEXT * validation.MAX_TEXT_BYTES_PER_TOKEN + 1)
-# Tool JSON past tool_json's bounds, each well within the context's text bound.
-LONG_INTEGER_JSON = '{"a": 1' + "0" * tool_json.MAX_NUMBER_CHARS + "}"
-TOO_DEEP_JSON = '{"a": ' * tool_json.MAX_DEPTH + "[]" + "}" * tool_json.MAX_DEPTH
+# Tool JSON past the JSON bounds, each well within the context's text bound.
+LONG_INTEGER_JSON = '{"a": 1' + "0" * MAX_JSON_NUMBER_CHARS + "}"
+TOO_DEEP_JSON = '{"a": ' * MAX_JSON_DEPTH + "[]" + "}" * MAX_JSON_DEPTH
 
 
 def _violated(check: Callable[[], object]) -> list[str]:
@@ -375,16 +377,16 @@ def _with_tool(request: pb.SampleRequest, parameters_json: str) -> pb.SampleRequ
     ],
 )
 def test_tool_json_is_refused_with_its_reason(text: str, reason: str) -> None:
-    with pytest.raises(tool_json.ToolJsonError) as err:
-        tool_json.parse_json_object(text)
+    with pytest.raises(bounded_json.BoundedJsonError) as err:
+        bounded_json.parse_json_object(text)
     assert str(err.value) == reason
 
 
 def test_tool_json_within_its_bounds_parses() -> None:
-    assert tool_json.parse_json_object("") == {}
+    assert bounded_json.parse_json_object("") == {}
     deepest = '{"a": ' * 63 + "[]" + "}" * 63  # 64 levels, the innermost array included
-    assert tool_json.parse_json_object(deepest)
-    assert tool_json.parse_json_object('{"n": -1' + "0" * 98 + ', "x": 1.5e308}') == {
+    assert bounded_json.parse_json_object(deepest)
+    assert bounded_json.parse_json_object('{"n": -1' + "0" * 98 + ', "x": 1.5e308}') == {
         "n": -(10**98),
         "x": 1.5e308,
     }

@@ -29,8 +29,8 @@ from tinker_cookbook.tokenizer_utils import Tokenizer, get_tokenizer
 
 from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server import model_store
+from tinkerrpc_server.bounded_json import parse_json_object
 from tinkerrpc_server.service import smollm2_renderer
-from tinkerrpc_server.service.tool_json import parse_json_object
 from tinkerrpc_server.service.torchless import resolve_base_model
 
 log = logging.getLogger("tinkerrpc.rendering")

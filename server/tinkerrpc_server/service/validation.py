@@ -13,6 +13,7 @@ from typing import Literal
 from tinker.types import LossFnType
 
 from tinkerrpc.v1 import trainer_service_pb2, types_pb2
+from tinkerrpc_server.bounded_json import BoundedJsonError, parse_json_object
 from tinkerrpc_server.service import errors
 from tinkerrpc_server.service.errors import Violations
 from tinkerrpc_server.service.limits import (
@@ -26,7 +27,6 @@ from tinkerrpc_server.service.limits import (
 )
 from tinkerrpc_server.service.rendering import ROLE_NAMES
 from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE, ModelRow
-from tinkerrpc_server.service.tool_json import ToolJsonError, parse_json_object
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 NAME_RULE = "1-64 characters of [A-Za-z0-9._-], starting with a letter or digit"
@@ -281,7 +281,7 @@ def _json_object_problem(text: str) -> str:
     """Why `text` (empty means {}) is not a JSON object this server takes, or "" when it is one."""
     try:
         parse_json_object(text)
-    except ToolJsonError as error:
+    except BoundedJsonError as error:
         return str(error)
     return ""
 
