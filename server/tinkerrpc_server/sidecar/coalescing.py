@@ -11,9 +11,12 @@ A group gathers while identical requests keep arriving, at most GATHER_IDLE_SECO
 most GATHER_MAX_SECONDS in all, and up to MAX_MERGED_N samples; a lone request waits GATHER_IDLE_SECONDS.
 Seeded requests (a seed fixes one request's draw) and requests of MAX_MERGED_N samples or more go alone.
 A merged call the server refuses as INVALID_ARGUMENT (a limit the sum crossed, --max-sample-n below it)
-is retried member by member, so each request gets the answer it would have had alone; any other
-failure is every member's. A member that goes away (its client disconnected) leaves the call to the
-others; the call is cancelled when none is left."""
+is retried member by member, so each request gets the answer it would have had alone (its samples or
+its own error); any other failure is every member's. A member that goes away (its client disconnected)
+leaves the call to the others; the call is cancelled when none is left.
+
+The gathering windows are measured on a `GatherClock`: the event loop's own clock, or one a test
+advances by hand."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import dataclasses
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import grpc
 
@@ -34,6 +38,24 @@ MAX_MERGED_N = 16
 
 # One upstream Sample call: (model name, prompt, arguments) -> the samples.
 Upstream = Callable[[str, Prompt, SampleArgs], Awaitable[list[Sample]]]
+# One member's answer: its samples, or the error its request alone got.
+_Answer = list[Sample] | Exception
+
+
+class Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
+
+class GatherClock(Protocol):
+    """What the gathering windows are measured on; asyncio's event loop is one."""
+
+    def time(self) -> float:
+        """Now, in seconds (monotonic)."""
+        ...
+
+    def call_later(self, delay: float, callback: Callable[..., object], *args: Any) -> Cancellable:
+        """Run `callback(*args)` once, `delay` seconds from now."""
+        ...
 
 
 @dataclass
@@ -43,9 +65,9 @@ class _Group:
     args: SampleArgs
     opened: float
     members: list[int] = field(default_factory=list)  # each member's n, in arrival order
-    result: asyncio.Future[list[list[Sample]]] | None = None
+    result: asyncio.Future[list[_Answer]] | None = None
     waiting: int = 0  # members still waiting for the result
-    timer: asyncio.TimerHandle | None = None
+    timer: Cancellable | None = None
 
     @property
     def total(self) -> int:
@@ -55,20 +77,28 @@ class _Group:
 class SampleCoalescer:
     """`sample(name, prompt, args)`: the samples of that request, drawn alone or with identical ones."""
 
-    def __init__(self, upstream: Upstream, on_merged: Callable[[int], None] = lambda members: None) -> None:
+    def __init__(
+        self,
+        upstream: Upstream,
+        on_merged: Callable[[int], None] = lambda members: None,
+        clock: GatherClock | None = None,
+    ) -> None:
         self._upstream = upstream
         self._on_merged = on_merged
+        self._clock = clock  # None: the running event loop's
         self._open: dict[str, _Group] = {}
+
+    def _now(self) -> GatherClock:
+        return self._clock or asyncio.get_running_loop()
 
     async def sample(self, name: str, prompt: Prompt, args: SampleArgs) -> list[Sample]:
         if args.seed is not None or args.n >= MAX_MERGED_N:
             return await self._upstream(name, prompt, args)
         key = _key(name, prompt, args)
-        loop = asyncio.get_running_loop()
         group = self._open.get(key)
         if group is None or group.total + args.n > MAX_MERGED_N:
-            group = _Group(name, prompt, args, loop.time())
-            group.result = loop.create_future()
+            group = _Group(name, prompt, args, self._now().time())
+            group.result = asyncio.get_running_loop().create_future()
             self._open[key] = group
         index = len(group.members)
         group.members.append(args.n)
@@ -77,23 +107,26 @@ class SampleCoalescer:
         result = group.result
         assert result is not None
         try:
-            return (await asyncio.shield(result))[index]
+            answer = (await asyncio.shield(result))[index]
         finally:
             group.waiting -= 1
             if group.waiting == 0 and not result.done():
                 result.cancel()  # nobody is left to answer: the upstream call is dropped
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
 
     def _schedule(self, key: str, group: _Group) -> None:
         """(Re)arm the group's flush: GATHER_IDLE_SECONDS after its latest member, never later than
         GATHER_MAX_SECONDS after its first, at once when it is full."""
         if group.timer is not None:
             group.timer.cancel()
-        loop = asyncio.get_running_loop()
+        clock = self._now()
         if group.total >= MAX_MERGED_N:
             delay = 0.0
         else:
-            delay = min(GATHER_IDLE_SECONDS, max(0.0, group.opened + GATHER_MAX_SECONDS - loop.time()))
-        group.timer = loop.call_later(delay, self._flush, key, group)
+            delay = min(GATHER_IDLE_SECONDS, max(0.0, group.opened + GATHER_MAX_SECONDS - clock.time()))
+        group.timer = clock.call_later(delay, self._flush, key, group)
 
     def _flush(self, key: str, group: _Group) -> None:
         if self._open.get(key) is group:
@@ -117,7 +150,7 @@ class SampleCoalescer:
         if not group.result.done():
             group.result.set_result(parts)
 
-    async def _draw_parts(self, group: _Group) -> list[list[Sample]]:
+    async def _draw_parts(self, group: _Group) -> list[_Answer]:
         if len(group.members) == 1:
             return [await self._upstream(group.name, group.prompt, group.args)]
         merged = dataclasses.replace(group.args, n=group.total)
@@ -126,21 +159,29 @@ class SampleCoalescer:
         except RPCError as error:
             if error.code != grpc.StatusCode.INVALID_ARGUMENT:
                 raise
-            return list(
-                await asyncio.gather(
-                    *(
-                        self._upstream(group.name, group.prompt, dataclasses.replace(group.args, n=n))
-                        for n in group.members
-                    )
-                )
+            # Each member alone: one member's refusal is its own, never the others'.
+            alone = await asyncio.gather(
+                *(
+                    self._upstream(group.name, group.prompt, dataclasses.replace(group.args, n=n))
+                    for n in group.members
+                ),
+                return_exceptions=True,
             )
+            return [_own_answer(answer) for answer in alone]
         self._on_merged(len(group.members))
-        parts = []
+        parts: list[_Answer] = []
         start = 0
         for n in group.members:
             parts.append(samples[start : start + n])
             start += n
         return parts
+
+
+def _own_answer(answer: list[Sample] | BaseException) -> _Answer:
+    """A member's answer from its call alone; what is not an Exception (a cancellation) goes on up."""
+    if isinstance(answer, BaseException) and not isinstance(answer, Exception):
+        raise answer
+    return answer
 
 
 def _key(name: str, prompt: Prompt, args: SampleArgs) -> str:
