@@ -1,6 +1,85 @@
-"""Every fixed bound and default of the tinkerrpc contract (filled in by layer as they switch over)."""
+"""Every fixed bound and default of the tinkerrpc API, and the defaults of the server's limit flags.
+
+A constant here is the only definition of its value: the service's validation, the sidecar's request
+models, the engine's request checks, the SDK's client-side checks and the generated docs read it.
+`LIMITS` describes each fixed bound (what it bounds and why) for `limits_markdown()`; `SERVER_FLAGS`
+the server's per-request limits that `tinkerrpc serve` flags change, which a running server reports
+in GetServerInfo's `limits`.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# --- Wire types: token counts and ids are int32, seeds and versions int64.
+MAX_INT32 = 2**31 - 1
+MIN_INT64 = -(2**63)
+MAX_INT64 = 2**63 - 1
+
+# --- Sample
+# OpenAI's top_logprobs cap.
+MAX_TOP_LOGPROBS = 20
+# Stop strings: the count and UTF-8 bytes of each, and stop token ids (they become stop strings when
+# stop strings are given too, so each one costs a string match).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_BYTES = 256
+MAX_STOP_TOKEN_IDS = 128
+# 0 is greedy; below the floor logits/temperature overflow float32 (1e-40 gave NaN logprobs); above the
+# ceiling the distribution is uniform to float32 precision.
+MIN_TEMPERATURE = 1e-3
+MAX_TEMPERATURE = 100.0
+# Text is refused before it is tokenised when it is over this many UTF-8 bytes per token of the model's
+# context: no tokenizer packs that much ordinary text into one token, so such a text could not fit.
+MAX_TEXT_BYTES_PER_TOKEN = 32
+
+# --- The sidecar's OpenAI-compatible endpoints (tighter than the gRPC API where OpenAI's are).
+# Completions per request (n, best_of): OpenAI-style clients ask for few; a batch goes through gRPC.
+SIDECAR_MAX_N = 16
+# OpenAI's temperature range is [0, 2].
+SIDECAR_MAX_TEMPERATURE = 2.0
+# Characters of a caller's request id or cache salt (echoed or ignored, never interpreted).
+SIDECAR_MAX_TAG_CHARS = 256
+
+# --- Train
+# A value beyond these bounds is never a setting that trains: it overflows float32 in the first step or
+# cannot come from a real sampler or environment. Whether a step overflows also depends on the weights,
+# so the engine checks each step itself (NON_FINITE_UPDATE); these refuse what is plainly wrong first.
+MAX_LEARNING_RATE = 10.0
+# Smaller rounds to 0 or a subnormal in float32, where an untouched parameter's update is 0/0.
+MIN_ADAM_EPS = 1e-30
+MAX_WEIGHT_DECAY = 1.0
+# Clip thresholds and DRO's beta above this weigh nothing more: the loss is already unclipped/dominated.
+MAX_LOSS_PARAMETER = 1e3
+# A sampler never emits a token of probability e^-10000; anything lower is not a sampling logprob.
+MIN_LOGPROB = -1e4
+MAX_ABS_REWARD = 1e6
+# A sample key the Sample RPC returns is 87 characters; anything much longer is no key of ours.
+MAX_SAMPLE_KEY_CHARS = 128
+# What a Train stores with its step (the idempotency record, the run history's metrics): a key is a
+# client's retry token (a UUID is 36 bytes); metrics are an environment's few figures per trajectory,
+# and each distinct name becomes a stored "env/<name>" mean.
+MAX_IDEMPOTENCY_KEY_BYTES = 256
+MAX_TRAJECTORY_METRICS = 64
+MAX_METRIC_NAME_BYTES = 128
+MAX_TRAIN_METRIC_NAMES = 256
+# Tinker's AdamParams defaults, which a Train that leaves beta1, beta2 or eps unset gets.
+DEFAULT_ADAM_BETA1 = 0.9
+DEFAULT_ADAM_BETA2 = 0.95
+DEFAULT_ADAM_EPS = 1e-12
+
+# --- Models
+# Model and checkpoint names: 1 to this many characters of [A-Za-z0-9._-], starting with a letter or digit.
+MAX_NAME_CHARS = 64
+DEFAULT_LORA_RANK = 32
+# At most the base model's hidden size (a rank past the width of the layers it adapts adds parameters,
+# not expressiveness) and never over this cap, whose adapter and Adam state on a mid-size model are
+# already gigabytes.
+MAX_LORA_RANK = 512
+
+# --- GetRunHistory pages
+DEFAULT_HISTORY_PAGE_SIZE = 100
+MAX_HISTORY_PAGE_SIZE = 1000
 
 # --- JSON carried in requests (the sidecar's bodies, a tool's parameters_json, a call's arguments_json)
 # Arrays and objects inside one another: real schemas nest a handful of levels, and every layer that
@@ -11,3 +90,121 @@ MAX_JSON_ENTRIES = 1 << 17
 # Characters of one number literal: an int64 is 20, a double's shortest exact form 24; far under the
 # 4300 digits where Python refuses to convert an integer.
 MAX_JSON_NUMBER_CHARS = 100
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One fixed bound: `name` is its constant in this module, `bounds` what it applies to."""
+
+    name: str
+    value: int | float
+    bounds: str
+    kind: str  # "at most" or "at least"
+
+
+def _most(name: str, bounds: str) -> Limit:
+    return Limit(name, globals()[name], bounds, "at most")
+
+
+def _least(name: str, bounds: str) -> Limit:
+    return Limit(name, globals()[name], bounds, "at least")
+
+
+LIMITS: tuple[Limit, ...] = (
+    _most("MAX_TOP_LOGPROBS", "SamplingParams.top_logprobs (the sidecar's top_logprobs, logprobs)"),
+    _most("MAX_STOP_STRINGS", "strings in SamplingParams.stop (the sidecar's stop)"),
+    _most("MAX_STOP_STRING_BYTES", "UTF-8 bytes of one stop string (each also non-empty)"),
+    _most("MAX_STOP_TOKEN_IDS", "ids in SamplingParams.stop_token_ids"),
+    _least("MIN_TEMPERATURE", "SamplingParams.temperature, unless 0 (greedy)"),
+    _most("MAX_TEMPERATURE", "SamplingParams.temperature"),
+    _most(
+        "MAX_TEXT_BYTES_PER_TOKEN",
+        "UTF-8 bytes of text per token of the model's context (a Sample's text, a chat's messages and "
+        "tools, a Train example's or trajectory's messages), refused before tokenising",
+    ),
+    _most("SIDECAR_MAX_N", "the sidecar's n and best_of"),
+    _most("SIDECAR_MAX_TEMPERATURE", "the sidecar's temperature (OpenAI's range)"),
+    _most("SIDECAR_MAX_TAG_CHARS", "characters of the sidecar's request_id and cache_salt"),
+    _most("MAX_LEARNING_RATE", "AdamParams.learning_rate (required, > 0)"),
+    _least("MIN_ADAM_EPS", "AdamParams.eps (smaller is 0 in float32)"),
+    _most("MAX_WEIGHT_DECAY", "AdamParams.weight_decay (>= 0)"),
+    _most("MAX_LOSS_PARAMETER", "LossConfig's clip_high_threshold and beta"),
+    _least("MIN_LOGPROB", "SampledTurn.completion_logprobs (each also <= 0)"),
+    _most("MAX_ABS_REWARD", "|Trajectory.reward|"),
+    _most("MAX_SAMPLE_KEY_CHARS", "characters of SampledTurn.sample_key"),
+    _most("MAX_IDEMPOTENCY_KEY_BYTES", "bytes of TrainRequest.idempotency_key"),
+    _most("MAX_TRAJECTORY_METRICS", "metrics of one trajectory (each finite)"),
+    _most("MAX_METRIC_NAME_BYTES", "bytes of one trajectory metric's name"),
+    _most("MAX_TRAIN_METRIC_NAMES", "distinct trajectory metric names in one Train"),
+    _most(
+        "MAX_NAME_CHARS", "characters of a model or checkpoint name ([A-Za-z0-9._-], first a letter or digit)"
+    ),
+    _most("MAX_LORA_RANK", "LoraConfig.rank (also at most the base model's hidden size)"),
+    _most("MAX_HISTORY_PAGE_SIZE", "GetRunHistoryRequest.page_size"),
+    _most("MAX_JSON_DEPTH", "nesting of JSON in a request (sidecar bodies, parameters_json, arguments_json)"),
+    _most("MAX_JSON_ENTRIES", "entries of one JSON object or array in a request"),
+    _most("MAX_JSON_NUMBER_CHARS", "characters of one JSON number literal (NaN and Infinity are refused)"),
+)
+
+
+@dataclass(frozen=True)
+class ServerFlag:
+    """A per-request limit that a `tinkerrpc serve` flag sets; `attribute` names it in the server's
+    Limits and in GetServerInfo's ServerLimits (backend_timeout as backend_timeout_seconds)."""
+
+    flag: str
+    attribute: str
+    default: int
+    help: str
+
+
+SERVER_FLAGS: tuple[ServerFlag, ...] = (
+    ServerFlag(
+        "--max-train-trajectories", "max_train_trajectories", 4096, "trajectories or examples per Train"
+    ),
+    ServerFlag(
+        "--max-train-tokens", "max_train_tokens", 1_048_576, "tokens per Train step, prompts and completions"
+    ),
+    ServerFlag("--max-sample-n", "max_sample_n", 128, "completions per Sample (n)"),
+    ServerFlag("--max-sample-tokens", "max_sample_tokens", 16_384, "max_tokens per Sample"),
+    ServerFlag(
+        "--backend-timeout", "backend_timeout", 3600, "seconds a call without a deadline waits on the backend"
+    ),
+    ServerFlag(
+        "--keep-sampler-versions", "keep_sampler_versions", 16, "latest versions kept sampleable per model"
+    ),
+    ServerFlag(
+        "--keep-state-checkpoints",
+        "keep_state_checkpoints",
+        4,
+        "latest automatic state checkpoints per model",
+    ),
+)
+
+
+def server_flag(attribute: str) -> ServerFlag:
+    return next(flag for flag in SERVER_FLAGS if flag.attribute == attribute)
+
+
+def number(value: float) -> str:
+    """A bound as the docs write it: 1e6, 1e-30, 0.001, 131072."""
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:g}".replace("e+0", "e").replace("e+", "e").replace("e-0", "e-")
+
+
+def markdown_table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> str:
+    """A Markdown table; a `|` inside a cell is escaped so that it does not split the cell."""
+    lines = [header, tuple("---" for _ in header), *rows]
+    return "".join("| " + " | ".join(cell.replace("|", "\\|") for cell in line) + " |\n" for line in lines)
+
+
+def limits_markdown() -> str:
+    """The fixed bounds and the server's limit flags as Markdown tables (for the docs)."""
+    bounds = [(f"`{limit.name}`", f"{limit.kind} {number(limit.value)}", limit.bounds) for limit in LIMITS]
+    flags = [(f"`{flag.flag}`", str(flag.default), flag.help) for flag in SERVER_FLAGS]
+    return (
+        markdown_table(("bound", "value", "applies to"), bounds)
+        + "\n"
+        + markdown_table(("flag", "default", "limits per request"), flags)
+    )
