@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Generic, Literal, Protocol, TypeVar
+from typing import Any
 
 from google.protobuf.message import Message as ProtoMessage
 from grpc_health.v1 import health_pb2
 
 from tinkerrpc import _convert as convert
+from tinkerrpc._call_kinds import Call, StreamCall, WatchCall
 from tinkerrpc._channel import remaining
 from tinkerrpc._export import WeightsWriter, check_export_target
 from tinkerrpc._messages import MessageLike, Tool, as_messages
@@ -37,78 +37,23 @@ from tinkerrpc._types import (
     TrajectoryGroup,
     check_trainable,
 )
+from tinkerrpc.contract.limits import DEFAULT_LEARNING_RATE, DEFAULT_LORA_RANK, MAX_HISTORY_PAGE_SIZE
+from tinkerrpc.contract.losses import DEFAULT_RL_LOSS, LOSS_BY_NAME, LossName
+from tinkerrpc.contract.sampling import DEFAULT_MAX_TOKENS
 from tinkerrpc.v1 import trainer_service_pb2 as service_pb
 from tinkerrpc.v1 import types_pb2 as pb
 
-T = TypeVar("T")
-T_co = TypeVar("T_co", covariant=True)
-
-LossName = Literal["importance_sampling", "ppo", "cispo", "dro", "stable_reinforce", "gspo", "cross_entropy"]
 Prompt = str | Sequence[int] | Sequence[MessageLike]
 ToolLike = Tool | Mapping[str, Any]
 GroupLike = TrajectoryGroup | Sequence[Trajectory]
 ConversationLike = SupervisedExample | Sequence[MessageLike]
 
 
-@dataclass(frozen=True)
-class Call(Generic[T]):
-    """One RPC, validated and built, not yet sent."""
-
-    rpc: str  # the TrainerService method's name, looked up on the sync or the async stub
-    request: ProtoMessage
-    read: Callable[[Any], T]  # the response message -> what the SDK method returns
-    # May a retry resend it after a deadline (see RetryPolicy)? Train is, thanks to its idempotency key.
-    safe_to_repeat: bool
-    timeout: float | None  # None: the client's default deadline
-    # "health": a gRPC health check, sent once with this wait_for_ready: the caller's plan decides what
-    # a failure means, so it is neither retried nor held until the client is connected.
-    service: Literal["trainer", "health"] = "trainer"
-    wait_for_ready: bool | None = None
-
-
-@dataclass(frozen=True)
-class Blocking(Generic[T]):
-    """A step of a plan that blocks without the network stack (a socket probe): the async client runs
-    it in a thread."""
-
-    function: Callable[[], T]
-
-
-class StreamReader(Protocol[T_co]):
-    """Takes one attempt's streamed responses, in order; `finish` builds the result, `discard` cleans up."""
-
-    def add(self, response: Any) -> None: ...
-    def finish(self) -> T_co: ...
-    def discard(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class StreamCall(Generic[T]):
-    """A server-streaming RPC, validated and built, not yet sent. Only read-only streams exist, so a
-    retry resends it from the start, into a fresh reader."""
-
-    rpc: str
-    request: ProtoMessage
-    reader: Callable[[], StreamReader[T]]
-    timeout: float | None  # for the whole stream; None: the client's default deadline
-
-
-@dataclass(frozen=True)
-class WatchCall(Generic[T]):
-    """A server stream of events that lasts until closed, each response read into one event as it
-    arrives; never retried (see _watch.py)."""
-
-    rpc: str
-    request: ProtoMessage
-    read: Callable[[Any], T]
-    timeout: float | None  # None: no deadline (NOT the client's default: a watch has no end of its own)
-
-
 def create_model(
     name: str,
     base_model: str,
     *,
-    lora_rank: int = 32,
+    lora_rank: int = DEFAULT_LORA_RANK,
     renderer: str | None = None,
     seed: int | None = None,
     train_mlp: bool = True,
@@ -199,7 +144,7 @@ def sample(
     prompt: Prompt,
     *,
     n: int = 1,
-    max_tokens: int = 256,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
     temperature: float = 1.0,
     top_p: float | None = None,
     top_k: int = 0,
@@ -285,8 +230,8 @@ def train(
     model: str,
     groups: Sequence[GroupLike],
     *,
-    loss: LossName = "importance_sampling",
-    learning_rate: float = 1e-4,
+    loss: LossName = DEFAULT_RL_LOSS,
+    learning_rate: float = DEFAULT_LEARNING_RATE,
     max_staleness: int | None = None,
     strict_staleness: bool = False,
     normalize_std: bool = False,
@@ -303,10 +248,10 @@ def train(
     timeout: float | None = None,
 ) -> Call[TrainResult]:
     """One RL optimizer step from trajectory groups; exactly once even when retried."""
-    if loss not in convert.LOSS_TO_PB:
-        raise ValueError(f"loss must be one of {tuple(convert.LOSS_TO_PB)}, got {loss!r}")
-    if loss == "cross_entropy":
-        raise ValueError("cross_entropy trains on supervised examples: use train_supervised()")
+    if loss not in LOSS_BY_NAME:
+        raise ValueError(f"loss must be one of {tuple(LOSS_BY_NAME)}, got {loss!r}")
+    if not LOSS_BY_NAME[loss].rl:
+        raise ValueError(f"{loss} trains on supervised examples: use train_supervised()")
     trajectory_groups = [g if isinstance(g, TrajectoryGroup) else TrajectoryGroup(list(g)) for g in groups]
     check_trainable(trajectory_groups)
     if max_staleness is not None and max_staleness < 0:
@@ -338,7 +283,7 @@ def train_supervised(
     model: str,
     conversations: Sequence[ConversationLike],
     *,
-    learning_rate: float = 1e-4,
+    learning_rate: float = DEFAULT_LEARNING_RATE,
     train_on: TrainOn = "all",
     adam_beta1: float | None = None,
     adam_beta2: float | None = None,
@@ -454,15 +399,16 @@ def history(
 ) -> Call[RunHistory]:
     """One page of the model's run: a RunStep (metrics, commit time, checkpoints) per policy version from
     `from_version` to `to_version` (inclusive; None: from the start, up to the current one), ascending.
-    `page_size` steps at most (0: the server's 100, at most 1000); pass the returned `next_page_token`
-    as `page_token`, with the same other arguments, for the next page."""
+    `page_size` steps at most (0: the server's DEFAULT_HISTORY_PAGE_SIZE; at most MAX_HISTORY_PAGE_SIZE,
+    both in tinkerrpc.contract.limits); pass the returned `next_page_token` as `page_token`, with the same
+    other arguments, for the next page."""
     for label, value in (("from_version", from_version), ("to_version", to_version)):
         if value is not None and value < 0:
             raise ValueError(f"{label} must be >= 0, got {value}")
     if from_version is not None and to_version is not None and to_version < from_version:
         raise ValueError(f"to_version ({to_version}) must be >= from_version ({from_version})")
-    if not 0 <= page_size <= 1000:
-        raise ValueError(f"page_size must be in [0, 1000], got {page_size}")
+    if not 0 <= page_size <= MAX_HISTORY_PAGE_SIZE:
+        raise ValueError(f"page_size must be in [0, {MAX_HISTORY_PAGE_SIZE}], got {page_size}")
     request = service_pb.GetRunHistoryRequest(
         model=model,
         from_version=from_version,

@@ -10,7 +10,7 @@ import grpc
 from google.protobuf.message import Message as ProtoMessage
 from grpc_health.v1 import health_pb2_grpc
 
-from tinkerrpc._calls import Blocking, StreamCall, WatchCall
+from tinkerrpc._call_kinds import Blocking, StreamCall, WatchCall
 from tinkerrpc._channel import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_MAX_MESSAGE_BYTES,

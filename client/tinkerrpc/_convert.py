@@ -26,6 +26,7 @@ from tinkerrpc._types import (
     Trajectory,
     TrajectoryGroup,
 )
+from tinkerrpc.contract.losses import LOSSES
 from tinkerrpc.v1 import trainer_service_pb2 as service_pb
 from tinkerrpc.v1 import types_pb2 as pb
 
@@ -53,14 +54,9 @@ _TRAIN_ON_TO_PB: dict[TrainOn, pb.TrainOn.ValueType] = {
     "all": pb.TRAIN_ON_ALL_ASSISTANT_MESSAGES,
     "last": pb.TRAIN_ON_LAST_ASSISTANT_MESSAGE,
 }
+# Each loss of the contract's table by its proto enum value (tinkerrpc.contract.losses).
 LOSS_TO_PB: dict[str, pb.LossFunction.ValueType] = {
-    "cross_entropy": pb.LOSS_FUNCTION_CROSS_ENTROPY,
-    "importance_sampling": pb.LOSS_FUNCTION_IMPORTANCE_SAMPLING,
-    "ppo": pb.LOSS_FUNCTION_PPO,
-    "cispo": pb.LOSS_FUNCTION_CISPO,
-    "dro": pb.LOSS_FUNCTION_DRO,
-    "stable_reinforce": pb.LOSS_FUNCTION_STABLE_REINFORCE,
-    "gspo": pb.LOSS_FUNCTION_GSPO,
+    loss.name: pb.LossFunction.Value(loss.proto_enum) for loss in LOSSES
 }
 
 

@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from tinkerrpc import _calls as calls
-from tinkerrpc._calls import Blocking, Call, StreamCall, WatchCall
+from tinkerrpc._call_kinds import Blocking, Call, StreamCall, WatchCall
 from tinkerrpc._channel import (
     DEFAULT_CONNECT_TIMEOUT,
     HEALTH_SERVICE_NAMES,

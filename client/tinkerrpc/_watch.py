@@ -10,7 +10,7 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 
-from tinkerrpc._calls import WatchCall
+from tinkerrpc._call_kinds import WatchCall
 from tinkerrpc._errors import raise_for_rpc_error
 
 T = TypeVar("T")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import art
 from art import dev
@@ -16,14 +16,14 @@ from tinkerrpc._errors import FailedPreconditionError
 from tinkerrpc._openai_client import sidecar_connection
 from tinkerrpc._types import CheckpointInfo, SupervisedExample, TrainResult
 from tinkerrpc.art._trajectories import convert_groups, sft_conversation
+from tinkerrpc.contract.losses import TRAIN_CONFIG_KEYS, RLLossName
 from tinkerrpc.v1.errors_pb2 import ErrorReason
 
-LossName = Literal["cispo", "ppo", "importance_sampling", "dro", "stable_reinforce", "gspo"]
 # ART's Tinker defaults (its TinkerNativeBackend) when no adam_params are given: AdamW betas (0.9, 0.95)
 # and eps 1e-8.
 DEFAULT_ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
-# loss_fn_config keys Tinker's losses take (clip thresholds for ppo/cispo/gspo, beta for dro).
-LOSS_CONFIG_KEYS = ("clip_low_threshold", "clip_high_threshold", "beta")
+# The loss_fn_config keys a Train sets (clip thresholds for ppo/cispo/gspo, beta for dro).
+LOSS_CONFIG_KEYS = tuple(key.name for key in TRAIN_CONFIG_KEYS)
 # SFT conversations per optimizer step when TrainSFTConfig.batch_size is "auto".
 AUTO_SFT_BATCH_SIZE = 32
 
@@ -123,7 +123,7 @@ class TinkerRPCBackend(art.Backend):
         trajectory_groups: Iterable[art.TrajectoryGroup],
         *,
         learning_rate: float = 1e-5,
-        loss_fn: LossName = "cispo",
+        loss_fn: RLLossName = "cispo",
         normalize_advantages: bool = True,
         save_checkpoint: bool = False,
         loss_fn_config: Mapping[str, float] | None = None,

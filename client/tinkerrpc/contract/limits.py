@@ -63,7 +63,9 @@ MAX_IDEMPOTENCY_KEY_BYTES = 256
 MAX_TRAJECTORY_METRICS = 64
 MAX_METRIC_NAME_BYTES = 128
 MAX_TRAIN_METRIC_NAMES = 256
-# Tinker's AdamParams defaults, which a Train that leaves beta1, beta2 or eps unset gets.
+# Tinker's AdamParams defaults: the SDK's learning rate, and what a Train that leaves beta1, beta2 or
+# eps unset gets.
+DEFAULT_LEARNING_RATE = 1e-4
 DEFAULT_ADAM_BETA1 = 0.9
 DEFAULT_ADAM_BETA2 = 0.95
 DEFAULT_ADAM_EPS = 1e-12

@@ -124,8 +124,8 @@ TRAIN_CONFIG_KEYS: tuple[ConfigKey, ...] = tuple(
     {key.name: key for loss in LOSSES for key in loss.config if key.train_field is not None}.values()
 )
 # What Train uses when a request leaves LossConfig.function unset.
-DEFAULT_SUPERVISED_LOSS = "cross_entropy"
-DEFAULT_RL_LOSS = "importance_sampling"
+DEFAULT_SUPERVISED_LOSS: LossName = "cross_entropy"
+DEFAULT_RL_LOSS: RLLossName = "importance_sampling"
 
 
 def losses_markdown() -> str:
