@@ -16,6 +16,7 @@ import hmac
 import html
 import json
 import math
+import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, StreamingResponse
 
 from tinkerrpc import AsyncClient, CheckpointInfo, ModelEvent, ModelInfo, NotFoundError, RPCError, RunStep
+from tinkerrpc_server.sidecar.errors import OpenAIError
 from tinkerrpc_server.sidecar.streaming import SSE_MEDIA_TYPE, sse_frame
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -39,6 +41,12 @@ KEY_COOKIE = "tinkerrpc_runs_key"
 HISTORY_PAGE_SIZE = 1000
 # A comment line this often keeps an idle event stream open through proxies and shows a dead peer.
 KEEPALIVE_SECONDS = 15.0
+# The largest version WatchModel takes (its from_version is an int64).
+MAX_VERSION = 2**63 - 1
+# A version as the event stream's parameters spell it: ASCII digits, no sign, at most int64's 19.
+_VERSION_TEXT = re.compile(r"[0-9]{1,19}")
+# How much of a refused value an error message repeats.
+_SHOWN_CHARS = 40
 
 
 def _finite(value: float) -> float | None:
@@ -106,6 +114,39 @@ def _page(title: str, body: str) -> str:
         '<link rel=stylesheet href="/runs/static/runs.css"></head>'
         f"<body>{body}</body></html>\n"
     )
+
+
+def _shown(text: str) -> str:
+    if len(text) <= _SHOWN_CHARS:
+        return repr(text)
+    return f"{text[:_SHOWN_CHARS]!r}... ({len(text)} characters)"
+
+
+def _version(text: str, field: str, highest: int, meaning: str) -> int:
+    """`text` as a version from 0 to `highest`; a 400 naming `field` otherwise."""
+    value = int(text) if _VERSION_TEXT.fullmatch(text) else None
+    if value is None or value > highest:
+        raise OpenAIError(
+            400,
+            f"{field} must be {meaning}: a whole number from 0 to {highest}, not {_shown(text)}",
+            param=field,
+        )
+    return value
+
+
+def resume_version(from_version: str | None, last_event_id: str | None) -> int | None:
+    """Where an event stream starts: after the Last-Event-ID a reconnecting EventSource sends (an event's
+    id is the model's version after it), else at from_version; None: live events only. Either one that
+    is not a version WatchModel can take is a 400 naming it."""
+    start = None
+    if from_version is not None:
+        start = _version(from_version, "from_version", MAX_VERSION, "a policy version")
+    if last_event_id:
+        last = _version(
+            last_event_id.strip(), "Last-Event-ID", MAX_VERSION - 1, "the id of an event of this stream"
+        )
+        start = last + 1
+    return start
 
 
 def _unauthorized() -> HTMLResponse:
@@ -215,19 +256,28 @@ def create_router(client: Callable[[], AsyncClient], api_key: str | None) -> API
         )
         return HTMLResponse(_page(f"{info.name} - tinkerrpc run", body))
 
+    def refuse_without_key(request: Request) -> None:
+        if not authorized(request):
+            raise OpenAIError(
+                401,
+                "the run view needs the sidecar's API key: `Authorization: Bearer <key>`, or open "
+                "/runs?key=<key> once",
+                code="invalid_api_key",
+                error_type="authentication_error",
+            )
+
     @router.get("/runs/{name}/state", response_model=None)
     async def run_state(request: Request, name: str, steps: bool = True) -> Response:
         """The model, its checkpoints and (unless steps=false) its whole history."""
-        if not authorized(request):
-            return JSONResponse({"error": "API key needed"}, status_code=401)
+        refuse_without_key(request)
         try:
             info = await client().get_model(name)
             checkpoints = await client().model(name).checkpoints()
             history_steps = await history(name) if steps else []
         except NotFoundError:
-            return JSONResponse({"error": "no such model"}, status_code=404)
+            raise OpenAIError(404, f"no model named {_shown(name)}", code="not_found") from None
         except RPCError as error:
-            return JSONResponse({"error": str(error)}, status_code=503)
+            raise OpenAIError(503, str(error), error_type="service_unavailable", should_retry=True) from None
         return JSONResponse(
             {
                 "model": model_json(info),
@@ -237,18 +287,12 @@ def create_router(client: Callable[[], AsyncClient], api_key: str | None) -> API
         )
 
     @router.get("/runs/{name}/events", response_model=None)
-    async def run_events(request: Request, name: str, from_version: int | None = None) -> Response:
-        """Server-sent events from WatchModel; a reconnecting EventSource resumes after its Last-Event-ID
-        (each event's id is the model's version after it)."""
-        if not authorized(request):
-            return JSONResponse({"error": "API key needed"}, status_code=401)
-        last_id = request.headers.get("last-event-id", "")
-        if last_id.isdigit():
-            from_version = int(last_id) + 1
-        if from_version is not None and from_version < 0:
-            return JSONResponse({"error": "from_version must be >= 0"}, status_code=400)
+    async def run_events(request: Request, name: str, from_version: str | None = None) -> Response:
+        """Server-sent events from WatchModel, from `from_version` on (see resume_version)."""
+        refuse_without_key(request)
+        start = resume_version(from_version, request.headers.get("last-event-id"))
         return StreamingResponse(
-            _relay(client(), name, from_version),
+            _relay(client(), name, start),
             media_type=SSE_MEDIA_TYPE,
             headers={"cache-control": "no-store"},
         )
