@@ -26,6 +26,8 @@ from websockets.sync.client import ClientConnection, connect
 import tinkerrpc
 from tinkerrpc_server.local.stack import LocalStack
 
+pytestmark = pytest.mark.ecosystem
+
 SIDECAR_KEY = "run-view-test-key"
 MODEL = "run-view"
 PROMPT = [{"role": "user", "content": "Is the sky blue? Answer yes, no or maybe."}]
@@ -291,3 +293,16 @@ def test_the_run_view_draws_the_run_and_follows_a_train_live(
     shot.write_bytes(base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"]))
     assert shot.stat().st_size > 10_000
     print(f"run view screenshot: {shot}")
+
+    # Every value axis is as wide as its widest tick label: with 10,000 tokens/s and more the throughput
+    # axis kept uPlot's 50 px and showed "0,000".
+    browser.evaluate("window.runCharts.throughput.setData([[1, 2, 3], [9500, 10000, 123456]])")
+    fits = browser.evaluate(
+        "(() => { const u = window.runCharts.throughput;"
+        " const axis = u.axes[1]; u.ctx.font = axis.font[0];"
+        " const widths = axis._values.map((v) => u.ctx.measureText(String(v)).width / uPlot.pxRatio);"
+        " return {labels: axis._values, size: axis._size,"
+        " needed: Math.max(...widths) + axis.ticks.size + axis.gap}; })()"
+    )
+    assert "100,000" in fits["labels"], fits
+    assert fits["size"] >= fits["needed"] > 50, fits

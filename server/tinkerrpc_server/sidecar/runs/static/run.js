@@ -1,12 +1,14 @@
 // The run view of one model: draws the history from /runs/{model}/state, then follows
 // /runs/{model}/events (server-sent events relayed from WatchModel) and redraws without reloading.
-// The page's <main id=run> carries data-latest-version, data-points and data-stream for tests.
+// The page's <main id=run> carries data-latest-version, data-points and data-stream for tests, and
+// window.runCharts holds the uPlot charts by name.
 "use strict";
 (function () {
   const root = document.getElementById("run");
   const base = "/runs/" + encodeURIComponent(root.dataset.model);
   let steps = []; // one entry per policy version, ascending
   const charts = {};
+  window.runCharts = charts;
   // Policy versions are whole numbers: the x axis ticks only at these spacings.
   const VERSION_STEPS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000];
 
@@ -40,6 +42,16 @@
     ] },
   };
 
+  // A value axis as wide as its widest tick label (uPlot's fixed 50 px cut "10,000" to "0,000"). uPlot
+  // measures in canvas pixels (CSS pixels times its pixel ratio) and sizes axes in CSS pixels.
+  function valueAxisSize(u, labels, axisIndex) {
+    const axis = u.axes[axisIndex];
+    u.ctx.font = axis.font[0];
+    let widest = 0;
+    for (const label of labels || []) widest = Math.max(widest, u.ctx.measureText(String(label)).width);
+    return Math.ceil(axis.ticks.size + axis.gap + widest / uPlot.pxRatio) + 2;
+  }
+
   function chartData(spec) {
     return [steps.map((s) => s.v), ...spec.series.map((series) => steps.map(series.value))];
   }
@@ -52,7 +64,7 @@
         charts[name] = new uPlot({
           title: spec.title, width, height: 240,
           scales: { x: { time: false } },
-          axes: [{ label: "policy version", incrs: VERSION_STEPS }, {}],
+          axes: [{ label: "policy version", incrs: VERSION_STEPS }, { size: valueAxisSize }],
           series: [{ label: "version" }, ...spec.series.map(({ label, stroke, width, dash }) => ({ label, stroke, width: width || 1, dash, points: { show: true, size: 5 } }))],
         }, chartData(spec), element);
       } else {
