@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import BaseRoute, Match
 
 from tinkerrpc import AsyncClient, ModelInfo, RetryPolicy, RPCError, Sample
@@ -58,6 +59,9 @@ ENDPOINTS = (
 
 # Paths that need the API key (the run view checks its own, cookie included); /health and /metrics do not.
 KEYED_PATHS = ("/v1/", "/inference/")
+
+# The status of a request whose client left before it was read (nginx's); no one receives it.
+CLIENT_CLOSED_REQUEST = 499
 
 # An HTTP caller is waiting: give up on an unreachable server after a short backoff and answer 503
 # (with x-should-retry) instead of holding the request for the SDK's default minute.
@@ -188,6 +192,13 @@ def create_app(upstream: GrpcUpstream, api_key: str | None) -> FastAPI:
             )
             return OpenAIError(404, message, code="not_found").to_response()
         return OpenAIError(error.status_code, str(error.detail)).to_response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, _: ClientDisconnect) -> Response:
+        # An ordinary event (a timeout, a cancelled agent step): nobody reads the answer, and it is no
+        # server error. 499 is nginx's "client closed request", so the metrics show it apart.
+        log.info("client disconnected before the request was read: %s %s", request.method, request.url.path)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(Exception)
     async def unexpected_error(_: Request, error: Exception) -> JSONResponse:
