@@ -149,7 +149,7 @@ def test_a_model_laid_out_from_its_own_files_is_not_hashed_again(
     def no_hashing(path: Path) -> str:
         raise AssertionError(f"hashed {path} again")
 
-    monkeypatch.setattr(model_store, "_sha256", no_hashing)
+    monkeypatch.setattr(model_store.layout, "file_sha256", no_hashing)
     assert publish_to_hf_cache(TINY_CHAT, model, cache) == first
     # A copy of the files (other inodes) is hashed, as its content may differ.
     copy = tmp_path / "copy"
@@ -208,8 +208,8 @@ def test_smollm2_is_built_once_and_listed_by_name(
     def no_conversion(gguf: Path, directory: Path) -> None:
         raise AssertionError("converted again")
 
-    monkeypatch.setattr(model_store, "_convert_llama_gguf", no_conversion)
-    monkeypatch.setattr(model_store, "hf_hub_cache", lambda: tmp_path / "hub")
+    monkeypatch.setattr(model_store.gguf_models, "_convert_llama_gguf", no_conversion)
+    monkeypatch.setattr(model_store.layout, "hf_hub_cache", lambda: tmp_path / "hub")
     assert resolve_base_model(SMOLLM2, smollm2.parent.parent) == smollm2
     assert SMOLLM2 in listed_builtin_models() and TINY_CHAT in listed_builtin_models()
     engine = Engine(tmp_path / "data", tmp_path / "no-models-yet")
