@@ -4,6 +4,7 @@ registry, Train and checkpoints as `serve` wires them, without a process, a port
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from tinkerrpc_server.service.checkpoints import Checkpoints
 from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.models import ModelRegistry
 from tinkerrpc_server.service.rendering import ChatCodecs
-from tinkerrpc_server.service.sample_cache import SampleCache
+from tinkerrpc_server.service.sample_cache import SampleCache, SamplerOf
 from tinkerrpc_server.service.store import Store
 from tinkerrpc_server.service.training import NoStepHooks, StepHooks, Trainer
 
@@ -41,16 +42,17 @@ class InProcessService:
         checkpoint_every: int = 1,
         limits: Limits | None = None,
         hooks: StepHooks | None = None,
-        sample_cache: SampleCache | None = None,
+        sample_cache: Callable[[SamplerOf], SampleCache] = SampleCache,
     ) -> InProcessService:
-        """The service on the database `db` (a restart when it exists): its registry, as at start-up."""
+        """The service on the database `db` (a restart when it exists): its registry, as at start-up;
+        `sample_cache` makes its sample cache over the store's sampler paths."""
         limits = limits or Limits()
         store = Store(db)
         backend = fake.backend()
-        models = ModelRegistry(store, backend, codecs, limits)
-        sample_cache = SampleCache() if sample_cache is None else sample_cache
-        trainer = Trainer(store, models, checkpoint_every, limits, hooks or NoStepHooks(), sample_cache)
-        return cls(store, fake, models, trainer, Checkpoints(store, backend, models), sample_cache)
+        cache = sample_cache(store.sampler_path)
+        models = ModelRegistry(store, backend, codecs, limits, cache)
+        trainer = Trainer(store, models, checkpoint_every, limits, hooks or NoStepHooks(), cache)
+        return cls(store, fake, models, trainer, Checkpoints(store, backend, models), cache)
 
     async def create(
         self, name: str, keep_sampler_versions: int | None = None, keep_state_checkpoints: int | None = None

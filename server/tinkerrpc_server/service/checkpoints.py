@@ -99,6 +99,8 @@ class Checkpoints:
                 )
                 self._store.set_version(tx, request.model, version, (version, checkpoint.tinker_path))
                 self._store.set_run_id(request.model, str(client.model_id), tx)
+            # The versions from `version` on are discarded: a key of one names weights that are gone.
+            self._models.sample_cache.discard(request.model, version)
             self._models.events.restored(checkpoint_info(checkpoint))
             dropped, runtime.training_client = runtime.training_client, client
             runtime.dirty = False

@@ -30,6 +30,7 @@ from tinkerrpc_server.service.rendering import (
     off_loop,
 )
 from tinkerrpc_server.service.retention import Retention, unload_training_client
+from tinkerrpc_server.service.sample_cache import SampleCache
 from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE, CheckpointRow, ModelRow, Store
 from tinkerrpc_server.service.validation import check_lora_rank
 
@@ -121,10 +122,14 @@ class ModelRuntime:
 
 
 class ModelRegistry:
-    def __init__(self, store: Store, backend: Backend, codecs: ChatCodecs, limits: Limits) -> None:
+    def __init__(
+        self, store: Store, backend: Backend, codecs: ChatCodecs, limits: Limits, sample_cache: SampleCache
+    ) -> None:
         self._store = store
         self._backend = backend
         self._codecs = codecs
+        # What Sample drew, by sample key: what a restore or delete discards goes from it too.
+        self.sample_cache = sample_cache
         self.retention = Retention(store, backend, limits)
         self._runtimes: dict[str, ModelRuntime] = {row.name: ModelRuntime() for row in store.list_models()}
         self._sampling_clients: dict[str, asyncio.Task[tinker.SamplingClient]] = {}
@@ -435,6 +440,7 @@ class ModelRegistry:
             await self.tidied(name)
             paths = [row.tinker_path for row in self._store.list_checkpoints(name)]
             self._store.delete_model(name)
+            self.sample_cache.discard(name)
             self._runtimes.pop(name, None)
         if runtime.training_client is not None:
             unload_training_client(runtime.training_client)

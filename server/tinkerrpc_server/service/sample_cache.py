@@ -6,7 +6,11 @@ A key is `<nonce>.<mac>`: a random nonce and an HMAC-SHA256, under a secret made
 (model, policy version, a hash of the prompt tokens, a hash of the completion tokens, nonce). A key is
 trusted only when its MAC verifies against the entry's contents AND the turn presents the same model,
 version and tokens; a forged, tampered, mismatched, expired or evicted key finds nothing, and the turn is
-scored. Bounded per server by entries and by bytes (least recently used first out) and by age."""
+scored. Bounded per server by entries and by bytes (least recently used first out) and by age.
+
+What a restore or DeleteModel discards is gone here too: `discard` drops the keys of the versions it
+discarded (a version number trained again names other weights), and a sample whose version was discarded
+while it was drawn (its sampler weights are no longer the version's) is not kept."""
 
 from __future__ import annotations
 
@@ -46,11 +50,17 @@ class CachedSample:
         return _ENTRY_OVERHEAD_BYTES + _BYTES_PER_VALUE * values
 
 
+# The sampler weights a model's version has now (Store.sampler_path): None once discarded.
+SamplerOf = Callable[[str, int], str | None]
+
+
 class SampleCache:
-    """Bounded, expiring map from sample keys to what was sampled. `clock` (monotonic seconds) is for tests."""
+    """Bounded, expiring map from sample keys to what was sampled. `sampler_of` tells whether a version's
+    sampler weights are still those a sample was drawn from; `clock` (monotonic seconds) is for tests."""
 
     def __init__(
         self,
+        sampler_of: SamplerOf,
         ttl_seconds: float = DEFAULT_TTL_SECONDS,
         max_entries: int = DEFAULT_MAX_ENTRIES,
         max_bytes: int = DEFAULT_MAX_BYTES,
@@ -62,6 +72,7 @@ class SampleCache:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        self._sampler_of = sampler_of
         self._ttl = ttl_seconds
         self._max_entries = max_entries
         self._max_bytes = max_bytes
@@ -98,12 +109,18 @@ class SampleCache:
         prompt_token_ids: Sequence[int],
         completion_token_ids: Sequence[int],
         logprobs: Sequence[float],
+        *,
+        sampled_from: str,
     ) -> str:
-        """Keeps one sampled sequence and returns its key (evicting the oldest entries over the bounds)."""
+        """Keeps one sequence sampled from the sampler weights `sampled_from` and returns its key (evicting
+        the oldest entries over the bounds). When the version no longer has those weights (a restore or
+        DeleteModel discarded it during the call) nothing is kept: a turn naming the key is scored."""
         if len(logprobs) != len(completion_token_ids):
             raise ValueError(f"{len(logprobs)} logprobs for {len(completion_token_ids)} completion tokens")
         nonce = secrets.token_urlsafe(16)
         key = f"{nonce}.{self._mac(model, policy_version, prompt_token_ids, completion_token_ids, nonce)}"
+        if self._sampler_of(model, policy_version) != sampled_from:
+            return key
         entry = CachedSample(
             model,
             policy_version,
@@ -150,6 +167,13 @@ class SampleCache:
             return None
         self._entries.move_to_end(key)
         return entry.logprobs
+
+    def discard(self, model: str, from_version: int = 0) -> None:
+        """Forget the model's keys of versions >= `from_version` (a restore to it, or DeleteModel: 0)."""
+        for key in [
+            k for k, e in self._entries.items() if e.model == model and e.policy_version >= from_version
+        ]:
+            self._remove(key)
 
     def _drop_expired(self) -> None:
         now = self._clock()

@@ -355,7 +355,12 @@ class Sampler:
         for sequence in sequences:
             if len(sequence.logprobs) == len(sequence.token_ids):
                 sequence.sample_key = self._sample_cache.put(
-                    row.name, version, prompt, list(sequence.token_ids), list(sequence.logprobs)
+                    row.name,
+                    version,
+                    prompt,
+                    list(sequence.token_ids),
+                    list(sequence.logprobs),
+                    sampled_from=path,
                 )
         if params.top_logprobs > 0:
             await asyncio.gather(

@@ -71,9 +71,9 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
         hosting: Hosting,
     ) -> None:
         self._server_info = _server_info(backend, limits, hosting)
-        self._models = ModelRegistry(store, backend, codecs, limits)
+        sample_cache = SampleCache(store.sampler_path)
+        self._models = ModelRegistry(store, backend, codecs, limits, sample_cache)
         self._supervisor = EngineSupervisor(backend, self._models, limits.backend_timeout)
-        sample_cache = SampleCache()
         self._trainer = Trainer(store, self._models, checkpoint_every, limits, step_hooks, sample_cache)
         self._checkpoints = Checkpoints(store, backend, self._models)
         self._sampler = Sampler(store, self._models, limits, sample_cache)
