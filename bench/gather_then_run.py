@@ -18,9 +18,10 @@ from typing import TypeVar
 
 from tinkerrpc_server import settings
 from tinkerrpc_server.engine.compute.scheduler import BatchPolicy
+from tinkerrpc_server.engine.config import EngineConfig
+from tinkerrpc_server.engine.main import engine_main
 from tinkerrpc_server.local.stack import LocalEngine
 from tinkerrpc_server.processes.children import REPORT_FD_FLAG, report_ready
-from tinkerrpc_server.processes.http_serving import bound_port, listen
 
 JobT = TypeVar("JobT")
 
@@ -65,23 +66,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument(REPORT_FD_FLAG, dest="report_fd", type=int, required=True)
     args = parser.parse_args(argv)
     environment = settings.Settings.from_environment()
-    # As `tinkerrpc engine` starts: the baseline runs under the same process settings.
+    # As `tinkerrpc engine` starts: the baseline runs under the same process settings and start-up.
     settings.set_process_defaults()
     settings.configure_logging(environment.log_level)
-    from tinkerrpc_server.engine.app import run_engine
-
-    sock = listen("127.0.0.1", 0)
-    run_engine(
-        sock,
-        args.data_dir,
-        args.model_dir,
-        environment.engine_api_key,
+    config = EngineConfig(
+        data_dir=args.data_dir,
+        model_dir=args.model_dir,
+        api_key=environment.engine_api_key,
         device=environment.engine_device,
         dtype=environment.engine_dtype,
         policy=GATHER_THEN_RUN,
-        on_serving=lambda: report_ready(args.report_fd, {"port": bound_port(sock)}),
     )
-    return 0
+    return engine_main(config, lambda port: report_ready(args.report_fd, {"port": port}))
 
 
 if __name__ == "__main__":

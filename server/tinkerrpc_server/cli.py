@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tinkerrpc_server.engine.config import DEFAULT_SESSION_TIMEOUT_SECONDS
 from tinkerrpc_server.processes.children import REPORT_FD_FLAG, report_ready
 from tinkerrpc_server.service.limits import add_limit_arguments, limits_from_args
 from tinkerrpc_server.settings import (
@@ -24,12 +25,12 @@ from tinkerrpc_server.settings import (
     SIDECAR_API_KEY_ENV,
     Settings,
     configure_logging,
-    forget_engine_api_key,
     set_process_defaults,
     settings_of,
 )
 
 if TYPE_CHECKING:
+    from tinkerrpc_server.engine.config import EngineConfig
     from tinkerrpc_server.local.launch import EmbeddedEngine
 
 Command = Callable[[argparse.Namespace, Settings], int]
@@ -291,7 +292,7 @@ def _add_engine(sub: argparse._SubParsersAction, settings: Settings) -> None:  #
     p.add_argument(
         "--session-timeout",
         type=float,
-        default=120.0,
+        default=DEFAULT_SESSION_TIMEOUT_SECONDS,
         metavar="SECONDS",
         help="finish a tinker session (unload its training clients, drop its ephemeral sampler weights) "
         "after this long without a heartbeat; the SDK heartbeats every 10 s (default: %(default)s)",
@@ -312,74 +313,51 @@ def _add_engine(sub: argparse._SubParsersAction, settings: Settings) -> None:  #
     p.set_defaults(func=_engine)
 
 
-def _engine_api_key(args: argparse.Namespace, settings: Settings) -> tuple[str | None, str | None]:
-    """(the key the engine requires or None for --insecure-no-auth, why it cannot start or None)."""
-    from tinkerrpc_server.engine.auth import api_key_problem, is_loopback_host
+def _engine_config(args: argparse.Namespace, settings: Settings) -> EngineConfig | str:
+    """The engine's configuration from the command line and the environment, or why it cannot start."""
+    from tinkerrpc_server.engine.auth import api_key_problem
+    from tinkerrpc_server.engine.config import EngineConfig, EngineConfigError
 
-    # Nothing the engine starts inherits it.
-    forget_engine_api_key()
-    from_env = settings.engine_api_key
-    if args.insecure_no_auth:
-        if from_env:
-            return None, f"--insecure-no-auth contradicts ${ENGINE_API_KEY_ENV}"
-        if not is_loopback_host(args.host):
-            return None, f"--insecure-no-auth serves only a loopback --host, not {args.host}"
-        return None, None
+    key, source = settings.engine_api_key, f"${ENGINE_API_KEY_ENV}"
+    if args.insecure_no_auth and key:
+        return f"--insecure-no-auth contradicts ${ENGINE_API_KEY_ENV}"
     if args.api_key_file is not None:
         try:
-            key = args.api_key_file.read_text().strip()
+            key, source = args.api_key_file.read_text().strip(), str(args.api_key_file)
         except (OSError, UnicodeDecodeError) as err:
-            return None, f"cannot read --api-key-file {args.api_key_file}: {err}"
-        source = str(args.api_key_file)
-    elif from_env:
-        key, source = from_env, f"${ENGINE_API_KEY_ENV}"
-    else:
-        return None, (
+            return f"cannot read --api-key-file {args.api_key_file}: {err}"
+    elif key is None and not args.insecure_no_auth:
+        return (
             f"no API key: give --api-key-file FILE or ${ENGINE_API_KEY_ENV} "
             "(or --insecure-no-auth on a loopback --host)"
         )
-    problem = api_key_problem(key)
-    return key, None if problem is None else f"{source}: {problem}"
+    problem = None if key is None else api_key_problem(key)
+    if problem is not None:
+        return f"{source}: {problem}"
+    try:
+        return EngineConfig(
+            data_dir=args.data_dir,
+            model_dir=args.model_dir,
+            api_key=key,
+            insecure_no_auth=args.insecure_no_auth,
+            host=args.host,
+            port=args.port,
+            session_timeout=args.session_timeout,
+            device=args.device,
+            dtype=args.dtype,
+        )
+    except EngineConfigError as err:
+        return str(err)
 
 
 def _engine(args: argparse.Namespace, settings: Settings) -> int:
-    api_key, problem = _engine_api_key(args, settings)
-    if problem is None and not 10 < args.session_timeout <= 86400:
-        problem = f"--session-timeout must be above the SDK's 10 s heartbeat and at most a day, got {args.session_timeout}"
-    if problem is not None:
-        print(f"tinkerrpc engine: {problem}", file=sys.stderr)
+    config = _engine_config(args, settings)
+    if isinstance(config, str):
+        print(f"tinkerrpc engine: {config}", file=sys.stderr)
         return 2
-    from tinkerrpc_server.processes.ownership import own_data_dir
+    from tinkerrpc_server.engine.main import engine_main
 
-    # Before the heavy imports: a data dir another engine owns is one line.
-    problem = own_data_dir(args.data_dir)
-    if problem is not None:
-        print(f"tinkerrpc engine: cannot start: {problem}", file=sys.stderr)
-        return 1
-    sock = _listen("engine", args.host, args.port)
-    if sock is None:
-        return 1
-    from tinkerrpc_server.engine.app import run_engine
-    from tinkerrpc_server.engine.runtime import PlacementError, resolve_placement
-    from tinkerrpc_server.processes.http_serving import bound_port
-
-    try:
-        resolve_placement(args.device, args.dtype)
-    except PlacementError as error:
-        print(f"tinkerrpc engine: cannot start: {error}", file=sys.stderr)
-        return 2
-    report = _reporter(args)
-    run_engine(
-        sock,
-        args.data_dir,
-        args.model_dir,
-        api_key,
-        args.session_timeout,
-        device=args.device,
-        dtype=args.dtype,
-        on_serving=lambda: report({"port": bound_port(sock)}),
-    )
-    return 0
+    return engine_main(config, on_serving=lambda port: _reporter(args)({"port": port}))
 
 
 def _add_grpc_token_argument(p: argparse.ArgumentParser, flag: str, settings: Settings) -> None:

@@ -21,8 +21,11 @@ import uvicorn
 from tinker import types
 
 from tinkerrpc_server.engine.app import create_app
+from tinkerrpc_server.engine.config import EngineConfig
 from tinkerrpc_server.engine.core import UNNAMED_SNAPSHOTS_KEPT_PER_MODEL
 from tinkerrpc_server.processes.http_serving import OWNER_ONLY, bound_port, listen, serve_until_stopped
+
+pytestmark = pytest.mark.process
 
 GRACE = 0.5
 TINY = "tinkerrpc/tiny-chat"
@@ -43,7 +46,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessEngine
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     work = tmp_path_factory.mktemp("snapshots")
     api_key = f"tml-{secrets.token_hex(16)}"
-    app = create_app(work / "data", work / "models", api_key, snapshot_grace=GRACE)
+    app = create_app(EngineConfig(work / "data", work / "models", api_key, snapshot_grace=GRACE))
     sock = listen("127.0.0.1", 0)  # connections queue from here on: no wait for the server to start
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()

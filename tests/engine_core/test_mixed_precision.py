@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 from test_non_finite_guard import state_of
 
+from tinkerrpc_server.engine.auth import generate_api_key
 from tinkerrpc_server.engine.compute.samples import SampleJob
 from tinkerrpc_server.engine.runtime import (
     ADAPTER_WEIGHTS_FILE,
@@ -26,6 +27,8 @@ from tinkerrpc_server.engine.runtime import (
     resolve_placement,
 )
 from tinkerrpc_server.settings import ENGINE_API_KEY_ENV, ENGINE_DEVICE_ENV, ENGINE_DTYPE_ENV
+
+pytestmark = pytest.mark.process
 
 ADAM = {
     "learning_rate": 1e-2,
@@ -92,8 +95,8 @@ def test_placement_defaults_settings_and_errors(monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_serve_s_engine_child_without_the_device_stops_at_start(tmp_path: Path) -> None:
     """What `TINKERRPC_ENGINE_DEVICE=cuda tinkerrpc serve` starts on a machine without a GPU."""
-    env = {**os.environ, ENGINE_DEVICE_ENV: "cuda", ENGINE_API_KEY_ENV: "unused"}
-    args = ["--parent-pid", str(os.getpid()), "--host", "127.0.0.1", "--port", "1"]
+    env = {**os.environ, ENGINE_DEVICE_ENV: "cuda", ENGINE_API_KEY_ENV: generate_api_key()}
+    args = ["--parent-pid", str(os.getpid()), "--host", "127.0.0.1", "--port", "0"]
     args += ["--data-dir", str(tmp_path / "data"), "--model-dir", str(tmp_path / "models")]
     child = [sys.executable, "-m", "tinkerrpc_server.local.engine_child", *args]
     run = subprocess.run(child, env=env, capture_output=True, text=True, timeout=120)

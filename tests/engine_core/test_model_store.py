@@ -16,6 +16,7 @@ from tinker_cookbook.renderers import get_renderer
 from tinker_cookbook.tokenizer_utils import get_tokenizer
 
 from tinkerrpc_server import model_store
+from tinkerrpc_server.engine.config import EngineConfig
 from tinkerrpc_server.engine.core import Engine
 from tinkerrpc_server.engine.runtime import BaseModelRuntime, DatumArrays, EngineUserError, LoraSpec
 from tinkerrpc_server.model_store import (
@@ -32,6 +33,8 @@ from tinkerrpc_server.model_store import (
     publish_to_hf_cache,
     resolve_base_model,
 )
+
+pytestmark = pytest.mark.process
 
 
 def test_tiny_chat_is_built_deterministically(tiny_model_path: Path, tmp_path: Path) -> None:
@@ -212,7 +215,7 @@ def test_smollm2_is_built_once_and_listed_by_name(
     monkeypatch.setattr(model_store.layout, "hf_hub_cache", lambda: tmp_path / "hub")
     assert resolve_base_model(SMOLLM2, smollm2.parent.parent) == smollm2
     assert SMOLLM2 in listed_builtin_models() and TINY_CHAT in listed_builtin_models()
-    engine = Engine(tmp_path / "data", tmp_path / "no-models-yet")
+    engine = Engine(EngineConfig(tmp_path / "data", tmp_path / "no-models-yet", insecure_no_auth=True))
     try:
         assert {TINY_CHAT, SMOLLM2} <= set(engine.supported_models())
     finally:

@@ -14,7 +14,7 @@ import os
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,13 +26,8 @@ from fastapi.responses import JSONResponse
 from tinkerrpc_server.engine import protocol
 from tinkerrpc_server.engine.auth import ApiKeyMiddleware
 from tinkerrpc_server.engine.compute import cpu_kernels
-from tinkerrpc_server.engine.compute.scheduler import BatchPolicy
-from tinkerrpc_server.engine.core import (
-    DEFAULT_SESSION_TIMEOUT_SECONDS,
-    DEFAULT_SNAPSHOT_GRACE_SECONDS,
-    Engine,
-    NotFound,
-)
+from tinkerrpc_server.engine.config import EngineConfig
+from tinkerrpc_server.engine.core import Engine, NotFound
 from tinkerrpc_server.engine.routes import models, sampling, training, weights
 from tinkerrpc_server.engine.routes.common import future
 from tinkerrpc_server.engine.signed_urls import Forbidden
@@ -62,23 +57,10 @@ def describe_invalid_body(errors: Sequence[Any]) -> str:
     return "invalid request: " + "; ".join(parts)
 
 
-def create_app(
-    data_dir: Path,
-    model_dir: Path,
-    api_key: str | None,
-    session_timeout: float = DEFAULT_SESSION_TIMEOUT_SECONDS,
-    device: str | None = None,
-    dtype: str | None = None,
-    policy: BatchPolicy | None = None,
-    snapshot_grace: float = DEFAULT_SNAPSHOT_GRACE_SECONDS,
-    torch_threads: int | None = None,
-) -> FastAPI:
-    """The engine's app; with `api_key`, every request but the health check and signed downloads needs
-    it (engine.auth), with None the engine serves anyone who reaches its port. `device`, `dtype`,
-    `policy`, `snapshot_grace` and `torch_threads` as in core.Engine."""
-    engine = Engine(
-        data_dir, model_dir, session_timeout, device, dtype, policy, snapshot_grace, torch_threads
-    )
+def create_app(config: EngineConfig) -> FastAPI:
+    """The engine's app; with `config.api_key`, every request but the health check and signed downloads
+    needs it (engine.auth), without one the engine serves anyone who reaches its port."""
+    engine = Engine(config)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -87,8 +69,8 @@ def create_app(
 
     app = FastAPI(title="tinkerrpc embedded engine", lifespan=lifespan)
     app.state.engine = engine
-    if api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
 
     async def known_error(_: Request, exc: Exception) -> JSONResponse:
         status = next(code for error, code in _STATUS_OF_ERROR.items() if isinstance(exc, error))
@@ -116,45 +98,35 @@ def create_app(
     return app
 
 
-def run_engine(
-    sock: socket.socket,
-    data_dir: Path,
-    model_dir: Path,
-    api_key: str | None,
-    session_timeout: float = DEFAULT_SESSION_TIMEOUT_SECONDS,
-    device: str | None = None,
-    dtype: str | None = None,
-    policy: BatchPolicy | None = None,
-    on_serving: Callable[[], None] | None = None,
-) -> None:
+def serve_engine(sock: socket.socket, config: EngineConfig, on_serving: Callable[[], None]) -> None:
     """Serve the engine on the listening socket `sock` until SIGTERM/SIGINT, then return normally.
-    `on_serving` runs once the app is built and the signals are handled (requests then get answers)."""
+    `on_serving` runs once the app is built and the signals are handled (requests then get answers).
+    Started by engine.main.engine_main, after its checks."""
     # Everything the engine writes (weights, optimizer state, its index) is its owner's alone.
     os.umask(0o077)
     # torch's parallel ops run on the compute thread alone, with the threads this process has (see
     # engine/worker.py); this thread, which serves HTTP, keeps one.
-    torch_threads = torch.get_num_threads()
+    if config.torch_threads is None:
+        config = replace(config, torch_threads=torch.get_num_threads())
     # Before serving: once the engine answers, clients can load the built-in models by name, and the
     # first sample does not wait for the CPU kernels to build.
-    in_passing_thread(lambda: prepare_builtin_models(model_dir))
+    in_passing_thread(lambda: prepare_builtin_models(config.model_dir))
     cpu_kernels.available()
     torch.set_num_threads(1)
     torch.get_num_threads()  # pins it for this thread (see ComputeWorker._loop)
-    app = create_app(
-        data_dir, model_dir, api_key, session_timeout, device, dtype, policy, torch_threads=torch_threads
-    )
+    app = create_app(config)
     host = sock.getsockname()[0]
     log.info(
         "engine on http://%s:%d (data %s, models %s, %s)",
         f"[{host}]" if ":" in host else host,
         bound_port(sock),
-        data_dir,
-        model_dir,
-        "X-API-Key required" if api_key is not None else "NO AUTHENTICATION",
+        config.data_dir,
+        config.model_dir,
+        "X-API-Key required" if config.api_key is not None else "NO AUTHENTICATION",
     )
     # No access log: clients long-poll retrieve_future; the worker logs one line per operation.
-    config = uvicorn.Config(app, access_log=False, log_level="warning", timeout_graceful_shutdown=3)
+    server = uvicorn.Config(app, access_log=False, log_level="warning", timeout_graceful_shutdown=3)
     # The imports (torch, transformers, peft) leave millions of long-lived objects: freezing them keeps
     # every garbage collection, and the final one at exit (3+ s otherwise), from walking them.
     gc.freeze()
-    serve_until_signalled(config, sock, OWNER_ONLY, on_serving)
+    serve_until_signalled(server, sock, OWNER_ONLY, on_serving)

@@ -35,7 +35,7 @@ from tinker import types
 from tinkerrpc_server.engine import protocol
 from tinkerrpc_server.engine.compute.feed import MappedFeed, RequestFeed
 from tinkerrpc_server.engine.compute.samples import SampleJob, SampleOutput
-from tinkerrpc_server.engine.compute.scheduler import BatchPolicy
+from tinkerrpc_server.engine.config import EngineConfig
 from tinkerrpc_server.engine.futures import (
     FailedResult,
     FutureTable,
@@ -62,16 +62,8 @@ log = logging.getLogger("tinkerrpc.engine")
 
 # How often expired checkpoints are deleted from disk (and silent sessions finished, at least this often).
 SWEEP_INTERVAL_SECONDS = 30.0
-# A session whose client sent nothing for this long is finished: the tinker SDK heartbeats every 10 s
-# and warns "the session will be terminated" after 120 s without one. A client killed mid-run (or one
-# that never closes its ServiceClient, like the cookbook's loops) frees what it made after this.
-DEFAULT_SESSION_TIMEOUT_SECONDS = 120.0
 # Finished session ids remembered so their heartbeats answer 410 (the SDK then stops its loop).
 _FINISHED_SESSIONS_REMEMBERED = 4096
-# How long a superseded unnamed sampler snapshot stays after its last sampling session or request let go
-# of it: a rollout holding a sampling client between requests (the SDK keeps no session per client)
-# still finds its weights.
-DEFAULT_SNAPSHOT_GRACE_SECONDS = 10.0
 # Unnamed sampler snapshots kept per training client, its newest included: disk stays bounded however
 # many sampling clients an async RL loop holds (each is one adapter's size).
 UNNAMED_SNAPSHOTS_KEPT_PER_MODEL = 8
@@ -116,31 +108,15 @@ def classify_error(exc: BaseException) -> FailedResult:
 
 
 class Engine:
-    def __init__(
-        self,
-        data_dir: Path,
-        model_dir: Path,
-        session_timeout: float = DEFAULT_SESSION_TIMEOUT_SECONDS,
-        device: str | None = None,
-        dtype: str | None = None,
-        policy: BatchPolicy | None = None,
-        snapshot_grace: float = DEFAULT_SNAPSHOT_GRACE_SECONDS,
-        torch_threads: int | None = None,
-    ) -> None:
-        """`device` and `dtype` place every base model (runtime.resolve_placement; None: the default),
-        `policy` batches its samples (default: continuous batching), `snapshot_grace` is how long an
-        unused superseded unnamed snapshot stays (seconds), `torch_threads` as in ComputeWorker."""
-        if not 0 < session_timeout < float("inf"):
-            raise ValueError(f"session timeout must be a positive number of seconds, got {session_timeout}")
-        if not 0 < snapshot_grace <= 3600:
-            raise ValueError(f"snapshot grace must be in (0, 3600] seconds, got {snapshot_grace}")
-        self.snapshot_grace = snapshot_grace
-        self.model_dir = model_dir
-        self._device, self._dtype, self._policy = device, dtype, policy
-        self.session_timeout = session_timeout
-        self.storage = Storage(data_dir)
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.snapshot_grace = config.snapshot_grace
+        self.model_dir = config.model_dir
+        self._device, self._dtype, self._policy = config.device, config.dtype, config.policy
+        self.session_timeout = config.session_timeout
+        self.storage = Storage(config.data_dir)
         self.futures = FutureTable()
-        self.worker = ComputeWorker(classify_error, torch_threads=torch_threads)
+        self.worker = ComputeWorker(classify_error, torch_threads=config.torch_threads)
         self.url_secret = secrets.token_bytes(32)  # signs external-weights file URLs
         self._resolve_lock = threading.Lock()
         self._runtimes: dict[Path, BaseModelRuntime] = {}

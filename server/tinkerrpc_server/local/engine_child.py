@@ -4,7 +4,8 @@
 every user). It binds a port of its own (`--port`, 0 by default: one the kernel picks) and reports it
 on the inherited descriptor N once it serves.
 
-It asks the kernel to SIGKILL it when the server dies (even by SIGKILL), then runs the engine.
+It asks the kernel to SIGKILL it when the server dies (even by SIGKILL), then runs the engine
+(engine.main.engine_main, as `tinkerrpc engine` does).
 
 Set here rather than in a preexec_fn: a preexec_fn forces a plain fork() that runs Python and gRPC's
 fork handlers in the child, which abort it when the server forks while gRPC threads are busy (an engine
@@ -23,18 +24,14 @@ import signal
 import sys
 from pathlib import Path
 
+from tinkerrpc_server.engine.config import EngineConfig, EngineConfigError
+from tinkerrpc_server.engine.main import engine_main
 from tinkerrpc_server.processes.children import REPORT_FD_FLAG, report_ready
-from tinkerrpc_server.processes.http_serving import bound_port, listen
-from tinkerrpc_server.processes.ownership import own_data_dir
-from tinkerrpc_server.settings import (
-    ENGINE_API_KEY_ENV,
-    configure_logging,
-    forget_engine_api_key,
-    set_process_defaults,
-    settings_of,
-)
+from tinkerrpc_server.settings import configure_logging, set_process_defaults, settings_of
 
 _PR_SET_PDEATHSIG = 1
+# A standalone engine may own the data dir. Patience: the child of a server killed just before this one
+# started may still be exiting (a large model takes seconds to unmap), lock still held.
 _PREDECESSOR_EXIT_SECONDS = 15.0
 
 
@@ -54,51 +51,33 @@ def main(argv: list[str]) -> int:
     settings = settings_of("tinkerrpc engine")
     if settings is None:
         return 2
-    # Nothing this process starts inherits the key.
-    forget_engine_api_key()
-    if settings.engine_api_key is None:
-        print(f"engine_child: no API key in ${ENGINE_API_KEY_ENV}", file=sys.stderr)
+    try:
+        config = EngineConfig(
+            data_dir=args.data_dir,
+            model_dir=args.model_dir,
+            api_key=settings.engine_api_key,
+            host=args.host,
+            port=args.port,
+            device=settings.engine_device,
+            dtype=settings.engine_dtype,
+            ownership_patience=_PREDECESSOR_EXIT_SECONDS,
+        )
+    except EngineConfigError as err:
+        print(f"tinkerrpc engine: {err}", file=sys.stderr)
         return 2
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != args.parent_pid:
         return 1  # the server died before the signal was armed
-    # A standalone engine may own this data dir. Patience: the child of a server killed just before
-    # this one started may still be exiting (a large model takes seconds to unmap), lock still held.
-    problem = own_data_dir(args.data_dir, patience=_PREDECESSOR_EXIT_SECONDS)
-    if problem is not None:
-        print(f"tinkerrpc engine: cannot start: {problem}", file=sys.stderr)
-        return 1
     set_process_defaults()
     configure_logging(settings.log_level)
-    # After the defaults: these import torch.
-    from tinkerrpc_server.engine.runtime import PlacementError, resolve_placement
-
-    try:
-        # Here, not when the first model loads: the server reports the exit at start.
-        resolve_placement(settings.engine_device, settings.engine_dtype)
-    except PlacementError as error:
-        print(f"tinkerrpc engine: cannot start: {error}", file=sys.stderr)
-        return 1
-    from tinkerrpc_server.engine.app import run_engine
-
-    sock = listen(args.host, args.port)
     report_fd = args.report_fd
 
-    def report() -> None:
+    def report(port: int) -> None:
         if report_fd is not None:
-            report_ready(report_fd, {"port": bound_port(sock)})
+            report_ready(report_fd, {"port": port})
 
-    run_engine(
-        sock,
-        args.data_dir,
-        args.model_dir,
-        settings.engine_api_key,
-        device=settings.engine_device,
-        dtype=settings.engine_dtype,
-        on_serving=report,
-    )
-    return 0
+    return engine_main(config, report)
 
 
 if __name__ == "__main__":
