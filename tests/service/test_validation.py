@@ -11,11 +11,12 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2  # type: ignore[import-untyped]
 
+from tinkerrpc.contract import limits
 from tinkerrpc.contract.limits import MAX_JSON_DEPTH, MAX_JSON_NUMBER_CHARS
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server import bounded_json
-from tinkerrpc_server.service import errors, limits, validation
+from tinkerrpc_server.service import errors, validation
 from tinkerrpc_server.service.errors import ServiceError
 from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.store import ModelRow

@@ -17,6 +17,11 @@ from typing import Literal
 
 from tinkerrpc.contract.limits import MAX_LOSS_PARAMETER, markdown_table
 
+# The table's loss names, for the type checker (tests/foundation/test_contract.py keeps them equal to
+# the rows'); a row's name must be one of them.
+LossName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "stable_reinforce", "gspo"]
+RLLossName = Literal["importance_sampling", "ppo", "cispo", "dro", "stable_reinforce", "gspo"]
+
 
 @dataclass(frozen=True)
 class Range:
@@ -34,6 +39,10 @@ class Range:
         if self.low is not None and (value <= self.low if self.low_open else value < self.low):
             return False
         return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def rule(self) -> str:
+        """The range as an error message says it: "in (0, 1]", ">= 0"."""
+        return str(self) if self.low is None or self.high is None else f"in {self}"
 
     def __str__(self) -> str:
         if self.high is None:
@@ -64,7 +73,7 @@ class Loss:
     over tokens (lp the learner's logprob of the target, q the sampler's, A the advantage,
     r = exp(lp - q), sg a stop-gradient)."""
 
-    name: str
+    name: LossName
     inputs: tuple[str, ...]
     config: tuple[ConfigKey, ...]
     rl: bool
@@ -111,11 +120,6 @@ LOSSES: tuple[Loss, ...] = (
         "GSPO-token: -Σ min(s·A, clip(s, low, high)·A), s the geometric mean of r over the masked tokens",
     ),
 )
-
-# The SDK's loss names (the type checker's copy of the table's; tests/foundation/test_contract.py
-# keeps them equal).
-LossName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "stable_reinforce", "gspo"]
-RLLossName = Literal["importance_sampling", "ppo", "cispo", "dro", "stable_reinforce", "gspo"]
 
 LOSS_BY_NAME: Mapping[str, Loss] = {loss.name: loss for loss in LOSSES}
 RL_LOSS_NAMES: tuple[str, ...] = tuple(loss.name for loss in LOSSES if loss.rl)

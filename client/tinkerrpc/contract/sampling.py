@@ -22,8 +22,8 @@ from tinkerrpc.contract.limits import (
     server_flag,
 )
 
-# max_tokens when a request leaves it out: the SDK's; the sidecar's chat and Responses requests'; and
-# OpenAI's legacy completions default.
+# max_tokens when a request leaves it out: the SDK's; the sidecar's chat, Responses and generate
+# requests'; and OpenAI's legacy completions default.
 DEFAULT_MAX_TOKENS = 256
 SIDECAR_CHAT_MAX_TOKENS = 512
 SIDECAR_COMPLETION_MAX_TOKENS = 16
@@ -69,7 +69,7 @@ SAMPLING_OPTIONS: tuple[SamplingOption, ...] = (
         "int",
         DEFAULT_MAX_TOKENS,
         f"1 to the server's {_MAX_TOKENS.flag} (default {_MAX_TOKENS.default}); prompt + max_tokens fit the "
-        f"model's context (the sidecar's default: {SIDECAR_CHAT_MAX_TOKENS} for chat and Responses, "
+        f"model's context (the sidecar's default: {SIDECAR_CHAT_MAX_TOKENS} for chat, Responses and generate, "
         f"{SIDECAR_COMPLETION_MAX_TOKENS} for legacy completions)",
         "SamplingParams.max_tokens",
         (

@@ -1,16 +1,21 @@
 """Tinker's loss functions as pure tensor math: per token, summed over tokens (never averaged).
 
 Each loss takes the learner's logprobs of the target tokens `lp` (N,), the datum's loss inputs
-as float tensors (N,), and the loss config, and returns a scalar tensor.
+as float tensors (N,), and the loss config, and returns a scalar tensor. Which losses exist, the inputs
+each takes and its config keys' defaults and ranges are the contract's loss table
+(`tinkerrpc.contract.losses`); here is only their math, keyed by the table's names.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from tinkerrpc.contract import losses as contract
 
 Tensor = torch.Tensor
 LossInputs = dict[str, Tensor]
@@ -72,52 +77,58 @@ def empty_sequence_ratio_mask(inputs: dict[str, np.ndarray]) -> str | None:
     return None
 
 
+LossFunction = Callable[[Tensor, LossInputs, LossConfig], Tensor]
+# A datum's inputs a loss cannot take, as a message for the user; None when they are fine.
+InputCheck = Callable[[dict[str, np.ndarray]], str | None]
+
+LOSS_FUNCTIONS: dict[str, LossFunction] = {
+    "cross_entropy": cross_entropy,
+    "importance_sampling": importance_sampling,
+    "ppo": ppo,
+    "cispo": cispo,
+    "dro": dro,
+    "gspo": gspo,
+    "stable_reinforce": stable_reinforce,
+}
+_INPUT_CHECKS: dict[str, InputCheck] = {"gspo": empty_sequence_ratio_mask}
+
+
 @dataclass(frozen=True)
 class LossSpec:
-    fn: Callable[[Tensor, LossInputs, LossConfig], Tensor]
+    fn: LossFunction
     float_inputs: tuple[str, ...]  # required beside target_tokens
-    config_defaults: dict[str, float | None]  # None = the caller must set it
-    # A datum's inputs the loss cannot take, as a message for the user; None when they are fine.
-    check_inputs: Callable[[dict[str, np.ndarray]], str | None] | None = None
+    config: tuple[contract.ConfigKey, ...]
+    check_inputs: InputCheck | None
 
-
-_CLIP_DEFAULTS: dict[str, float | None] = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 
 LOSSES: dict[str, LossSpec] = {
-    "cross_entropy": LossSpec(cross_entropy, ("weights",), {}),
-    "importance_sampling": LossSpec(importance_sampling, ("logprobs", "advantages"), {}),
-    "ppo": LossSpec(ppo, ("logprobs", "advantages"), _CLIP_DEFAULTS),
-    "cispo": LossSpec(cispo, ("logprobs", "advantages"), _CLIP_DEFAULTS),
-    "dro": LossSpec(dro, ("logprobs", "advantages"), {"beta": None}),
-    "gspo": LossSpec(
-        gspo, ("logprobs", "advantages", "sequence_ratio_mask"), _CLIP_DEFAULTS, empty_sequence_ratio_mask
-    ),
-    "stable_reinforce": LossSpec(stable_reinforce, ("logprobs", "advantages"), {"kl_coeff": 0.0}),
+    loss.name: LossSpec(LOSS_FUNCTIONS[loss.name], loss.inputs, loss.config, _INPUT_CHECKS.get(loss.name))
+    for loss in contract.LOSSES
 }
-
-# Config values that must not be negative (the clip thresholds are checked against each other).
-_NON_NEGATIVE = ("kl_coeff",)
 
 
 def resolve_config(loss_fn: str, config: dict[str, float] | None) -> LossConfig:
-    """Fill defaults and check the keys; raises ValueError with a message meant for the user."""
-    spec = LOSSES[loss_fn]
+    """Fill defaults and check the keys; raises ValueError with a message meant for the user. A key
+    Tinker's API requires (dro's beta) has no default here either."""
+    keys = LOSSES[loss_fn].config
     given = dict(config or {})
-    unknown = sorted(set(given) - set(spec.config_defaults))
+    unknown = sorted(set(given) - {key.name for key in keys})
     if unknown:
-        allowed = ", ".join(spec.config_defaults) or "none"
+        allowed = ", ".join(key.name for key in keys) or "none"
         raise ValueError(f"loss_fn_config keys {unknown} are not used by {loss_fn} (allowed: {allowed})")
     resolved: LossConfig = {}
-    for key, default in spec.config_defaults.items():
-        value = given.get(key, default)
-        if value is None:
-            raise ValueError(f"{loss_fn} needs loss_fn_config[{key!r}]")
-        if not torch.isfinite(torch.tensor(float(value))):
-            raise ValueError(f"loss_fn_config[{key!r}] must be finite, got {value}")
-        resolved[key] = float(value)
-    for key in _NON_NEGATIVE:
-        if key in resolved and resolved[key] < 0:
-            raise ValueError(f"loss_fn_config[{key!r}] must be >= 0, got {resolved[key]}")
+    for key in keys:
+        if key.name not in given and key.tinker_requires:
+            raise ValueError(f"{loss_fn} needs loss_fn_config[{key.name!r}]")
+        value = float(given.get(key.name, key.default))
+        if not math.isfinite(value):
+            raise ValueError(f"loss_fn_config[{key.name!r}] must be finite, got {value}")
+        resolved[key.name] = value
     if "clip_low_threshold" in resolved and resolved["clip_low_threshold"] > resolved["clip_high_threshold"]:
         raise ValueError("clip_low_threshold must not exceed clip_high_threshold")
+    for key in keys:
+        if resolved[key.name] not in key.range:
+            raise ValueError(
+                f"loss_fn_config[{key.name!r}] must be {key.range.rule()}, got {resolved[key.name]}"
+            )
     return resolved

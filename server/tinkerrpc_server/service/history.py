@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from tinkerrpc.contract.limits import DEFAULT_HISTORY_PAGE_SIZE
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server.service import errors
@@ -18,7 +19,6 @@ from tinkerrpc_server.service.models import MODEL_RESOURCE, ModelRegistry, check
 from tinkerrpc_server.service.store import MetricsRow, Store
 from tinkerrpc_server.service.validation import check_history_request, check_watch_request
 
-DEFAULT_PAGE_SIZE = 100
 # How often an idle watch checks that its model still exists (DeleteModel ends the stream NOT_FOUND).
 MODEL_CHECK_SECONDS = 2.0
 ALL_VERSIONS = 2**62
@@ -32,7 +32,7 @@ class History:
     def page(self, request: pb.GetRunHistoryRequest) -> pb.GetRunHistoryResponse:
         first = check_history_request(request)
         self._models.row(request.model)
-        size = request.page_size or DEFAULT_PAGE_SIZE
+        size = request.page_size or DEFAULT_HISTORY_PAGE_SIZE
         last = request.to_version if request.HasField("to_version") else None
         # One row beyond the page tells whether another page follows.
         rows = self._store.metrics_rows(request.model, first, last, size + 1)

@@ -13,11 +13,10 @@ import numpy as np
 import numpy.typing as npt
 import tinker
 
+from tinkerrpc.contract.losses import LOSS_BY_NAME
+
 Floats = npt.NDArray[np.float64]
 LossOfDatum = Callable[[Floats, Mapping[str, Floats], Mapping[str, float]], float]
-
-# The engine's defaults for the config keys a loss reads (engine/losses.py LOSSES).
-_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2, "kl_coeff": 0.0, "beta": 0.0}
 
 
 def _clipped_surrogate(ratio: Floats, advantages: Floats, config: Mapping[str, float]) -> float:
@@ -62,6 +61,7 @@ def _stable_reinforce(lp: Floats, inputs: Mapping[str, Floats], config: Mapping[
     return float(-(ratio * lp * inputs["advantages"] - config["kl_coeff"] * kl).sum())
 
 
+# Keyed by the contract's loss names (tinkerrpc.contract.losses).
 LOSS_OF_DATUM: dict[str, LossOfDatum] = {
     "cross_entropy": _cross_entropy,
     "importance_sampling": _importance_sampling,
@@ -84,7 +84,7 @@ def loss_from_logprobs(
     loss_of_datum = LOSS_OF_DATUM.get(loss_fn)
     if loss_of_datum is None or len(loss_fn_outputs) != len(datums):
         return math.nan
-    resolved = {**_DEFAULTS, **(config or {})}
+    resolved = {**LOSS_BY_NAME[loss_fn].defaults(), **(config or {})}
     total = 0.0
     for datum, outputs in zip(datums, loss_fn_outputs, strict=True):
         returned = outputs.get("logprobs")

@@ -44,20 +44,18 @@ from tinkerrpc_server.service.sample_cache import SampleCache
 from tinkerrpc_server.service.sampling import sampler_path
 from tinkerrpc_server.service.step_loss import loss_from_logprobs
 from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE, CheckpointRow, ModelRow, Store
+from tinkerrpc_server.service.train_options import adam_params, loss_config, loss_name
 from tinkerrpc_server.service.validation import (
     check_expected_version,
     check_train_request,
     check_train_size,
     check_train_tokens,
-    clip_thresholds,
-    loss_name,
 )
 
 log = logging.getLogger("tinkerrpc.service")
 
 # The points of a step a fault test may stop the process at.
 StepPoint = Literal["after_optim", "after_sampler_save", "before_commit", "after_commit"]
-DEFAULT_DRO_BETA = 0.05
 # Scoring passes in flight at once for turns that came without logprobs or a usable sample key.
 SCORING_CONCURRENCY = 32
 
@@ -81,15 +79,6 @@ def request_hash(request: pb.TrainRequest) -> str:
     return hashlib.sha256(keyless.SerializeToString(deterministic=True)).hexdigest()
 
 
-def _loss_config(loss: types_pb2.LossConfig, name: str) -> dict[str, float] | None:
-    if name in ("ppo", "cispo", "gspo"):
-        low, high = clip_thresholds(loss)
-        return {"clip_low_threshold": low, "clip_high_threshold": high}
-    if name == "dro":
-        return {"beta": loss.beta if loss.HasField("beta") else DEFAULT_DRO_BETA}
-    return None
-
-
 def _step_loss(
     metrics: dict[str, float],
     loss_fn: str,
@@ -101,17 +90,6 @@ def _step_loss(
     if "loss:sum" in metrics:
         return float(metrics["loss:sum"])
     return loss_from_logprobs(loss_fn, loss_config, batch.datums, output.loss_fn_outputs)
-
-
-def _adam(adam: types_pb2.AdamParams) -> tinker.types.AdamParams:
-    """Unset optional fields keep Tinker's own defaults."""
-    optional = {name: getattr(adam, name) for name in ("beta1", "beta2", "eps") if adam.HasField(name)}
-    return tinker.types.AdamParams(
-        learning_rate=adam.learning_rate,
-        weight_decay=adam.weight_decay,
-        grad_clip_norm=adam.grad_clip_norm,
-        **optional,
-    )
 
 
 def _turns_without_logprobs(request: pb.TrainRequest) -> list[tuple[types_pb2.Trajectory, int]]:
@@ -306,12 +284,12 @@ class Trainer:
         version = row.policy_version + 1
         loss = loss_name(request)
         save_state = version % self._checkpoint_every == 0
-        adam = _adam(request.adam)
-        loss_config = _loss_config(request.loss, loss)
+        adam = adam_params(request.adam)
+        config = loss_config(request)
         # The SDK sends all four at once; each waits for its result in a task of its own, so a step that
         # ends early (cancelled, past its deadline, failed) cancels the waits it no longer needs and the
         # engine drops those operations instead of running them for nobody.
-        forward_backward = asyncio.ensure_future(client.forward_backward(batch.datums, loss, loss_config))
+        forward_backward = asyncio.ensure_future(client.forward_backward(batch.datums, loss, config))
         optim_step = asyncio.ensure_future(client.optim_step(adam))
         sampler_save = asyncio.ensure_future(client.save_weights_for_sampler(sampler_name(version)))
         state_save = asyncio.ensure_future(client.save_state(state_name(version))) if save_state else None
@@ -342,7 +320,7 @@ class Trainer:
             step_seconds = time.monotonic() - started
 
             metrics = types_pb2.TrainMetrics(
-                loss=_step_loss(trainer_metrics, loss, loss_config, batch, fb_output),
+                loss=_step_loss(trainer_metrics, loss, config, batch, fb_output),
                 mean_reward=batch.mean_reward,
                 std_reward=batch.std_reward,
                 learning_rate=request.adam.learning_rate,
@@ -375,9 +353,7 @@ class Trainer:
             )
             # Without a state checkpoint, this version is rebuilt from its record after the recovery point.
             step_record = (
-                recovery.encode(StepRecord(batch.datums, loss, loss_config, adam))
-                if state_row is None
-                else None
+                recovery.encode(StepRecord(batch.datums, loss, config, adam)) if state_row is None else None
             )
             # A state checkpoint of this name from an abandoned timeline (before a restore) is replaced.
             replaced = (

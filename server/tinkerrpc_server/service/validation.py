@@ -10,26 +10,36 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Literal
 
-from tinker.types import LossFnType
-
+from tinkerrpc.contract.limits import (
+    MAX_ABS_REWARD,
+    MAX_HISTORY_PAGE_SIZE,
+    MAX_IDEMPOTENCY_KEY_BYTES,
+    MAX_LORA_RANK,
+    MAX_METRIC_NAME_BYTES,
+    MAX_NAME_CHARS,
+    MAX_SAMPLE_KEY_CHARS,
+    MAX_STOP_STRING_BYTES,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    MAX_TEXT_BYTES_PER_TOKEN,
+    MAX_TOP_LOGPROBS,
+    MAX_TRAIN_METRIC_NAMES,
+    MAX_TRAJECTORY_METRICS,
+    MIN_LOGPROB,
+    MIN_TEMPERATURE,
+)
 from tinkerrpc.v1 import trainer_service_pb2, types_pb2
 from tinkerrpc_server.bounded_json import BoundedJsonError, parse_json_object
 from tinkerrpc_server.service import errors
 from tinkerrpc_server.service.errors import Violations
-from tinkerrpc_server.service.limits import (
-    MAX_IDEMPOTENCY_KEY_BYTES,
-    MAX_LORA_RANK,
-    MAX_METRIC_NAME_BYTES,
-    MAX_TRAIN_METRIC_NAMES,
-    MAX_TRAJECTORY_METRICS,
-    Limits,
-    flag_of,
-)
+from tinkerrpc_server.service.limits import Limits, flag_of
 from tinkerrpc_server.service.rendering import ROLE_NAMES
 from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE, ModelRow
+from tinkerrpc_server.service.train_options import check_adam, check_loss
 
-NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-NAME_RULE = "1-64 characters of [A-Za-z0-9._-], starting with a letter or digit"
+NAME_PATTERN = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_NAME_CHARS - 1}}}")
+NAME_RULE = f"1-{MAX_NAME_CHARS} characters of [A-Za-z0-9._-], starting with a letter or digit"
 # The LoraConfig flags of the modules an adapter trains (unset means true).
 LORA_MODULE_FLAGS: tuple[Literal["train_mlp", "train_attn", "train_unembed"], ...] = (
     "train_mlp",
@@ -37,71 +47,10 @@ LORA_MODULE_FLAGS: tuple[Literal["train_mlp", "train_attn", "train_unembed"], ..
     "train_unembed",
 )
 
-RL_LOSSES: dict[types_pb2.LossFunction.ValueType, LossFnType] = {
-    types_pb2.LOSS_FUNCTION_IMPORTANCE_SAMPLING: "importance_sampling",
-    types_pb2.LOSS_FUNCTION_PPO: "ppo",
-    types_pb2.LOSS_FUNCTION_CISPO: "cispo",
-    types_pb2.LOSS_FUNCTION_DRO: "dro",
-    types_pb2.LOSS_FUNCTION_STABLE_REINFORCE: "stable_reinforce",
-    types_pb2.LOSS_FUNCTION_GSPO: "gspo",
-}
-
-
-# Clip thresholds of the ppo, cispo and gspo losses when the request leaves them unset.
-DEFAULT_CLIP_LOW = 0.8
-DEFAULT_CLIP_HIGH = 1.2
-
-# Range bounds of numeric fields (types.proto and the README's limits paragraph document each one). A
-# value beyond them is never a setting that trains: it overflows fp32 in the first step or cannot come
-# from a real sampler or environment. Whether a step overflows also depends on the weights, so the
-# engine checks each step itself (NON_FINITE_UPDATE); these bounds refuse what is plainly wrong first.
-MAX_LEARNING_RATE = 10.0
-# Smaller rounds to 0 or a subnormal in fp32, where an untouched parameter's update is 0/0.
-MIN_ADAM_EPS = 1e-30
-MAX_WEIGHT_DECAY = 1.0
-# Clip thresholds and DRO's beta above this weigh nothing more: the loss is already unclipped/dominated.
-MAX_LOSS_PARAMETER = 1e3
-# A sampler never emits a token of probability e^-10000; anything lower is not a sampling logprob.
-MIN_LOGPROB = -1e4
-MAX_ABS_REWARD = 1e6
-# A sample key the Sample RPC returns is 87 characters; anything much longer is no key of ours.
-MAX_SAMPLE_KEY_CHARS = 128
-# 0 is greedy; below the floor logits/temperature overflow fp32 (1e-40 gave NaN logprobs); above the
-# ceiling the distribution is uniform to fp32 precision.
-MIN_TEMPERATURE = 1e-3
-MAX_TEMPERATURE = 100.0
-
-# Caps that keep one Sample from costing the others (types.proto and the README document each one):
-# OpenAI's top_logprobs cap, the sidecar's stop-string count, and stop token ids, which become stop
-# strings when `stop` is given too.
-MAX_TOP_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_BYTES = 256
-MAX_STOP_TOKEN_IDS = 128
-# Text is refused before it is tokenised when it is over this many UTF-8 bytes per token of the model's
-# context: no tokenizer packs that much ordinary text into one token, so such a text could not fit.
-MAX_TEXT_BYTES_PER_TOKEN = 32
-
 
 def _check_name(violations: Violations, field: str, name: str) -> None:
     if not NAME_PATTERN.fullmatch(name):
         violations.add(field, f"{errors.shown(name)}: must be {NAME_RULE}")
-
-
-def clip_thresholds(loss: types_pb2.LossConfig) -> tuple[float, float]:
-    low = loss.clip_low_threshold if loss.HasField("clip_low_threshold") else DEFAULT_CLIP_LOW
-    high = loss.clip_high_threshold if loss.HasField("clip_high_threshold") else DEFAULT_CLIP_HIGH
-    return low, high
-
-
-def loss_name(request: trainer_service_pb2.TrainRequest) -> LossFnType:
-    """The Tinker loss for a validated request (unset: cross-entropy for examples, IS for groups)."""
-    function = request.loss.function
-    if function == types_pb2.LOSS_FUNCTION_UNSPECIFIED:
-        return "cross_entropy" if request.examples else "importance_sampling"
-    if function == types_pb2.LOSS_FUNCTION_CROSS_ENTROPY:
-        return "cross_entropy"
-    return RL_LOSSES[function]
 
 
 def _finite(value: float) -> bool:
@@ -118,8 +67,8 @@ def check_train_request(
         v.add("groups", "give either groups (RL) or examples (supervised), not both")
     if not request.groups and not request.examples:
         v.add("groups", "empty batch: give trajectory groups (RL) or supervised examples")
-    _check_loss(v, request)
-    _check_adam(v, request.adam)
+    check_loss(v, request)
+    check_adam(v, request.adam)
     if request.HasField("max_staleness") and request.max_staleness < 0:
         v.add("max_staleness", "must be >= 0")
     if request.strict_staleness and not request.HasField("max_staleness"):
@@ -153,52 +102,6 @@ def check_train_request(
         if example.train_on not in types_pb2.TrainOn.values():
             v.add(f"{field}.train_on", f"unknown value {example.train_on}")
     v.raise_if_any()
-
-
-def _check_loss(v: Violations, request: trainer_service_pb2.TrainRequest) -> None:
-    loss = request.loss
-    if loss.function not in types_pb2.LossFunction.values():
-        v.add("loss.function", f"unknown loss function {loss.function}")
-        return
-    if request.examples and loss.function not in (
-        types_pb2.LOSS_FUNCTION_UNSPECIFIED,
-        types_pb2.LOSS_FUNCTION_CROSS_ENTROPY,
-    ):
-        v.add("loss.function", "supervised examples train with cross-entropy only")
-    if request.groups and loss.function == types_pb2.LOSS_FUNCTION_CROSS_ENTROPY:
-        v.add(
-            "loss.function",
-            f"trajectory groups need a policy-gradient loss ({', '.join(RL_LOSSES.values())})",
-        )
-    low, high = clip_thresholds(loss)
-    if not (_finite(low) and 0 < low <= 1):
-        v.add("loss.clip_low_threshold", "must be a finite number in (0, 1]")
-    if not (_finite(high) and 1 <= high <= MAX_LOSS_PARAMETER):
-        v.add("loss.clip_high_threshold", f"must be a finite number in [1, {MAX_LOSS_PARAMETER:g}]")
-    if loss.HasField("beta") and not (_finite(loss.beta) and 0 <= loss.beta <= MAX_LOSS_PARAMETER):
-        v.add("loss.beta", f"must be a finite number in [0, {MAX_LOSS_PARAMETER:g}]")
-
-
-def _check_adam(v: Violations, adam: types_pb2.AdamParams) -> None:
-    if not (_finite(adam.learning_rate) and 0 < adam.learning_rate <= MAX_LEARNING_RATE):
-        v.add(
-            "adam.learning_rate",
-            f"must be a finite number in (0, {MAX_LEARNING_RATE:g}] (it is required), got {adam.learning_rate}",
-        )
-    for name in ("beta1", "beta2"):
-        if adam.HasField(name):
-            value = getattr(adam, name)
-            if not (_finite(value) and 0 <= value < 1):
-                v.add(f"adam.{name}", f"must be in [0, 1), got {value}")
-    if adam.HasField("eps") and not (_finite(adam.eps) and adam.eps >= MIN_ADAM_EPS):
-        v.add("adam.eps", f"must be a finite number >= {MIN_ADAM_EPS:g}, got {adam.eps}")
-    if not (_finite(adam.weight_decay) and 0 <= adam.weight_decay <= MAX_WEIGHT_DECAY):
-        v.add(
-            "adam.weight_decay",
-            f"must be a finite number in [0, {MAX_WEIGHT_DECAY:g}], got {adam.weight_decay}",
-        )
-    if not (_finite(adam.grad_clip_norm) and adam.grad_clip_norm >= 0):
-        v.add("adam.grad_clip_norm", "must be a finite number >= 0 (0 disables clipping)")
 
 
 def _check_tokens(v: Violations, field: str, tokens: list[int], vocab_size: int) -> None:
@@ -522,9 +425,6 @@ def check_export_request(request: trainer_service_pb2.ExportWeightsRequest) -> N
         if request.HasField(field_name) and getattr(request, field_name) < 0:
             v.add(field_name, "must be >= 0")
     v.raise_if_any()
-
-
-MAX_HISTORY_PAGE_SIZE = 1000
 
 
 def check_history_request(request: trainer_service_pb2.GetRunHistoryRequest) -> int:

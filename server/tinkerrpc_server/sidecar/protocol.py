@@ -12,13 +12,19 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# Upper bounds that keep one request from monopolising the sampler.
-MAX_N = 16
-MAX_TOP_LOGPROBS = 20
-MAX_STOP_SEQUENCES = 16
-# Token counts and token ids are int32 on the wire; seeds int64.
-MAX_INT32 = 2**31 - 1
-MIN_INT64, MAX_INT64 = -(2**63), 2**63 - 1
+# The bounds are the contract's (tinkerrpc.contract.limits): token counts and ids are int32 on the wire,
+# seeds int64; n, temperature and top_logprobs keep one request from monopolising the sampler.
+from tinkerrpc.contract.limits import (
+    MAX_INT32,
+    MAX_INT64,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+    MIN_INT64,
+    SIDECAR_MAX_N,
+    SIDECAR_MAX_TAG_CHARS,
+    SIDECAR_MAX_TEMPERATURE,
+)
+from tinkerrpc.contract.sampling import SIDECAR_COMPLETION_MAX_TOKENS
 
 
 class _Request(BaseModel):
@@ -117,8 +123,8 @@ class SamplingFields(_Request):
     """Parameters shared by chat and legacy completions."""
 
     model: str = Field(min_length=1)
-    n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    n: int = Field(1, ge=1, le=SIDECAR_MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=SIDECAR_MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     # Extension (vLLM): -1 or 0 disables top-k.
     top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
@@ -188,10 +194,10 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 class CompletionRequest(SamplingFields):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     # OpenAI's legacy default.
-    max_tokens: int | None = Field(16, ge=1, le=MAX_INT32)
+    max_tokens: int | None = Field(SIDECAR_COMPLETION_MAX_TOKENS, ge=1, le=MAX_INT32)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
-    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    best_of: int | None = Field(None, ge=1, le=SIDECAR_MAX_N)
     suffix: str | None = None
 
 
@@ -416,7 +422,7 @@ class ResponseRequest(_Request):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    temperature: float | None = Field(None, ge=0.0, le=SIDECAR_MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     include: list[ResponseInclude] | None = None
@@ -515,20 +521,15 @@ class ResponseObject(BaseModel):
 # The shapes of vLLM's `/inference/v1/generate` (GenerateRequest, GenerateResponse), as the `renderers`
 # package's client (verifiers' and prime-rl's training client) sends and reads them.
 
-# Token ids the server adds to its own end-of-turn stops (the gRPC limit).
-MAX_STOP_TOKEN_IDS = 128
-# Characters of a caller's request id or cache salt (echoed or ignored, never interpreted).
-MAX_TAG_CHARS = 256
-
 
 class GenerateSamplingParams(_Request):
     """vLLM's SamplingParams, the subset the sampler honours; knobs it lacks are declared so that the
     route names them in a 400 (accepted only at their neutral values)."""
 
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(1, ge=1, le=SIDECAR_MAX_N)
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     min_tokens: int = Field(0, ge=0, le=MAX_INT32)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    temperature: float | None = Field(None, ge=0.0, le=SIDECAR_MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     # -1 or 0 disables top-k.
     top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
@@ -562,11 +563,11 @@ class GenerateRequest(_Request):
     model: str = Field(min_length=1)
     token_ids: list[TokenId] = Field(min_length=1)
     sampling_params: GenerateSamplingParams
-    request_id: str | None = Field(None, min_length=1, max_length=MAX_TAG_CHARS)
+    request_id: str | None = Field(None, min_length=1, max_length=SIDECAR_MAX_TAG_CHARS)
     stream: bool = False
     # Accepted and ignored: it keeps one caller's prompts out of another's prefix cache, and no KV cache
     # outlives a Sample call here.
-    cache_salt: str | None = Field(None, max_length=MAX_TAG_CHARS)
+    cache_salt: str | None = Field(None, max_length=SIDECAR_MAX_TAG_CHARS)
     # vLLM refuses any other priority unless it schedules by priority, as this server does not.
     priority: int = Field(0, ge=MIN_INT64, le=MAX_INT64)
 

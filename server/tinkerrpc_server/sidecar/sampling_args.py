@@ -14,17 +14,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tinkerrpc import Sample
+from tinkerrpc.contract.limits import MAX_STOP_STRINGS
+from tinkerrpc.contract.sampling import SIDECAR_CHAT_MAX_TOKENS
 from tinkerrpc_server.sidecar.errors import bad_request
 from tinkerrpc_server.sidecar.models import ModelRef
 from tinkerrpc_server.sidecar.protocol import (
-    MAX_STOP_SEQUENCES,
     GenerateSamplingParams,
     ResponseRequest,
     SamplingFields,
 )
 
 # Chat and Responses requests that set no token budget get this one.
-DEFAULT_CHAT_MAX_TOKENS = 512
+DEFAULT_CHAT_MAX_TOKENS = SIDECAR_CHAT_MAX_TOKENS
 
 
 @dataclass(frozen=True)
@@ -95,10 +96,8 @@ def base_sample_args(
 def stop_list(stop: str | list[str] | None, param: str = "stop") -> list[str]:
     """The stop strings of a request, one or a list, checked in number and non-empty."""
     stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if len(stops) > MAX_STOP_SEQUENCES:
-        raise bad_request(
-            f"at most {MAX_STOP_SEQUENCES} stop sequences are supported, got {len(stops)}", param
-        )
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop sequences are supported, got {len(stops)}", param)
     if any(not s for s in stops):
         raise bad_request("stop sequences must be non-empty strings", param)
     return stops

@@ -1,0 +1,98 @@
+"""A Train request's loss and optimizer options: their checks, and what they become for Tinker (the loss
+name, its loss_fn_config, the AdamParams). The losses, their config keys' defaults and ranges, and the
+bounds are the contract's (`tinkerrpc.contract`)."""
+
+from __future__ import annotations
+
+import math
+
+import tinker
+from tinker.types import LossFnType
+
+from tinkerrpc.contract.limits import MAX_LEARNING_RATE, MAX_WEIGHT_DECAY, MIN_ADAM_EPS
+from tinkerrpc.contract.losses import (
+    DEFAULT_RL_LOSS,
+    DEFAULT_SUPERVISED_LOSS,
+    LOSS_BY_NAME,
+    LOSSES,
+    RL_LOSS_NAMES,
+    TRAIN_CONFIG_KEYS,
+    Loss,
+)
+from tinkerrpc.v1 import trainer_service_pb2, types_pb2
+from tinkerrpc_server.service.errors import Violations
+
+_LOSS_BY_ENUM = {types_pb2.LossFunction.Value(loss.proto_enum): loss for loss in LOSSES}
+
+
+def train_loss(request: trainer_service_pb2.TrainRequest) -> Loss:
+    """The loss of a validated request (unset: cross-entropy for examples, importance sampling for groups)."""
+    if request.loss.function == types_pb2.LOSS_FUNCTION_UNSPECIFIED:
+        return LOSS_BY_NAME[DEFAULT_SUPERVISED_LOSS if request.examples else DEFAULT_RL_LOSS]
+    return _LOSS_BY_ENUM[request.loss.function]
+
+
+def loss_name(request: trainer_service_pb2.TrainRequest) -> LossFnType:
+    return train_loss(request).name
+
+
+def loss_config(request: trainer_service_pb2.TrainRequest) -> dict[str, float] | None:
+    """The loss_fn_config a validated request sends: each key of its loss that Train sets, as given or its
+    default; a key only the engine's Tinker API takes is left to the backend, whose default is the same."""
+    given = {field.name: value for field, value in request.loss.ListFields()}
+    config = {
+        key.name: float(given.get(key.train_field, key.default))
+        for key in train_loss(request).config
+        if key.train_field is not None
+    }
+    return config or None
+
+
+def check_loss(v: Violations, request: trainer_service_pb2.TrainRequest) -> None:
+    function = request.loss.function
+    if function not in types_pb2.LossFunction.values():
+        v.add("loss.function", f"unknown loss function {function}")
+        return
+    loss = train_loss(request)
+    if request.examples and loss.rl:
+        v.add("loss.function", "supervised examples train with cross-entropy only")
+    if request.groups and not loss.rl:
+        v.add("loss.function", f"trajectory groups need a policy-gradient loss ({', '.join(RL_LOSS_NAMES)})")
+    given = {field.name: value for field, value in request.loss.ListFields()}
+    for key in TRAIN_CONFIG_KEYS:
+        assert key.train_field is not None
+        if key.train_field in given and given[key.train_field] not in key.range:
+            v.add(f"loss.{key.train_field}", f"must be a finite number {key.range.rule()}")
+
+
+def check_adam(v: Violations, adam: types_pb2.AdamParams) -> None:
+    if not (math.isfinite(adam.learning_rate) and 0 < adam.learning_rate <= MAX_LEARNING_RATE):
+        v.add(
+            "adam.learning_rate",
+            f"must be a finite number in (0, {MAX_LEARNING_RATE:g}] (it is required), got {adam.learning_rate}",
+        )
+    for name in ("beta1", "beta2"):
+        if adam.HasField(name):
+            value = getattr(adam, name)
+            if not (math.isfinite(value) and 0 <= value < 1):
+                v.add(f"adam.{name}", f"must be in [0, 1), got {value}")
+    if adam.HasField("eps") and not (math.isfinite(adam.eps) and adam.eps >= MIN_ADAM_EPS):
+        v.add("adam.eps", f"must be a finite number >= {MIN_ADAM_EPS:g}, got {adam.eps}")
+    if not (math.isfinite(adam.weight_decay) and 0 <= adam.weight_decay <= MAX_WEIGHT_DECAY):
+        v.add(
+            "adam.weight_decay",
+            f"must be a finite number in [0, {MAX_WEIGHT_DECAY:g}], got {adam.weight_decay}",
+        )
+    if not (math.isfinite(adam.grad_clip_norm) and adam.grad_clip_norm >= 0):
+        v.add("adam.grad_clip_norm", "must be a finite number >= 0 (0 disables clipping)")
+
+
+def adam_params(adam: types_pb2.AdamParams) -> tinker.types.AdamParams:
+    """Unset optional fields keep Tinker's own defaults (the contract's DEFAULT_ADAM_*)."""
+    optional = {name: getattr(adam, name) for name in ("beta1", "beta2", "eps") if adam.HasField(name)}
+    return tinker.types.AdamParams(
+        learning_rate=adam.learning_rate,
+        weight_decay=adam.weight_decay,
+        grad_clip_norm=adam.grad_clip_norm,
+        **optional,
+    )
