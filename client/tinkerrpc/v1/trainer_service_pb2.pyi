@@ -15,7 +15,7 @@ Errors use canonical gRPC status codes with google.rpc details in the
 - RESOURCE_EXHAUSTED: request over a size limit. UNAVAILABLE: the backend is (re)starting;
   safe to retry. UNAUTHENTICATED: missing or wrong bearer token.
 Every RPC honours deadlines and cancellation. gRPC health checking and server reflection
-are served alongside.
+are served alongside. Bounds and defaults are named (MAX_..., DEFAULT_...) as in types.proto.
 """
 
 from collections import abc as _abc
@@ -75,7 +75,7 @@ class CreateModelRequest(_message.Message):
     KEEP_SAMPLER_VERSIONS_FIELD_NUMBER: _builtins.int
     KEEP_STATE_CHECKPOINTS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """Unique name: 1-64 characters of [A-Za-z0-9._-], starting with a letter or digit."""
+    """Unique name: 1 to MAX_NAME_CHARS characters of [A-Za-z0-9._-], starting with a letter or digit."""
     base_model: _builtins.str
     """Base model: a name the backend knows (e.g. "Qwen/Qwen3-0.6B", "tinkerrpc/tiny-chat")."""
     renderer: _builtins.str
@@ -93,12 +93,12 @@ class CreateModelRequest(_message.Message):
     """Retention: how many of the latest policy versions stay sampleable (their sampler checkpoints
     are kept); older ones are deleted after the step that makes them superfluous commits, except a
     version a named state checkpoint holds or a Sample in flight pins. Unset = the server's
-    --keep-sampler-versions (default 16); at least 1.
+    --keep-sampler-versions; at least 1.
     """
     keep_state_checkpoints: _builtins.int
     """Retention: how many of the latest automatic state checkpoints (step_NNNNNN) are kept besides
     the named ones and the recovery point (always kept). Unset = the server's
-    --keep-state-checkpoints (default 4); at least 1.
+    --keep-state-checkpoints; at least 1.
     """
     @_builtins.property
     def lora(self) -> _types_pb2.LoraConfig:
@@ -729,8 +729,8 @@ class SampleRequest(_message.Message):
     """Pinned policy version; unset = the latest."""
     text: _builtins.str
     """Raw text, tokenised without any chat template (control-token strings in it are control
-    tokens). Over 32 UTF-8 bytes per token of the model's context it is INVALID_ARGUMENT before
-    it is tokenised.
+    tokens). Over MAX_TEXT_BYTES_PER_TOKEN UTF-8 bytes per token of the model's context it is
+    INVALID_ARGUMENT before it is tokenised.
     """
     @_builtins.property
     def chat(self) -> Global___ChatPrompt:
@@ -1030,7 +1030,7 @@ class GetRunHistoryRequest(_message.Message):
     to_version: _builtins.int
     """Last version to return (inclusive, >= from_version); unset = up to the current one."""
     page_size: _builtins.int
-    """Most steps in one response: 0 = 100; in [0, 1000]."""
+    """Most steps in one response: 0 = DEFAULT_HISTORY_PAGE_SIZE; at most MAX_HISTORY_PAGE_SIZE."""
     page_token: _builtins.str
     """next_page_token of the previous response, sent with the same other fields; empty = the first
     page. Opaque.

@@ -15,7 +15,7 @@ Errors use canonical gRPC status codes with google.rpc details in the
 - RESOURCE_EXHAUSTED: request over a size limit. UNAVAILABLE: the backend is (re)starting;
   safe to retry. UNAUTHENTICATED: missing or wrong bearer token.
 Every RPC honours deadlines and cancellation. gRPC health checking and server reflection
-are served alongside.
+are served alongside. Bounds and defaults are named (MAX_..., DEFAULT_...) as in types.proto.
 """
 
 from collections import abc as _abc

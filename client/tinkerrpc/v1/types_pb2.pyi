@@ -11,6 +11,9 @@ Conventions used throughout:
   endianness contract) at a cost that is small next to the training step the data feeds.
 - A "policy version" is the number of optimizer steps applied to a model: 0 is the base
   model with a freshly initialised LoRA adapter; every successful Train adds one.
+- Bounds and defaults are named here (MAX_..., MIN_..., DEFAULT_...), not restated: their values
+  are in the limits and loss tables (docs/reference/limits.md, written from the tinkerrpc.contract
+  Python package), and GetServerInfo's ServerLimits reports those a client needs at run time.
 """
 
 from collections import abc as _abc
@@ -105,8 +108,9 @@ class _LossFunctionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_LossFunc
     LOSS_FUNCTION_DRO: _LossFunction.ValueType  # 5
     """-sum(logp * A - beta / 2 * (logp - q)^2)."""
     LOSS_FUNCTION_STABLE_REINFORCE: _LossFunction.ValueType  # 6
-    """-sum(stopgrad(r) * logp * A - kl_coeff * (r - 1 - log r)), Tinker's stable_reinforce with its
-    default kl_coeff 0 (docs/tinker_parity.md: Tinker does not publish its objective).
+    """-sum(stopgrad(r) * logp * A - kl_coeff * (r - 1 - log r)), Tinker's stable_reinforce with
+    kl_coeff at its default, which Train does not set (docs/tinker_parity.md: Tinker does not
+    publish its objective).
     """
     LOSS_FUNCTION_GSPO: _LossFunction.ValueType  # 7
     """GSPO-token: -sum(min(s_t * A, clip(s_t, low, high) * A)), s_t carrying the value of the geometric
@@ -130,8 +134,9 @@ LOSS_FUNCTION_CISPO: LossFunction.ValueType  # 4
 LOSS_FUNCTION_DRO: LossFunction.ValueType  # 5
 """-sum(logp * A - beta / 2 * (logp - q)^2)."""
 LOSS_FUNCTION_STABLE_REINFORCE: LossFunction.ValueType  # 6
-"""-sum(stopgrad(r) * logp * A - kl_coeff * (r - 1 - log r)), Tinker's stable_reinforce with its
-default kl_coeff 0 (docs/tinker_parity.md: Tinker does not publish its objective).
+"""-sum(stopgrad(r) * logp * A - kl_coeff * (r - 1 - log r)), Tinker's stable_reinforce with
+kl_coeff at its default, which Train does not set (docs/tinker_parity.md: Tinker does not
+publish its objective).
 """
 LOSS_FUNCTION_GSPO: LossFunction.ValueType  # 7
 """GSPO-token: -sum(min(s_t * A, clip(s_t, low, high) * A)), s_t carrying the value of the geometric
@@ -269,8 +274,8 @@ class Message(_message.Message):
     """Text content (may be empty for an assistant message that only calls tools). Message text is
     always plain text: a string like `<|im_end|>` in it is tokenised as text, never as the
     tokenizer's control token, whatever the renderer. In Sample and Train, a conversation's text
-    (messages and tools, encoded) over 32 bytes per token of the model's context is
-    INVALID_ARGUMENT before it is rendered.
+    (messages and tools, encoded) over MAX_TEXT_BYTES_PER_TOKEN bytes per token of the model's
+    context is INVALID_ARGUMENT before it is rendered.
     """
     tool_call_id: _builtins.str
     """For ROLE_TOOL: the id of the tool call this message answers."""
@@ -330,8 +335,8 @@ class SampledTurn(_message.Message):
     @_builtins.property
     def completion_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Log-probability of each completion token under the sampling policy; same length as
-        completion_token_ids, or empty (see sample_key). Each must be finite and in [-1e4, 0]: no sampler emits a token of
-        probability below e^-10000.
+        completion_token_ids, or empty (see sample_key). Each must be finite, <= 0 and >= MIN_LOGPROB:
+        no sampler emits a token that improbable.
         """
 
     def __init__(
@@ -406,7 +411,7 @@ class Trajectory(_message.Message):
     METADATA_FIELD_NUMBER: _builtins.int
     TOOLS_FIELD_NUMBER: _builtins.int
     reward: _builtins.float
-    """Scalar reward of the whole trajectory; must be finite, |reward| <= 1e6."""
+    """Scalar reward of the whole trajectory; must be finite, |reward| <= MAX_ABS_REWARD."""
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___Message]:
         """The conversation, including the assistant messages that the turns produced. Used to
@@ -522,11 +527,13 @@ class LossConfig(_message.Message):
     function: Global___LossFunction.ValueType
     """Which loss to use."""
     clip_low_threshold: _builtins.float
-    """Lower clip bound on the importance ratio for PPO and CISPO (default 0.8); in (0, 1]."""
+    """Lower clip bound on the importance ratio for PPO, CISPO and GSPO; unset = its default. Its
+    default and range are in the loss table, as for the other two.
+    """
     clip_high_threshold: _builtins.float
-    """Upper clip bound on the importance ratio for PPO and CISPO (default 1.2); in [1, 1000]."""
+    """Upper clip bound on the importance ratio for PPO, CISPO and GSPO; unset = its default."""
     beta: _builtins.float
-    """Strength of DRO's quadratic penalty (default 0.05); in [0, 1000]."""
+    """Strength of DRO's quadratic penalty; unset = its default."""
     def __init__(
         self,
         *,
@@ -567,15 +574,17 @@ class AdamParams(_message.Message):
     WEIGHT_DECAY_FIELD_NUMBER: _builtins.int
     GRAD_CLIP_NORM_FIELD_NUMBER: _builtins.int
     learning_rate: _builtins.float
-    """Learning rate; required, in (0, 10]."""
+    """Learning rate; required, > 0 and at most MAX_LEARNING_RATE."""
     beta1: _builtins.float
-    """First-moment decay (default 0.9); in [0, 1)."""
+    """First-moment decay (unset = Tinker's default, DEFAULT_ADAM_BETA1); in [0, 1)."""
     beta2: _builtins.float
-    """Second-moment decay (default 0.95); in [0, 1)."""
+    """Second-moment decay (unset = Tinker's default, DEFAULT_ADAM_BETA2); in [0, 1)."""
     eps: _builtins.float
-    """Denominator epsilon (default 1e-12); finite and >= 1e-30 (smaller is 0 in float32)."""
+    """Denominator epsilon (unset = Tinker's default, DEFAULT_ADAM_EPS); finite and >= MIN_ADAM_EPS
+    (smaller is 0 in float32).
+    """
     weight_decay: _builtins.float
-    """Decoupled weight decay (default 0); in [0, 1]."""
+    """Decoupled weight decay (default 0); >= 0 and at most MAX_WEIGHT_DECAY."""
     grad_clip_norm: _builtins.float
     """Clip the global gradient norm to this value; 0 disables clipping; finite and >= 0."""
     def __init__(
@@ -656,8 +665,8 @@ class SamplingParams(_message.Message):
     n: _builtins.int
     """Number of completions for the prompt (default 1)."""
     temperature: _builtins.float
-    """Softmax temperature (default 1.0); 0 means greedy decoding, otherwise in [0.001, 100]
-    (below, logits / temperature overflow float32).
+    """Softmax temperature (default 1.0); 0 means greedy decoding, otherwise in
+    [MIN_TEMPERATURE, MAX_TEMPERATURE] (below, logits / temperature overflow float32).
     """
     top_p: _builtins.float
     """Nucleus sampling mass in (0, 1] (default 1.0 = off)."""
@@ -671,7 +680,7 @@ class SamplingParams(_message.Message):
     """Also return the log-probability of every prompt token under the policy."""
     top_logprobs: _builtins.int
     """Return the k most likely alternatives (with logprobs) at each sampled position; 0 = off,
-    at most 20 (as OpenAI).
+    at most MAX_TOP_LOGPROBS (OpenAI's cap).
     """
     return_token_texts: _builtins.bool
     """Return the decoded text of every sampled token (for OpenAI-style logprobs)."""
@@ -700,14 +709,14 @@ class SamplingParams(_message.Message):
     """Also return the prompt decoded as text (SampleResponse.prompt_text), for echoing it."""
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Stop strings; generation ends when one appears (it is included in the tokens). At most 16,
-        each non-empty and at most 256 bytes of UTF-8.
+        """Stop strings; generation ends when one appears (it is included in the tokens). At most
+        MAX_STOP_STRINGS, each non-empty and at most MAX_STOP_STRING_BYTES bytes of UTF-8.
         """
 
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Stop token ids, in addition to the renderer's or tokenizer's end-of-turn tokens; at most 128
-        (with `stop` given too, they become stop strings).
+        """Stop token ids, in addition to the renderer's or tokenizer's end-of-turn tokens; at most
+        MAX_STOP_TOKEN_IDS (with `stop` given too, they become stop strings).
         """
 
     def __init__(
@@ -888,7 +897,7 @@ class LoraConfig(_message.Message):
     TRAIN_ATTN_FIELD_NUMBER: _builtins.int
     TRAIN_UNEMBED_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
-    """LoRA rank (default 32)."""
+    """LoRA rank (0 = DEFAULT_LORA_RANK); at most MAX_LORA_RANK and the base model's hidden size."""
     train_mlp: _builtins.bool
     """Adapt the MLP projections (default true)."""
     train_attn: _builtins.bool

@@ -11,6 +11,9 @@ Conventions used throughout:
   endianness contract) at a cost that is small next to the training step the data feeds.
 - A "policy version" is the number of optimizer steps applied to a model: 0 is the base
   model with a freshly initialised LoRA adapter; every successful Train adds one.
+- Bounds and defaults are named here (MAX_..., MIN_..., DEFAULT_...), not restated: their values
+  are in the limits and loss tables (docs/reference/limits.md, written from the tinkerrpc.contract
+  Python package), and GetServerInfo's ServerLimits reports those a client needs at run time.
 """
 
 from collections import abc as _abc
