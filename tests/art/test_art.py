@@ -20,6 +20,8 @@ import pytest
 
 from tinkerrpc_server.local.stack import LocalEngine, LocalStack
 
+pytestmark = pytest.mark.ecosystem
+
 FLOWS = Path(__file__).with_name("art_flows.py")
 TARGET_REWARD = 0.9
 MAX_RL_STEPS = 30

@@ -6,6 +6,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.ecosystem
+
 
 def test_tinkerrpc_art_without_art_names_the_extra() -> None:
     code = textwrap.dedent(

@@ -10,6 +10,8 @@ import pytest
 
 from bench.art_seed import figures, median_step_seconds
 
+pytestmark = pytest.mark.unit
+
 
 def _run(rollouts: list[float], trains: list[float], to_target: float | None) -> dict[str, Any]:
     return {

@@ -9,6 +9,8 @@ import torch
 
 from bench.__main__ import main
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_without_a_gpu_fails_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,7 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.report import Figure, Results, markdown_table
+
+pytestmark = pytest.mark.ecosystem
 
 REPO = Path(__file__).resolve().parents[2]
 FIGURE_KEYS = {"name", "ours", "baseline", "unit", "ratio", "goal", "direction", "met", "detail"}

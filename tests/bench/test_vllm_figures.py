@@ -14,6 +14,8 @@ import pytest
 from bench.machine import busy_cores, wait_for_quiet_cpu
 from bench.vllm_cpu import Outcome, Request, Workload, figures_of, run_workload, workloads
 
+pytestmark = pytest.mark.process
+
 
 def test_figures_are_medians_of_the_rounds_and_staggered_arrivals_add_p50() -> None:
     staggered = Workload("staggered arrivals", "32 requests", (), latency_figure=True)

@@ -20,6 +20,8 @@ import tinkerrpc
 from tinkerrpc.v1 import trainer_service_pb2 as service_pb
 from tinkerrpc_server.local.stack import LocalStack
 
+pytestmark = pytest.mark.process
+
 TINY = "tinkerrpc/tiny-chat"
 PROMPT = [tinkerrpc.Message.user("respond with yes or no")]
 # The probe whose prompt logprobs fingerprint a policy's weights.

@@ -10,6 +10,8 @@ from fake_trainer import FAST_RETRY, FakeServer
 
 import tinkerrpc
 
+pytestmark = pytest.mark.unit
+
 
 def sampled(reward: float) -> tinkerrpc.Trajectory:
     return tinkerrpc.Trajectory(turns=[tinkerrpc.SampledTurn((1,), (2,), (-0.1,), 0)], reward=reward)

@@ -9,7 +9,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import tinkerrpc
+
+pytestmark = pytest.mark.unit
 
 PACKAGE_DIR = Path(tinkerrpc.__file__).parent
 PACKAGE = "tinkerrpc"

@@ -22,6 +22,8 @@ from tinkerrpc.v1 import trainer_service_pb2 as service_pb
 from tinkerrpc.v1 import types_pb2 as pb
 from tinkerrpc_server.service import errors as service_errors
 
+pytestmark = pytest.mark.unit
+
 WHEN = datetime(2025, 5, 17, 12, 30, 15, 250000, tzinfo=timezone.utc)
 WEATHER_TOOL = tinkerrpc.Tool(
     name="get_weather",

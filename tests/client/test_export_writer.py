@@ -13,6 +13,8 @@ from tinkerrpc._export import WeightsWriter
 from tinkerrpc.v1 import trainer_service_pb2 as service_pb
 from tinkerrpc.v1 import types_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 CONFIG = b'{"r": 8}'
 WEIGHTS = bytes(range(256)) * 5
 

@@ -17,6 +17,8 @@ import tinkerrpc
 from tinkerrpc_server.local.stack import LocalStack
 from tinkerrpc_server.processes.probes import free_port
 
+pytestmark = pytest.mark.process
+
 TOKEN = "t0ken-first-contact"
 SIDECAR_KEY = "sk-first-contact"
 TINY = "tinkerrpc/tiny-chat"

@@ -26,6 +26,8 @@ import tinker
 from tinkerrpc_server.engine.core import UNNAMED_SNAPSHOTS_KEPT_PER_MODEL
 from tinkerrpc_server.local.stack import LocalEngine
 
+pytestmark = pytest.mark.ecosystem
+
 RUNNER = Path(__file__).with_name("cookbook_runs.py")
 STEPS = 8
 SAVE_EVERY = 2

@@ -12,6 +12,8 @@ from transformers import AutoConfig, AutoTokenizer
 from tinkerrpc_server import model_store
 from tinkerrpc_server.model_store import TINY_CHAT, publish_to_hf_cache, resolve_base_model
 
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture(scope="module")
 def tiny_chat(tmp_path_factory: pytest.TempPathFactory) -> Path:

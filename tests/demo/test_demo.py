@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tinkerrpc_server.demo import yes_no_maybe_prompts
+
+pytestmark = pytest.mark.process
 
 
 def test_prompts_cover_every_ordering() -> None:

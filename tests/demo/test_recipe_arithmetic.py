@@ -13,6 +13,8 @@ import pytest
 from tinkerrpc_server.demo import ArithmeticConfig
 from tinkerrpc_server.recipes.arithmetic import Problem, split_problems
 
+pytestmark = pytest.mark.process
+
 # The short form CI runs: held-out accuracy after CI_STEPS RL steps beat step 0 by at least CI_MARGIN
 # in every seed measured (seeds 0-2: +35, +30 and +22.5 points after 5 steps; the full recipe runs 15
 # and aims for +20).

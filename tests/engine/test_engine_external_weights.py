@@ -34,7 +34,10 @@ DATA = [
 ]
 FILES_ROUTE = "/api/v1/external_weights_files"
 # The brief's entry point to the REST API; the SDK now prefers tinker.RestClient(...) and warns.
-pytestmark = pytest.mark.filterwarnings("ignore:.*create_rest_client.*:FutureWarning")
+pytestmark = [
+    pytest.mark.process,
+    pytest.mark.filterwarnings("ignore:.*create_rest_client.*:FutureWarning"),
+]
 
 
 def trained_model(service: tinker.ServiceClient, seed: int) -> tinker.TrainingClient:

@@ -14,6 +14,8 @@ from tinkerrpc_server.engine.core import UNNAMED_SNAPSHOTS_KEPT_PER_MODEL
 from tinkerrpc_server.engine.storage import CheckpointRecord, RunRecord, Storage, now_iso, read_index
 from tinkerrpc_server.local.stack import LocalEngine
 
+pytestmark = pytest.mark.process
+
 
 def _live_models(engine: LocalEngine) -> int:
     stats = httpx.get(f"{engine.base_url}/api/v1/debug/stats", headers=engine.auth_headers, timeout=30)

@@ -9,6 +9,8 @@ import pytest
 from engine_proc import TINY, start_engine
 from tinker import types
 
+pytestmark = pytest.mark.process
+
 DATA = [
     types.Datum(
         model_input=types.ModelInput.from_ints([12, 40, 41, 7, 9]),

@@ -20,6 +20,8 @@ from transformers import AutoModelForCausalLM
 
 from tinkerrpc_server.local.stack import LocalEngine
 
+pytestmark = pytest.mark.process
+
 ADAM = types.AdamParams(learning_rate=1e-2)
 
 

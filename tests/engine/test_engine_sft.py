@@ -11,6 +11,7 @@ import random
 import time
 
 import numpy as np
+import pytest
 import tinker
 from engine_proc import TINY
 from tinker import types
@@ -19,6 +20,8 @@ from tinker_cookbook.tokenizer_utils import get_tokenizer
 
 from tinkerrpc_server.local.stack import LocalEngine
 from tinkerrpc_server.model_store import ANSWER_WORDS, answer_format_prompt
+
+pytestmark = pytest.mark.process
 
 BATCH_SIZE = 32
 EVAL_SAMPLES = 48

@@ -4,7 +4,11 @@ long run makes."""
 
 from __future__ import annotations
 
+import pytest
+
 from tinkerrpc_server.engine.futures import FailedResult, FutureTable
+
+pytestmark = pytest.mark.unit
 
 
 def _finish(table: FutureTable, request_id: str) -> None:

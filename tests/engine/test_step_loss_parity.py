@@ -11,6 +11,8 @@ from tinker import types
 from tinkerrpc_server.engine.losses import LOSSES, resolve_config
 from tinkerrpc_server.service.step_loss import LOSS_OF_DATUM, loss_from_logprobs
 
+pytestmark = pytest.mark.unit
+
 CONFIGS: dict[str, dict[str, float]] = {
     "ppo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
     "cispo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},

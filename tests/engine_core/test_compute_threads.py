@@ -9,6 +9,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.process
+
 
 def run_fresh(script: str) -> list[str]:
     completed = subprocess.run(

@@ -17,6 +17,8 @@ from tinkerrpc_server.engine.futures import FailedResult, Outcome, RequestFuture
 from tinkerrpc_server.engine.runtime import BaseModelRuntime, EngineUserError
 from tinkerrpc_server.engine.worker import ComputeWorker
 
+pytestmark = pytest.mark.unit
+
 PROMPT = [1, 291, 201, 420, 311, 408, 14, 338, 310, 409, 16, 2, 201, 1, 293, 201]
 OTHER_PROMPT = [1, 293, 201, 77, 78, 79, 80, 2, 201, 1, 291, 201]
 

@@ -15,6 +15,8 @@ from tinkerrpc_server.engine.compute import cpu_kernels
 from tinkerrpc_server.engine.compute.decoder import FusedDecoder, Rotary, _one_query_attention
 from tinkerrpc_server.engine.runtime import BaseModelRuntime
 
+pytestmark = pytest.mark.unit
+
 TOLERANCE = {"rtol": 2e-6, "atol": 2e-6}
 
 

@@ -34,6 +34,8 @@ from tinkerrpc_server.engine.compute.kv_cache import new_cache
 from tinkerrpc_server.engine.compute.packing import PACK_AFTER_PASSES, PACKED_ROWS, PackingPlan, packing_plan
 from tinkerrpc_server.engine.runtime import SAMPLER_CACHE_SIZE, BaseModelRuntime, LoraSpec
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def runtime(

@@ -24,6 +24,8 @@ from tinkerrpc_server.engine.compute.architecture import Architecture, describe
 from tinkerrpc_server.engine.compute.decoder import FusedDecoder, FusedTrainingForward, fuse_base_weights
 from tinkerrpc_server.engine.runtime import BaseModelRuntime, LoraSpec
 
+pytestmark = pytest.mark.process
+
 TINY_LLAMA: dict[str, Any] = {
     "vocab_size": 128,
     "hidden_size": 64,

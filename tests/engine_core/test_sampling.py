@@ -17,6 +17,8 @@ from tinkerrpc_server.engine.runtime import (
     LoraSpec,
 )
 
+pytestmark = pytest.mark.unit
+
 PROMPT = [1, 291, 201, 420, 311, 408, 14, 338, 310, 409, 16, 2, 201, 1, 293, 201]
 
 

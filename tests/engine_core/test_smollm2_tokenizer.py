@@ -11,6 +11,8 @@ import pytest
 from smollm2_support import SMOLLM2, gguf_tokenizer, smollm2_gguf, smollm2_model_dir
 from transformers import AutoTokenizer
 
+pytestmark = pytest.mark.process
+
 HANDWRITTEN = [
     "",
     " ",

@@ -13,6 +13,8 @@ from tinkerrpc_server.engine.compute.samples import SampleJob
 from tinkerrpc_server.engine.compute.token_choice import StopCheck
 from tinkerrpc_server.engine.runtime import BaseModelRuntime
 
+pytestmark = pytest.mark.unit
+
 LENGTH = 80
 
 

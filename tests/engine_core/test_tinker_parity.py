@@ -28,6 +28,8 @@ from tinkerrpc_server.engine.runtime import (
 from tinkerrpc_server.local.stack import LocalEngine
 from tinkerrpc_server.model_store import TINY_CHAT
 
+pytestmark = pytest.mark.process
+
 
 def _lora_layers(runtime: BaseModelRuntime) -> list[LoraLayer]:
     assert runtime._peft is not None

@@ -10,6 +10,8 @@ import torch
 
 from tinkerrpc_server.engine.compute.token_choice import choose
 
+pytestmark = pytest.mark.unit
+
 
 def _reference(
     logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor

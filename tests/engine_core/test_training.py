@@ -21,6 +21,8 @@ from tinkerrpc_server.engine.runtime import (
     bucket_by_length,
 )
 
+pytestmark = pytest.mark.unit
+
 ADAM = {
     "learning_rate": 1e-2,
     "beta1": 0.9,

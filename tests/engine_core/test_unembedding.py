@@ -10,6 +10,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from tinkerrpc_server.engine.compute import unembedding
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 300
 
 

@@ -18,6 +18,8 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 from example_support import local_sidecar  # noqa: E402
 
+pytestmark = pytest.mark.process
+
 API_KEY = "sk-examples-test"
 EXAMPLE_TIMEOUT = 240
 

@@ -16,6 +16,8 @@ import pytest
 from tinkerrpc_server.processes.children import ChildProcess, StartError
 from tinkerrpc_server.processes.http_serving import bound_port, listen
 
+pytestmark = pytest.mark.process
+
 # A child that binds port 0 and reports the port it got, as the servers do, then serves until stopped.
 SERVING = """
 import socket, sys, time

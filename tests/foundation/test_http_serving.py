@@ -5,7 +5,11 @@ from __future__ import annotations
 import asyncio
 import socket
 
+import pytest
+
 from tinkerrpc_server.processes.http_serving import _no_delay, listen
+
+pytestmark = pytest.mark.unit
 
 
 async def _accepted_nodelay(fix: bool) -> int:

@@ -8,7 +8,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import tinkerrpc_server
+
+pytestmark = pytest.mark.unit
 
 PACKAGE = Path(tinkerrpc_server.__file__).parent
 OURS = ("tinkerrpc_server", "tinkerrpc")

@@ -8,6 +8,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.process
+
 BLOCKER = textwrap.dedent(
     """
     import importlib.abc, sys

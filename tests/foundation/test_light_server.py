@@ -22,6 +22,8 @@ from tinkerrpc_server.local.stack import LocalStack
 from tinkerrpc_server.model_store import TINY_CHAT
 from tinkerrpc_server.settings import Settings
 
+pytestmark = pytest.mark.process
+
 CALL_TIMEOUT = 120.0
 
 # Renders supervised examples of a few conversations with several renderers and every TrainOnWhat, as

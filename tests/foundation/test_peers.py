@@ -10,9 +10,10 @@ import pytest
 
 from tinkerrpc_server.processes.peers import Peer, identify, uid_lookup_available
 
-pytestmark = pytest.mark.skipif(
-    not uid_lookup_available(), reason="the kernel answers no socket lookups here"
-)
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.skipif(not uid_lookup_available(), reason="the kernel answers no socket lookups here"),
+]
 
 
 @pytest.mark.parametrize(("family", "host"), [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")])

@@ -15,6 +15,8 @@ from tinkerrpc.v1 import trainer_service_pb2
 from tinkerrpc_server.local.stack import LocalStack
 from tinkerrpc_server.settings import ENGINE_API_KEY_ENV, SIDECAR_API_KEY_ENV
 
+pytestmark = pytest.mark.process
+
 SERVICE = "tinkerrpc.v1.TrainerService"
 # Credentials in the server's own environment, which its engine child must not inherit.
 SERVER_CREDENTIALS = {SIDECAR_API_KEY_ENV: "sidecar-key-of-the-server", ENGINE_API_KEY_ENV: "tml-" + "k" * 32}

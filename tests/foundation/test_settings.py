@@ -9,6 +9,8 @@ import pytest
 from tinkerrpc_server import settings
 from tinkerrpc_server.settings import Settings, SettingsError, child_environment
 
+pytestmark = pytest.mark.unit
+
 
 def test_settings_read_every_variable_once_and_empty_is_unset() -> None:
     read = Settings.from_environment(

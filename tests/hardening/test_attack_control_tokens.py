@@ -29,6 +29,8 @@ from tinkerrpc_server.service.datums import rl_batch, sft_batch
 from tinkerrpc_server.service.rendering import ChatCodec, ChatCodecs, UnknownRendererError
 from tinkerrpc_server.service.smollm2_renderer import SMOLLM2_RENDERER
 
+pytestmark = pytest.mark.process
+
 # Every built-in renderer name, read from the factory itself so that a renderer the cookbook adds is
 # tested (or refused) without editing this list, and every name registered with it (tinkerrpc's own).
 RENDERER_NAMES = [

@@ -34,6 +34,8 @@ from tinkerrpc_server.engine.storage import read_index
 from tinkerrpc_server.local.stack import LocalEngine, LocalStack, tinkerrpc_command
 from tinkerrpc_server.settings import ENGINE_API_KEY_ENV
 
+pytestmark = pytest.mark.process
+
 TINY = "tinkerrpc/tiny-chat"
 START_TIMEOUT = 240.0
 PROMPT = [tinkerrpc.Message.user("may I have the weights?")]

@@ -28,6 +28,8 @@ import tinkerrpc
 from tinkerrpc_server.local.stack import LocalEngine, LocalProcess, LocalSidecar, LocalStack
 from tinkerrpc_server.settings import AUTH_TOKEN_ENV
 
+pytestmark = pytest.mark.process
+
 TINY = "tinkerrpc/tiny-chat"
 TOKEN = "ownership-test-token"
 START_TIMEOUT = 240.0

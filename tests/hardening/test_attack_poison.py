@@ -35,6 +35,8 @@ from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
 from tinkerrpc.v1.errors_pb2 import ErrorReason
 
+pytestmark = pytest.mark.process
+
 BACKEND_TIMEOUT = 8
 POISONED, TWIN, STUCK = "poisoned", "poisoned-twin", "stuck"
 

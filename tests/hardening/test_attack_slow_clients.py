@@ -28,6 +28,8 @@ from service.svc import CALL_TIMEOUT, TINY, Server, create_model, rl_request, sa
 from tinkerrpc_server.local.stack import LocalEngine
 from tinkerrpc_server.processes.http_serving import HEADER_READ_TIMEOUT_SECONDS, SHARED
 
+pytestmark = pytest.mark.process
+
 # The local user the attacks come from: uid 65534, "nobody" on Debian.
 NOBODY = 65534
 # How long past the header timeout a half-sent connection may stay open (a loaded 2-core machine).

@@ -21,6 +21,8 @@ from service.svc import CALL_TIMEOUT, Server, assistant, create_model, sample_ch
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import trainer_service_pb2_grpc, types_pb2
 
+pytestmark = pytest.mark.process
+
 BIG = 16 * 1024 * 1024
 HUGE_MODEL = "huge"
 OTHER_MODEL = "other"

@@ -15,6 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import tinkerrpc
 from tinkerrpc_server.local.stack import LocalStack
 
+pytestmark = pytest.mark.process
+
 TOKEN = "s3cret-token-for-tests"
 SIDECAR_KEY = "sidecar-key-for-tests"
 

@@ -21,6 +21,8 @@ from service.svc import CALL_TIMEOUT, TINY, Server, assistant, create_model, pro
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
 
+pytestmark = pytest.mark.process
+
 MODEL = "campaign"
 KEY = SIDECAR_KEY
 BIG_TOKEN = 10**6

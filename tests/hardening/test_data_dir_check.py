@@ -23,6 +23,8 @@ import pytest
 
 from tinkerrpc_server.local.stack import tinkerrpc_command
 
+pytestmark = pytest.mark.process
+
 START_TIMEOUT = 120.0
 
 

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tinkerrpc_server.engine.storage import CheckpointRecord, RunRecord, Storage, now_iso
+
+pytestmark = pytest.mark.unit
 
 
 def test_staging_dirs_and_empty_run_dirs_go_at_start(tmp_path: Path) -> None:

@@ -36,6 +36,8 @@ from service.svc import (
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
 
+pytestmark = pytest.mark.process
+
 MODEL = "limited"
 SERVICE = "tinkerrpc.v1.TrainerService"
 

@@ -6,9 +6,12 @@ from __future__ import annotations
 import asyncio
 import math
 
+import pytest
 from hardening_support import HostedServer
 
 from bench.load import run_load
+
+pytestmark = pytest.mark.process
 
 SECONDS = 10.0
 SAMPLERS = 3

@@ -17,6 +17,8 @@ from service.svc import CALL_TIMEOUT, Server, create_model, prompt_logprobs, rl_
 
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 
+pytestmark = pytest.mark.process
+
 MODEL = "killed"
 # A step's share after which the server is killed: early (forward/backward) and late (saves, commit).
 KILL_POINTS = (0.3, 0.7)

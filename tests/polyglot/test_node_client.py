@@ -22,6 +22,8 @@ from tinkerrpc.v1 import errors_pb2, trainer_service_pb2, trainer_service_pb2_gr
 from tinkerrpc_server.local.stack import LocalStack
 from tinkerrpc_server.processes.probes import free_port
 
+pytestmark = pytest.mark.ecosystem
+
 NODE_DIR = Path(__file__).parent
 NPM_CI_TIMEOUT_S = 300
 CLIENT_TIMEOUT_S = 120

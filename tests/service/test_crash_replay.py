@@ -25,6 +25,8 @@ from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server.local.stack import LocalEngine
 from tinkerrpc_server.service.training import StepPoint
 
+pytestmark = pytest.mark.process
+
 MODEL = "replayed"
 KILLS = 10
 # A life ends at its kill after at most this many steps reach the kill point.

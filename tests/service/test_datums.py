@@ -22,6 +22,8 @@ from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server.service.datums import rl_batch
 from tinkerrpc_server.service.rendering import ROLE_NAMES, ChatCodec, ChatCodecs
 
+pytestmark = pytest.mark.unit
+
 VERSION = 3
 
 

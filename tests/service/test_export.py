@@ -32,6 +32,8 @@ import tinkerrpc
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc_server.model_store import resolve_base_model
 
+pytestmark = pytest.mark.process
+
 MODEL = "exported"
 
 

@@ -26,6 +26,8 @@ from tinkerrpc_server.service.exporting import Exporter
 from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.rendering import ChatCodecs
 
+pytestmark = pytest.mark.process
+
 
 async def test_the_loss_comes_from_the_returned_logprobs_without_loss_sum(
     tmp_path: Path, codecs: ChatCodecs

@@ -16,6 +16,8 @@ from svc import CALL_TIMEOUT, Server, create_model, sample_chat, yes_no_sft_requ
 
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 
+pytestmark = pytest.mark.process
+
 MODEL = "foreign"
 
 

@@ -17,6 +17,8 @@ import tinkerrpc
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
 
+pytestmark = pytest.mark.process
+
 MODEL = "history-model"
 EVENT_TIMEOUT = 60.0
 

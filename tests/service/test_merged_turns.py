@@ -30,6 +30,8 @@ from tinkerrpc_server.model_store import resolve_base_model
 from tinkerrpc_server.service.datums import rl_batch, sft_batch
 from tinkerrpc_server.service.rendering import ChatCodec, ChatCodecs
 
+pytestmark = pytest.mark.unit
+
 VERSION = 2
 LOSS_TOLERANCE = 1e-4
 GRAD_TOLERANCE = 1e-4

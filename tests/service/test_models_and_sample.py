@@ -18,6 +18,8 @@ from svc import (
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
 
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture(scope="module")
 def model(server: Server) -> types_pb2.ModelInfo:

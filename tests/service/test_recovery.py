@@ -15,6 +15,8 @@ from svc import CALL_TIMEOUT, Server, create_model, error_info, prompt_logprobs,
 
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 
+pytestmark = pytest.mark.process
+
 MODEL = "crashy"
 
 

@@ -13,6 +13,8 @@ from in_process import InProcessService
 
 from tinkerrpc_server.service.rendering import ChatCodecs
 
+pytestmark = pytest.mark.unit
+
 STEPS = 8
 
 

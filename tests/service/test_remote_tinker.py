@@ -30,6 +30,8 @@ from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server.local.stack import LocalEngine
 
+pytestmark = pytest.mark.process
+
 MODEL = "remote"
 # The checkpoint cadence serve uses on Tinker when --checkpoint-every is not given.
 TINKER_CHECKPOINT_EVERY = 10

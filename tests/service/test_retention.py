@@ -22,6 +22,8 @@ from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server.engine.storage import read_index
 from tinkerrpc_server.local.stack import LocalEngine
 
+pytestmark = pytest.mark.process
+
 STATE = types_pb2.CHECKPOINT_KIND_STATE
 SAMPLER = types_pb2.CHECKPOINT_KIND_SAMPLER
 

@@ -16,6 +16,8 @@ from tinkerrpc_server.service.rendering import ChatCodecs
 from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE
 from tinkerrpc_server.service.training import StepPoint
 
+pytestmark = pytest.mark.unit
+
 
 def _kept(service: InProcessService, model: str) -> list[tuple[str, int]]:
     return sorted((c.name, c.kind) for c in service.store.list_checkpoints(model))

@@ -15,6 +15,8 @@ from tinkerrpc_server.service import errors
 from tinkerrpc_server.service.rendering import ChatCodec, ChatCodecs, RendererVariantError, thinking_variant
 from tinkerrpc_server.service.sampling import _Drawn, _forced_opening, _request_codec, _sampled_sequence
 
+pytestmark = pytest.mark.unit
+
 TOOL = types_pb2.Tool(name="get_weather", parameters_json=json.dumps({"type": "object"}))
 
 

@@ -7,10 +7,13 @@ after the discard."""
 from __future__ import annotations
 
 import grpc
+import pytest
 from svc import CALL_TIMEOUT, Server, assistant, create_model, user
 
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
+
+pytestmark = pytest.mark.process
 
 RACES = 4
 SAMPLES_PER_RACE = 4

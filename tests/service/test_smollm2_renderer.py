@@ -25,6 +25,8 @@ from tinkerrpc_server.service.rendering import (
 )
 from tinkerrpc_server.service.smollm2_renderer import DEFAULT_SYSTEM_PROMPT, SMOLLM2_RENDERER
 
+pytestmark = pytest.mark.process
+
 CONVERSATIONS: list[list[Message]] = [
     [{"role": "user", "content": "What is 7 + 5? Answer with a number."}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],

@@ -15,6 +15,8 @@ from transformers import AutoTokenizer
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
 
+pytestmark = pytest.mark.process
+
 # Converting the GGUF and loading a 135 M model in the engine, on a busy 2-core machine.
 FIRST_USE_TIMEOUT = 600.0
 SAMPLE_TIMEOUT = 300.0

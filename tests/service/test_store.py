@@ -20,6 +20,8 @@ from tinkerrpc_server.service.store import (
     Store,
 )
 
+pytestmark = pytest.mark.unit
+
 # The SQL the unversioned releases ran at every open (their user_version stayed 0), their statements
 # laid out compactly: the first release (2ad2137), retention's columns in CREATE (79361c0, which also ALTERed them
 # into older databases) and the write-ahead step records (2db3ed2, the last before numbered migrations).

@@ -23,6 +23,8 @@ from svc import (
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import trainer_service_pb2_grpc, types_pb2
 
+pytestmark = pytest.mark.process
+
 MODEL = "train-model"
 
 

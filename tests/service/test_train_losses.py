@@ -20,6 +20,8 @@ import tinkerrpc
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import trainer_service_pb2_grpc, types_pb2
 
+pytestmark = pytest.mark.process
+
 REWARDS = [1.0, 0.0, 0.5, 0.0]
 # Added to the sampler's logprobs token by token, so that r = exp(lp − q) ≈ exp(−offset) spreads over
 # [0.55, 1.8]: below, inside and above both the tight and the default clip thresholds.

@@ -21,6 +21,8 @@ from tinkerrpc_server.service.errors import ServiceError
 from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.store import ModelRow
 
+pytestmark = pytest.mark.unit
+
 VERSION = 3
 VOCAB = 100
 CONTEXT = 64

@@ -11,6 +11,8 @@ from tinkerrpc import Message, Sample, ToolCall, Trajectory, messages_from_respo
 from tinkerrpc_server.sidecar import models, protocol, responses
 from tinkerrpc_server.sidecar.errors import OpenAIError
 
+pytestmark = pytest.mark.unit
+
 
 def request(**fields: Any) -> protocol.ResponseRequest:
     return protocol.ResponseRequest.model_validate({"model": "run", "input": "hi", **fields})

@@ -39,6 +39,8 @@ from sidecar_support import (
 
 import tinkerrpc
 
+pytestmark = pytest.mark.ecosystem
+
 # Tracing would export spans to OpenAI's servers.
 set_tracing_disabled(True)
 

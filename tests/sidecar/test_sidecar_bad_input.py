@@ -16,6 +16,8 @@ import httpx
 import pytest
 from sidecar_support import API_KEY, Stack
 
+pytestmark = pytest.mark.process
+
 MODEL = "bad-input"
 USER = [{"role": "user", "content": "hi"}]
 CHAT = "/chat/completions"

@@ -13,6 +13,8 @@ from sidecar_support import API_KEY, Stack
 
 import tinkerrpc
 
+pytestmark = pytest.mark.process
+
 USER = [{"role": "user", "content": "Is the sky blue?"}]
 WEATHER = {
     "name": "get_weather",

@@ -14,6 +14,8 @@ from tinkerrpc_server.processes.http_serving import bound_port, listen
 from tinkerrpc_server.processes.probes import free_port
 from tinkerrpc_server.sidecar.app import GrpcUpstream, serve_sidecar
 
+pytestmark = pytest.mark.process
+
 
 def client(sidecar: Sidecar, *, key: str = API_KEY, max_retries: int = 0) -> openai.OpenAI:
     return openai.OpenAI(base_url=sidecar.openai_base_url, api_key=key, max_retries=max_retries, timeout=30)

@@ -13,6 +13,8 @@ from sidecar_support import API_KEY, Stack
 
 import tinkerrpc
 
+pytestmark = pytest.mark.process
+
 GENERATE = "/inference/v1/generate"
 MESSAGES = [{"role": "user", "content": "Is the sky blue?"}]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 from langchain_openai import ChatOpenAI
 from sidecar_support import (
@@ -25,6 +26,8 @@ from sidecar_support import (
 )
 
 import tinkerrpc
+
+pytestmark = pytest.mark.ecosystem
 
 
 def chat_model(stack: Stack, model: str, recorder: ExchangeRecorder) -> ChatOpenAI:

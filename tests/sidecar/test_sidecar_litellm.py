@@ -24,6 +24,8 @@ import tinkerrpc
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 import litellm
 
+pytestmark = pytest.mark.ecosystem
+
 USER = [{"role": "user", "content": "Is the sky blue?"}]
 
 

@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 from sidecar_support import Stack
 
+pytestmark = pytest.mark.process
+
 MODEL = "logprob-bytes"
 PROMPTS = (
     "東京の天気は晴れです。明日は",

@@ -14,6 +14,8 @@ from sidecar_support import Stack
 
 import tinkerrpc
 
+pytestmark = pytest.mark.process
+
 USER = [{"role": "user", "content": "Is the sky blue?"}]
 WEATHER_TOOL = {
     "type": "function",

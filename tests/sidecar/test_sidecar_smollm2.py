@@ -11,6 +11,8 @@ import pytest
 from sidecar_support import Stack
 from smollm2_support import SMOLLM2, gguf_tokenizer
 
+pytestmark = pytest.mark.process
+
 # The first use converts the GGUF file and loads a 135 M model in the engine, on a busy 2-core machine.
 FIRST_USE_TIMEOUT = 600.0
 

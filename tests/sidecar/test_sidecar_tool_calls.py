@@ -12,10 +12,13 @@ import json
 from typing import Any
 
 import openai
+import pytest
 from openai.types.chat import ChatCompletion
 from sidecar_support import ANSWER, ARGUMENTS, QUESTION, TOOL_RESULT, WEATHER_TOOL, Stack
 
 import tinkerrpc
+
+pytestmark = pytest.mark.process
 
 
 def extra(response: Any, name: str) -> Any:

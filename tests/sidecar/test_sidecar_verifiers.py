@@ -25,6 +25,8 @@ import tinkerrpc
 from tinkerrpc_server.local.stack import LocalStack
 from tinkerrpc_server.settings import SIDECAR_API_KEY_ENV
 
+pytestmark = pytest.mark.ecosystem
+
 # The two packages whose code runs the client: verifiers' TrainClient and the renderers client it calls.
 REQUIREMENTS = ("verifiers==0.4.0", "renderers==0.1.12")
 VENV = Path(__file__).resolve().parents[2] / ".venv" / "verifiers-0.4.0"

@@ -7,11 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 from sidecar_support import API_KEY, Stack
 
 import tinkerrpc
+
+pytestmark = pytest.mark.process
 
 MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Is the sky blue?"}]
 # Every extra the sidecar takes with vLLM's meaning (penalties only at their neutral values).

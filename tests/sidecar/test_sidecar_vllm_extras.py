@@ -14,6 +14,8 @@ from sidecar_support import QUESTION, WEATHER_TOOL, Stack
 
 import tinkerrpc
 
+pytestmark = pytest.mark.process
+
 USER = [{"role": "user", "content": "Tell me a story."}]
 # Single characters the random model writes within a few tokens.
 STOPS = ["e", "a", " ", "o"]

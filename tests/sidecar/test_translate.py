@@ -24,6 +24,8 @@ from tinkerrpc_server.sidecar.errors import OpenAIError, from_rpc_error, param_f
 from tinkerrpc_server.sidecar.metrics import SidecarMetrics
 from tinkerrpc_server.sidecar.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
+pytestmark = pytest.mark.unit
+
 
 def chat_request(**fields: Any) -> ChatCompletionRequest:
     body: dict[str, Any] = {"model": "run", "messages": [{"role": "user", "content": "hi"}], **fields}
