@@ -214,6 +214,8 @@ async def _serve(config: ServerConfig, service: TrainerService, sidecar_socket: 
 
         supervisor = asyncio.create_task(service.supervise_engine(report_serving))
         supervisor.add_done_callback(engine_lost)
+    # Opens a new Tinker session whenever the backend finishes this one (not serving until it is open).
+    session_watch = asyncio.create_task(service.watch_session(report_serving))
     sidecar = None
     ports = {"port": port}
     if sidecar_socket is not None:
@@ -244,6 +246,7 @@ async def _serve(config: ServerConfig, service: TrainerService, sidecar_socket: 
     if supervisor is not None:
         # The engine may stop first (Ctrl-C reaches the whole process group): not a crash to restart.
         supervisor.cancel()
+    session_watch.cancel()
     if sidecar is not None:
         # HTTP requests in flight finish while the gRPC server still answers them.
         await sidecar

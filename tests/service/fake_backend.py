@@ -110,6 +110,8 @@ class FakeTinker:
             rest=cast(tinker.RestClient, self),
             url="fake-tinker",
             engine=None,
+            base_url="fake-tinker",
+            api_key="fake-key",
         )
 
     def _new_client(self, weights: str) -> FakeTrainingClient:

@@ -1,7 +1,11 @@
 """Which Tinker the service talks to: Tinker itself (a Tinker API key is set) or the embedded engine, a
 child process the server was handed already starting (`EngineHandle`) and called with the key it was
 started with. Either way the service only ever uses the tinker SDK; whoever built the engine knows how
-to start it again, and the service asks it to through the handle."""
+to start it again, and the service asks it to through the handle.
+
+Everything the service makes on the backend lives in one Tinker session, opened with the SDK clients.
+The backend may finish that session (no heartbeat for its timeout while this process was stopped, or a
+holder of the key finished it): `session_finished` asks, and `renew_session` opens a new one."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from typing import Protocol
 import httpx
 import tinker
 from tinker.lib.base_url import resolve_base_url
+from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
 
 from tinkerrpc_server.processes.children import StartError
 
@@ -25,6 +30,11 @@ log = logging.getLogger("tinkerrpc.backend")
 # How long a Tinker at --tinker-url may take to answer the start-up probe and to open the SDK's session
 # (the SDK retries a failing session request for minutes): past it, serve stops with one line.
 TINKER_START_SECONDS = 30.0
+# How long one heartbeat asking whether the session is still open may take; past it, the answer is
+# "not known to be finished".
+SESSION_PROBE_SECONDS = 5.0
+# The status the Tinker API's session heartbeat answers for a finished session.
+SESSION_FINISHED_STATUS = 410
 
 
 class EngineHandle(Protocol):
@@ -57,10 +67,15 @@ class EngineHandle(Protocol):
 
 @dataclass
 class Backend:
+    """The SDK clients (`service` holds the session) and where they point: `url` as configured (the
+    engine's, or --tinker-url; empty for the SDK's default), `base_url` resolved, `api_key` sent."""
+
     service: tinker.ServiceClient
     rest: tinker.RestClient
     url: str
     engine: EngineHandle | None
+    base_url: str
+    api_key: str
 
     @property
     def embedded(self) -> bool:
@@ -72,12 +87,39 @@ class Backend:
         assert self.engine is not None, "only the embedded engine is restarted"
         dead_service = self.service
         await self.engine.restart()
-        self.service = tinker.ServiceClient(base_url=self.engine.url, api_key=self.engine.api_key)
-        self.rest = tinker.RestClient(base_url=self.engine.url, api_key=self.engine.api_key)
-        self.url = self.engine.url
-        # Stops the dead session's heartbeat loop; its engine is gone, so the result is not awaited.
-        with contextlib.suppress(Exception):
-            dead_service.close("errored", "embedded engine died")
+        self.url = self.base_url = self.engine.url
+        self.api_key = self.engine.api_key
+        self.service, self.rest = await _open_clients(self.base_url, self.api_key)
+        _let_go(dead_service, "embedded engine died")
+
+    async def session_finished(self, service: tinker.ServiceClient) -> bool:
+        """Whether the backend has finished `service`'s session: its heartbeat answers 410. A backend
+        that does not answer in SESSION_PROBE_SECONDS (or fails otherwise) has not said so: False."""
+        holder = service.holder
+
+        async def heartbeat() -> None:
+            with holder.aclient(ClientConnectionPoolType.SESSION) as http:
+                await http.service.session_heartbeat(
+                    session_id=holder.get_session_id(), max_retries=0, timeout=SESSION_PROBE_SECONDS
+                )
+
+        try:
+            await asyncio.wait_for(holder.run_coroutine_threadsafe(heartbeat()), SESSION_PROBE_SECONDS + 1)
+        except tinker.APIStatusError as err:
+            return err.status_code == SESSION_FINISHED_STATUS
+        except Exception:
+            return False
+        return False
+
+    async def renew_session(self) -> None:
+        """After the backend finished the session: fresh SDK clients with a new session (StartError when
+        the backend does not open one). What the old session made is gone from the backend."""
+        finished = self.service
+        self.service, self.rest = await _open_clients(self.base_url, self.api_key)
+        _let_go(finished, "the backend finished this session")
+
+    def session_id(self) -> str:
+        return self.service.holder.get_session_id()
 
     def close(self) -> None:
         """Finish the Tinker session (its owner, the CLI, stops the engine child afterwards)."""
@@ -87,26 +129,29 @@ class Backend:
             log.warning("could not finish the Tinker session: %s", err)
 
 
+def _let_go(service: tinker.ServiceClient, detail: str) -> None:
+    """Stop a replaced client's session loops (heartbeat and the rest). Its session is finished or its
+    engine gone, so the result is not awaited."""
+    with contextlib.suppress(Exception):
+        service.close("errored", detail)
+
+
 async def connect_backend(
     engine: EngineHandle | None, tinker_api_key: str | None, tinker_url: str | None
 ) -> Backend:
     """Tinker itself at `tinker_url` (None: the SDK's default) when there is no engine, else the
-    embedded engine once it serves."""
+    embedded engine once it serves; with the session open."""
     if engine is None:
         if tinker_api_key is None:
             raise StartError("no embedded engine and no Tinker API key", None)
         log.info("using the Tinker service at %s", tinker_url or "the SDK's default URL")
         url = resolve_base_url(tinker_url)
         await _probe_tinker(url, tinker_api_key)
-        service, rest = await _open_tinker_clients(url, tinker_api_key)
-        return Backend(service=service, rest=rest, url=tinker_url or "", engine=None)
+        service, rest = await _open_clients(url, tinker_api_key)
+        return Backend(service, rest, tinker_url or "", None, url, tinker_api_key)
     await engine.wait_ready()
-    return Backend(
-        service=tinker.ServiceClient(base_url=engine.url, api_key=engine.api_key),
-        rest=tinker.RestClient(base_url=engine.url, api_key=engine.api_key),
-        url=engine.url,
-        engine=engine,
-    )
+    service, rest = await _open_clients(engine.url, engine.api_key)
+    return Backend(service, rest, engine.url, engine, engine.url, engine.api_key)
 
 
 async def _probe_tinker(url: str, api_key: str) -> None:
@@ -127,18 +172,17 @@ async def _probe_tinker(url: str, api_key: str) -> None:
         )
 
 
-async def _open_tinker_clients(url: str, api_key: str) -> tuple[tinker.ServiceClient, tinker.RestClient]:
-    """The SDK clients; making them opens a session, which blocks and retries, so it runs on a daemon
+async def _open_clients(url: str, api_key: str) -> tuple[tinker.ServiceClient, tinker.RestClient]:
+    """The SDK clients with their session open; opening it blocks and retries, so it runs on a daemon
     thread of its own (one left behind past the deadline does not keep the process alive)."""
     loop = asyncio.get_running_loop()
     made: asyncio.Future[tuple[tinker.ServiceClient, tinker.RestClient]] = loop.create_future()
 
     def make() -> None:
         try:
-            clients = (
-                tinker.ServiceClient(base_url=url, api_key=api_key),
-                tinker.RestClient(base_url=url, api_key=api_key),
-            )
+            service = tinker.ServiceClient(base_url=url, api_key=api_key)
+            service.holder.get_session_id()  # the SDK opens the session on first use: here
+            clients = (service, tinker.RestClient(base_url=url, api_key=api_key))
         except Exception as err:
             loop.call_soon_threadsafe(_settle_failed, made, err)
         else:

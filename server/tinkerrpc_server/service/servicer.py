@@ -98,6 +98,9 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
     async def supervise_engine(self, report_serving: Callable[[bool], Awaitable[None]]) -> None:
         await self._supervisor.supervise(report_serving)
 
+    async def watch_session(self, report_serving: Callable[[bool], Awaitable[None]]) -> None:
+        await self._supervisor.watch_session(report_serving)
+
     # ---- models
 
     @rpc
