@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             results.figures.extend(figures)
             for f in figures:
                 print(
-                    f"[bench]   {f.name}: {f.ratio:.2f}× ({f.ours:.4g} vs {f.baseline:.4g} {f.unit}) "
+                    f"[bench]   {f.name}: {f.ratio_text()} ({f.ours:.4g} vs {f.baseline:.4g} {f.unit}) "
                     f"in {time.perf_counter() - step_started:.0f} s",
                     file=sys.stderr,
                     flush=True,

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.report import Figure
+from bench.report import Figure, rounds
 from bench.workload import Settings
 from tinkerrpc_server.local.stack import LocalEngine, LocalStack
 
@@ -73,11 +73,10 @@ def seconds_to_target(run: dict[str, Any]) -> float:
 
 
 def figures(ours: Sequence[dict[str, Any]], seed: Sequence[dict[str, Any]]) -> list[Figure]:
-    """The two figures from the runs of each side."""
-    steps = [statistics.median(median_step_seconds(r) for r in runs) for runs in (ours, seed)]
-    targets = [statistics.median(seconds_to_target(r) for r in runs) for runs in (ours, seed)]
+    """The two figures from the runs of each side; a round is a run of each."""
+    steps = [[median_step_seconds(r) for r in runs] for runs in (ours, seed)]
+    targets = [[seconds_to_target(r) for r in runs] for runs in (ours, seed)]
     sides = {"ours": ours, "seed": seed}
-    spread = {side: ", ".join(f"{median_step_seconds(r):.1f}" for r in runs) for side, runs in sides.items()}
     rl_steps = {side: [len(r["train_seconds"]) for r in runs] for side, runs in sides.items()}
     parts = {
         side: " + ".join(f"{statistics.median(x for r in runs for x in r[key]):.2f}" for key in PARTS)
@@ -91,23 +90,25 @@ def figures(ours: Sequence[dict[str, Any]], seed: Sequence[dict[str, Any]]) -> l
     return [
         Figure(
             "ART RL step, tinkerrpc vs TinkerNativeBackend on the same engine",
-            steps[0],
-            steps[1],
+            statistics.median(steps[0]),
+            statistics.median(steps[1]),
             "s",
             STEP_GOAL,
             "<=",
-            f"{common}; median of each run's median step (rollouts + Train): ours {spread['ours']} s, "
-            f"seed {spread['seed']} s; median rollouts + Train: ours {parts['ours']} s, seed {parts['seed']} s",
+            f"{common}; median of each run's median step (rollouts + Train); median rollouts + Train: "
+            f"ours {parts['ours']} s, seed {parts['seed']} s",
+            rounds=rounds(*steps),
         ),
         Figure(
             "ART time to mean reward 0.9, tinkerrpc vs TinkerNativeBackend",
-            targets[0],
-            targets[1],
+            statistics.median(targets[0]),
+            statistics.median(targets[1]),
             "s",
             TARGET_GOAL,
             "<=",
             f"{common}; from register to the rollouts that reached it, warm-up included (ours: ART's SFT; "
             f"seed: its raw training client); RL steps ours {rl_steps['ours']}, seed {rl_steps['seed']}",
+            rounds=rounds(*targets),
         ),
     ]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from bench.report import Figure
+from bench.report import Figure, rounds
 from bench.workload import Settings
 from tinkerrpc_server.demo import DemoConfig, run_demo
 
@@ -122,14 +122,16 @@ def _baseline_peak(settings: Settings, model_dir: Path, log_path: Path) -> int:
 def measure(settings: Settings, work_dir: Path, model_dir: Path) -> list[Figure]:
     stack_bytes, processes, seconds = _stack_peak(settings, work_dir)
     baseline_bytes = _baseline_peak(settings, model_dir, work_dir / "memory_baseline.log")
+    stack_mib, baseline_mib = stack_bytes / 2**20, baseline_bytes / 2**20
     return [
         Figure(
             name="memory: peak PSS of server + engine in the demo",
-            ours=stack_bytes / 2**20,
-            baseline=baseline_bytes / 2**20,
+            ours=stack_mib,
+            baseline=baseline_mib,
             unit="MiB",
             goal=MEMORY_GOAL,
             direction="<=",
+            rounds=rounds([stack_mib], [baseline_mib]),
             detail=(
                 f"ours: summed PSS (shared pages counted once) of the {processes} processes `tinkerrpc "
                 f"serve` ran (a server without torch + its engine), sampled every "

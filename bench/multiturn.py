@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from tinker import types
 
-from bench.report import Figure
+from bench.report import Figure, rounds
 from bench.workload import BenchModel, Settings
 from tinkerrpc.v1 import trainer_service_pb2, types_pb2
 from tinkerrpc_server.local.stack import LocalEngine
@@ -117,6 +117,7 @@ def measure(settings: Settings, engine: LocalEngine, model: BenchModel, model_di
         unit="tokens",
         goal=TOKENS_GOAL,
         direction="<=",
+        rounds=rounds([merged_tokens], [per_turn_tokens]),
         detail=f"{shape}; merged: one datum per trajectory; baseline: one datum per sampled turn",
     )
     train_time = Figure(
@@ -126,6 +127,7 @@ def measure(settings: Settings, engine: LocalEngine, model: BenchModel, model_di
         unit="s",
         goal=TIME_GOAL,
         direction="<=",
+        rounds=rounds(merged_seconds, per_turn_seconds),
         detail=(
             f"{shape}; datums built + forward_backward + optim_step (importance sampling, LoRA "
             f"r{settings.lora_rank}) through the tinker SDK on one engine, median of {size.timed_steps} "

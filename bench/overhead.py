@@ -18,7 +18,7 @@ import tinker
 from tinker import types
 
 import tinkerrpc
-from bench.report import Figure
+from bench.report import Figure, rounds
 from bench.workload import Settings, token_sequences
 from tinkerrpc_server.local.stack import LocalEngine, LocalSidecar, LocalStack
 from tinkerrpc_server.model_store import TINY_CHAT
@@ -108,10 +108,6 @@ class DirectTrainer:
         return loss
 
 
-def _median_ms(samples: list[float]) -> float:
-    return statistics.median(samples) * 1000
-
-
 def _timed(call: Callable[[], object]) -> tuple[float, object]:
     started = time.perf_counter()
     value = call()
@@ -123,7 +119,7 @@ def stack_figure(settings: Settings, engine: LocalEngine, client: tinkerrpc.Clie
     vocab_size = model.info().vocab_size
     service = engine.service_client()
     direct = DirectTrainer(service.create_lora_training_client(TINY_CHAT, rank=LORA_RANK, seed=0).result())
-    rpc_seconds, direct_seconds = [], []
+    rpc_ms, direct_ms = [], []
     first_losses: tuple[float, float] | None = None
     warmup = 2
     for step in range(warmup + settings.overhead_steps):
@@ -133,8 +129,8 @@ def stack_figure(settings: Settings, engine: LocalEngine, client: tinkerrpc.Clie
         if first_losses is None:
             first_losses = (result.metrics.loss, float(direct_loss))  # type: ignore[attr-defined]
         if step >= warmup:
-            rpc_seconds.append(rpc_time)
-            direct_seconds.append(direct_time)
+            rpc_ms.append(rpc_time * 1000)
+            direct_ms.append(direct_time * 1000)
     assert first_losses is not None
     # Same seed, same datums, same start: the two first steps must compute the same loss.
     if not np.isclose(first_losses[0], first_losses[1], rtol=1e-4, atol=1e-4):
@@ -142,11 +138,12 @@ def stack_figure(settings: Settings, engine: LocalEngine, client: tinkerrpc.Clie
     datums = tinker_datums(_groups(settings, vocab_size, seed=0))
     return Figure(
         name="stack overhead: Train RPC vs tinker SDK",
-        ours=_median_ms(rpc_seconds),
-        baseline=_median_ms(direct_seconds),
+        ours=statistics.median(rpc_ms),
+        baseline=statistics.median(direct_ms),
         unit="ms/step",
         goal=STACK_GOAL,
         direction="<=",
+        rounds=rounds(rpc_ms, direct_ms),
         detail=(
             f"tiny-chat, LoRA r{LORA_RANK}, one group of {len(datums)} trajectories "
             f"({sum(d.model_input.length for d in datums)} tokens), importance sampling; median of "
@@ -163,7 +160,7 @@ def sidecar_figure(settings: Settings, client: tinkerrpc.Client, sidecar_url: st
     model = client.create_model("bench-sidecar", base_model=TINY_CHAT, lora_rank=LORA_RANK, seed=0)
     openai_client = openai.OpenAI(base_url=sidecar_url, api_key="unused", max_retries=0)
     max_tokens = settings.overhead_completion_tokens
-    chat_seconds, rpc_seconds = [], []
+    chat_ms, rpc_ms = [], []
     warmup = 2
     for call in range(warmup + settings.sidecar_calls):
         chat_time, completion = _timed(
@@ -184,15 +181,16 @@ def sidecar_figure(settings: Settings, client: tinkerrpc.Client, sidecar_url: st
         if completion.choices[0].message.content != samples[0].message.content:  # type: ignore[attr-defined,index]
             raise AssertionError("the sidecar and the Sample RPC sampled different completions for one seed")
         if call >= warmup:
-            chat_seconds.append(chat_time)
-            rpc_seconds.append(rpc_time)
+            chat_ms.append(chat_time * 1000)
+            rpc_ms.append(rpc_time * 1000)
     return Figure(
         name="sidecar overhead: chat completion vs Sample RPC",
-        ours=_median_ms(chat_seconds),
-        baseline=_median_ms(rpc_seconds),
+        ours=statistics.median(chat_ms),
+        baseline=statistics.median(rpc_ms),
         unit="ms/call",
         goal=SIDECAR_GOAL,
         direction="<=",
+        rounds=rounds(chat_ms, rpc_ms),
         detail=(
             f"tiny-chat, one user message, max_tokens {max_tokens}, same seed per pair (same completion "
             f"checked); median of {settings.sidecar_calls} interleaved calls after {warmup} warm-up"

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import tinkerrpc
-from bench.report import Figure
+from bench.report import Figure, rounds
 from bench.workload import Settings
 from tinkerrpc_server.local.stack import LocalStack
 
@@ -63,14 +63,20 @@ def _model(client: tinkerrpc.Client) -> tinkerrpc.Model:
     return client.create_model("long-run", base_model="tinkerrpc/tiny-chat", lora_rank=1)
 
 
-def _step_time(comparison: str, ours_seconds: float, baseline_seconds: float, detail: str) -> Figure:
+def _step_time(
+    comparison: str, ours_seconds: list[float], baseline_seconds: list[float], detail: str
+) -> Figure:
+    """The median of each side's steps, in ms; a round is a step of each, in the order taken."""
+    ours_ms = [seconds * 1000 for seconds in ours_seconds]
+    baseline_ms = [seconds * 1000 for seconds in baseline_seconds]
     return Figure(
         name=f"retention: step time {comparison}",
-        ours=ours_seconds * 1000,
-        baseline=baseline_seconds * 1000,
+        ours=statistics.median(ours_ms),
+        baseline=statistics.median(baseline_ms),
         unit="ms",
         goal=STEP_TIME_GOAL,
         direction="<=",
+        rounds=rounds(ours_ms, baseline_ms),
         detail=detail,
     )
 
@@ -98,13 +104,11 @@ def measure(settings: Settings, work_dir: Path, model_dir: Path) -> list[Figure]
                 late_times.append(_timed_step(model))
                 fresh_times.append(_timed_step(fresh_model))
             fresh_model.save_checkpoint("base")
-            before_restores = statistics.median(_timed_step(fresh_model) for _ in range(WINDOW))
+            before_restores = [_timed_step(fresh_model) for _ in range(WINDOW)]
             for _ in range(RESTORES[settings.mode]):
                 fresh_model.restore("base")
-            after_restores = statistics.median(_timed_step(fresh_model) for _ in range(WINDOW))
+            after_restores = [_timed_step(fresh_model) for _ in range(WINDOW)]
         disk_late, sqlite_late = _disk(data_dir / "engine"), _sqlite_bytes(data_dir)
-    time_late = statistics.median(late_times[-WINDOW:])
-    time_fresh = statistics.median(fresh_times[-WINDOW:])
     policy = "default retention (16 sampler versions, 4 automatic state checkpoints), LoRA rank 1"
     return [
         Figure(
@@ -114,6 +118,7 @@ def measure(settings: Settings, work_dir: Path, model_dir: Path) -> list[Figure]
             unit="MiB",
             goal=DISK_GOAL,
             direction="<=",
+            rounds=rounds([disk_late / 2**20], [disk_early / 2**20]),
             detail=(
                 f"bytes of the engine's files (checkpoints, index) after step {late} vs {early}, {policy}; "
                 f"the server's SQLite (with its WAL) was {sqlite_late / 2**20:.2f} vs {sqlite_early / 2**20:.2f} MiB"
@@ -121,8 +126,8 @@ def measure(settings: Settings, work_dir: Path, model_dir: Path) -> list[Figure]
         ),
         _step_time(
             "late in a run vs early",
-            time_late,
-            time_fresh,
+            late_times[-WINDOW:],
+            fresh_times[-WINDOW:],
             f"median Train latency of steps {late - WINDOW + 1}-{late} of the run vs steps "
             f"{warmup + 1}-{warmup + WINDOW} of a fresh run (its own server and data dir), one step of "
             f"each in turn; {policy}",

@@ -26,7 +26,7 @@ from transformers import GenerationConfig
 
 from bench.gather_then_run import gather_then_run_engine
 from bench.machine import synchronize
-from bench.report import Figure
+from bench.report import Figure, rounds
 from bench.training import load_lora_model
 from bench.workload import BenchModel, Settings, token_sequences
 from tinkerrpc_server.local.stack import LocalEngine
@@ -239,6 +239,7 @@ def _equal_requests(
         unit="new tokens/s",
         goal=SAMPLING_GOAL,
         direction=">=",
+        rounds=rounds(ours_rates, baseline_rates),
         detail=(
             f"{settings.sample_requests} requests × {settings.sample_new_tokens} new tokens, prompts "
             f"{low}-{high} tokens, temperature 1, no top-k/top-p, LoRA r{settings.lora_rank} unmerged; "
@@ -264,13 +265,13 @@ def _staggered(
     low, high = sizes.staggered_new_tokens
     new_tokens = [int(n) for n in rng.integers(low, high + 1, size=count)]
     rates: list[float] = []
-    latencies: list[float] = []
-    gather_latencies: list[float] = []
+    latencies: list[list[float]] = []  # each round's, of each side
+    gather_latencies: list[list[float]] = []
     for _ in range(sizes.staggered_rounds):
         generated, seconds, round_latencies = _staggered_round(sampling_client, prompts, new_tokens, arrivals)
         rates.append(generated / seconds)
-        latencies.extend(round_latencies)
-        gather_latencies.extend(_staggered_round(gather_client, prompts, new_tokens, arrivals)[2])
+        latencies.append(round_latencies)
+        gather_latencies.append(_staggered_round(gather_client, prompts, new_tokens, arrivals)[2])
     baseline_generated, baseline_seconds = 0, 0.0
     for prompt, tokens in zip(prompts, new_tokens, strict=True):
         one_generated, one_seconds = generate_round(
@@ -283,14 +284,16 @@ def _staggered(
         f"{low}-{high}, prompts {sizes.staggered_prompt_tokens[0]}-{sizes.staggered_prompt_tokens[1]} "
         f"tokens, each a concurrent SDK sample() call"
     )
+    baseline_rate = baseline_generated / baseline_seconds
     return [
         Figure(
             name="sampling, staggered arrivals: throughput",
             ours=statistics.median(rates),
-            baseline=baseline_generated / baseline_seconds,
+            baseline=baseline_rate,
             unit="new tokens/s",
             goal=STAGGERED_THROUGHPUT_GOAL,
             direction=">=",
+            rounds=rounds(rates, [baseline_rate]),
             detail=(
                 f"{schedule}; ours: continuous batching, from the first send to the last answer, median of "
                 f"{sizes.staggered_rounds} rounds; baseline: the same requests one after another with generate()"
@@ -298,14 +301,17 @@ def _staggered(
         ),
         Figure(
             name="sampling, staggered arrivals: p50 latency",
-            ours=statistics.median(latencies),
-            baseline=statistics.median(gather_latencies),
+            ours=statistics.median(t for one_round in latencies for t in one_round),
+            baseline=statistics.median(t for one_round in gather_latencies for t in one_round),
             unit="s",
             goal=STAGGERED_LATENCY_GOAL,
             direction="<=",
+            rounds=rounds(
+                [statistics.median(r) for r in latencies], [statistics.median(r) for r in gather_latencies]
+            ),
             detail=(
                 f"{schedule}; median request latency over {sizes.staggered_rounds} rounds of each side, "
-                f"alternating; baseline: the same engine code with bench/gather_then_run.py's strategy, "
+                f"alternating (a round's value: its p50); baseline: the same engine code with bench/gather_then_run.py's strategy, "
                 f"the engine's batching before continuous batching (requests join only "
                 f"an empty batch, whose rows all compute until its last one stops, and are answered then)"
             ),
@@ -332,6 +338,7 @@ def _shared_prompts(
         unit="s",
         goal=SHARED_PROMPT_GOAL,
         direction="<=",
+        rounds=rounds(ours, baseline),
         detail=(
             f"n = {sizes.shared_samples} samples of one {sizes.shared_prompt_tokens}-token prompt, "
             f"{sizes.shared_new_tokens} new tokens each; ours: one request (the prompt prefilled once); "

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.report import Figure
+from bench.report import Figure, rounds
 from bench.workload import Settings
 from tinkerrpc import SampledTurn, Trajectory, TrajectoryGroup
 from tinkerrpc._calls import train
@@ -107,7 +107,8 @@ def _round_trip_seconds(
     decode: Callable[[bytes], list[tuple[list[int], list[int], list[float]]]],
     groups: list[TrajectoryGroup],
     repeats: int,
-) -> tuple[float, bytes]:
+) -> tuple[list[float], bytes]:
+    """Each repeat's seconds, and the wire bytes."""
     times = []
     wire = b""
     for _ in range(repeats):
@@ -115,7 +116,7 @@ def _round_trip_seconds(
         wire = encode(groups)
         decode(wire)
         times.append(time.perf_counter() - started)
-    return statistics.median(times), wire
+    return times, wire
 
 
 def measure(settings: Settings) -> list[Figure]:
@@ -134,20 +135,24 @@ def measure(settings: Settings) -> list[Figure]:
         _json_encode, _json_decode, groups, settings.serialization_repeats
     )
     completion = sum(len(t.completion_token_ids) for t in turns)
+    proto_rates = [payload_mb / seconds for seconds in proto_seconds]
+    json_rates = [payload_mb / seconds for seconds in json_seconds]
     return [
         Figure(
             name="Train request encode+decode",
-            ours=payload_mb / proto_seconds,
-            baseline=payload_mb / json_seconds,
+            ours=statistics.median(proto_rates),
+            baseline=statistics.median(json_rates),
             unit="payload MB/s",
             goal=SERIALIZATION_GOAL,
             direction=">=",
+            rounds=rounds(proto_rates, json_rates),
             detail=(
                 f"{len(turns)} trajectories, {completion} completion + {completion} prompt tokens with float32 "
                 f"logprobs ({payload_mb:.1f} MB as int32/float32 arrays); ours: SDK dataclasses → TrainRequest → "
                 f"bytes ({len(proto_wire) / 1e6:.1f} MB) → parsed message → Python lists, "
-                f"{proto_seconds:.2f} s; JSON: same dataclasses → json bytes ({len(json_wire) / 1e6:.1f} MB) → "
-                f"lists, {json_seconds:.2f} s; median of {settings.serialization_repeats}"
+                f"{statistics.median(proto_seconds):.2f} s; JSON: same dataclasses → json bytes "
+                f"({len(json_wire) / 1e6:.1f} MB) → lists, {statistics.median(json_seconds):.2f} s; median "
+                f"of {settings.serialization_repeats}, each format's repeats in a row"
             ),
         )
     ]

@@ -15,7 +15,7 @@ from tinker import types
 from transformers import AutoModelForCausalLM
 
 from bench.machine import synchronize
-from bench.report import Figure
+from bench.report import Figure, rounds
 from bench.workload import BenchModel, Settings, baseline_placement, token_sequences
 from tinkerrpc_server.local.stack import LocalEngine
 
@@ -161,6 +161,7 @@ def measure(
         unit="tokens/s",
         goal=TRAINING_GOAL,
         direction=">=",
+        rounds=rounds([tokens / s for s in ours_seconds], [tokens / s for s in baseline_seconds]),
         detail=(
             f"{len(sequences)} sequences, {tokens} tokens ({settings.train_min_tokens}-"
             f"{settings.train_max_tokens} each), LoRA r{settings.lora_rank} attn+mlp+unembed, "
@@ -175,6 +176,7 @@ def measure(
         unit="GFLOP/s",
         goal=MFU_GOAL,
         direction=">=",
+        rounds=rounds([6 * params * tokens / s / 1e9 for s in ours_seconds], [peak_flops / 1e9]),
         detail=(
             f"P = {params / 1e6:.1f} M parameters that multiply activations (frozen base + LoRA; a tied "
             f"embedding once, an untied input embedding not), tokens/s of the engine from the "

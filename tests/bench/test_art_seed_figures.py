@@ -26,12 +26,15 @@ def test_a_step_is_its_rollouts_and_train_and_the_last_rollouts_train_no_more() 
     assert median_step_seconds(_run([2.0, 3.0, 9.0, 1.0], [1.0, 1.0, 1.0], 50.0)) == 4.0
 
 
-def test_figures_are_medians_over_rounds_of_ours_over_the_seed() -> None:
+def test_figures_are_medians_over_rounds_of_ours_over_the_seed_and_keep_each_round() -> None:
     ours = [_run([1.0, 1.0], [1.0], 20.0), _run([2.0, 1.0], [2.0], 30.0), _run([3.0, 1.0], [3.0], 90.0)]
     seed = [_run([4.0, 1.0], [4.0], 40.0), _run([5.0, 1.0], [5.0], 60.0), _run([6.0, 1.0], [6.0], 10.0)]
     step, target = figures(ours, seed)
     assert (step.ours, step.baseline, step.ratio, step.direction) == (4.0, 10.0, 0.4, "<=")
     assert (target.ours, target.baseline, target.ratio) == (30.0, 40.0, 0.75)
+    # A round is one run of each side, in the order they ran.
+    assert [(r.ours, r.baseline) for r in step.rounds] == [(2.0, 8.0), (4.0, 10.0), (6.0, 12.0)]
+    assert [(r.ours, r.baseline) for r in target.rounds] == [(20.0, 40.0), (30.0, 60.0), (90.0, 10.0)]
     assert step.met and target.met
 
 

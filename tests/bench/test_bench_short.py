@@ -1,6 +1,6 @@
-"""`python -m bench --short` end to end: every comparison runs against real processes and results.json,
-the markdown table and the chart come out well formed. No ratio is asserted: short sizes prove the
-harness, not the goals."""
+"""`python -m bench --short` end to end: every comparison runs against real processes and results.json
+(each figure with the rounds it was taken from), the markdown table and the chart come out well formed.
+No ratio is asserted: short sizes prove the harness, not the goals."""
 
 from __future__ import annotations
 
@@ -12,12 +12,22 @@ from pathlib import Path
 
 import pytest
 
-from bench.report import Figure, Results, markdown_table
-
 pytestmark = pytest.mark.ecosystem
 
 REPO = Path(__file__).resolve().parents[2]
-FIGURE_KEYS = {"name", "ours", "baseline", "unit", "ratio", "goal", "direction", "met", "detail"}
+FIGURE_KEYS = {
+    "name",
+    "ours",
+    "baseline",
+    "unit",
+    "ratio",
+    "ratio_min_max",
+    "goal",
+    "direction",
+    "met",
+    "detail",
+    "rounds",
+}
 EXPECTED_FIGURES = {
     "engine training throughput",
     "training MFU (6·P·tokens/s ÷ matmul peak)",
@@ -77,18 +87,20 @@ def test_short_run_writes_well_formed_results(tmp_path: Path) -> None:
         assert math.isclose(f["ratio"], f["ours"] / f["baseline"], rel_tol=1e-9), f
         assert f["direction"] in (">=", "<=") and f["goal"] > 0, f
         assert f["met"] == (f["ratio"] >= f["goal"] if f["direction"] == ">=" else f["ratio"] <= f["goal"]), f
+        # Every figure records the rounds it was taken from; each side's figure lies within its rounds.
+        assert f["rounds"], f
+        for side in ("ours", "baseline"):
+            values = [r[side] for r in f["rounds"]]
+            assert min(values) <= f[side] <= max(values), f
+        ratios = [r["ratio"] for r in f["rounds"]]
+        assert all(math.isclose(r["ratio"], r["ours"] / r["baseline"], rel_tol=1e-9) for r in f["rounds"]), f
+        assert f["ratio_min_max"] == ([min(ratios), max(ratios)] if len(ratios) > 1 else None), f
+    # The short run's overhead figures take 3 steps a side: their rows show the rounds' min-max.
+    stack = next(f for f in figures if f["name"] == "stack overhead: Train RPC vs tinker SDK")
+    low, high = stack["ratio_min_max"]
+    assert f"| {stack['ratio']:.2f}× [{low:.2f}-{high:.2f}×] |" in run.stdout
 
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
     table_rows = [line for line in run.stdout.splitlines() if line.startswith("| ")]
     assert len(table_rows) == 1 + len(EXPECTED_FIGURES) + 1  # header, one row per figure, the skip
     assert "| vllm | – | – | – | – | – | skipped: full runs only" in run.stdout
-
-
-def test_goal_direction_decides_met() -> None:
-    faster = Figure("throughput", ours=30.0, baseline=10.0, unit="tokens/s", goal=4.0, direction=">=")
-    leaner = Figure("overhead", ours=11.0, baseline=10.0, unit="ms", goal=1.15, direction="<=")
-    assert (faster.ratio, faster.met) == (3.0, False)
-    assert math.isclose(leaner.ratio, 1.1) and leaner.met
-    table = markdown_table(Results(machine={}, mode="short", figures=[faster, leaner]))
-    assert "| throughput | 30 | 10 | tokens/s | 3.00× | >= 4× | **no** |" in table
-    assert "| overhead | 11 | 10 | ms | 1.10× | <= 1.15× | yes |" in table

