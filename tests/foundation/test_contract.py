@@ -1,0 +1,450 @@
+"""Every layer's defaults and bounds are the contract's (tinkerrpc.contract): the loss table against the
+proto enum, the SDK, the service's Train, the engine's torch losses and the service's numpy fallback;
+the fixed bounds against the service's validation, the SDK's checks, GetServerInfo, the sidecar's request
+models and the ART backend; the sampling-options table against the SDK's sample(), the proto and the
+sidecar. A layer that kept a value of its own fails here once the two differ."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+import re
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, get_args
+
+import numpy as np
+import pytest
+import tinker
+from pydantic import BaseModel
+
+from tinkerrpc import _calls as calls
+from tinkerrpc import _convert as convert
+from tinkerrpc.contract import limits, limits_markdown, losses_markdown, sampling_options_markdown
+from tinkerrpc.contract.losses import LOSSES, TRAIN_CONFIG_KEYS, LossName, RLLossName
+from tinkerrpc.contract.sampling import (
+    SAMPLING_OPTIONS,
+    SIDECAR_CHAT_MAX_TOKENS,
+    SIDECAR_COMPLETION_MAX_TOKENS,
+)
+from tinkerrpc.v1 import trainer_service_pb2 as service_pb
+from tinkerrpc.v1 import types_pb2
+from tinkerrpc_server.bounded_json import BoundedJsonError, parse_json_object
+from tinkerrpc_server.engine import losses as engine_losses
+from tinkerrpc_server.engine.routes import models as engine_models
+from tinkerrpc_server.service import models as service_models
+from tinkerrpc_server.service import servicer, step_loss, train_options, validation
+from tinkerrpc_server.service.errors import ServiceError, Violations
+from tinkerrpc_server.service.limits import Limits, add_limit_arguments
+from tinkerrpc_server.sidecar import protocol, sampling_args
+from tinkerrpc_server.sidecar.errors import OpenAIError
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+RL = [loss for loss in LOSSES if loss.rl]
+
+
+# ---------------------------------------------------------------- the loss table
+
+
+def test_every_proto_loss_has_one_row_and_every_row_a_proto_value() -> None:
+    proto = set(types_pb2.LossFunction.keys()) - {"LOSS_FUNCTION_UNSPECIFIED"}
+    assert sorted(loss.proto_enum for loss in LOSSES) == sorted(proto)
+
+
+def test_the_type_checkers_names_are_the_tables() -> None:
+    assert get_args(LossName) == tuple(loss.name for loss in LOSSES)
+    assert get_args(RLLossName) == tuple(loss.name for loss in RL)
+    assert set(get_args(LossName)) <= set(get_args(tinker.types.LossFnType))
+
+
+def test_every_loss_has_its_math_in_torch_and_numpy() -> None:
+    names = [loss.name for loss in LOSSES]
+    assert sorted(engine_losses.LOSS_FUNCTIONS) == sorted(names)
+    assert sorted(step_loss.LOSS_OF_DATUM) == sorted(names)
+    assert {name: spec.float_inputs for name, spec in engine_losses.LOSSES.items()} == {
+        loss.name: loss.inputs for loss in LOSSES
+    }
+
+
+def test_the_sdk_sends_each_loss_as_its_proto_value() -> None:
+    assert {loss.name: types_pb2.LossFunction.Value(loss.proto_enum) for loss in LOSSES} == convert.LOSS_TO_PB
+    assert inspect.signature(calls.train).parameters["loss"].default == "importance_sampling"
+
+
+def _train_request(loss_enum: int, *, examples: bool = False, **config: float) -> service_pb.TrainRequest:
+    request = service_pb.TrainRequest(loss=types_pb2.LossConfig(function=loss_enum, **config))  # type: ignore[arg-type]
+    if examples:
+        request.examples.add()
+    else:
+        request.groups.add()
+    return request
+
+
+@pytest.mark.parametrize("loss", LOSSES, ids=lambda loss: loss.name)
+def test_train_sends_the_tables_defaults_and_what_the_request_sets(loss: Any) -> None:
+    enum = types_pb2.LossFunction.Value(loss.proto_enum)
+    request = _train_request(enum, examples=not loss.rl)
+    assert train_options.loss_name(request) == loss.name
+    set_by_train = {key.name: key.default for key in loss.config if key.train_field}
+    assert train_options.loss_config(request) == (set_by_train or None)
+    chosen = {key.train_field: (key.range.low or 0) + 0.5 for key in loss.config if key.train_field}
+    assert train_options.loss_config(_train_request(enum, **chosen)) == (
+        {key.name: chosen[key.train_field] for key in loss.config if key.train_field} or None
+    )
+
+
+def test_train_picks_the_default_loss_for_groups_and_examples() -> None:
+    unset = types_pb2.LOSS_FUNCTION_UNSPECIFIED
+    assert train_options.loss_name(_train_request(unset)) == "importance_sampling"
+    assert train_options.loss_name(_train_request(unset, examples=True)) == "cross_entropy"
+
+
+def test_every_loss_config_field_is_a_table_key() -> None:
+    fields = {f.name for f in types_pb2.LossConfig.DESCRIPTOR.fields} - {"function"}
+    assert sorted(key.train_field for key in TRAIN_CONFIG_KEYS if key.train_field) == sorted(fields)
+
+
+def _just_outside(key: Any) -> list[float]:
+    rng = key.range
+    outside = [math.nan, math.inf]
+    if rng.low is not None:
+        outside.append(rng.low if rng.low_open else rng.low - 1e-9)
+    if rng.high is not None:
+        outside.append(rng.high if rng.high_open else rng.high * (1 + 1e-9) + 1e-9)
+    return outside
+
+
+@pytest.mark.parametrize("key", TRAIN_CONFIG_KEYS, ids=lambda key: key.name)
+def test_train_validation_takes_exactly_the_tables_range(key: Any) -> None:
+    assert key.default in key.range
+    for bad in _just_outside(key):
+        violations = Violations()
+        train_options.check_loss(
+            violations, _train_request(types_pb2.LOSS_FUNCTION_PPO, **{key.train_field: bad})
+        )
+        with pytest.raises(ServiceError) as refused:
+            violations.raise_if_any()
+        assert f"loss.{key.train_field}" in str(refused.value.details)
+    for good in (key.default, key.range.low, key.range.high):
+        if good is not None and good in key.range:
+            violations = Violations()
+            train_options.check_loss(
+                violations, _train_request(types_pb2.LOSS_FUNCTION_PPO, **{key.train_field: good})
+            )
+            violations.raise_if_any()
+
+
+@pytest.mark.parametrize("loss", LOSSES, ids=lambda loss: loss.name)
+def test_the_engine_fills_the_tables_defaults_and_refuses_outside_its_ranges(loss: Any) -> None:
+    required = {key.name: key.default for key in loss.config if key.tinker_requires}
+    if required:
+        with pytest.raises(ValueError, match="needs loss_fn_config"):
+            engine_losses.resolve_config(loss.name, {})
+    assert engine_losses.resolve_config(loss.name, required) == loss.defaults()
+    for key in loss.config:
+        for bad in _just_outside(key):
+            with pytest.raises(ValueError):
+                engine_losses.resolve_config(loss.name, {**required, key.name: bad})
+
+
+def _datums(loss: Any) -> tuple[list[tinker.types.Datum], list[dict[str, tinker.types.TensorData]]]:
+    rng = np.random.default_rng(7)
+    length = 6
+    learner = -rng.uniform(0.1, 2.0, length)
+    values = {
+        "target_tokens": np.arange(length, dtype=np.float64),
+        "weights": np.ones(length),
+        "logprobs": learner + rng.normal(0, 0.5, length),
+        "advantages": rng.normal(0, 1, length),
+        "sequence_ratio_mask": np.r_[0.0, np.ones(length - 1)],
+    }
+    used = ("target_tokens", *loss.inputs)
+    datum = tinker.types.Datum(
+        model_input=tinker.types.ModelInput.from_ints(list(range(length))),
+        loss_fn_inputs={
+            k: tinker.types.TensorData(data=v.tolist(), dtype="float32", shape=[length])
+            for k, v in values.items()
+            if k in used
+        },
+    )
+    output = {"logprobs": tinker.types.TensorData(data=learner.tolist(), dtype="float32", shape=[length])}
+    return [datum], [output]
+
+
+@pytest.mark.parametrize("loss", [loss for loss in LOSSES if loss.config], ids=lambda loss: loss.name)
+def test_the_numpy_fallback_fills_the_tables_defaults(loss: Any) -> None:
+    datums, outputs = _datums(loss)
+    with_defaults = step_loss.loss_from_logprobs(loss.name, loss.defaults(), datums, outputs)
+    assert step_loss.loss_from_logprobs(loss.name, None, datums, outputs) == with_defaults
+    other = {key.name: key.default + 0.1 for key in loss.config}
+    assert step_loss.loss_from_logprobs(loss.name, other, datums, outputs) != pytest.approx(with_defaults)
+
+
+# ---------------------------------------------------------------- fixed bounds
+
+
+def test_every_bound_has_a_row_and_each_row_its_constants_value() -> None:
+    wire = {"MAX_INT32", "MIN_INT64", "MAX_INT64"}
+    bounds = {n for n in vars(limits) if re.fullmatch(r"(SIDECAR_)?(MAX|MIN)_[A-Z0-9_]+", n)} - wire
+    assert sorted(row.name for row in limits.LIMITS) == sorted(bounds)
+    assert all(getattr(limits, row.name) == row.value for row in limits.LIMITS)
+
+
+def test_tinkers_adam_defaults_are_the_contracts() -> None:
+    fields = tinker.types.AdamParams.model_fields
+    assert [fields[name].default for name in ("learning_rate", "beta1", "beta2", "eps")] == [
+        limits.DEFAULT_LEARNING_RATE,
+        limits.DEFAULT_ADAM_BETA1,
+        limits.DEFAULT_ADAM_BETA2,
+        limits.DEFAULT_ADAM_EPS,
+    ]
+    for train in (calls.train, calls.train_supervised):
+        assert inspect.signature(train).parameters["learning_rate"].default == limits.DEFAULT_LEARNING_RATE
+
+
+def _sampling(**fields: Any) -> types_pb2.SamplingParams:
+    return types_pb2.SamplingParams(max_tokens=4, **fields)
+
+
+def _refused(check: Any, *args: Any) -> str:
+    """The fields `check(*args)` refuses ("" when it takes them)."""
+    try:
+        check(*args)
+    except ServiceError as error:
+        return str(error.details)
+    return ""
+
+
+# (field, a value at the bound, a value past it) for check_sampling_params.
+SAMPLING_BOUNDS = [
+    (
+        "top_logprobs",
+        {"top_logprobs": limits.MAX_TOP_LOGPROBS},
+        {"top_logprobs": limits.MAX_TOP_LOGPROBS + 1},
+    ),
+    ("stop", {"stop": ["x"] * limits.MAX_STOP_STRINGS}, {"stop": ["x"] * (limits.MAX_STOP_STRINGS + 1)}),
+    (
+        "stop",
+        {"stop": ["x" * limits.MAX_STOP_STRING_BYTES]},
+        {"stop": ["x" * (limits.MAX_STOP_STRING_BYTES + 1)]},
+    ),
+    (
+        "stop_token_ids",
+        {"stop_token_ids": [0] * limits.MAX_STOP_TOKEN_IDS},
+        {"stop_token_ids": [0] * (limits.MAX_STOP_TOKEN_IDS + 1)},
+    ),
+    ("temperature", {"temperature": limits.MAX_TEMPERATURE}, {"temperature": limits.MAX_TEMPERATURE * 1.01}),
+    ("temperature", {"temperature": limits.MIN_TEMPERATURE}, {"temperature": limits.MIN_TEMPERATURE / 2}),
+]
+
+
+@pytest.mark.parametrize(("field", "at", "past"), SAMPLING_BOUNDS)
+def test_sample_validation_bounds_are_the_contracts(
+    field: str, at: dict[str, Any], past: dict[str, Any]
+) -> None:
+    context = (1, 1000, 4096, Limits())
+    assert _refused(validation.check_sampling_params, _sampling(**at), *context) == ""
+    assert f"params.{field}" in _refused(validation.check_sampling_params, _sampling(**past), *context)
+
+
+def _adam_request(**adam: float) -> service_pb.TrainRequest:
+    request = _train_request(types_pb2.LOSS_FUNCTION_IMPORTANCE_SAMPLING)
+    request.adam.CopyFrom(types_pb2.AdamParams(**{"learning_rate": 1e-4, **adam}))  # type: ignore[arg-type]
+    return request
+
+
+TRAIN_BOUNDS = [
+    (
+        "adam.learning_rate",
+        {"learning_rate": limits.MAX_LEARNING_RATE},
+        {"learning_rate": limits.MAX_LEARNING_RATE * 1.01},
+    ),
+    ("adam.eps", {"eps": limits.MIN_ADAM_EPS}, {"eps": limits.MIN_ADAM_EPS / 2}),
+    (
+        "adam.weight_decay",
+        {"weight_decay": limits.MAX_WEIGHT_DECAY},
+        {"weight_decay": limits.MAX_WEIGHT_DECAY * 1.01},
+    ),
+]
+
+
+@pytest.mark.parametrize(("field", "at", "past"), TRAIN_BOUNDS)
+def test_train_validation_bounds_are_the_contracts(
+    field: str, at: dict[str, float], past: dict[str, float]
+) -> None:
+    def check(request: service_pb.TrainRequest) -> None:
+        violations = Violations()
+        train_options.check_adam(violations, request.adam)
+        violations.raise_if_any()
+
+    assert _refused(check, _adam_request(**at)) == ""
+    assert field in _refused(check, _adam_request(**past))
+
+
+def test_stored_and_named_bounds_are_the_contracts() -> None:
+    def create(name: str, rank: int) -> None:
+        validation.check_create_model(
+            service_pb.CreateModelRequest(name=name, base_model="m", lora=types_pb2.LoraConfig(rank=rank))
+        )
+
+    assert _refused(create, "n" * limits.MAX_NAME_CHARS, limits.MAX_LORA_RANK) == ""
+    assert "name" in _refused(create, "n" * (limits.MAX_NAME_CHARS + 1), 1)
+    assert "lora.rank" in _refused(create, "n", limits.MAX_LORA_RANK + 1)
+    pages = [
+        service_pb.GetRunHistoryRequest(page_size=size) for size in (0, limits.MAX_HISTORY_PAGE_SIZE + 1)
+    ]
+    assert _refused(validation.check_history_request, pages[0]) == ""
+    assert "page_size" in _refused(validation.check_history_request, pages[1])
+    assert service_models.DEFAULT_LORA_RANK == engine_models.DEFAULT_LORA_RANK == limits.DEFAULT_LORA_RANK
+
+
+def test_the_json_bounds_are_the_contracts() -> None:
+    nested = "[" * (limits.MAX_JSON_DEPTH - 1) + "]" * (limits.MAX_JSON_DEPTH - 1)
+    assert parse_json_object('{"a": ' + nested + "}") == {
+        "a": parse_json_object('{"b": ' + nested + "}")["b"]
+    }
+    with pytest.raises(BoundedJsonError):
+        parse_json_object('{"a": [' + nested + "]}")
+    with pytest.raises(BoundedJsonError):
+        parse_json_object('{"a": 1' + "0" * limits.MAX_JSON_NUMBER_CHARS + "}")
+
+
+def test_the_sdk_checks_the_contracts_bounds() -> None:
+    calls.history("m", page_size=limits.MAX_HISTORY_PAGE_SIZE)
+    with pytest.raises(ValueError, match="page_size"):
+        calls.history("m", page_size=limits.MAX_HISTORY_PAGE_SIZE + 1)
+    assert inspect.signature(calls.create_model).parameters["lora_rank"].default == limits.DEFAULT_LORA_RANK
+
+
+def test_the_servers_limits_and_flags_are_the_contracts() -> None:
+    defaults = {flag.attribute: flag.default for flag in limits.SERVER_FLAGS}
+    assert vars(Limits()) == defaults
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_limit_arguments(parser)
+    parsed = vars(parser.parse_args([]))
+    assert {attribute: parsed[attribute] for attribute in defaults} == defaults
+    info = servicer._server_info(
+        SimpleNamespace(embedded=True),  # type: ignore[arg-type]
+        Limits(),
+        SimpleNamespace(sidecar_url=None, sidecar_requires_api_key=False, max_message_bytes=1),  # type: ignore[arg-type]
+    )
+    assert (info.limits.max_top_logprobs, info.limits.max_stop_strings) == (
+        limits.MAX_TOP_LOGPROBS,
+        limits.MAX_STOP_STRINGS,
+    )
+    assert (info.limits.max_stop_string_bytes, info.limits.max_stop_token_ids) == (
+        limits.MAX_STOP_STRING_BYTES,
+        limits.MAX_STOP_TOKEN_IDS,
+    )
+    assert info.limits.max_sample_n == defaults["max_sample_n"]
+
+
+# ---------------------------------------------------------------- the sidecar's request models
+
+ENDPOINTS: dict[str, type[BaseModel]] = {
+    "chat": protocol.ChatCompletionRequest,
+    "completions": protocol.CompletionRequest,
+    "responses": protocol.ResponseRequest,
+    "generate": protocol.GenerateSamplingParams,
+}
+
+
+def _constraint(model: type[BaseModel], field: str, name: str) -> Any:
+    found = [getattr(m, name) for m in model.model_fields[field].metadata if hasattr(m, name)]
+    assert len(found) == 1, f"{model.__name__}.{field} has no {name} constraint"
+    return found[0]
+
+
+def test_the_sidecars_request_models_bound_fields_as_the_contract() -> None:
+    for model in (
+        protocol.ChatCompletionRequest,
+        protocol.CompletionRequest,
+        protocol.GenerateSamplingParams,
+    ):
+        assert _constraint(model, "n", "le") == limits.SIDECAR_MAX_N
+    assert _constraint(protocol.CompletionRequest, "best_of", "le") == limits.SIDECAR_MAX_N
+    for model in ENDPOINTS.values():
+        assert _constraint(model, "temperature", "le") == limits.SIDECAR_MAX_TEMPERATURE
+    for model, field in [
+        (protocol.ChatCompletionRequest, "top_logprobs"),
+        (protocol.CompletionRequest, "logprobs"),
+        (protocol.ResponseRequest, "top_logprobs"),
+        (protocol.GenerateSamplingParams, "logprobs"),
+        (protocol.GenerateSamplingParams, "prompt_logprobs"),
+    ]:
+        assert _constraint(model, field, "le") == limits.MAX_TOP_LOGPROBS
+    assert (
+        _constraint(protocol.GenerateSamplingParams, "stop_token_ids", "max_length")
+        == limits.MAX_STOP_TOKEN_IDS
+    )
+    for field in ("request_id", "cache_salt"):
+        assert _constraint(protocol.GenerateRequest, field, "max_length") == limits.SIDECAR_MAX_TAG_CHARS
+    assert protocol.CompletionRequest.model_fields["max_tokens"].default == SIDECAR_COMPLETION_MAX_TOKENS
+    assert sampling_args.DEFAULT_CHAT_MAX_TOKENS == SIDECAR_CHAT_MAX_TOKENS
+    assert len(sampling_args.stop_list(["x"] * limits.MAX_STOP_STRINGS)) == limits.MAX_STOP_STRINGS
+    with pytest.raises(OpenAIError):
+        sampling_args.stop_list(["x"] * (limits.MAX_STOP_STRINGS + 1))
+
+
+# ---------------------------------------------------------------- sampling options
+
+
+def test_the_sdks_sample_defaults_are_the_tables() -> None:
+    parameters = inspect.signature(calls.sample).parameters
+    options = {name for name in parameters if name not in ("model", "prompt", "timeout")}
+    assert sorted(option.name for option in SAMPLING_OPTIONS) == sorted(options)
+    assert {o.name: parameters[o.name].default for o in SAMPLING_OPTIONS} == {
+        o.name: o.default for o in SAMPLING_OPTIONS
+    }
+
+
+def test_each_option_names_real_grpc_and_sidecar_fields() -> None:
+    messages = {
+        "SamplingParams": types_pb2.SamplingParams,
+        "SampleRequest": service_pb.SampleRequest,
+        "ChatPrompt": service_pb.ChatPrompt,
+    }
+    for option in SAMPLING_OPTIONS:
+        message, field = option.grpc.split(".")
+        assert field in messages[message].DESCRIPTOR.fields_by_name, option.grpc
+        for place in option.sidecar:
+            endpoint, *path = place.split(".")
+            assert path[-1] in ENDPOINTS[endpoint].model_fields, place
+    sampled = {f.name for f in types_pb2.SamplingParams.DESCRIPTOR.fields}
+    assert sampled <= {option.grpc.split(".")[1] for option in SAMPLING_OPTIONS}
+
+
+# ---------------------------------------------------------------- the protos and the docs
+
+
+def test_the_protos_name_only_bounds_the_contract_defines() -> None:
+    named = set()
+    for proto in (ROOT / "protos").rglob("*.proto"):
+        named |= set(re.findall(r"\b(?:MAX|MIN|DEFAULT)_[A-Z0-9_]+\b", proto.read_text()))
+    assert named, "the protos name no bound"
+    assert sorted(name for name in named if not hasattr(limits, name)) == []
+
+
+def test_the_art_backend_passes_every_train_config_key() -> None:
+    source = (ROOT / "client" / "tinkerrpc" / "art" / "_backend.py").read_text()
+    train_calls = [
+        node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "train"
+    ]
+    assert len(train_calls) == 1
+    passed = {keyword.arg for keyword in train_calls[0].keywords}
+    assert {key.train_field for key in TRAIN_CONFIG_KEYS} <= passed
+    assert passed <= set(inspect.signature(calls.train).parameters)
+    assert "loss_fn: RLLossName" in source
+
+
+def test_the_docs_tables_have_a_row_per_entry() -> None:
+    assert limits_markdown().count("\n| `") == len(limits.LIMITS) + len(limits.SERVER_FLAGS)
+    assert losses_markdown().count("\n| `") == len(LOSSES)
+    assert sampling_options_markdown().count("\n| `") == len(SAMPLING_OPTIONS)
