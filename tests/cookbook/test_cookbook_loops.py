@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import tinker
 
-from tinkerrpc_server.engine.core import UNNAMED_SNAPSHOTS_KEPT_PER_MODEL
+from tinkerrpc_server.engine.snapshots import UNNAMED_SNAPSHOTS_KEPT_PER_MODEL
 from tinkerrpc_server.local.stack import LocalEngine
 
 pytestmark = pytest.mark.ecosystem

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tinkerrpc_server.engine.core import UNNAMED_SNAPSHOTS_KEPT_PER_MODEL
+from tinkerrpc_server.engine.snapshots import UNNAMED_SNAPSHOTS_KEPT_PER_MODEL
 from tinkerrpc_server.engine.storage import CheckpointRecord, RunRecord, Storage, now_iso, read_index
 from tinkerrpc_server.local.stack import LocalEngine
 

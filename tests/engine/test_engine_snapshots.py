@@ -22,7 +22,7 @@ from tinker import types
 
 from tinkerrpc_server.engine.app import create_app
 from tinkerrpc_server.engine.config import EngineConfig
-from tinkerrpc_server.engine.core import UNNAMED_SNAPSHOTS_KEPT_PER_MODEL
+from tinkerrpc_server.engine.snapshots import UNNAMED_SNAPSHOTS_KEPT_PER_MODEL
 from tinkerrpc_server.processes.http_serving import OWNER_ONLY, bound_port, listen, serve_until_stopped
 
 pytestmark = pytest.mark.process
