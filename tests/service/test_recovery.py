@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from svc import CALL_TIMEOUT, Server, create_model, error_info, prompt_logprobs, rl_request, sample_chat
+from svc import CALL_TIMEOUT, Server, create_model, prompt_logprobs, rl_request, sample_chat
 
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 
@@ -105,15 +105,14 @@ def test_checkpoint_every_k_keeps_the_versions_after_the_last_state_checkpoint(
     assert [r.policy_version for r in responses] == [1, 2, 3]
     assert [r.HasField("state_checkpoint") for r in responses] == [False, True, False]
     at_three = prompt_logprobs(server.stub, MODEL, probe)
-    # Exporting an earlier version needs the current state to come back to: version 3 has none here.
-    with pytest.raises(grpc.RpcError) as err:
-        list(
-            server.stub.ExportWeights(
-                pb.ExportWeightsRequest(model=MODEL, policy_version=2), timeout=CALL_TIMEOUT
-            )
+    # An earlier version exports from its own state checkpoint, whether or not the current one has one.
+    exported = list(
+        server.stub.ExportWeights(
+            pb.ExportWeightsRequest(model=MODEL, policy_version=2), timeout=CALL_TIMEOUT
         )
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert error_info(err.value).reason == "NO_CURRENT_STATE"
+    )
+    assert exported[0].weights.policy_version == 2
+    assert prompt_logprobs(server.stub, MODEL, probe) == pytest.approx(at_three, abs=1e-6)
     with pytest.raises(grpc.RpcError) as err:
         list(
             server.stub.ExportWeights(

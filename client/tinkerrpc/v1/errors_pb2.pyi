@@ -34,9 +34,8 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     Metadata: current_version, expected_version.
     """
     ERROR_REASON_NO_CURRENT_STATE: _ErrorReason.ValueType  # 3
-    """ExportWeights of an earlier policy_version while the model has no state checkpoint at its
-    current version (with --checkpoint-every > 1): SaveCheckpoint first. Metadata:
-    current_version, recovery_version (the version of the state it would come back from).
+    """No longer sent: ExportWeights of an earlier policy_version needed a state checkpoint at the
+    model's current version until it stopped moving the model's training client to export.
     """
     ERROR_REASON_IDEMPOTENCY_KEY_REUSED: _ErrorReason.ValueType  # 4
     """Train with an idempotency_key already recorded for a different request. Metadata:
@@ -86,9 +85,8 @@ ERROR_REASON_VERSION_MISMATCH: ErrorReason.ValueType  # 2
 Metadata: current_version, expected_version.
 """
 ERROR_REASON_NO_CURRENT_STATE: ErrorReason.ValueType  # 3
-"""ExportWeights of an earlier policy_version while the model has no state checkpoint at its
-current version (with --checkpoint-every > 1): SaveCheckpoint first. Metadata:
-current_version, recovery_version (the version of the state it would come back from).
+"""No longer sent: ExportWeights of an earlier policy_version needed a state checkpoint at the
+model's current version until it stopped moving the model's training client to export.
 """
 ERROR_REASON_IDEMPOTENCY_KEY_REUSED: ErrorReason.ValueType  # 4
 """Train with an idempotency_key already recorded for a different request. Metadata:

@@ -835,8 +835,7 @@ class ExportWeightsRequest(_message.Message):
     policy_version: _builtins.int
     """Version to export; unset = the current one. An earlier version is exported from its state
     checkpoint (every version keeps one with --checkpoint-every 1, until deleted; NOT_FOUND without
-    it) and leaves the model where it is; it needs a state checkpoint at the current version too
-    (FAILED_PRECONDITION with ERROR_REASON_NO_CURRENT_STATE otherwise).
+    it) and leaves the model where it is.
     """
     def __init__(
         self,

@@ -19,7 +19,8 @@ from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server.service import errors
 from tinkerrpc_server.service.backend import Backend
 from tinkerrpc_server.service.errors import ServiceError
-from tinkerrpc_server.service.models import VERSION_RESOURCE, ModelRegistry, ModelRuntime
+from tinkerrpc_server.service.models import VERSION_RESOURCE, ModelRegistry, made_or_freed
+from tinkerrpc_server.service.retention import unload_training_client
 from tinkerrpc_server.service.store import KIND_STATE, ModelRow, Store
 from tinkerrpc_server.service.validation import check_expected_version, check_export_request
 
@@ -86,12 +87,11 @@ class Exporter:
             row = self._models.row(request.model)
             check_expected_version(row, request)
             version = request.policy_version if request.HasField("policy_version") else row.policy_version
-            client = await self._models.training_client(row.name, runtime)
             name = f"export-{version:06d}-{uuid.uuid4().hex[:8]}"
             if version == row.policy_version:
-                path = await self._save_external(client, name)
+                path = await self._save_external(await self._models.training_client(row.name, runtime), name)
             else:
-                path = await self._export_earlier_version(row, runtime, client, version, name)
+                path = await self._export_earlier_version(row, version, name)
         directory = tempfile.TemporaryDirectory(prefix="tinkerrpc-export-")
         try:
             try:
@@ -116,11 +116,9 @@ class Exporter:
         )
         return Export(weights, directory)
 
-    async def _export_earlier_version(
-        self, row: ModelRow, runtime: ModelRuntime, client: tinker.TrainingClient, version: int, name: str
-    ) -> str:
-        """Export `version` < the current one without moving the model: load that version's state into
-        the training client, export, then load the current state (weights and optimizer) back."""
+    async def _export_earlier_version(self, row: ModelRow, version: int, name: str) -> str:
+        """Export `version` < the current one without moving the model: a training client of its own,
+        made from that version's state checkpoint (its weights), exports it and is unloaded."""
         resource = f"{row.name}@{version}"
         if version > row.policy_version:
             raise errors.not_found(
@@ -140,23 +138,14 @@ class Exporter:
                 resource,
                 f"model {row.name!r} has no state checkpoint at version {version} to export it from",
             )
-        if row.recovery_version != row.policy_version:
-            # Coming back needs the current version's full state, which --checkpoint-every > 1 may not keep.
-            raise errors.failed_precondition(
-                errors.NO_CURRENT_STATE,
-                f"model {row.name!r} has no state checkpoint at its current version {row.policy_version}; "
-                "SaveCheckpoint first, then export earlier versions",
-                {"current_version": row.policy_version, "recovery_version": row.recovery_version},
-            )
+        client = await made_or_freed(
+            self._backend.service.create_training_client_from_state(state.tinker_path),
+            "loading the version to export",
+        )
         try:
-            await client.load_state(state.tinker_path)
             return await self._save_external(client, name)
         finally:
-            try:
-                await client.load_state_with_optimizer(row.recovery_path)
-            except BaseException:
-                runtime.dirty = True  # the next call rolls back to the recovery point: the current state
-                raise
+            unload_training_client(client)
 
     async def _save_external(self, client: tinker.TrainingClient, name: str) -> str:
         try:
