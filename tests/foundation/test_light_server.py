@@ -1,6 +1,7 @@
 """`tinkerrpc serve` serves without torch (service/torchless.py): its process never maps libtorch while it
-renders, trains and samples through its engine child (which does), and the cookbook's supervised weights
-made there are the ones made with torch."""
+renders, trains and samples through its engine child (which does), the cookbook's supervised weights made
+there are the ones made with torch, and the renderers' torch computes as torch does, loading torch for
+what it does not compute itself."""
 
 from __future__ import annotations
 
@@ -82,6 +83,62 @@ def test_supervised_examples_without_torch_are_those_with_torch() -> None:
     assert without_torch["rendered"] == with_torch["rendered"]
     # Not all refusals: weights were made.
     assert any(isinstance(result, list) for result in with_torch["rendered"].values())  # type: ignore[attr-defined]
+
+
+# torch's operations on 1-D tensors: those the renderers use (RENDERER_TORCH's own), then others (torch's,
+# loaded for them), as JSON; `hide` first makes the process one without torch, as `tinkerrpc serve` does.
+TENSOR_OPERATIONS = textwrap.dedent(
+    """
+    import builtins, json, sys
+    import_function = builtins.__import__
+    if sys.argv[1] == "hide":
+        from tinkerrpc_server.service.torchless import RENDERER_TORCH as torch, hide_torch
+        hide_torch()
+    else:
+        import torch
+
+    def seen(t):
+        return [t.tolist(), str(t.dtype), isinstance(t, torch.Tensor)]
+
+    weights = torch.tensor([1, 0, 1, 1])
+    own = {
+        "ints": seen(weights), "floats": seen(torch.tensor([0.1, 1])), "bools": seen(torch.tensor([True])),
+        "empty": seen(torch.tensor([])), "float32": seen(torch.tensor([1, 2], dtype=torch.float32)),
+        "zeros": seen(torch.zeros(3)), "zeros of a shape": seen(torch.zeros((2,))),
+        "full": seen(torch.full((2,), 1)), "full of floats": seen(torch.full((2,), 0.5)),
+        "cat promotes": seen(torch.cat([torch.zeros(2), weights[1:]])),
+        "cat of ints": seen(torch.cat([torch.tensor([3]), torch.full((1,), True)])),
+        "slice": seen(weights[1:3]), "length": len(weights), "int64": weights.dtype == torch.int64,
+    }
+    torch_for_own = sys.modules.get("torch") is not None
+    view = weights[1:]
+    view[0] = 7  # a slice is a view: the tensor sees it
+    weights += 1
+    others = {
+        "view": seen(weights), "repeat": seen(torch.tensor([3, 1]).repeat(2)), "sum": int(weights.sum()),
+        "arange": seen(torch.arange(3)), "sliced again": seen(view[1:]), "times": seen(torch.zeros(2) * 2),
+    }
+    print(json.dumps({"own": own, "others": others, "torch_for_own": torch_for_own,
+                      "torch_at_end": sys.modules.get("torch") is not None,
+                      "import_replaced": builtins.__import__ is not import_function}))
+    """
+)
+
+
+def test_the_renderers_torch_computes_as_torch_and_loads_it_for_anything_else() -> None:
+    def run(torch_mode: str) -> tuple[dict[str, object], str]:
+        done = subprocess.run(
+            [sys.executable, "-c", TENSOR_OPERATIONS, torch_mode], capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.splitlines()[-1]), done.stderr
+
+    (with_torch, _), (without_torch, log) = run("keep"), run("hide")
+    assert without_torch["own"] == with_torch["own"]
+    assert without_torch["others"] == with_torch["others"]
+    assert not without_torch["torch_for_own"] and without_torch["torch_at_end"]
+    assert "loading torch" in log
+    assert not without_torch["import_replaced"]
 
 
 def test_server_cli_and_sidecar_modules_import_without_torch() -> None:

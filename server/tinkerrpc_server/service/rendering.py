@@ -31,7 +31,7 @@ from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server import model_store
 from tinkerrpc_server.bounded_json import parse_json_object
 from tinkerrpc_server.service import smollm2_renderer
-from tinkerrpc_server.service.torchless import resolve_base_model
+from tinkerrpc_server.service.torchless import renderer_imports, resolve_base_model
 
 log = logging.getLogger("tinkerrpc.rendering")
 
@@ -484,7 +484,8 @@ def _load_renderer(
 ) -> Renderer:
     """The named renderer over `plain_text`, once it has shown it can do what every Sample does."""
     try:
-        renderer = renderers.get_renderer(renderer_name, plain_text)
+        with renderer_imports():
+            renderer = renderers.get_renderer(renderer_name, plain_text)
     except (ValueError, KeyError, NotImplementedError) as err:
         raise UnknownRendererError(f"unknown renderer {renderer_name!r}: {err}") from err
     except Exception as err:  # the renderer's own checks of the tokenizer (asserts, type errors)
