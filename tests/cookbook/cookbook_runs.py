@@ -41,6 +41,10 @@ MODEL = TINY_CHAT
 # The renderer named explicitly: the cookbook's model_info does not know tinkerrpc's built-in names.
 RENDERER = "qwen3_disable_thinking"
 LORA_RANK = 8
+GROUPS_PER_BATCH = 4
+# Printed each time the RL loop samples a training group (the async loop samples a requeued one again),
+# so a test can account for every group the loop sampled.
+TRAIN_GROUP_SAMPLED = "cookbook_runs: a training group sampled"
 
 
 def _renderer() -> renderers.Renderer:
@@ -124,11 +128,14 @@ class EvenTokensEnv(Env):
 
 
 class EvenTokensGroup(EnvGroupBuilder):
-    def __init__(self, prompt: str, group_size: int) -> None:
+    def __init__(self, prompt: str, group_size: int, *, train: bool) -> None:
         self.prompt = prompt
         self.group_size = group_size
+        self.train = train
 
     async def make_envs(self) -> Sequence[Env]:
+        if self.train:
+            print(TRAIN_GROUP_SAMPLED, flush=True)
         renderer = _renderer()
         return [EvenTokensEnv(renderer, self.prompt) for _ in range(self.group_size)]
 
@@ -147,19 +154,20 @@ class EvenTokensDataset(RLDataset):
 @chz.chz
 class EvenTokensDatasetBuilder(RLDatasetBuilder):
     steps: int
-    groups_per_batch: int = 4
+    groups_per_batch: int = GROUPS_PER_BATCH
     group_size: int = 16
 
     async def __call__(self) -> tuple[RLDataset, RLDataset | None]:
         rng = random.Random(0)
 
-        def batch() -> list[EnvGroupBuilder]:
+        def batch(train: bool) -> list[EnvGroupBuilder]:
             return [
-                EvenTokensGroup(answer_format_prompt(rng), self.group_size)
+                EvenTokensGroup(answer_format_prompt(rng), self.group_size, train=train)
                 for _ in range(self.groups_per_batch)
             ]
 
-        return EvenTokensDataset([batch() for _ in range(self.steps)]), EvenTokensDataset([batch()])
+        train = EvenTokensDataset([batch(train=True) for _ in range(self.steps)])
+        return train, EvenTokensDataset([batch(train=False)])
 
 
 def rl_config(
@@ -172,7 +180,9 @@ def rl_config(
 ) -> rl_train.Config:
     """`off_policy` > 0: the async loop (AsyncConfig), sampling up to that many steps behind training."""
     async_config = (
-        rl_train.AsyncConfig(max_steps_off_policy=off_policy, groups_per_batch=4) if off_policy > 0 else None
+        rl_train.AsyncConfig(max_steps_off_policy=off_policy, groups_per_batch=GROUPS_PER_BATCH)
+        if off_policy > 0
+        else None
     )
     return rl_train.Config(
         log_path=log_path,
