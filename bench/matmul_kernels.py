@@ -21,7 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from tinkerrpc_server.engine.compute import cpu_kernels
-from tinkerrpc_server.engine.compute.packing import Kernel, PackedWeight, packing_plan
+from tinkerrpc_server.engine.compute.execution_plan import choose_execution_plan
+from tinkerrpc_server.engine.compute.packing import Kernel, PackedWeight, usable_kernels
+from tinkerrpc_server.settings import Settings
 
 # (hidden, vocabulary, [(in, out) of q/k/v, o, gate/up, down])
 SHAPES = {
@@ -83,15 +85,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    plan = choose_execution_plan(Settings.from_environment().kernels)
     generator = torch.Generator().manual_seed(0)
     print(
         "| model | rows | unembedding MKL ms | oneDNN ms | MKL/oneDNN | layer MKL ms | oneDNN ms | MKL/oneDNN "
         "| MKL packed ms | oneDNN packed ms | MKL/oneDNN packed | panels ms | oneDNN packed/panels |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    kernels: tuple[Kernel, ...] = (
-        ("mkl", "onednn", "panels") if cpu_kernels.has_packed_linear() else ("mkl", "onednn")
-    )
+    kernels: list[Kernel] = usable_kernels(panels=plan.cpu_kernels and cpu_kernels.has_packed_linear())
     for label, (hidden, vocabulary, projections) in SHAPES.items():
         head = torch.randn(vocabulary, hidden, generator=generator) * 0.02
         layers = [
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
                 + panels_columns,
                 flush=True,
             )
-    print(f"\nthe engine's packing plan here: {packing_plan()}")
+    print(f"\nthe engine's execution plan here: {plan}")
 
 
 def _packed(weight_t: torch.Tensor, kernel: Kernel) -> PackedWeight:

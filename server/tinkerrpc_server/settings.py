@@ -33,8 +33,16 @@ ENGINE_DTYPES = ("float32", "bfloat16")
 TINKER_API_KEY_ENV = "TINKER_API_KEY"
 TINKER_BASE_URL_ENV = "TINKER_BASE_URL"
 
+# The engine's fused CPU kernels (engine/compute/cpu_kernels.py): "0" turns them off (to measure what
+# they change), "1" (the default) uses them where they build; their build is cached in the kernels dir,
+# compiled by $CXX (default g++).
+CPU_KERNELS_ENV = "TINKERRPC_CPU_KERNELS"
+KERNELS_DIR_ENV = "TINKERRPC_KERNELS_DIR"
+COMPILER_ENV = "CXX"
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEFAULT_MODEL_DIR = Path("~/.cache/tinkerrpc/models").expanduser()
+DEFAULT_KERNELS_DIR = Path("~/.cache/tinkerrpc/cpu-kernels").expanduser()
 
 # Credentials a child never inherits: each child that needs one is handed it explicitly.
 _SECRET_ENVS = (AUTH_TOKEN_ENV, SIDECAR_API_KEY_ENV, ENGINE_API_KEY_ENV)
@@ -42,6 +50,15 @@ _SECRET_ENVS = (AUTH_TOKEN_ENV, SIDECAR_API_KEY_ENV, ENGINE_API_KEY_ENV)
 
 class SettingsError(ValueError):
     """An environment variable holds a value tinkerrpc cannot use."""
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """Whether the engine may run its own CPU kernels, where their build is cached, and what compiles it."""
+
+    enabled: bool = True
+    build_dir: Path = DEFAULT_KERNELS_DIR
+    compiler: str = "g++"
 
 
 @dataclass(frozen=True)
@@ -59,6 +76,7 @@ class Settings:
     # Tinker itself serves instead of the embedded engine when its key is set.
     tinker_api_key: str | None = None
     tinker_base_url: str | None = None
+    kernels: KernelSettings = KernelSettings()
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -71,6 +89,10 @@ class Settings:
         if log_level not in LOG_LEVELS:
             raise SettingsError(f"${LOG_LEVEL_ENV} must be one of {', '.join(LOG_LEVELS)}, not {log_level!r}")
         model_dir = read(MODEL_DIR_ENV)
+        kernels_switch = read(CPU_KERNELS_ENV) or "1"
+        if kernels_switch not in ("0", "1"):
+            raise SettingsError(f"${CPU_KERNELS_ENV} must be 0 (off) or 1 (on), not {kernels_switch!r}")
+        kernels_dir = read(KERNELS_DIR_ENV)
         return cls(
             log_level=log_level,
             auth_token=read(AUTH_TOKEN_ENV),
@@ -81,6 +103,11 @@ class Settings:
             engine_dtype=read(ENGINE_DTYPE_ENV),
             tinker_api_key=read(TINKER_API_KEY_ENV),
             tinker_base_url=read(TINKER_BASE_URL_ENV),
+            kernels=KernelSettings(
+                enabled=kernels_switch == "1",
+                build_dir=Path(kernels_dir).expanduser() if kernels_dir else DEFAULT_KERNELS_DIR,
+                compiler=read(COMPILER_ENV) or "g++",
+            ),
         )
 
 

@@ -13,6 +13,8 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from tinkerrpc_server.engine.compute.decoder import FusedDecoder, FusedTrainingForward
+from tinkerrpc_server.engine.compute.execution_plan import ExecutionPlan
+from tinkerrpc_server.engine.compute.forward_call import ForwardCall, SamplingModel, TransformersSampler
 from tinkerrpc_server.engine.compute.kv_cache import new_cache
 from tinkerrpc_server.engine.compute.samples import SampleJob
 from tinkerrpc_server.engine.runtime import BaseModelRuntime, DatumArrays
@@ -48,45 +50,48 @@ def left_padded_prompts() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def run_forward(model: Any, steps: int) -> list[torch.Tensor]:
+def run_forward(model: SamplingModel | None, steps: int) -> list[torch.Tensor]:
     """Prefill PROMPTS left-padded in two chunks, then `steps` greedy decode steps; every call's logits."""
+    assert model is not None
     ids, mask, positions = left_padded_prompts()
     width = ids.shape[1]
     cache = new_cache()
     seen = []
     with torch.inference_mode():
         for start, end in ((0, 4), (4, width)):
-            out = model(
-                input_ids=ids[:, start:end],
-                attention_mask=mask[:, :end],
-                position_ids=positions[:, start:end],
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=0,
-            )
-            cache = out.past_key_values
-            seen.append(out.logits.float())
+            call = ForwardCall(ids[:, start:end], mask[:, :end], positions[:, start:end], cache)
+            (logits,) = model.forward([call])
+            seen.append(logits.float())
         last = positions[:, -1:]
         for _ in range(steps):
             token = seen[-1][:, -1].argmax(-1, keepdim=True)
             mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
             last = last + 1
-            out = model(
-                input_ids=token, attention_mask=mask, position_ids=last, past_key_values=cache, use_cache=True
-            )
-            cache = out.past_key_values
-            seen.append(out.logits.float())
+            (logits,) = model.forward([ForwardCall(token, mask, last, cache)])
+            seen.append(logits.float())
     return seen
 
 
-def assert_decoder_logits_equal_transformers(runtime: BaseModelRuntime, peft_name: str | None) -> None:
-    """The sampler's decoder for `peft_name` (None: the bare base) against transformers + PEFT: a chunked
-    left-padded prefill and 5 decode steps."""
-    decoder = FusedDecoder.build(runtime._decoder_weights, peft_name)
+def decoder_of(
+    runtime: BaseModelRuntime, peft_name: str | None, plan: ExecutionPlan | None = None
+) -> FusedDecoder:
+    """The sampler's decoder for `peft_name` (None: the bare base) with `plan`'s kernels (None: the
+    runtime's)."""
+    decoder = FusedDecoder.build(
+        runtime._decoder_weights, peft_name, plan if plan is not None else runtime._plan
+    )
     assert decoder is not None
-    ours = run_forward(decoder, steps=5)
+    return decoder
+
+
+def assert_decoder_logits_equal_transformers(
+    runtime: BaseModelRuntime, peft_name: str | None, plan: ExecutionPlan | None = None
+) -> None:
+    """The sampler's decoder for `peft_name` (None: the bare base), with `plan`'s kernels (None: the
+    runtime's), against transformers + PEFT: a chunked left-padded prefill and 5 decode steps."""
+    ours = run_forward(decoder_of(runtime, peft_name, plan), steps=5)
     with runtime._active(peft_name) as reference:
-        theirs = run_forward(reference, steps=5)
+        theirs = run_forward(TransformersSampler(reference), steps=5)
     assert len(ours) == len(theirs) == 7
     for mine, expected in zip(ours, theirs, strict=True):
         # Left-padding positions of the prefill carry no meaning on either side: compare real ones.

@@ -4,16 +4,19 @@ they build here; and the sampler's decoder runs on them (and equals transformers
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from decoder_parity import assert_decoder_logits_equal_transformers, run_forward
+from decoder_parity import assert_decoder_logits_equal_transformers, decoder_of, run_forward
 
 from tinkerrpc_server.engine.compute import cpu_kernels
-from tinkerrpc_server.engine.compute.decoder import FusedDecoder, Rotary, _one_query_attention
+from tinkerrpc_server.engine.compute.attention import Rotary, one_query_attention
+from tinkerrpc_server.engine.compute.execution_plan import TORCH_OPS, process_plan
 from tinkerrpc_server.engine.runtime import BaseModelRuntime
+from tinkerrpc_server.settings import KernelSettings
 
 pytestmark = pytest.mark.unit
 
@@ -22,16 +25,24 @@ TOLERANCE = {"rtol": 2e-6, "atol": 2e-6}
 
 @pytest.fixture(autouse=True)
 def _inference() -> object:
+    # The process's plan loads the kernels (built first where needed).
+    assert process_plan().cpu_kernels
     with torch.inference_mode():
         yield
 
 
 def test_the_kernels_build_and_load_here() -> None:
-    assert cpu_kernels.available()
-    assert cpu_kernels.apply_to(torch.zeros(1))
-    assert not cpu_kernels.apply_to(torch.zeros(1, dtype=torch.bfloat16))
+    plan = process_plan()
+    assert plan.cpu_kernels
+    assert plan.fused_kernels_for(torch.zeros(1))
+    assert not plan.fused_kernels_for(torch.zeros(1, dtype=torch.bfloat16))
     with torch.inference_mode(False), torch.enable_grad():
-        assert not cpu_kernels.apply_to(torch.zeros(1))  # no backward
+        assert not plan.fused_kernels_for(torch.zeros(1))  # no backward
+    assert not TORCH_OPS.fused_kernels_for(torch.zeros(1))
+
+
+def test_the_settings_turn_the_kernels_off() -> None:
+    assert not cpu_kernels.load(KernelSettings(enabled=False))
 
 
 @pytest.mark.parametrize("tokens,hidden", [(1, 576), (16, 576), (3, 37), (700, 64)])
@@ -101,7 +112,7 @@ def test_decode_attention(rows: int, heads: int, kv_heads: int, columns: int, di
     # Padding columns are not read: NaN there must not reach the output.
     k[0, :, : columns // 3] = float("nan")
     scale = dim**-0.5
-    expected = _one_query_attention(
+    expected = one_query_attention(
         q.unsqueeze(2), k.nan_to_num(0.0), v, bias[:, None, None, :], scale, None
     ).reshape(rows, heads * dim)
     torch.testing.assert_close(
@@ -118,9 +129,9 @@ def test_decode_attention_reads_shared_columns_from_the_first_row() -> None:
     q = torch.randn(rows, heads, dim)
     bias = torch.zeros(rows, columns)
     bias[:, :start] = float("-inf")
-    expected = _one_query_attention(
-        q.unsqueeze(2), k, v, bias[:, None, None, :], 0.125, (start, end)
-    ).reshape(rows, heads * dim)
+    expected = one_query_attention(q.unsqueeze(2), k, v, bias[:, None, None, :], 0.125, (start, end)).reshape(
+        rows, heads * dim
+    )
     # The other rows' copies are never read: garbage there changes nothing.
     k[1:, :, start:end] = float("nan")
     v[1:, :, start:end] = float("nan")
@@ -169,13 +180,11 @@ def test_the_sampler_runs_on_the_kernels(runtime: BaseModelRuntime, monkeypatch:
     calls = []
     real = cpu_kernels.decode_attention
     monkeypatch.setattr(cpu_kernels, "decode_attention", lambda *args: calls.append(1) or real(*args))
-    decoder = FusedDecoder.build(runtime._decoder_weights, None)
-    run_forward(decoder, steps=2)
+    run_forward(decoder_of(runtime, None), steps=2)
     assert len(calls) == 2 * len(runtime._base.model.layers)
     assert_decoder_logits_equal_transformers(runtime, None)
-    monkeypatch.setattr(cpu_kernels, "apply_to", lambda tensor: False)
     calls.clear()
-    assert_decoder_logits_equal_transformers(runtime, None)
+    assert_decoder_logits_equal_transformers(runtime, None, replace(runtime._plan, cpu_kernels=False))
     assert not calls
 
 

@@ -6,6 +6,7 @@ falls back."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,21 +18,16 @@ from decoder_parity import (
     assert_decoder_logits_equal_transformers,
     assert_training_forward_equals_transformers,
     build_tiny_llama,
+    decoder_of,
     left_padded_prompts,
     run_forward,
 )
 from peft import LoraConfig
 
-from tinkerrpc_server.engine.compute import decoder as decoder_module
-from tinkerrpc_server.engine.compute.decoder import (
-    ONEDNN_UNEMBEDDING_ROWS,
-    DecodingWeight,
-    FusedDecoder,
-    FusedTrainingForward,
-    unembed_for_sampling,
-)
+from tinkerrpc_server.engine.compute.decoder import FusedDecoder, FusedTrainingForward
+from tinkerrpc_server.engine.compute.forward_call import ForwardCall
 from tinkerrpc_server.engine.compute.kv_cache import new_cache
-from tinkerrpc_server.engine.compute.packing import PACK_AFTER_PASSES, PACKED_ROWS, PackingPlan, packing_plan
+from tinkerrpc_server.engine.compute.packing import PACKED_ROWS, DecodingWeight, PackingPlan
 from tinkerrpc_server.engine.runtime import SAMPLER_CACHE_SIZE, BaseModelRuntime, LoraSpec
 
 pytestmark = pytest.mark.unit
@@ -59,8 +55,8 @@ def test_decoder_equals_transformers_on_the_bare_base(runtime: BaseModelRuntime,
 
 def test_the_adapter_changes_the_decoders_logits(runtime: BaseModelRuntime, sampler_dir: Path) -> None:
     peft_name = runtime._sampler_adapter(sampler_dir)
-    with_adapter = run_forward(FusedDecoder.build(runtime._decoder_weights, peft_name), steps=0)
-    bare = run_forward(FusedDecoder.build(runtime._decoder_weights, None), steps=0)
+    with_adapter = run_forward(decoder_of(runtime, peft_name), steps=0)
+    bare = run_forward(decoder_of(runtime, None), steps=0)
     assert (with_adapter[1][:, -1] - bare[1][:, -1]).abs().max() > 0.1
 
 
@@ -89,7 +85,7 @@ def test_an_adapter_it_cannot_express_falls_back(runtime: BaseModelRuntime, samp
     assert runtime._peft is not None
     runtime._peft.add_adapter("with-dropout", LoraConfig(r=4, lora_dropout=0.1, target_modules=["q_proj"]))
     try:
-        assert FusedDecoder.build(runtime._decoder_weights, "with-dropout") is None
+        assert FusedDecoder.build(runtime._decoder_weights, "with-dropout", runtime._plan) is None
     finally:
         runtime._peft.delete_adapter("with-dropout")
 
@@ -99,8 +95,7 @@ def test_shared_prompt_columns_are_read_once_with_the_same_result(
 ) -> None:
     """Rows holding copies of one prompt's KV: attention over those columns read once (from row 0) for
     every row gives what reading each row's own copy gives."""
-    decoder = FusedDecoder.build(runtime._decoder_weights, runtime._sampler_adapter(sampler_dir))
-    assert decoder is not None
+    decoder = decoder_of(runtime, runtime._sampler_adapter(sampler_dir))
     prompt, rows, steps = PROMPTS[0], 4, 6
     logits_by_mode = []
     for shared in (False, True):
@@ -110,7 +105,7 @@ def test_shared_prompt_columns_are_read_once_with_the_same_result(
         cache = new_cache()
         seen = []
         with torch.inference_mode():
-            out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+            decoder.forward([ForwardCall(ids, mask, positions, cache)])
             last = positions[:, -1:]
             # Different tokens per row from the first step on, so the rows' own columns differ.
             token = torch.arange(rows)[:, None] + 7
@@ -118,9 +113,9 @@ def test_shared_prompt_columns_are_read_once_with_the_same_result(
                 cache.shared_columns = (0, len(prompt)) if shared else None
                 mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
                 last = last + 1
-                out = decoder(input_ids=token, attention_mask=mask, position_ids=last, past_key_values=cache)
-                seen.append(out.logits.float())
-                token = out.logits[:, -1].argmax(-1, keepdim=True)
+                (logits,) = decoder.forward([ForwardCall(token, mask, last, cache)])
+                seen.append(logits.float())
+                token = logits[:, -1].argmax(-1, keepdim=True)
         logits_by_mode.append(torch.stack(seen))
     plain, shared_read = logits_by_mode
     assert (plain[:, 0] - plain[:, 1]).abs().max() > 1e-3  # the rows really differ
@@ -143,43 +138,35 @@ def test_calls_run_together_return_what_each_returns_alone(
 ) -> None:
     """A decode step and a prefill chunk in one pass (their tokens share the matmuls, each attends over
     its own cache): the same logits, and the same keys and values in each cache, as two passes."""
-    decoder = FusedDecoder.build(runtime._decoder_weights, runtime._sampler_adapter(sampler_dir))
-    assert decoder is not None
+    decoder = decoder_of(runtime, runtime._sampler_adapter(sampler_dir))
 
-    def calls() -> list[dict[str, object]]:
+    def calls() -> list[ForwardCall]:
         """A 2-row batch one decode step in (after a prefill of PROMPTS) and a new 3-token prompt."""
         ids, mask, positions = left_padded_prompts()
         cache = new_cache()
-        decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        decoder.forward([ForwardCall(ids, mask, positions, cache)])
         step_mask = torch.cat([mask, torch.ones((len(PROMPTS), 1), dtype=mask.dtype)], dim=-1)
         new_prompt = torch.tensor([[9, 250, 31]])
         return [
-            {
-                "input_ids": torch.tensor([[3], [4]]),
-                "attention_mask": step_mask,
-                "position_ids": positions[:, -1:] + 1,
-                "past_key_values": cache,
-            },
-            {
-                "input_ids": new_prompt,
-                "attention_mask": torch.ones_like(new_prompt),
-                "position_ids": torch.arange(3).unsqueeze(0),
-                "past_key_values": new_cache(),
-                "logits_to_keep": 1,
-            },
+            ForwardCall(torch.tensor([[3], [4]]), step_mask, positions[:, -1:] + 1, cache),
+            ForwardCall(
+                new_prompt,
+                torch.ones_like(new_prompt),
+                torch.arange(3).unsqueeze(0),
+                new_cache(),
+                logits_to_keep=1,
+            ),
         ]
 
     with torch.inference_mode():
         alone_calls, together_calls = calls(), calls()
-        alone = [decoder(**call) for call in alone_calls]  # type: ignore[arg-type]
-        together = decoder.forward_together(together_calls)
-    assert [out.logits.shape for out in together] == [out.logits.shape for out in alone]
-    assert together[1].logits.shape[1] == 1  # logits_to_keep held per call
-    for mine, expected in zip(together, alone, strict=True):
-        assert_close_at_scale(mine.logits, expected.logits, VALUES_TOLERANCE)
-        for my_layer, their_layer in zip(
-            mine.past_key_values.layers, expected.past_key_values.layers, strict=True
-        ):
+        alone = [decoder.forward([call])[0] for call in alone_calls]
+        together = decoder.forward(together_calls)
+    assert [logits.shape for logits in together] == [logits.shape for logits in alone]
+    assert together[1].shape[1] == 1  # logits_to_keep held per call
+    for mine, expected, my_call, their_call in zip(together, alone, together_calls, alone_calls, strict=True):
+        assert_close_at_scale(mine, expected, VALUES_TOLERANCE)
+        for my_layer, their_layer in zip(my_call.cache.layers, their_call.cache.layers, strict=True):
             assert_close_at_scale(my_layer.keys, their_layer.keys, VALUES_TOLERANCE)
             assert_close_at_scale(my_layer.values, their_layer.values, VALUES_TOLERANCE)
 
@@ -207,28 +194,6 @@ def test_one_decoder_is_kept_for_the_sampler_weights_sampled_last(
     assert decoder_of(sampler_dir) is not rebuilt
 
 
-@pytest.mark.parametrize("rows", [1, 7, 8, 16, 64, 65, 300])
-def test_the_samplers_unembedding_equals_torchs_at_every_row_count(rows: int) -> None:
-    """Decode-step row counts (8-64) go through oneDNN's kernel, the others through torch's; the logits
-    are the same numbers either way, with any leading shape."""
-    generator = torch.Generator().manual_seed(rows)
-    weight = torch.randn(3000, 96, generator=generator)
-    hidden = torch.randn(rows, 1, 96, generator=generator)
-    with torch.inference_mode(), torch.profiler.profile() as profiled:
-        logits = unembed_for_sampling(hidden, weight)
-    assert logits.shape == (rows, 1, 3000)
-    assert_close_at_scale(logits, torch.nn.functional.linear(hidden, weight), 1e-5)
-    kernels = {event.key for event in profiled.key_averages()}
-    assert ("mkldnn::_linear_pointwise" in kernels) == (rows in ONEDNN_UNEMBEDDING_ROWS)
-
-
-def test_the_unembedding_keeps_torchs_kernel_where_a_gradient_is_wanted() -> None:
-    weight = torch.randn(3000, 96, requires_grad=True)
-    logits = unembed_for_sampling(torch.randn(16, 96), weight)
-    logits.sum().backward()
-    assert weight.grad is not None and weight.grad.shape == weight.shape
-
-
 # What each packed kernel shows in torch's profiler.
 KERNEL_OPS = {
     "mkl": "mkl::_mkl_linear",
@@ -253,15 +218,6 @@ def _whole_panels(kernel: str, out_features: int) -> int:
     return -(-out_features // 16) * 16 if kernel == "panels" else out_features
 
 
-def test_the_packing_plan_takes_the_faster_kernel_here() -> None:
-    """Measured once per process: a kernel this torch build has, its rows, passes within bounds."""
-    plan = packing_plan()
-    assert plan is not None  # torch's CPU builds have MKL and oneDNN
-    assert plan.kernel in KERNEL_OPS
-    assert plan.rows == PACKED_ROWS[plan.kernel]
-    assert plan.pack_after_passes == PACK_AFTER_PASSES[plan.kernel]
-
-
 @pytest.mark.parametrize("plan", PLANS, ids=lambda plan: plan.kernel)
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 33, 64, 65, 130])
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (96, 3000)])
@@ -284,13 +240,13 @@ def test_a_packed_projection_multiplies_any_row_count_as_a_matmul(
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda plan: plan.kernel)
 def test_a_decoder_that_packs_its_weights_midway_keeps_transformers_logits(
-    runtime: BaseModelRuntime, sampler_dir: Path, monkeypatch: pytest.MonkeyPatch, plan: PackingPlan
+    runtime: BaseModelRuntime, sampler_dir: Path, plan: PackingPlan
 ) -> None:
     """After the plan's passes of its rows a decoder packs its projections and its unembedding and runs
     the plan's packed kernel from then on: its logits stay those of transformers + PEFT."""
-    monkeypatch.setattr(decoder_module, "packing_plan", lambda: plan)
+    execution = replace(runtime._plan, packing=plan)
     with torch.profiler.profile(record_shapes=True) as profiled:
-        assert_decoder_logits_equal_transformers(runtime, runtime._sampler_adapter(sampler_dir))
+        assert_decoder_logits_equal_transformers(runtime, runtime._sampler_adapter(sampler_dir), execution)
     # The unembedding's (vocabulary, hidden) product ran packed too (two rows: below the rows for which
     # the unpacked unembedding takes oneDNN's kernel).
     out_features = [

@@ -14,6 +14,7 @@ from decoder_parity import (
     assert_greedy_sampling_equals_transformers,
     assert_training_forward_equals_transformers,
     build_tiny_llama,
+    decoder_of,
     perturb_adapter,
     run_forward,
 )
@@ -21,7 +22,8 @@ from smollm2_support import SMOLLM2, smollm2_model_dir
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from tinkerrpc_server.engine.compute.architecture import Architecture, describe
-from tinkerrpc_server.engine.compute.decoder import FusedDecoder, FusedTrainingForward, fuse_base_weights
+from tinkerrpc_server.engine.compute.decoder import FusedDecoder, FusedTrainingForward
+from tinkerrpc_server.engine.compute.fused_weights import fuse_base_weights
 from tinkerrpc_server.engine.runtime import BaseModelRuntime, LoraSpec
 
 pytestmark = pytest.mark.process
@@ -135,8 +137,8 @@ def test_smollm2_sampler_logits_equal_transformers(
 ) -> None:
     peft_name = smollm2._sampler_adapter(smollm2_sampler_dir)
     assert_decoder_logits_equal_transformers(smollm2, peft_name)
-    adapted = run_forward(FusedDecoder.build(smollm2._decoder_weights, peft_name), steps=0)
-    plain = run_forward(FusedDecoder.build(smollm2._decoder_weights, None), steps=0)
+    adapted = run_forward(decoder_of(smollm2, peft_name), steps=0)
+    plain = run_forward(decoder_of(smollm2, None), steps=0)
     assert (adapted[1][:, -1] - plain[1][:, -1]).abs().max() > 0.1  # the adapter matters
 
 

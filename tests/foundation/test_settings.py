@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tinkerrpc_server import settings
-from tinkerrpc_server.settings import Settings, SettingsError, child_environment
+from tinkerrpc_server.settings import KernelSettings, Settings, SettingsError, child_environment
 
 pytestmark = pytest.mark.unit
 
@@ -43,6 +43,26 @@ def test_settings_read_every_variable_once_and_empty_is_unset() -> None:
 def test_an_unknown_log_level_is_a_clear_error() -> None:
     with pytest.raises(SettingsError, match=r"\$TINKERRPC_LOG_LEVEL must be one of DEBUG, INFO"):
         Settings.from_environment({settings.LOG_LEVEL_ENV: "loud"})
+
+
+def test_the_kernel_switch_build_dir_and_compiler_are_settings() -> None:
+    read = Settings.from_environment(
+        {
+            settings.CPU_KERNELS_ENV: "0",
+            settings.KERNELS_DIR_ENV: "~/kernels",
+            settings.COMPILER_ENV: "clang++",
+        }
+    )
+    assert read.kernels == KernelSettings(
+        enabled=False, build_dir=Path("~/kernels").expanduser(), compiler="clang++"
+    )
+    assert Settings().kernels == KernelSettings(
+        True, Path("~/.cache/tinkerrpc/cpu-kernels").expanduser(), "g++"
+    )
+    with pytest.raises(
+        SettingsError, match=r"\$TINKERRPC_CPU_KERNELS must be 0 \(off\) or 1 \(on\), not 'yes'"
+    ):
+        Settings.from_environment({settings.CPU_KERNELS_ENV: "yes"})
 
 
 def test_children_inherit_no_credential_but_what_they_are_handed(monkeypatch: pytest.MonkeyPatch) -> None:

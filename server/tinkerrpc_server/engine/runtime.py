@@ -35,6 +35,7 @@ __all__ = [
 
 
 class BaseModelRuntime(Training, OptimizerSteps, Sampling):
-    """`BaseModelRuntime(model_path, device, dtype, policy)`: the base model at `model_path` on `device`
-    with base weights in `dtype` (as in resolve_placement), its samples batched under `policy` unless a
-    call says otherwise."""
+    """`BaseModelRuntime(model_path, device, dtype, policy, plan)`: the base model at `model_path` on
+    `device` with base weights in `dtype` (as in resolve_placement), its samples batched under `policy`
+    unless a call says otherwise and computed with the kernels of the execution `plan` (None: the
+    process's, compute/execution_plan.py)."""

@@ -18,8 +18,8 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tinkerrpc_server.engine.compute.decoder import fuse_base_weights
 from tinkerrpc_server.engine.compute.errors import EngineUserError
+from tinkerrpc_server.engine.compute.fused_weights import fuse_base_weights
 from tinkerrpc_server.engine.compute.placement import resolve_placement
 
 log = logging.getLogger("tinkerrpc.engine")

@@ -5,10 +5,11 @@ A decode step of SmolLM2 at 16 rows spent ~27 ms of ~97 ms outside its matmuls, 
 per layer; these kernels do those stretches in four ops per layer (tests/engine_core/test_cpu_kernels.py
 checks each against the torch ops it replaces, and the decoder's logits against transformers').
 
-The build is cached under $TINKERRPC_KERNELS_DIR (default ~/.cache/tinkerrpc/cpu-kernels), keyed by the
-source, torch's version and the CPU's vector width; scripts/setup.sh builds it. Where it cannot be built
-(no compiler), the engine logs why once and runs the torch ops. TINKERRPC_CPU_KERNELS=0 turns the
-kernels off (to measure what they change).
+The build is cached in the settings' kernels dir ($TINKERRPC_KERNELS_DIR, default
+~/.cache/tinkerrpc/cpu-kernels), keyed by the source, torch's version and the CPU's vector width;
+scripts/setup.sh builds it. Where it cannot be built (no compiler), the engine logs why once and runs the
+torch ops. TINKERRPC_CPU_KERNELS=0 turns the kernels off (to measure what they change). Whether a pass
+runs on them is the execution plan's choice (execution_plan.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from tinkerrpc_server.settings import KernelSettings, settings_of
+
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
@@ -37,17 +40,12 @@ _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=of
 _BUILD_SECONDS = 600
 
 
-def kernels_dir() -> Path:
-    configured = os.environ.get("TINKERRPC_KERNELS_DIR")
-    return Path(configured) if configured else Path.home() / ".cache" / "tinkerrpc" / "cpu-kernels"
-
-
-def _command(output: Path) -> list[str]:
+def _command(compiler: str, output: Path) -> list[str]:
     torch_dir = Path(torch.__file__).parent
     capability = torch.backends.cpu.get_cpu_capability()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [
-        os.environ.get("CXX", "g++"),
+        compiler,
         *_FLAGS,
         *_VECTOR_FLAGS.get(capability, []),
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
@@ -64,35 +62,37 @@ def _command(output: Path) -> list[str]:
     ]
 
 
-def _library_path() -> Path:
+def _library_path(settings: KernelSettings) -> Path:
     key = hashlib.sha256()
     key.update(_SOURCE.read_bytes())
-    key.update(" ".join(_command(Path("out"))).encode())
+    key.update(" ".join(_command(settings.compiler, Path("out"))).encode())
     key.update(f"{torch.__version__} {sys.version}".encode())
-    return kernels_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    return settings.build_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
 
-def build() -> Path:
+def build(settings: KernelSettings) -> Path:
     """The kernels' shared library, compiled unless already there (written aside, then renamed into place,
     so processes building at once never load a half-written file)."""
-    library = _library_path()
+    library = _library_path(settings)
     if library.is_file():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as work:
         built = Path(work) / library.name
-        subprocess.run(_command(built), check=True, capture_output=True, text=True, timeout=_BUILD_SECONDS)
+        command = _command(settings.compiler, built)
+        subprocess.run(command, check=True, capture_output=True, text=True, timeout=_BUILD_SECONDS)
         os.replace(built, library)
     return library
 
 
 @functools.cache
-def available() -> bool:
-    """Whether the kernels are loaded into this process (built first where needed)."""
-    if os.environ.get("TINKERRPC_CPU_KERNELS", "1") == "0":
+def load(settings: KernelSettings) -> bool:
+    """Whether the kernels are loaded into this process (built first where needed); False when the
+    settings turn them off."""
+    if not settings.enabled:
         return False
     try:
-        torch.ops.load_library(str(build()))  # type: ignore[no-untyped-call]
+        torch.ops.load_library(str(build(settings)))  # type: ignore[no-untyped-call]
     except (OSError, subprocess.SubprocessError) as err:
         detail = getattr(err, "stderr", "") or ""
         log.warning("CPU kernels unavailable, running torch ops instead: %s %s", err, detail[-2000:])
@@ -100,20 +100,10 @@ def available() -> bool:
     return True
 
 
-def apply_to(tensor: torch.Tensor) -> bool:
-    """Whether a pass over `tensor` runs on the kernels: float32 on the CPU, no autograd (they have no
-    backward), and the kernels loaded."""
-    return (
-        tensor.device.type == "cpu"
-        and tensor.dtype == torch.float32
-        and not torch.is_grad_enabled()
-        and available()
-    )
-
-
 def has_packed_linear() -> bool:
-    """Whether this process has the panel matmul (`pack_linear_weight`, `packed_linear`): AVX2 builds."""
-    return available() and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    """Whether the loaded kernels hold the panel matmul (`pack_linear_weight`, `packed_linear`): AVX2
+    builds."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -173,4 +163,7 @@ def decode_attention(
 
 if __name__ == "__main__":
     # scripts/setup.sh: build now rather than at the first engine start.
-    print(build())
+    settings = settings_of("cpu_kernels")
+    if settings is None:
+        sys.exit(2)
+    print(build(settings.kernels))

@@ -20,7 +20,7 @@ class DecodingRows(Generic[RowT]):
     values (columns where `mask` is 0 are padding). `next_logits` are the logits to sample from next."""
 
     rows: list[RowT]
-    cache: DynamicCache
+    cache: SamplerCache
     mask: torch.Tensor  # (rows, columns)
     last_positions: torch.Tensor  # (rows, 1)
     next_logits: torch.Tensor  # (rows, vocab)
@@ -200,7 +200,7 @@ class SamplerCache(DynamicCache):  # type: ignore[misc]  # transformers is untyp
     shared_columns: tuple[int, int] | None = None
 
 
-def new_cache() -> DynamicCache:
+def new_cache() -> SamplerCache:
     cache = SamplerCache()
     cache.layer_class_to_replicate = GrowingLayer
     return cache

@@ -8,13 +8,18 @@ code and oneDNN's packed kernel is 3-5x MKL's, plain or packed, for 8-64 rows
 (`python -m bench.matmul_kernels`). The engine's own kernel (engine/compute/cpu_kernels.cpp, AVX2 CPUs)
 lays a weight out as column panels streamed in order, six rows of x at a time in registers: on the EPYC
 1.3-1.6x oneDNN's packed kernel for 1-64 rows over weights read from memory, ~1.05x at 512. So the
-engine measures the kernels it has once per process on one weight (`packing_plan`) and packs with the
-fastest.
+engine measures the kernels it has once per process on one weight (`packing_plan`, called by the
+execution plan) and packs with the fastest.
+
+MKL's and oneDNN's packed kernels are torch's private ops (`torch.ops.mkl`, `torch.ops.mkldnn`), no
+stable API: a kernel is a candidate only where its ops exist and multiply the probe weight as a plain
+matmul does (`usable_kernels`); without any, decoders multiply by plain matmuls.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import statistics
 import sys
 import time
@@ -26,9 +31,15 @@ import torch
 
 from tinkerrpc_server.engine.compute import cpu_kernels
 
+log = logging.getLogger(__name__)
+
 Kernel = Literal["mkl", "onednn", "panels"]
-_MKL: bool = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")  # type: ignore[no-untyped-call]
-_ONEDNN: bool = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+# The private ops each of torch's packed kernels needs (the panels' are the engine's own).
+_PRIVATE_OPS: dict[Kernel, tuple[tuple[str, str], ...]] = {
+    "mkl": (("mkl", "_mkl_reorder_linear_weight"), ("mkl", "_mkl_linear")),
+    "onednn": (("mkldnn", "_reorder_linear_weight"), ("mkldnn", "_linear_pointwise")),
+    "panels": (),
+}
 # The row count a packed layout is made for (MKL: the fastest over its rows on the Xeon; oneDNN: a
 # 16-row decode step). Both kernels read the layout from the packed buffer, so they multiply any row
 # count (tests/engine_core/test_decoder.py checks 1 to 130).
@@ -46,6 +57,9 @@ PACKED_ROWS: dict[Kernel, range] = {
 _PROBE_SHAPE = (3072, 576)
 _PROBE_ROWS = 16
 _PROBE_REPEATS = 7
+# A kernel's product of the probe may differ from a plain matmul's by float32 rounding in another
+# summation order (~1e-6 of its largest value); a broken op is off by order one.
+_PROBE_TOLERANCE = 1e-4
 # Passes of its rows after which a decoder packs. MKL's: packing SmolLM2's layers took ~0.5 s on the
 # Xeon, what ~60 passes of 16 rows save there. oneDNN's: ~0.23 s on the EPYC, what 3-4 passes save,
 # so a decoder packs when it is built and computes every pass with one kernel (the same request gives
@@ -105,15 +119,68 @@ class PackedWeight:
         return product
 
 
-@functools.cache
-def packing_plan() -> PackingPlan | None:
-    """This process's plan, measured on its first call; None without either kernel."""
-    available: dict[Kernel, bool] = {
-        "mkl": _MKL,
-        "onednn": _ONEDNN,
-        "panels": cpu_kernels.has_packed_linear(),
+@dataclass(frozen=True)
+class DecodingWeight:
+    """An (in, out) projection weight as the sampler's decoder multiplies by it: plainly, and once
+    packed (`packed_copy`) by the plan's packed kernel for the plan's rows."""
+
+    plain: torch.Tensor
+    packed: PackedWeight | None = None
+    packed_rows: range = range(0)
+
+    def packed_copy(self, plan: PackingPlan) -> DecodingWeight:
+        """This weight with its packed layout; itself where no packed kernel applies."""
+        if self.packed is not None:
+            return self
+        return DecodingWeight(self.plain, PackedWeight.of(self.plain.t(), plan.kernel), plan.rows)
+
+    def times(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight for x (tokens, in)."""
+        if self.packed is None or x.shape[0] not in self.packed_rows:
+            return x @ self.plain
+        return self.packed.times(x)
+
+
+def private_ops_present(namespaced: tuple[tuple[str, str], ...]) -> bool:
+    """Whether this torch build registers every (namespace, name) op of `namespaced`."""
+    return all(hasattr(getattr(torch.ops, space), name) for space, name in namespaced)
+
+
+def usable_kernels(panels: bool) -> list[Kernel]:
+    """The packed kernels this process has that multiply a probe weight as a plain matmul does: MKL's
+    and oneDNN's where this torch build has their ops and backends, the engine's panels with `panels`
+    (the CPU kernels loaded, on an AVX2 CPU)."""
+    present: dict[Kernel, bool] = {
+        "mkl": torch.backends.mkl.is_available() and private_ops_present(_PRIVATE_OPS["mkl"]),  # type: ignore[no-untyped-call]
+        "onednn": torch.backends.mkldnn.is_available() and private_ops_present(_PRIVATE_OPS["onednn"]),  # type: ignore[no-untyped-call]
+        "panels": panels,
     }
-    kernels = [kernel for kernel, present in available.items() if present]
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(64, 48, generator=generator)
+    x = torch.randn(5, 48, generator=generator)
+    expected = x @ weight.t()
+    return [kernel for kernel, there in present.items() if there and _multiplies(kernel, weight, x, expected)]
+
+
+def _multiplies(kernel: Kernel, weight: torch.Tensor, x: torch.Tensor, expected: torch.Tensor) -> bool:
+    try:
+        with torch.inference_mode():
+            packed = PackedWeight.of(weight, kernel)
+            assert packed is not None  # a float32 CPU weight
+            product = packed.times(x)
+    except (RuntimeError, TypeError, AttributeError, NotImplementedError) as err:
+        log.warning("packed kernel %s unusable with torch %s: %s", kernel, torch.__version__, err)
+        return False
+    bound = _PROBE_TOLERANCE * float(expected.abs().max())
+    if product.shape != expected.shape or float((product - expected).abs().max()) > bound:
+        log.warning("packed kernel %s gives wrong products with torch %s", kernel, torch.__version__)
+        return False
+    return True
+
+
+def packing_plan(panels: bool) -> PackingPlan | None:
+    """The fastest of `usable_kernels(panels)` here, measured on a probe weight; None without any."""
+    kernels = usable_kernels(panels)
     if not kernels:
         return None
     generator = torch.Generator().manual_seed(0)

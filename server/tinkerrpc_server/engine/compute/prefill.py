@@ -3,11 +3,10 @@ KV cache (one prompt per distinct prompt when prompts are shared), with the prom
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from tinkerrpc_server.engine.compute.feed import DecodeStats
+from tinkerrpc_server.engine.compute.forward_call import ForwardCall
 from tinkerrpc_server.engine.compute.kv_cache import DecodingRows, new_cache
 from tinkerrpc_server.engine.compute.rows import DecodingJob, Row
 
@@ -63,27 +62,25 @@ class Prefill:
     def done(self) -> bool:
         return self.last_logits is not None
 
-    def next_chunk(self) -> dict[str, Any]:
+    def next_chunk(self) -> ForwardCall:
         """The model call that prefills the next chunk of columns."""
         start, end = self.done_columns, self._chunk_end()
-        return {
-            "input_ids": self.input_ids[:, start:end],
-            "attention_mask": self.mask[:, :end],
-            "position_ids": self.positions[:, start:end],
-            "past_key_values": self.cache,
-            "use_cache": True,
-            "logits_to_keep": 0 if self.wants_logprobs else 1,
-        }
+        return ForwardCall(
+            self.input_ids[:, start:end],
+            self.mask[:, :end],
+            self.positions[:, start:end],
+            self.cache,
+            logits_to_keep=0 if self.wants_logprobs else 1,
+        )
 
-    def take_chunk(self, out: Any) -> None:
-        """Record what the `next_chunk` call returned."""
+    def take_chunk(self, logits: torch.Tensor) -> None:
+        """Record the logits the `next_chunk` call returned (its cache holds the chunk's keys and values)."""
         start, end, width = self.done_columns, self._chunk_end(), self.input_ids.shape[1]
-        self.cache = out.past_key_values
         if self.wants_logprobs:
-            self._record_prompt_logprobs(out.logits, start, end)
+            self._record_prompt_logprobs(logits, start, end)
         self.done_columns = end
         if end == width:
-            self.last_logits = out.logits[:, -1, :].float()
+            self.last_logits = logits[:, -1, :].float()
 
     def _chunk_end(self) -> int:
         return min(self.input_ids.shape[1], self.done_columns + self.columns_per_chunk)

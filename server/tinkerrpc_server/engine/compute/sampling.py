@@ -16,12 +16,13 @@ from peft import LoraConfig
 
 from tinkerrpc_server.engine.compute.decoder import FusedDecoder
 from tinkerrpc_server.engine.compute.errors import EngineUserError
+from tinkerrpc_server.engine.compute.execution_plan import ExecutionPlan, process_plan
 from tinkerrpc_server.engine.compute.feed import MappedFeed, RequestFeed
+from tinkerrpc_server.engine.compute.forward_call import SamplingModel, TransformersSampler
 from tinkerrpc_server.engine.compute.samples import SampleJob, SampleOutput
 from tinkerrpc_server.engine.compute.scheduler import (
     BatchPolicy,
     ModelContext,
-    SamplingModel,
     decode,
     generate,
 )
@@ -33,7 +34,7 @@ SAMPLER_CACHE_SIZE = 8
 
 class Sampling(StateIO):
     """Samples from the base model or from sampler weights, batched under `policy` unless a call says
-    otherwise."""
+    otherwise, on the engine's own decoder with the kernels of `plan` (None: the process's plan)."""
 
     def __init__(
         self,
@@ -41,9 +42,11 @@ class Sampling(StateIO):
         device: str | None = None,
         dtype: str | None = None,
         policy: BatchPolicy | None = None,
+        plan: ExecutionPlan | None = None,
     ) -> None:
         super().__init__(model_path, device, dtype)
         self.policy = policy or BatchPolicy()
+        self._plan = plan if plan is not None else process_plan()
         self._sampler_adapters: OrderedDict[str, str] = OrderedDict()  # weights key -> peft name
         # The decoder of the sampler weights sampled last: building its merged copy of the adapted
         # layers costs more than a short sample batch. Sampler adapters never change under their name;
@@ -103,7 +106,7 @@ class Sampling(StateIO):
                     yield decoder
                 return
             with self._active(peft_name) as model, torch.inference_mode():
-                yield model
+                yield TransformersSampler(model)
 
         return sampling_model
 
@@ -113,7 +116,7 @@ class Sampling(StateIO):
         if self._last_decoder is not None and self._last_decoder[0] == peft_name:
             return self._last_decoder[1]
         self._last_decoder = None  # its merged copy goes before the next one is built
-        decoder = FusedDecoder.build(self._decoder_weights, peft_name)
+        decoder = FusedDecoder.build(self._decoder_weights, peft_name, self._plan)
         self._last_decoder = (peft_name, decoder)
         return decoder
 

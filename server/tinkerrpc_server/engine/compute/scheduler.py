@@ -17,21 +17,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
 from tinkerrpc_server.engine.compute.feed import DecodeFeed, FixedRequests
+from tinkerrpc_server.engine.compute.forward_call import ForwardCall, SamplingModel
 from tinkerrpc_server.engine.compute.kv_cache import DecodingRows
 from tinkerrpc_server.engine.compute.prefill import Prefill
 from tinkerrpc_server.engine.compute.rows import DecodingJob, Row
 from tinkerrpc_server.engine.compute.samples import SampleJob, SampleOutput
 from tinkerrpc_server.engine.compute.token_choice import choose
 
-# A causal LM called as transformers calls one (input_ids, attention_mask, position_ids, past_key_values,
-# use_cache, logits_to_keep) whose output has .logits and .past_key_values: the transformers model itself
-# or the engine's own decoder (engine/compute/decoder.py).
-SamplingModel = Callable[..., Any]
+# The sampling model (the engine's own decoder or a transformers model, forward_call.py), made usable
+# for the span of its context.
 ModelContext = Callable[[], AbstractContextManager[SamplingModel]]
 
 JobT = TypeVar("JobT")
@@ -220,28 +219,30 @@ class DecodeBatch:
         """A decode step for the running rows and the next chunk of the prefill in progress: in one pass
         when the model runs several calls together (their tokens share the matmuls, which at a few dozen
         rows cost little more for more rows), else the chunk first, its rows joining at once."""
-        run_together = getattr(model, "forward_together", None)
-        if run_together is None or self.prefill is None or self.decoding is None:
+        if not model.runs_calls_together or self.prefill is None or self.decoding is None:
             if self.prefill is not None:
-                self._take_prefill_chunk(model(**self.prefill.next_chunk()))
+                (chunk_logits,) = model.forward([self.prefill.next_chunk()])
+                self._take_prefill_chunk(chunk_logits)
             if self.decoding is not None:
                 step = self._sample()
                 if step is not None:
-                    self._take_step(model(**step))
+                    (step_logits,) = model.forward([step])
+                    self._take_step(step_logits)
             return
         step = self._sample()
         if step is None:
-            self._take_prefill_chunk(model(**self.prefill.next_chunk()))
+            (chunk_logits,) = model.forward([self.prefill.next_chunk()])
+            self._take_prefill_chunk(chunk_logits)
             return
-        step_out, chunk_out = run_together([step, self.prefill.next_chunk()])
+        step_logits, chunk_logits = model.forward([step, self.prefill.next_chunk()])
         self.feed.stats.prefill_chunks_in_decode_steps += 1
-        self._take_step(step_out)
-        self._take_prefill_chunk(chunk_out)
+        self._take_step(step_logits)
+        self._take_prefill_chunk(chunk_logits)
 
-    def _take_prefill_chunk(self, out: Any) -> None:
-        """Record a prefill chunk's output; a finished prefill's rows join the decoding rows."""
+    def _take_prefill_chunk(self, logits: torch.Tensor) -> None:
+        """Record a prefill chunk's logits; a finished prefill's rows join the decoding rows."""
         assert self.prefill is not None
-        self.prefill.take_chunk(out)
+        self.prefill.take_chunk(logits)
         self.feed.stats.prefill_chunks += 1
         if not self.prefill.done:
             return
@@ -250,7 +251,7 @@ class DecodeBatch:
         if joined is not None:
             self.decoding = joined if self.decoding is None else self.decoding.merge(joined)
 
-    def _sample(self) -> dict[str, Any] | None:
+    def _sample(self) -> ForwardCall | None:
         """Sample one token for every row and answer the jobs that completed; the model call that
         gives the remaining rows their next logits (None when no row remains)."""
         batch = self.decoding
@@ -291,20 +292,13 @@ class DecodeBatch:
             self.feed.stats.shared_prompt_decode_steps += 1
         batch.mask = torch.cat([batch.mask, torch.ones_like(feed)], dim=-1)
         batch.last_positions = batch.last_positions + 1
-        return {
-            "input_ids": feed,
-            "attention_mask": batch.mask,
-            "position_ids": batch.last_positions,
-            "past_key_values": batch.cache,
-            "use_cache": True,
-        }
+        return ForwardCall(feed, batch.mask, batch.last_positions, batch.cache)
 
-    def _take_step(self, out: Any) -> None:
-        """Record the output of the `_sample` call: the rows' next logits."""
+    def _take_step(self, logits: torch.Tensor) -> None:
+        """Record the logits of the `_sample` call: the rows' next logits."""
         batch = self.decoding
         assert batch is not None
-        batch.cache = out.past_key_values
-        batch.next_logits = out.logits[:, -1, :].float()
+        batch.next_logits = logits[:, -1, :].float()
         stats = self.feed.stats
         stats.decode_steps += 1
         stats.decoded_rows += len(batch.rows)
