@@ -9,6 +9,7 @@ import runs the first time the function does.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 from pathlib import Path
 
@@ -69,6 +70,12 @@ class ImportGraph:
                     todo.append(imported)
         del chains[start]
         return chains
+
+
+@functools.cache
+def import_graph(*packages: str) -> ImportGraph:
+    """The graph of `packages`, read once per test process."""
+    return ImportGraph(*packages)
 
 
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
