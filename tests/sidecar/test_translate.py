@@ -299,11 +299,12 @@ def test_completion_prompts_accept_one_text_or_token_prompt() -> None:
 
 def test_split_by_tokens_aligns_content_with_token_texts() -> None:
     texts = ["<think>", "\n\n", "</think>", "\n\n", "Hel", "lo", "<|im_end|>"]
-    pieces = sample_output.split_by_tokens("Hello", texts, len(texts))
+    sample = make_sample(texts)
+    pieces = sample_output.split_by_tokens("Hello", sample)
     assert pieces == ["", "", "", "", "Hel", "lo", ""]
     # Content that is not a substring of the tokens' texts still joins back exactly.
-    assert "".join(sample_output.split_by_tokens("other", texts, len(texts))) == "other"
-    assert sample_output.split_by_tokens("", texts, len(texts)) == [""] * len(texts)
+    assert "".join(sample_output.split_by_tokens("other", sample)) == "other"
+    assert sample_output.split_by_tokens("", sample) == [""] * len(texts)
 
 
 def test_chat_completion_carries_rl_fields_and_openai_logprobs() -> None:

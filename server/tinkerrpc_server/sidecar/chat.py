@@ -222,8 +222,7 @@ def chat_stream_chunks(
     echo = chat_echo(request)
     parsed = [parse_chat_choice(s, args.stop, request, echo) for s in samples]
     pieces = [
-        split_by_tokens((p.content or "")[len(echo) :], s.token_texts, len(s.tokens))
-        for p, s in zip(parsed, samples, strict=True)
+        split_by_tokens((p.content or "")[len(echo) :], s) for p, s in zip(parsed, samples, strict=True)
     ]
     for index, sample in enumerate(samples):
         first = ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=echo))

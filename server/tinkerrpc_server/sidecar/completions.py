@@ -141,7 +141,7 @@ def completion_stream_chunks(
         return Completion(**head.fields(), choices=choices, **extra)
 
     texts = [completion_text(s, args.stop, request) for s in samples]
-    pieces = [split_by_tokens(t, s.token_texts, len(s.tokens)) for t, s in zip(texts, samples, strict=True)]
+    pieces = [split_by_tokens(t, s) for t, s in zip(texts, samples, strict=True)]
     echoes = [completion_echo(request, s) for s in samples]
     for index, echo in enumerate(echoes):
         if echo:

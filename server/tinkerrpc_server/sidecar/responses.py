@@ -228,7 +228,7 @@ def stream_events(final: ResponseObject, sample: Sample) -> Iterator[dict[str, A
             yield event(
                 "response.content_part.added", **where, content_index=0, part=_dump(OutputText(text=""))
             )
-            pieces = sample_output.split_by_tokens(part.text, sample.token_texts, len(sample.tokens))
+            pieces = sample_output.split_by_tokens(part.text, sample)
             for position, piece in enumerate(pieces):
                 if piece:
                     entries = part.logprobs[position : position + 1] if part.logprobs else []
