@@ -71,12 +71,29 @@ def enable_thinking(kwargs: dict[str, Any] | None) -> bool | None:
     return value
 
 
+def thinking_asked(request: ChatCompletionRequest) -> bool | None:
+    """Whether the request asks for thinking (None: the model's renderer as it is), from
+    chat_template_kwargs' enable_thinking or OpenAI's reasoning_effort. The renderers think or do
+    not, at one level: "none" asks for the thinking-disabled variant, any other effort for the
+    thinking one; the two fields may not disagree."""
+    from_kwargs = enable_thinking(request.chat_template_kwargs)
+    if request.reasoning_effort is None:
+        return from_kwargs
+    from_effort = request.reasoning_effort != "none"
+    if from_kwargs is not None and from_kwargs != from_effort:
+        raise bad_request(
+            f"reasoning_effort {request.reasoning_effort!r} asks for thinking "
+            f"{'on' if from_effort else 'off'}, chat_template_kwargs.enable_thinking for the opposite",
+            "reasoning_effort",
+        )
+    return from_effort
+
+
 def _check_unsupported_chat(request: ChatCompletionRequest) -> None:
     refused: list[tuple[str, bool]] = [
         ("audio", request.audio is not None),
         ("modalities", any(m != "text" for m in request.modalities or ())),
         ("prediction", request.prediction is not None),
-        ("reasoning_effort", request.reasoning_effort is not None),
         ("verbosity", request.verbosity is not None),
         ("web_search_options", request.web_search_options is not None),
         ("functions", request.functions is not None),
@@ -156,7 +173,7 @@ def chat_sample_args(request: ChatCompletionRequest, ref: ModelRef) -> SampleArg
     _check_unsupported_chat(request)
     max_tokens = request.max_completion_tokens or request.max_tokens or DEFAULT_CHAT_MAX_TOKENS
     top_logprobs = (request.top_logprobs or 0) if request.logprobs else 0
-    thinking = enable_thinking(request.chat_template_kwargs)
+    thinking = thinking_asked(request)
     tools = tool_options(
         [t.model_dump(exclude_none=True) for t in request.tools or ()],
         [t.function.name for t in request.tools or ()],
