@@ -76,6 +76,7 @@ def main(argv: list[str]) -> int:
         device=environment.engine_device,
         dtype=environment.engine_dtype,
         policy=GATHER_THEN_RUN,
+        kernels=environment.kernels,
     )
     return engine_main(config, lambda port: report_ready(args.report_fd, {"port": port}))
 

@@ -345,6 +345,7 @@ def _engine_config(args: argparse.Namespace, settings: Settings) -> EngineConfig
             session_timeout=args.session_timeout,
             device=args.device,
             dtype=args.dtype,
+            kernels=settings.kernels,
         )
     except EngineConfigError as err:
         return str(err)

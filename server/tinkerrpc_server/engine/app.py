@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 
 from tinkerrpc_server.engine import protocol
 from tinkerrpc_server.engine.auth import ApiKeyMiddleware
-from tinkerrpc_server.engine.compute.execution_plan import process_plan
+from tinkerrpc_server.engine.compute.execution_plan import choose_execution_plan
 from tinkerrpc_server.engine.config import EngineConfig
 from tinkerrpc_server.engine.core import Engine, NotFound
 from tinkerrpc_server.engine.routes import models, sampling, training, weights
@@ -109,9 +109,10 @@ def serve_engine(sock: socket.socket, config: EngineConfig, on_serving: Callable
     if config.torch_threads is None:
         config = replace(config, torch_threads=torch.get_num_threads())
     # Before serving: once the engine answers, clients can load the built-in models by name, and the
-    # first sample does not wait for the CPU kernels to build.
+    # first sample does not wait for the CPU kernels to build. The plan chosen here is the one every
+    # runtime of this process hands its decoders.
     in_passing_thread(lambda: prepare_builtin_models(config.model_dir))
-    process_plan()
+    choose_execution_plan(config.kernels)
     torch.set_num_threads(1)
     torch.get_num_threads()  # pins it for this thread (see ComputeWorker._loop)
     app = create_app(config)

@@ -7,12 +7,12 @@ Light imports only: the CLI builds and checks it before it imports torch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tinkerrpc_server.engine.auth import api_key_problem, is_loopback_host
-from tinkerrpc_server.settings import ENGINE_API_KEY_ENV, ENGINE_DTYPES
+from tinkerrpc_server.settings import ENGINE_API_KEY_ENV, ENGINE_DTYPES, KernelSettings
 
 if TYPE_CHECKING:
     from tinkerrpc_server.engine.compute.scheduler import BatchPolicy
@@ -61,6 +61,9 @@ class EngineConfig:
     # Seconds to wait for an engine that still owns the data dir to exit (a restarted child's predecessor
     # may still be unmapping a large model).
     ownership_patience: float = 0.0
+    # Whether the engine's CPU kernels may run and where their build is cached (the settings'): the
+    # engine chooses its execution plan from them when it starts (compute/execution_plan.py).
+    kernels: KernelSettings = field(default_factory=KernelSettings)
 
     def __post_init__(self) -> None:
         problem = self._problem()

@@ -61,6 +61,7 @@ def main(argv: list[str]) -> int:
             device=settings.engine_device,
             dtype=settings.engine_dtype,
             ownership_patience=_PREDECESSOR_EXIT_SECONDS,
+            kernels=settings.kernels,
         )
     except EngineConfigError as err:
         print(f"tinkerrpc engine: {err}", file=sys.stderr)

@@ -16,6 +16,7 @@ transformers).
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ import torch.nn.functional as F
 from tinkerrpc_server.engine.compute import cpu_kernels
 from tinkerrpc_server.engine.compute.packing import PackingPlan, packing_plan, private_ops_present
 from tinkerrpc_server.settings import KernelSettings
+
+log = logging.getLogger(__name__)
 
 # Rows of a decode step whose unembedding goes through oneDNN (see ExecutionPlan.unembed).
 ONEDNN_UNEMBEDDING_ROWS = range(8, 65)
@@ -97,6 +100,12 @@ def choose_execution_plan(settings: KernelSettings) -> ExecutionPlan:
                 onednn_unembedding=_onednn_unembedding_works(),
             )
             _chosen = (settings, plan)
+            log.info(
+                "execution plan: CPU kernels %s, packed kernel %s, oneDNN unembedding %s",
+                "on" if plan.cpu_kernels else "off",
+                plan.packing.kernel if plan.packing is not None else "none",
+                "on" if plan.onednn_unembedding else "off",
+            )
         chosen_settings, plan = _chosen
     if chosen_settings != settings:
         raise ValueError(f"this process's execution plan was chosen under {chosen_settings}, not {settings}")
