@@ -18,7 +18,7 @@ def _finish(table: FutureTable, request_id: str) -> None:
 
 
 def test_finished_requests_are_kept_up_to_the_bound_and_pending_ones_always() -> None:
-    table = FutureTable(keep_finished=3, always_kept=1)
+    table = FutureTable[str](len, keep_finished=3, always_kept=1)
     pending = [table.create()[0] for _ in range(5)]
     finished_in_order = []
     for _ in range(200):
@@ -40,7 +40,7 @@ def test_finished_requests_are_kept_up_to_the_bound_and_pending_ones_always() ->
 
 
 def test_a_request_rejected_before_queueing_is_answered_and_counts_as_finished() -> None:
-    table = FutureTable(keep_finished=1, always_kept=1)
+    table = FutureTable[str](len, keep_finished=1, always_kept=1)
     first = table.failed("bad input")
     future = table.get(first)
     assert future is not None and future.result() == FailedResult("bad input", "user")
@@ -50,7 +50,7 @@ def test_a_request_rejected_before_queueing_is_answered_and_counts_as_finished()
 
 
 def test_finished_outcomes_are_bounded_in_bytes_but_the_last_few_always_kept() -> None:
-    table = FutureTable(keep_finished=1000, keep_finished_bytes=100, always_kept=2)
+    table = FutureTable[str](len, keep_finished=1000, keep_finished_bytes=100, always_kept=2)
     small = []
     for index in range(10):
         request_id, future = table.create()

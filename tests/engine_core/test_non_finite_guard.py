@@ -11,8 +11,7 @@ import pytest
 import torch
 from tinker import types
 
-from tinkerrpc_server.engine.core import classify_error
-from tinkerrpc_server.engine.futures import FailedResult, JsonResult
+from tinkerrpc_server.engine.routes.common import outcome_response
 from tinkerrpc_server.engine.runtime import (
     NON_FINITE_UPDATE,
     BaseModelRuntime,
@@ -154,10 +153,10 @@ def test_a_first_step_that_overflows_leaves_no_optimizer_state(runtime: BaseMode
 
 def test_a_result_json_cannot_carry_fails_its_request() -> None:
     """A non-finite metric used to break retrieve_future's JSON encoding (HTTP 500, retried by the SDK
-    forever); now the operation fails where it runs, as a server error the SDK reports."""
-    assert JsonResult(types.OptimStepResponse(metrics={"grad_norm:mean": 1.5}))
-    with pytest.raises(ValueError, match="JSON cannot carry") as raised:
-        JsonResult(types.OptimStepResponse(metrics={"grad_norm:mean": float("nan")}))
-    outcome = classify_error(raised.value)
-    assert isinstance(outcome, FailedResult) and outcome.category == "server"
-    assert "OptimStepResponse holds a value JSON cannot carry" in outcome.message
+    forever); now the request fails as a server error the SDK reports."""
+    fine = outcome_response(types.OptimStepResponse(metrics={"grad_norm:mean": 1.5}))
+    assert types.OptimStepResponse.model_validate_json(fine.body).metrics == {"grad_norm:mean": 1.5}
+    poisoned = outcome_response(types.OptimStepResponse(metrics={"grad_norm:mean": float("nan")}))
+    failed = types.RequestFailedResponse.model_validate_json(poisoned.body)
+    assert failed.category == types.RequestErrorCategory("server")
+    assert "OptimStepResponse holds a value JSON cannot carry" in failed.error

@@ -22,34 +22,31 @@ nothing uses any more.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from tinker import types
 
 from tinkerrpc_server.engine import protocol
+from tinkerrpc_server.engine.answers import Answer, answer_size
 from tinkerrpc_server.engine.compute.feed import MappedFeed, RequestFeed
 from tinkerrpc_server.engine.compute.samples import SampleJob, SampleOutput
 from tinkerrpc_server.engine.config import EngineConfig
-from tinkerrpc_server.engine.futures import (
-    FailedResult,
-    FutureTable,
-    JsonResult,
-    Outcome,
-    ProtoResult,
-    RequestFuture,
-)
+from tinkerrpc_server.engine.futures import FailedResult, FutureTable, Outcome
 from tinkerrpc_server.engine.runtime import BaseModelRuntime, EngineUserError, LoraSpec
 from tinkerrpc_server.engine.runtimes import RuntimeRegistry
 from tinkerrpc_server.engine.sequenced import SequencedRequests
 from tinkerrpc_server.engine.sessions import (
     Sessions,
     sampling_session_prefix,
+    session_of,
     training_client_prefix,
 )
 from tinkerrpc_server.engine.snapshots import Sampler, SamplerLedger, UnnamedSnapshot
@@ -95,8 +92,8 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.storage = Storage(config.data_dir)
-        self.futures = FutureTable()
-        self.worker = ComputeWorker(classify_error, torch_threads=config.torch_threads)
+        self.futures = FutureTable[Answer](answer_size)
+        self.worker = ComputeWorker[SampleJob, Answer](classify_error, torch_threads=config.torch_threads)
         self.url_secret = secrets.token_bytes(32)  # signs external-weights file URLs
         self.sessions = Sessions(config.session_timeout)
         self.sequenced = SequencedRequests()
@@ -127,6 +124,26 @@ class Engine:
                 self._delete_snapshots(self.ledger.unused(time.monotonic()), "superseded and unused")
             except Exception:
                 log.exception("the engine's sweep failed")
+
+    # ---- requests ----
+
+    def failed_request(self, message: str) -> str:
+        """A request id whose outcome is already a user error (a request rejected before queueing)."""
+        return self.futures.failed(message)
+
+    async def outcome(
+        self, request_id: str, timeout: float, disconnected: Callable[[], Coroutine[Any, Any, None]]
+    ) -> Outcome[Answer] | None:
+        """A request's outcome, waiting up to `timeout` seconds (FutureTable.wait); NotFound for an id
+        this engine does not hold."""
+        try:
+            return await self.futures.wait(request_id, timeout, disconnected)
+        except KeyError as exc:
+            raise NotFound(f"unknown request id {request_id!r}") from exc
+
+    def stats(self) -> dict[str, int]:
+        """The compute worker's scheduling counters and the live training clients."""
+        return {**dataclasses.asdict(self.worker.stats), "live_models": self.runtimes.live_count()}
 
     # ---- sessions ----
 
@@ -164,9 +181,6 @@ class Engine:
     def is_live(self, model_id: str) -> bool:
         return self.runtimes.is_live(model_id)
 
-    def live_model_count(self) -> int:
-        return self.runtimes.live_count()
-
     def unload_model(self, model_id: str) -> None:
         """Free a training client's adapter and optimizer state; its checkpoints stay, but its unnamed
         sampler snapshot goes with it (compute thread)."""
@@ -178,9 +192,9 @@ class Engine:
     def queue_unload(self, model_id: str) -> str:
         """Unload a training client after everything already queued for it (its last operations run)."""
 
-        def work() -> Outcome:
+        def work() -> Answer:
             self.unload_model(model_id)
-            return JsonResult(types.UnloadModelResponse(model_id=model_id, type="unload_model"))
+            return types.UnloadModelResponse(model_id=model_id, type="unload_model")
 
         return self.submit_training(model_id, None, "unload_model", work)
 
@@ -238,8 +252,17 @@ class Engine:
         )
         self.runtimes.mark_live(model_id, base_model)
 
+    def submit_to_live_model(
+        self, model_id: str, seq_id: int | None, name: str, work: Callable[[], Answer]
+    ) -> str:
+        """Queue `work` in the live model's seq_id order. A request for a model this engine does not
+        hold fails as a future, like the work's own errors."""
+        if not self.is_live(model_id):
+            return self.failed_request(f"unknown model {model_id!r}")
+        return self.submit_training(model_id, seq_id, name, work)
+
     def submit_training(
-        self, model_id: str, seq_id: int | None, name: str, work: Callable[[], Outcome]
+        self, model_id: str, seq_id: int | None, name: str, work: Callable[[], Answer]
     ) -> str:
         """Queue a training client's operation; a repeat of a recent one is answered by it (see
         `resent_request`)."""
@@ -263,7 +286,7 @@ class Engine:
         """A request id that fails with `message` when `seq_id` comes up in the model's queue, so the
         model's later requests do not wait for a seq_id that a rejected request used."""
 
-        def reject() -> Outcome:
+        def reject() -> Answer:
             raise EngineUserError(message)
 
         return self.submit_training(model_id, seq_id, name, reject)
@@ -284,9 +307,7 @@ class Engine:
         `ttl_seconds` from now if set; an ephemeral one does not outlive this engine (compute thread)."""
         runtime = self.live_runtime(model_id)
         directory = self.storage.checkpoint_dir(model_id, kind, name)
-        if ttl_seconds is not None and ttl_seconds < 1:
-            raise EngineUserError(f"ttl_seconds must be at least 1, got {ttl_seconds}")
-        expires_at = time.time() + ttl_seconds if ttl_seconds is not None else None
+        expires_at = expiry(ttl_seconds)
         record = CheckpointRecord(model_id, kind, name, now_iso(), 0, metadata, expires_at, ephemeral)
         if self.storage.has_checkpoint(record.tinker_path) or directory.exists():
             if not overwrite:
@@ -308,6 +329,59 @@ class Engine:
         self._delete_snapshots(doomed, "past the cap of unnamed snapshots per training client")
         return record
 
+    def save_for_sampler(
+        self,
+        model_id: str,
+        name: str | None,
+        seq_id: int | None,
+        sampling_session_seq_id: int | None,
+        metadata: dict[str, str],
+        ttl_seconds: int | None,
+    ) -> tuple[CheckpointRecord, str | None]:
+        """save_weights_for_sampler (compute thread): with a name, a sampler checkpoint; without, an
+        unnamed snapshot and a new sampling session over it (its id second)."""
+        if name:
+            return self.save_checkpoint(model_id, "sampler", name, False, metadata, ttl_seconds), None
+        unnamed = f"sampler-{seq_id}-{secrets.token_hex(3)}"
+        record = self.save_unnamed_snapshot(model_id, unnamed, metadata, ttl_seconds)
+        session = sampling_session_prefix(session_of(model_id))
+        sampler_id = f"{session}{sampling_session_seq_id}:{secrets.token_hex(3)}"
+        self.ledger.add_sampler(replace(self._weights(record.tinker_path, None), sampler_id=sampler_id))
+        return record, sampler_id
+
+    def run(self, model_id: str) -> RunRecord:
+        """A training run this engine holds (UnknownPathError: none)."""
+        return self.storage.get_run(model_id)
+
+    def runs(self) -> list[RunRecord]:
+        return self.storage.list_runs()
+
+    def checkpoints(self, model_id: str) -> list[CheckpointRecord]:
+        """The unexpired checkpoints of a run, oldest first."""
+        return self.storage.list_checkpoints(model_id)
+
+    def run_of_checkpoint(self, tinker_path: str) -> RunRecord:
+        """The training run that saved the checkpoint at `tinker_path`."""
+        record, _ = self.storage.resolve(tinker_path)
+        return self.storage.get_run(record.model_id)
+
+    def external_weights(self, model_id: str, checkpoint_id: str) -> tuple[CheckpointRecord, Path]:
+        """An external_weights checkpoint and its directory (UnknownPathError: none at that id)."""
+        tinker_path = f"tinker://{model_id}/{checkpoint_id}"
+        record, directory = self.storage.resolve(tinker_path)
+        if record.kind != "external":
+            raise UnknownPathError(f"{tinker_path} is not an external_weights checkpoint")
+        return record, directory
+
+    def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> CheckpointRecord:
+        record = self.storage.delete_checkpoint(model_id, checkpoint_id)
+        log.info("deleted checkpoint %s", record.tinker_path)
+        return record
+
+    def set_checkpoint_ttl(self, model_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
+        """Expire a checkpoint `ttl_seconds` from now, or never (None)."""
+        self.storage.set_expiry(f"tinker://{model_id}/{checkpoint_id}", expiry(ttl_seconds))
+
     def _delete_snapshots(self, doomed: list[UnnamedSnapshot], why: str) -> None:
         for snapshot in doomed:
             with contextlib.suppress(UnknownPathError):  # its owner may have deleted it already
@@ -316,13 +390,13 @@ class Engine:
 
     # ---- sampling ----
 
-    def new_sampler(self, sampler_id: str, base_model: str, model_path: str | None) -> Sampler:
-        weights_dir = None
-        if model_path is not None:
-            _, weights_dir = self.storage.resolve(model_path)
-        sampler = Sampler(sampler_id, base_model, model_path, weights_dir)
+    def open_sampling_session(self, sampler_id: str, model_path: str | None, base_model: str | None) -> None:
+        """A sampling session over a checkpoint's weights or a base model (whose built-in model is then
+        built, an unknown one refused)."""
+        sampler = replace(self._weights(model_path, base_model), sampler_id=sampler_id)
+        if sampler.model_path is None:
+            self.resolve_model_dir(sampler.base_model)
         self.ledger.add_sampler(sampler)
-        return sampler
 
     def sampler(self, sampler_id: str) -> Sampler:
         sampler = self.ledger.sampler(sampler_id)
@@ -336,6 +410,10 @@ class Engine:
         """The sampling session a sample request names, or a one-off sampler for its weights."""
         if sampling_session_id is not None:
             return self.sampler(sampling_session_id)
+        return self._weights(model_path, base_model)
+
+    def _weights(self, model_path: str | None, base_model: str | None) -> Sampler:
+        """A sampler (of no sampling session) of a checkpoint's weights, else of `base_model`."""
         if model_path:
             record, weights_dir = self.storage.resolve(model_path)
             return Sampler("", self.storage.get_run(record.model_id).base_model, model_path, weights_dir)
@@ -343,7 +421,7 @@ class Engine:
             raise protocol.BadRequest("base_model is required")
         return Sampler("", base_model, None, None)
 
-    def run_sample_batch(self, sampler: Sampler, feed: RequestFeed[SampleJob, Outcome]) -> None:
+    def run_sample_batch(self, sampler: Sampler, feed: RequestFeed[SampleJob, Outcome[Answer]]) -> None:
         """Run the sample jobs `feed` brings for one sampler as one continuously batched decode
         (compute thread): each is answered as soon as it finishes, a bad one alone fails, and `feed`
         runs queued training between decode steps."""
@@ -354,17 +432,19 @@ class Engine:
         def job_of(key: int, job: SampleJob) -> SampleJob:
             return fill_max_tokens(job, runtime)
 
-        def outcome_of(key: int, result: SampleOutput | EngineUserError) -> Outcome:
+        def outcome_of(key: int, result: SampleOutput | EngineUserError) -> Outcome[Answer]:
             if isinstance(result, EngineUserError):
                 return FailedResult(str(result), "user")
-            return ProtoResult(protocol.encode_sample_output(result))
+            return result
 
         runtime.serve_samples(sampler.weights_dir, MappedFeed(feed, job_of, outcome_of))
 
-    def submit_sample(self, sampler: Sampler, job: SampleJob, future: RequestFuture) -> None:
-        """Queue one sample job; jobs for the same weights run in one continuously batched decode."""
+    def submit_sample(self, sampler: Sampler, job: SampleJob) -> str:
+        """Queue one sample job, its request id; jobs for the same weights run in one continuously
+        batched decode."""
+        request_id, future = self.futures.create()
 
-        def run_batch(feed: RequestFeed[SampleJob, Outcome]) -> None:
+        def run_batch(feed: RequestFeed[SampleJob, Outcome[Answer]]) -> None:
             self.run_sample_batch(sampler, feed)
 
         model_path = sampler.model_path
@@ -384,6 +464,16 @@ class Engine:
             job,
             future,
         )
+        return request_id
+
+
+def expiry(ttl_seconds: int | None) -> float | None:
+    """When a checkpoint given `ttl_seconds` expires (POSIX seconds), None for never."""
+    if ttl_seconds is None:
+        return None
+    if ttl_seconds < 1:
+        raise protocol.BadRequest(f"ttl_seconds must be at least 1, got {ttl_seconds}")
+    return time.time() + ttl_seconds
 
 
 def fill_max_tokens(job: SampleJob, runtime: BaseModelRuntime) -> SampleJob:

@@ -5,46 +5,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
-import json
 import threading
 import uuid
 from collections import deque
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
-from typing import Any, Literal
-
-import pydantic
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeAlias, TypeVar
 
 ErrorCategory = Literal["user", "server"]
-
-
-@dataclass
-class JsonResult:
-    payload: pydantic.BaseModel  # one of the SDK's response types, sent as JSON
-    size: int = field(init=False, default=0)  # bytes of its JSON
-
-    def __post_init__(self) -> None:
-        # Checked where the work runs: a value JSON cannot carry (NaN, infinity) fails the request, which
-        # the SDK reports, instead of an HTTP 500 from retrieve_future, which the SDK retries without end.
-        try:
-            self.size = len(json.dumps(self.payload.model_dump(mode="json"), allow_nan=False))
-        except ValueError as error:
-            raise UnencodableResultError(
-                f"{type(self.payload).__name__} holds a value JSON cannot carry ({error})"
-            ) from None
-
-
-class UnencodableResultError(ValueError):
-    """An operation's result holds a non-finite number; the request fails as a server error."""
-
-
-@dataclass
-class ProtoResult:
-    payload: bytes
-
-    @property
-    def size(self) -> int:
-        return len(self.payload)
 
 
 @dataclass
@@ -57,10 +25,13 @@ class FailedResult:
         return len(self.message)
 
 
-Outcome = JsonResult | ProtoResult | FailedResult
+AnswerT = TypeVar("AnswerT")
+# What a request's future holds once it has run: its answer (what it is, the engine's choice), or why it
+# failed.
+Outcome: TypeAlias = AnswerT | FailedResult
 
 
-class RequestFuture(concurrent.futures.Future[Outcome]):
+class RequestFuture(concurrent.futures.Future[Outcome[AnswerT]], Generic[AnswerT]):
     """A request's outcome, and whether its caller still waits for it.
 
     The SDK long-polls retrieve_future until the outcome is there; when the SDK call is cancelled (the
@@ -88,17 +59,23 @@ class RequestFuture(concurrent.futures.Future[Outcome]):
         return self._caller_left
 
 
-class FutureTable:
+class FutureTable(Generic[AnswerT]):
     """request id → outcome. Pending requests are kept until they finish; finished outcomes are kept, so
     a client that lost a poll response can ask again, for the requests that finished last: at most
-    `keep_finished` of them and `keep_finished_bytes` of their payloads (sample outcomes with top-k
-    prompt logprobs run to megabytes), but always the last `always_kept`."""
+    `keep_finished` of them and `keep_finished_bytes` of the memory they hold (`answer_size` of an
+    answer; sample outcomes with top-k prompt logprobs run to megabytes), but always the last
+    `always_kept`."""
 
     def __init__(
-        self, keep_finished: int = 4096, keep_finished_bytes: int = 256 * 2**20, always_kept: int = 64
+        self,
+        answer_size: Callable[[AnswerT], int],
+        keep_finished: int = 4096,
+        keep_finished_bytes: int = 256 * 2**20,
+        always_kept: int = 64,
     ) -> None:
+        self._answer_size = answer_size
         self._lock = threading.Lock()
-        self._futures: dict[str, RequestFuture] = {}
+        self._futures: dict[str, RequestFuture[AnswerT]] = {}
         # (request id, payload bytes) in the order they finished: creating a request forgets the oldest
         # beyond the bounds in O(1), not by scanning the thousands of futures it may keep.
         self._finished: deque[tuple[str, int]] = deque()
@@ -109,9 +86,9 @@ class FutureTable:
         self._counter = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:8]
 
-    def create(self) -> tuple[str, RequestFuture]:
+    def create(self) -> tuple[str, RequestFuture[AnswerT]]:
         request_id = f"req-{self._prefix}-{next(self._counter)}"
-        future = RequestFuture()
+        future: RequestFuture[AnswerT] = RequestFuture()
         with self._lock:
             self._futures[request_id] = future
             while len(self._finished) > self._always_kept and (
@@ -123,8 +100,9 @@ class FutureTable:
         future.add_done_callback(lambda done: self._record_finished(request_id, done))
         return request_id, future
 
-    def _record_finished(self, request_id: str, future: concurrent.futures.Future[Outcome]) -> None:
-        size = future.result().size
+    def _record_finished(self, request_id: str, future: concurrent.futures.Future[Outcome[AnswerT]]) -> None:
+        outcome = future.result()
+        size = outcome.size if isinstance(outcome, FailedResult) else self._answer_size(outcome)
         with self._lock:
             self._finished.append((request_id, size))
             self._finished_bytes += size
@@ -141,13 +119,13 @@ class FutureTable:
         future.set_result(FailedResult(message, category))
         return request_id
 
-    def get(self, request_id: str) -> RequestFuture | None:
+    def get(self, request_id: str) -> RequestFuture[AnswerT] | None:
         with self._lock:
             return self._futures.get(request_id)
 
     async def wait(
         self, request_id: str, timeout: float, disconnected: Callable[[], Coroutine[Any, Any, None]]
-    ) -> Outcome | None:
+    ) -> Outcome[AnswerT] | None:
         """The outcome, waiting up to `timeout` seconds or until `disconnected()` returns (the poll's
         client left); None while still pending.
 

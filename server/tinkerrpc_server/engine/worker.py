@@ -33,19 +33,19 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Generic, TypeAlias, TypeVar
 
 import torch
 
 from tinkerrpc_server.engine.compute.feed import DecodeStats, RequestFeed
-from tinkerrpc_server.engine.futures import FailedResult, Outcome, RequestFuture
+from tinkerrpc_server.engine.futures import AnswerT, FailedResult, Outcome, RequestFuture
 
 log = logging.getLogger("tinkerrpc.engine")
 
-TrainingWork = Callable[[], Outcome]
-# Runs one sample batch: takes the requests' payloads from the feed as they come, answers each one
-# through it, and runs the feed's other work between decode steps.
-BatchWork = Callable[[RequestFeed[Any, Outcome]], None]
+JobT = TypeVar("JobT")
+# Runs one sample batch: takes the requests' jobs from the feed as they come, answers each one through
+# it, and runs the feed's other work between decode steps.
+BatchWork: TypeAlias = Callable[[RequestFeed[JobT, Outcome[AnswerT]]], None]
 
 ABANDONED = (
     "dropped without running: its caller stopped waiting for the result (cancelled or past its deadline)"
@@ -53,35 +53,35 @@ ABANDONED = (
 
 
 @dataclass(order=True)
-class _TrainingOp:
+class _TrainingOp(Generic[AnswerT]):
     seq_id: int
     arrival: int
     enqueued_at: float = field(compare=False)
     name: str = field(compare=False)
-    work: TrainingWork = field(compare=False)
-    future: RequestFuture = field(compare=False)
+    work: Callable[[], AnswerT] = field(compare=False)
+    future: RequestFuture[AnswerT] = field(compare=False)
 
 
 @dataclass
-class _ModelQueue:
+class _ModelQueue(Generic[AnswerT]):
     next_seq: int = 0
-    pending: list[_TrainingOp] = field(default_factory=list)  # heap by seq_id
+    pending: list[_TrainingOp[AnswerT]] = field(default_factory=list)  # heap by seq_id
     # Requests without a seq_id are outside the client's numbering: they run in arrival order
     # and never take a seq_id a client may still send.
-    unsequenced: list[_TrainingOp] = field(default_factory=list)
+    unsequenced: list[_TrainingOp[AnswerT]] = field(default_factory=list)
 
 
 @dataclass
-class _PendingSample:
-    payload: Any
-    future: RequestFuture
+class _PendingSample(Generic[JobT, AnswerT]):
+    job: JobT
+    future: RequestFuture[AnswerT]
 
 
 @dataclass
-class _SampleGroup:
-    run_batch: BatchWork
+class _SampleGroup(Generic[JobT, AnswerT]):
+    run_batch: BatchWork[JobT, AnswerT]
     description: str
-    requests: list[_PendingSample] = field(default_factory=list)
+    requests: list[_PendingSample[JobT, AnswerT]] = field(default_factory=list)
     created: float = field(default_factory=time.monotonic)
 
 
@@ -104,7 +104,10 @@ class WorkerStats(DecodeStats):
     training_ops_between_decode_steps: int = 0
 
 
-class ComputeWorker:
+class ComputeWorker(Generic[JobT, AnswerT]):
+    """Runs training work (`Callable[[], AnswerT]`) and batches of sample jobs (`JobT`), answering each
+    request's future with its answer or a FailedResult (`classify_error` of what the work raised)."""
+
     def __init__(
         self,
         classify_error: Callable[[BaseException], FailedResult],
@@ -117,9 +120,9 @@ class ComputeWorker:
         self._torch_threads = torch_threads
         self._gap_timeout = gap_timeout
         self._cond = threading.Condition()
-        self._models: dict[str, _ModelQueue] = {}
+        self._models: dict[str, _ModelQueue[AnswerT]] = {}
         self._model_rotation: list[str] = []
-        self._samples: OrderedDict[Hashable, _SampleGroup] = OrderedDict()
+        self._samples: OrderedDict[Hashable, _SampleGroup[JobT, AnswerT]] = OrderedDict()
         self._arrivals = itertools.count()
         self._prefer_sampling = False
         self._stopping = False
@@ -134,14 +137,14 @@ class ComputeWorker:
         model_id: str,
         seq_id: int | None,
         name: str,
-        work: TrainingWork,
-        future: RequestFuture,
+        work: Callable[[], AnswerT],
+        future: RequestFuture[AnswerT],
     ) -> None:
         """Queue `work` for `model_id`; seq_id None runs after everything already queued for it."""
         with self._cond:
             queue = self._models.get(model_id)
             if queue is None:
-                queue = self._models[model_id] = _ModelQueue()
+                queue = self._models[model_id] = _ModelQueue[AnswerT]()
                 self._model_rotation.append(model_id)
             if seq_id is None:
                 queue.unsequenced.append(
@@ -161,16 +164,16 @@ class ComputeWorker:
         self,
         group_key: Hashable,
         description: str,
-        run_batch: BatchWork,
-        payload: Any,
-        future: RequestFuture,
+        run_batch: BatchWork[JobT, AnswerT],
+        job: JobT,
+        future: RequestFuture[AnswerT],
     ) -> None:
         """Queue one sample request; pending requests with the same group_key run as one batch."""
         with self._cond:
             group = self._samples.get(group_key)
             if group is None:
                 group = self._samples[group_key] = _SampleGroup(run_batch, description)
-            group.requests.append(_PendingSample(payload, future))
+            group.requests.append(_PendingSample(job, future))
             self._cond.notify()
 
     def stop(self) -> None:
@@ -181,7 +184,7 @@ class ComputeWorker:
 
     # ---- the compute thread ----
 
-    def _runnable_training_op(self, now: float) -> tuple[int, _TrainingOp | None, float | None]:
+    def _runnable_training_op(self, now: float) -> tuple[int, _TrainingOp[AnswerT] | None, float | None]:
         """The model (index in the rotation) whose training op may run next, round-robin, and that op;
         or the time until one may run."""
         wait: float | None = None
@@ -199,7 +202,7 @@ class ComputeWorker:
             wait = remaining if wait is None else min(wait, remaining)
         return -1, None, wait
 
-    def _next_training_op(self, now: float) -> tuple[_TrainingOp | None, float | None]:
+    def _next_training_op(self, now: float) -> tuple[_TrainingOp[AnswerT] | None, float | None]:
         """Take the next runnable training op (round-robin over models), or the time until one may run."""
         index, op, wait = self._runnable_training_op(now)
         if op is None:
@@ -226,8 +229,8 @@ class ComputeWorker:
             # this pins the count set above, whatever the process-wide one becomes.
             torch.get_num_threads()
         while True:
-            op: _TrainingOp | None = None
-            group: _SampleGroup | None = None
+            op: _TrainingOp[AnswerT] | None = None
+            group: _SampleGroup[JobT, AnswerT] | None = None
             group_key: Hashable = None
             with self._cond:
                 while not self._stopping:
@@ -260,7 +263,7 @@ class ComputeWorker:
             elif op is not None:
                 self._run_training_op(op)
 
-    def _run_training_op(self, op: _TrainingOp) -> None:
+    def _run_training_op(self, op: _TrainingOp[AnswerT]) -> None:
         seq = f"seq={op.seq_id}" if op.seq_id >= 0 else "unsequenced"
         if op.future.abandoned:
             self.stats.abandoned_training_ops += 1
@@ -268,6 +271,7 @@ class ComputeWorker:
             op.future.set_result(FailedResult(ABANDONED, "user"))
             return
         started = time.perf_counter()
+        outcome: Outcome[AnswerT]
         try:
             outcome = op.work()
         except BaseException as exc:
@@ -280,7 +284,7 @@ class ComputeWorker:
         log.info("%s %s %.1f ms %s", op.name, seq, elapsed_ms, status)
         op.future.set_result(outcome)
 
-    def _run_sample_group(self, group_key: Hashable, group: _SampleGroup) -> None:
+    def _run_sample_group(self, group_key: Hashable, group: _SampleGroup[JobT, AnswerT]) -> None:
         waiting = [r for r in group.requests if not r.future.abandoned]
         self._drop_abandoned_samples([r for r in group.requests if r.future.abandoned])
         if not waiting:
@@ -301,7 +305,7 @@ class ComputeWorker:
             session.failures,
         )
 
-    def _drop_abandoned_samples(self, requests: list[_PendingSample]) -> None:
+    def _drop_abandoned_samples(self, requests: list[_PendingSample[JobT, AnswerT]]) -> None:
         if requests:
             self.stats.abandoned_sample_requests += len(requests)
             log.info("sample: %d request(s) dropped, their callers stopped waiting", len(requests))
@@ -321,7 +325,7 @@ class ComputeWorker:
             self.stats.training_ops_between_decode_steps += 1
             self._run_training_op(op)
 
-    def take_joining_samples(self, group_key: Hashable) -> list[_PendingSample]:
+    def take_joining_samples(self, group_key: Hashable) -> list[_PendingSample[JobT, AnswerT]]:
         """Requests for a running batch's weights that arrived while it ran, unless requests for other
         weights have waited longer (they go first: the running batch then takes no one new)."""
         with self._cond:
@@ -330,16 +334,21 @@ class ComputeWorker:
             return self._samples.popitem(last=False)[1].requests
 
 
-class _SampleBatch:
-    """A running sample batch's view of the worker (a RequestFeed of payloads and outcomes): its
-    requests as they arrive, their answers, which of them were abandoned, and the training operations
-    waiting meanwhile."""
+class _SampleBatch(Generic[JobT, AnswerT]):
+    """A running sample batch's view of the worker (a RequestFeed of jobs and outcomes): its requests
+    as they arrive, their answers, which of them were abandoned, and the training operations waiting
+    meanwhile."""
 
-    def __init__(self, worker: ComputeWorker, group_key: Hashable, first: list[_PendingSample]) -> None:
+    def __init__(
+        self,
+        worker: ComputeWorker[JobT, AnswerT],
+        group_key: Hashable,
+        first: list[_PendingSample[JobT, AnswerT]],
+    ) -> None:
         self._worker = worker
         self._group_key = group_key
-        self._arrived: list[_PendingSample] = first
-        self._unanswered: dict[int, _PendingSample] = {}
+        self._arrived = first
+        self._unanswered: dict[int, _PendingSample[JobT, AnswerT]] = {}
         self._keys = itertools.count()
         self.taken = self.joined_later = self.failures = 0
 
@@ -347,7 +356,7 @@ class _SampleBatch:
     def stats(self) -> DecodeStats:
         return self._worker.stats
 
-    def joining(self) -> list[tuple[int, Any]]:
+    def joining(self) -> list[tuple[int, JobT]]:
         arrived = self._arrived or self._worker.take_joining_samples(self._group_key)
         self._arrived = []
         waiting = [r for r in arrived if not r.future.abandoned]
@@ -362,11 +371,11 @@ class _SampleBatch:
         for request in waiting:
             key = next(self._keys)
             self._unanswered[key] = request
-            taken.append((key, request.payload))
+            taken.append((key, request.job))
         stats.largest_sample_batch = max(stats.largest_sample_batch, len(self._unanswered))
         return taken
 
-    def deliver(self, key: int, outcome: Outcome) -> None:
+    def deliver(self, key: int, outcome: Outcome[AnswerT]) -> None:
         request = self._unanswered.pop(key, None)
         if request is None:
             return
@@ -387,7 +396,7 @@ class _SampleBatch:
     def run_other_work(self) -> None:
         self._worker.run_one_training_op()
 
-    def fail_unanswered(self, outcome: Outcome) -> None:
+    def fail_unanswered(self, outcome: FailedResult) -> None:
         """The batch failed: every request it took or was given and has not answered gets `outcome`."""
         failed = [*self._unanswered.values(), *self._arrived]
         self._unanswered.clear()

@@ -1,17 +1,26 @@
-"""What the route families share: the engine dependency, future answers, SDK views of stored records."""
+"""What the route families share: the engine dependency, future answers, the wire form of an outcome,
+SDK views of stored records."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
+from fastapi.responses import JSONResponse, Response
 from tinker import types
 
+from tinkerrpc_server.engine import protocol
+from tinkerrpc_server.engine.answers import Answer
+from tinkerrpc_server.engine.compute.samples import SampleOutput
 from tinkerrpc_server.engine.core import Engine
-from tinkerrpc_server.engine.futures import Outcome
+from tinkerrpc_server.engine.futures import FailedResult, Outcome
+from tinkerrpc_server.engine.runtime import ForwardResult
 from tinkerrpc_server.engine.storage import CheckpointRecord
+
+log = logging.getLogger("tinkerrpc.engine")
 
 
 async def _engine(request: Request) -> Engine:
@@ -28,13 +37,33 @@ def future(request_id: str, model_id: str | None = None) -> types.UntypedAPIFutu
 
 
 def model_operation(
-    engine: Engine, model_id: str, seq_id: int | None, name: str, work: Callable[[], Outcome]
+    engine: Engine, model_id: str, seq_id: int | None, name: str, work: Callable[[], Answer]
 ) -> types.UntypedAPIFuture:
-    """Queue `work` in the live model's seq_id order. A request for a model this engine does not hold
-    fails as a future, like the work's own errors."""
-    if not engine.is_live(model_id):
-        return future(engine.futures.failed(f"unknown model {model_id!r}"), model_id)
-    return future(engine.submit_training(model_id, seq_id, name, work), model_id)
+    """Queue `work` in the live model's seq_id order (Engine.submit_to_live_model)."""
+    return future(engine.submit_to_live_model(model_id, seq_id, name, work), model_id)
+
+
+def _failed(message: str, category: types.RequestErrorCategory) -> JSONResponse:
+    failed = types.RequestFailedResponse(error=message, category=category)
+    return JSONResponse(failed.model_dump(mode="json"))
+
+
+def outcome_response(outcome: Outcome[Answer]) -> Response:
+    """A finished request's outcome as the SDK reads it: sample and forward results as protobuf, every
+    other answer as its JSON, a failure as RequestFailedResponse."""
+    if isinstance(outcome, FailedResult):
+        return _failed(outcome.message, types.RequestErrorCategory(outcome.category))
+    if isinstance(outcome, SampleOutput):
+        return Response(protocol.encode_sample_output(outcome), media_type=protocol.PROTOBUF_CONTENT_TYPE)
+    if isinstance(outcome, ForwardResult):
+        return Response(protocol.encode_forward_result(outcome), media_type=protocol.PROTOBUF_CONTENT_TYPE)
+    try:
+        return JSONResponse(outcome.model_dump(mode="json"))
+    except ValueError as error:
+        # A non-finite number: answered as a failure the SDK reports, not an HTTP 500 it retries forever.
+        message = f"{type(outcome).__name__} holds a value JSON cannot carry ({error})"
+        log.error("a result cannot be sent: %s", message)
+        return _failed(message, types.RequestErrorCategory("server"))
 
 
 def str_metadata(value: Mapping[str, Any] | None) -> dict[str, str]:

@@ -5,7 +5,6 @@ Bodies the engine does not read (session creation, telemetry, client config) are
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import secrets
 from datetime import datetime
@@ -16,10 +15,15 @@ from starlette.concurrency import run_in_threadpool
 from tinker import types
 from tinker.types.try_again_response import TryAgainResponse
 
-from tinkerrpc_server.engine import protocol
+from tinkerrpc_server.engine.answers import Answer
 from tinkerrpc_server.engine.core import NotFound
-from tinkerrpc_server.engine.futures import FailedResult, JsonResult, Outcome, ProtoResult
-from tinkerrpc_server.engine.routes.common import EngineDep, future, sdk_checkpoint, str_metadata
+from tinkerrpc_server.engine.routes.common import (
+    EngineDep,
+    future,
+    outcome_response,
+    sdk_checkpoint,
+    str_metadata,
+)
 from tinkerrpc_server.engine.runtime import LoraSpec
 from tinkerrpc_server.engine.storage import CheckpointRecord, RunRecord, check_id
 
@@ -96,7 +100,7 @@ async def server_capabilities(engine: EngineDep) -> types.GetServerCapabilitiesR
 
 @router.get("/debug/stats")
 async def debug_stats(engine: EngineDep) -> dict[str, int]:
-    return {**dataclasses.asdict(engine.worker.stats), "live_models": engine.live_model_count()}
+    return engine.stats()
 
 
 # ---- futures ----
@@ -113,22 +117,11 @@ async def retrieve_future(
         while (await http_request.receive())["type"] != "http.disconnect":
             pass
 
-    try:
-        outcome: Outcome | None = await engine.futures.wait(request_id, LONG_POLL_SECONDS, disconnected)
-    except KeyError as exc:
-        raise NotFound(f"unknown request id {request_id!r}") from exc
+    outcome = await engine.outcome(request_id, LONG_POLL_SECONDS, disconnected)
     if outcome is None:
         pending = TryAgainResponse(request_id=request_id, queue_state="active")
         return JSONResponse(pending.model_dump(mode="json"))
-    if isinstance(outcome, ProtoResult):
-        return Response(outcome.payload, media_type=protocol.PROTOBUF_CONTENT_TYPE)
-    if isinstance(outcome, FailedResult):
-        failed = types.RequestFailedResponse(
-            error=outcome.message, category=types.RequestErrorCategory(outcome.category)
-        )
-        return JSONResponse(failed.model_dump(mode="json"))
-    assert isinstance(outcome, JsonResult)
-    return JSONResponse(outcome.payload.model_dump(mode="json"))
+    return outcome_response(outcome)
 
 
 # ---- training models ----
@@ -153,11 +146,11 @@ async def create_model(request: types.CreateModelRequest, engine: EngineDep) -> 
     if resent is not None:
         return future(resent, model_id)
     if engine.is_live(model_id):
-        return future(engine.futures.failed(f"model {model_id} already exists"), model_id)
+        return future(engine.failed_request(f"model {model_id} already exists"), model_id)
 
-    def work() -> Outcome:
+    def work() -> Answer:
         engine.create_model(model_id, base_model, spec, lora.seed, metadata)
-        return JsonResult(types.CreateModelResponse(model_id=model_id))
+        return types.CreateModelResponse(model_id=model_id)
 
     return future(engine.submit_training(model_id, 0, "create_model", work), model_id)
 
@@ -167,7 +160,7 @@ async def unload_model(request: types.UnloadModelRequest, engine: EngineDep) -> 
     """Free a training client's adapter and optimizer state (the service sends it when it drops one)."""
     model_id = request.model_id
     if not engine.is_live(model_id):
-        return future(engine.futures.failed(f"unknown model {model_id!r}"), model_id)
+        return future(engine.failed_request(f"unknown model {model_id!r}"), model_id)
     return future(engine.queue_unload(model_id), model_id)
 
 
@@ -176,7 +169,7 @@ async def get_info(request: types.GetInfoRequest, engine: EngineDep) -> types.Ge
     model_id = request.model_id
     if not engine.is_live(model_id):
         raise NotFound(f"unknown model {model_id!r}")
-    run = engine.storage.get_run(model_id)
+    run = engine.run(model_id)
     path = await run_in_threadpool(engine.resolve_model_dir, run.base_model)
     return types.GetInfoResponse(
         type="get_info",
@@ -211,11 +204,10 @@ def _training_run(run: RunRecord, checkpoints: list[CheckpointRecord]) -> types.
 async def list_training_runs(
     engine: EngineDep, limit: int = 20, offset: int = 0
 ) -> types.TrainingRunsResponse:
-    runs = engine.storage.list_runs()
+    runs = engine.runs()
     return types.TrainingRunsResponse(
         training_runs=[
-            _training_run(r, engine.storage.list_checkpoints(r.model_id))
-            for r in runs[offset : offset + limit]
+            _training_run(r, engine.checkpoints(r.model_id)) for r in runs[offset : offset + limit]
         ],
         cursor=types.Cursor(offset=offset, limit=limit, total_count=len(runs)),
     )
@@ -223,5 +215,4 @@ async def list_training_runs(
 
 @router.get("/training_runs/{model_id}")
 async def get_training_run(model_id: str, engine: EngineDep) -> types.TrainingRun:
-    run = engine.storage.get_run(model_id)
-    return _training_run(run, engine.storage.list_checkpoints(model_id))
+    return _training_run(engine.run(model_id), engine.checkpoints(model_id))

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from tinker import types
 
 from tinkerrpc_server.engine import protocol
-from tinkerrpc_server.engine.futures import JsonResult, Outcome, ProtoResult
+from tinkerrpc_server.engine.answers import Answer
 from tinkerrpc_server.engine.routes.common import EngineDep, model_operation
 from tinkerrpc_server.engine.runtime import EngineUserError
 
@@ -22,11 +22,10 @@ async def forward_backward(request: Request, engine: EngineDep) -> types.Untyped
     raw = protocol.decode_body(await request.body(), request.headers.get("content-encoding"))
     call = protocol.parse_forward_backward(raw)
 
-    def work() -> Outcome:
-        result = engine.live_runtime(call.model_id).forward_backward(
+    def work() -> Answer:
+        return engine.live_runtime(call.model_id).forward_backward(
             call.model_id, call.data, call.loss_fn, call.loss_fn_config, backward=not call.forward_only
         )
-        return ProtoResult(protocol.encode_forward_result(result))
 
     name = "forward" if call.forward_only else f"forward_backward[{call.loss_fn}]"
     return model_operation(engine, call.model_id, call.seq_id, name, work)
@@ -37,7 +36,7 @@ async def optim_step(request: types.OptimStepRequest, engine: EngineDep) -> type
     model_id = request.model_id
     adam = request.optim_params
 
-    def work() -> Outcome:
+    def work() -> Answer:
         if not isinstance(adam, types.AdamParams):
             raise EngineUserError("optim_step needs adam_params (the only optimizer this engine runs)")
         metrics = engine.live_runtime(model_id).optim_step(
@@ -49,6 +48,6 @@ async def optim_step(request: types.OptimStepRequest, engine: EngineDep) -> type
             weight_decay=adam.weight_decay,
             grad_clip_norm=adam.grad_clip_norm,
         )
-        return JsonResult(types.OptimStepResponse(metrics=metrics))
+        return types.OptimStepResponse(metrics=metrics)
 
     return model_operation(engine, model_id, request.seq_id, "optim_step", work)

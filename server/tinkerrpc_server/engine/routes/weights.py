@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from tinker import types
 
 from tinkerrpc_server.engine import protocol
-from tinkerrpc_server.engine.futures import JsonResult, Outcome
+from tinkerrpc_server.engine.answers import Answer
 from tinkerrpc_server.engine.routes.common import (
     EngineDep,
     future,
@@ -30,13 +30,7 @@ from tinkerrpc_server.engine.routes.common import (
 )
 from tinkerrpc_server.engine.runtime import EngineUserError
 from tinkerrpc_server.engine.signed_urls import EXTERNAL_URL_TTL_SECONDS, check_file_signature, sign_file
-from tinkerrpc_server.engine.storage import (
-    UnknownPathError,
-    check_id,
-    check_relative_path,
-    file_inside,
-    regular_files,
-)
+from tinkerrpc_server.engine.storage import check_id, check_relative_path, file_inside, regular_files
 
 log = logging.getLogger("tinkerrpc.engine")
 router = APIRouter(prefix="/api/v1")
@@ -49,7 +43,7 @@ async def save_weights(request: types.SaveWeightsRequest, engine: EngineDep) -> 
     model_id = request.model_id
     name = request.path or f"state-{request.seq_id or secrets.token_hex(4)}"
 
-    def work() -> Outcome:
+    def work() -> Answer:
         record = engine.save_checkpoint(
             model_id,
             "training",
@@ -58,7 +52,7 @@ async def save_weights(request: types.SaveWeightsRequest, engine: EngineDep) -> 
             str_metadata(request.user_metadata),
             request.ttl_seconds,
         )
-        return JsonResult(types.SaveWeightsResponse(path=record.tinker_path, type="save_weights"))
+        return types.SaveWeightsResponse(path=record.tinker_path, type="save_weights")
 
     return model_operation(engine, model_id, request.seq_id, "save_weights", work)
 
@@ -69,31 +63,18 @@ async def save_weights_for_sampler(
 ) -> types.UntypedAPIFuture:
     model_id = request.model_id
 
-    def work() -> Outcome:
-        metadata = str_metadata(request.user_metadata)
-        if request.path:
-            record = engine.save_checkpoint(
-                model_id, "sampler", request.path, False, metadata, request.ttl_seconds
-            )
-        else:
-            name = f"sampler-{request.seq_id}-{secrets.token_hex(3)}"
-            record = engine.save_unnamed_snapshot(model_id, name, metadata, request.ttl_seconds)
-        sampling_session_id = None
-        if not request.path:
-            # The no-name variant hands back a sampling session over the weights just saved.
-            session = model_id.split(":train:")[0]
-            sampler = engine.new_sampler(
-                f"{session}:sample:{request.sampling_session_seq_id}:{secrets.token_hex(3)}",
-                engine.storage.get_run(model_id).base_model,
-                record.tinker_path,
-            )
-            sampling_session_id = sampler.sampler_id
-        return JsonResult(
-            types.SaveWeightsForSamplerResponseInternal(
-                path=record.tinker_path,
-                sampling_session_id=sampling_session_id,
-                type="save_weights_for_sampler",
-            )
+    def work() -> Answer:
+        # The no-name variant hands back a sampling session over the weights just saved.
+        record, sampling_session_id = engine.save_for_sampler(
+            model_id,
+            request.path,
+            request.seq_id,
+            request.sampling_session_seq_id,
+            str_metadata(request.user_metadata),
+            request.ttl_seconds,
+        )
+        return types.SaveWeightsForSamplerResponseInternal(
+            path=record.tinker_path, sampling_session_id=sampling_session_id, type="save_weights_for_sampler"
         )
 
     return model_operation(engine, model_id, request.seq_id, "save_weights_for_sampler", work)
@@ -105,7 +86,7 @@ async def save_weights_external(
 ) -> types.UntypedAPIFuture:
     model_id = request.model_id
 
-    def work() -> Outcome:
+    def work() -> Answer:
         # Checked here, in seq order, so a rejected request still takes its turn in the model's queue.
         if request.age_encryption_recipients:
             raise EngineUserError(
@@ -113,10 +94,8 @@ async def save_weights_external(
                 "engine (its exports never leave this machine); export without recipients"
             )
         record = engine.save_checkpoint(model_id, "external", request.path, False, {}, request.ttl_seconds)
-        return JsonResult(
-            types.SaveWeightsExternalResponseInternal(
-                path=record.tinker_path, size_bytes=record.size_bytes, type="save_weights_external"
-            )
+        return types.SaveWeightsExternalResponseInternal(
+            path=record.tinker_path, size_bytes=record.size_bytes, type="save_weights_external"
         )
 
     return model_operation(engine, model_id, request.seq_id, "save_weights_external", work)
@@ -124,13 +103,11 @@ async def save_weights_external(
 
 @router.post("/load_weights")
 async def load_weights(request: types.LoadWeightsRequest, engine: EngineDep) -> types.UntypedAPIFuture:
-    def load_into(model_id: str) -> Callable[[], Outcome]:
-        def work() -> Outcome:
+    def load_into(model_id: str) -> Callable[[], Answer]:
+        def work() -> Answer:
             metadata = str_metadata(request.user_metadata)
             engine.load_weights(model_id, request.path, request.base_model, request.optimizer, metadata)
-            return JsonResult(
-                types.LoadWeightsResponse(path=request.path, model_id=model_id, type="load_weights")
-            )
+            return types.LoadWeightsResponse(path=request.path, model_id=model_id, type="load_weights")
 
         return work
 
@@ -140,16 +117,17 @@ async def load_weights(request: types.LoadWeightsRequest, engine: EngineDep) -> 
         )
     if request.session_id is None or request.model_seq_id is None:
         raise protocol.BadRequest("load_weights needs model_id, or session_id and model_seq_id")
-    # Create-via-load: the load is the new model's first request.
+    # Create-via-load: the load is the new model's first request, made in an open session like
+    # create_model (a finished session's models are never freed).
     check_id("session_id", request.session_id)
+    engine.require_open_session(request.session_id)
     model_id = check_id("model_id", f"{request.session_id}:train:{request.model_seq_id}")
     return future(engine.submit_training(model_id, 0, "load_weights", load_into(model_id)), model_id)
 
 
 @router.post("/weights_info")
 async def weights_info(request: protocol.WeightsInfoRequest, engine: EngineDep) -> types.WeightsInfoResponse:
-    record, _ = engine.storage.resolve(request.tinker_path)
-    run = engine.storage.get_run(record.model_id)
+    run = engine.run_of_checkpoint(request.tinker_path)
     return types.WeightsInfoResponse(
         base_model=run.base_model,
         is_lora=True,
@@ -165,16 +143,15 @@ async def weights_info(request: protocol.WeightsInfoRequest, engine: EngineDep) 
 
 @router.get("/training_runs/{model_id}/checkpoints")
 async def list_checkpoints(model_id: str, engine: EngineDep) -> types.CheckpointsListResponse:
-    engine.storage.get_run(model_id)
+    engine.run(model_id)
     return types.CheckpointsListResponse(
-        checkpoints=[sdk_checkpoint(c) for c in engine.storage.list_checkpoints(model_id)]
+        checkpoints=[sdk_checkpoint(c) for c in engine.checkpoints(model_id)]
     )
 
 
 @router.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
 async def delete_checkpoint(model_id: str, checkpoint_id: str, engine: EngineDep) -> dict[str, str]:
-    record = await run_in_threadpool(engine.storage.delete_checkpoint, model_id, checkpoint_id)
-    log.info("deleted checkpoint %s", record.tinker_path)
+    await run_in_threadpool(engine.delete_checkpoint, model_id, checkpoint_id)
     return {}
 
 
@@ -183,11 +160,7 @@ async def set_checkpoint_ttl(
     model_id: str, checkpoint_id: str, request: protocol.CheckpointTtlRequest, engine: EngineDep
 ) -> dict[str, str]:
     """The SDK's set_checkpoint_ttl_from_tinker_path: expire `ttl_seconds` from now, or never (None)."""
-    ttl = request.ttl_seconds
-    if ttl is not None and ttl < 1:
-        raise protocol.BadRequest(f"ttl_seconds must be at least 1, got {ttl}")
-    expires_at = time.time() + ttl if ttl is not None else None
-    engine.storage.set_expiry(f"tinker://{model_id}/{checkpoint_id}", expires_at)
+    engine.set_checkpoint_ttl(model_id, checkpoint_id, request.ttl_seconds)
     return {}
 
 
@@ -195,7 +168,7 @@ async def set_checkpoint_ttl(
 async def list_all_checkpoints(
     engine: EngineDep, limit: int = 100, offset: int = 0
 ) -> types.CheckpointsListResponse:
-    everything = [c for r in engine.storage.list_runs() for c in engine.storage.list_checkpoints(r.model_id)]
+    everything = [c for r in engine.runs() for c in engine.checkpoints(r.model_id)]
     return types.CheckpointsListResponse(
         checkpoints=[sdk_checkpoint(c) for c in everything[offset : offset + limit]],
         cursor=types.Cursor(offset=offset, limit=limit, total_count=len(everything)),
@@ -210,10 +183,7 @@ async def list_all_checkpoints(
 async def external_weights_urls(
     model_id: str, checkpoint_id: str, request: Request, engine: EngineDep
 ) -> types.ExternalWeightsUrlsResponse:
-    tinker_path = f"tinker://{model_id}/{checkpoint_id}"
-    record, directory = engine.storage.resolve(tinker_path)
-    if record.kind != "external":
-        raise UnknownPathError(f"{tinker_path} is not an external_weights checkpoint")
+    record, directory = engine.external_weights(model_id, checkpoint_id)
     files = await run_in_threadpool(regular_files, directory)
     expires = int(time.time()) + EXTERNAL_URL_TTL_SECONDS
     base = f"{str(request.base_url).rstrip('/')}/api/v1/external_weights_files"
@@ -232,6 +202,6 @@ async def external_weights_file(
 ) -> FileResponse:
     check_relative_path(file)  # 404 for '..', absolute paths and the like, before anything else
     check_file_signature(engine.url_secret, model_id, name, file, expires, signature, time.time())
-    _, directory = engine.storage.resolve(f"tinker://{model_id}/external_weights/{name}")
+    _, directory = engine.external_weights(model_id, f"external_weights/{name}")
     path = await run_in_threadpool(file_inside, directory, file)
     return FileResponse(path, media_type="application/octet-stream")
