@@ -6,6 +6,8 @@ falls back."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,9 +27,11 @@ from decoder_parity import (
 from peft import LoraConfig
 
 from tinkerrpc_server.engine.compute.decoder import FusedDecoder, FusedTrainingForward
-from tinkerrpc_server.engine.compute.forward_call import ForwardCall
+from tinkerrpc_server.engine.compute.forward_call import ForwardCall, SamplingModel, TransformersSampler
 from tinkerrpc_server.engine.compute.kv_cache import new_cache
 from tinkerrpc_server.engine.compute.packing import PACKED_ROWS, DecodingWeight, PackingPlan
+from tinkerrpc_server.engine.compute.samples import SampleJob
+from tinkerrpc_server.engine.compute.scheduler import generate
 from tinkerrpc_server.engine.runtime import SAMPLER_CACHE_SIZE, BaseModelRuntime, LoraSpec
 
 pytestmark = pytest.mark.unit
@@ -78,6 +82,27 @@ def test_fused_weights_are_the_modules_weights(runtime: BaseModelRuntime) -> Non
 def test_sampling_runs_on_the_decoder(runtime: BaseModelRuntime, sampler_dir: Path) -> None:
     with runtime._sampling_model(sampler_dir)() as model:
         assert isinstance(model, FusedDecoder)
+
+
+def test_sampling_through_transformers_gives_the_decoders_greedy_tokens(
+    runtime: BaseModelRuntime, sampler_dir: Path
+) -> None:
+    """What the decoder cannot express samples through transformers + PEFT (TransformersSampler: one model
+    call per ForwardCall, its cache extended in place): the same greedy tokens as the decoder's."""
+    peft_name = runtime._sampler_adapter(sampler_dir)
+    jobs = [SampleJob(prompt, 2, 8, temperature=0.0, stop_token_ids=[]) for prompt in PROMPTS]
+
+    @contextmanager
+    def on_transformers() -> Iterator[SamplingModel]:
+        with runtime._active(peft_name) as model, torch.inference_mode():
+            yield TransformersSampler(model)
+
+    theirs = generate(on_transformers, jobs, runtime.tokenizer, runtime.device, runtime.policy)
+    ours = runtime.sample(sampler_dir, jobs)
+    assert [[s.tokens for s in out.sequences] for out in theirs] == [
+        [s.tokens for s in out.sequences] for out in ours
+    ]
+    assert all(len(s.tokens) == 8 for out in theirs for s in out.sequences)
 
 
 def test_an_adapter_it_cannot_express_falls_back(runtime: BaseModelRuntime, sampler_dir: Path) -> None:

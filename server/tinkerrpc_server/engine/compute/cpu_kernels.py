@@ -101,8 +101,8 @@ def load(settings: KernelSettings) -> bool:
 
 
 def has_packed_linear() -> bool:
-    """Whether the loaded kernels hold the panel matmul (`pack_linear_weight`, `packed_linear`): AVX2
-    builds."""
+    """Whether the kernels, once loaded, hold the panel matmul (`pack_linear_weight`, `packed_linear`):
+    their builds for AVX2 CPUs."""
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
