@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tinkerrpc_server.sidecar.errors import OpenAIError
-from tinkerrpc_server.sidecar.runs.routes import MAX_VERSION, resume_version
+from tinkerrpc_server.sidecar.runs.routes import MAX_VERSION, _flag, resume_version
 
 pytestmark = pytest.mark.unit
 
@@ -65,3 +65,14 @@ def test_anything_else_is_a_400_naming_the_field(
     assert (error.status, error.param, error.error_type) == (400, field, "invalid_request_error")
     assert error.message.startswith(f"{field} must be ") and shown in error.message
     assert len(error.message) < 200, "a huge value is not echoed whole"
+
+
+def test_the_state_routes_steps_flag_is_true_or_false() -> None:
+    assert [_flag(text, "steps") for text in ("true", "TRUE", "1", "false", "False", "0")] == [True] * 3 + [
+        False
+    ] * 3
+    for bad in ("", "maybe", "yes", "2", "x" * 5000):
+        with pytest.raises(OpenAIError) as refused:
+            _flag(bad, "steps")
+        assert (refused.value.status, refused.value.param) == (400, "steps")
+        assert len(refused.value.message) < 200

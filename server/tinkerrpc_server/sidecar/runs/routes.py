@@ -45,6 +45,7 @@ KEEPALIVE_SECONDS = 15.0
 MAX_VERSION = 2**63 - 1
 # A version as the event stream's parameters spell it: ASCII digits, no sign, at most int64's 19.
 _VERSION_TEXT = re.compile(r"[0-9]{1,19}")
+_FLAGS = {"true": True, "1": True, "false": False, "0": False}
 # How much of a refused value an error message repeats.
 _SHOWN_CHARS = 40
 
@@ -131,6 +132,14 @@ def _version(text: str, field: str, highest: int, meaning: str) -> int:
             f"{field} must be {meaning}: a whole number from 0 to {highest}, not {_shown(text)}",
             param=field,
         )
+    return value
+
+
+def _flag(text: str, field: str) -> bool:
+    """A query flag: true or false (1 or 0); a 400 naming `field` otherwise."""
+    value = _FLAGS.get(text.lower())
+    if value is None:
+        raise OpenAIError(400, f"{field} must be true or false, not {_shown(text)}", param=field)
     return value
 
 
@@ -267,13 +276,14 @@ def create_router(client: Callable[[], AsyncClient], api_key: str | None) -> API
             )
 
     @router.get("/runs/{name}/state", response_model=None)
-    async def run_state(request: Request, name: str, steps: bool = True) -> Response:
+    async def run_state(request: Request, name: str, steps: str = "true") -> Response:
         """The model, its checkpoints and (unless steps=false) its whole history."""
         refuse_without_key(request)
+        with_steps = _flag(steps, "steps")
         try:
             info = await client().get_model(name)
             checkpoints = await client().model(name).checkpoints()
-            history_steps = await history(name) if steps else []
+            history_steps = await history(name) if with_steps else []
         except NotFoundError:
             raise OpenAIError(404, f"no model named {_shown(name)}", code="not_found") from None
         except RPCError as error:
