@@ -5,23 +5,21 @@ serve then opens a new session and re-creates its clients; meanwhile calls are a
 (retryable), never INVALID_ARGUMENT, and gRPC health says NOT_SERVING until the new session is open.
 
 The backend is a separately started `tinkerrpc engine` with a short session timeout, used as serve uses
-Tinker itself (--tinker-url and its key), so the test holds the key that finishes sessions."""
+Tinker itself (--tinker-url and its key), so the test holds the key that finishes sessions
+(session_support.py)."""
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import threading
-import time
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from session_support import SESSION_TIMEOUT, finish_session, sessions, until_served
 from svc import (
     CALL_TIMEOUT,
     Server,
@@ -38,10 +36,6 @@ from tinkerrpc_server.local.stack import LocalEngine
 pytestmark = pytest.mark.process
 
 MODEL = "sessions"
-# The engine's shortest session timeout (the CLI takes more than the SDK's 10 s heartbeat).
-SESSION_TIMEOUT = 11.0
-# How long serve may take to notice a finished session and open a new one: its check runs every 5 s.
-RECOVERY_SECONDS = 30.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -72,20 +66,6 @@ def server(
     assert running.close() == 0, running.proc.log()[-3000:]
 
 
-def sessions(engine: LocalEngine) -> list[str]:
-    """The sessions the engine opened, in order (its log names each)."""
-    return re.findall(r"session (s[0-9a-f]+) created", engine.log())
-
-
-def finish_session(engine: LocalEngine, session: str) -> None:
-    """What anyone holding the engine's key can do: the Tinker API's finish-session route."""
-    request = urllib.request.Request(
-        f"{engine.base_url}/api/v1/sessions/{session}/finish", data=b"", headers=engine.auth_headers
-    )
-    with urllib.request.urlopen(request, timeout=30) as response:
-        assert response.status == 200
-
-
 class HealthWatch:
     """Every status gRPC health's Watch stream reports for the server, from now on."""
 
@@ -106,22 +86,6 @@ class HealthWatch:
     def close(self) -> None:
         self._stream.cancel()
         self._reader.join(10)
-
-
-def until_served(call: Callable[[], Any], what: str) -> tuple[Any, list[grpc.StatusCode]]:
-    """`call`'s answer once it succeeds (within RECOVERY_SECONDS), and the codes it failed with before;
-    every failure must be UNAVAILABLE: the session is the server's problem, never the caller's."""
-    failures: list[grpc.StatusCode] = []
-    deadline = time.monotonic() + RECOVERY_SECONDS
-    while True:
-        try:
-            return call(), failures
-        except grpc.RpcError as err:
-            assert err.code() == grpc.StatusCode.UNAVAILABLE, f"{what}: {err.code()}: {err.details()}"
-            assert "retry" in (err.details() or ""), err.details()
-            failures.append(err.code())
-        assert time.monotonic() < deadline, f"{what} still failing after {RECOVERY_SECONDS} s: {failures}"
-        time.sleep(0.2)
 
 
 def _serves_again(server: Server, engine: LocalEngine, opened_before: int) -> int:
@@ -177,3 +141,29 @@ def test_a_session_that_timed_out_while_serve_was_stopped_is_replaced(
     assert timed_out, "the engine finishes a session silent for its timeout"
     at_version = _serves_again(server, engine, len(opened))
     assert prompt_logprobs(server.stub, MODEL, probe, version=at_version) == pytest.approx(before, abs=1e-6)
+
+
+def test_nothing_made_after_the_session_finished_stays_on_the_engine(
+    server: Server, engine: LocalEngine
+) -> None:
+    """A restore right after the session finished makes a training client: not in the finished session
+    (the engine refuses a finished session's load_weights as its create_model; serve also finishes the
+    old session again when it lets its clients go), so nothing is left on the engine."""
+    server.stub.SaveCheckpoint(pb.SaveCheckpointRequest(model=MODEL, name="mark"), timeout=CALL_TIMEOUT)
+    finished = sessions(engine)[-1]
+    finish_session(engine, finished)
+    restored, _ = until_served(
+        lambda: server.stub.RestoreCheckpoint(
+            pb.RestoreCheckpointRequest(model=MODEL, checkpoint="mark"), timeout=CALL_TIMEOUT
+        ),
+        "RestoreCheckpoint",
+    )
+    assert poll_until(lambda: sessions(engine)[-1] != finished, 30), "serve opens a new session"
+    # The new session's training client goes with it; then no model is left on the engine.
+    opened = len(sessions(engine))
+    finish_session(engine, sessions(engine)[-1])
+    assert poll_until(lambda: len(sessions(engine)) > opened, 30)
+    assert poll_until(lambda: engine.stats()["live_models"] == 0, 30), engine.stats()
+    assert server.stub.GetModel(pb.GetModelRequest(name=MODEL)).model.policy_version == (
+        restored.model.policy_version
+    )
