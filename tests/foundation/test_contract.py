@@ -21,6 +21,7 @@ from pydantic import BaseModel
 
 from tinkerrpc import _calls as calls
 from tinkerrpc import _convert as convert
+from tinkerrpc import contract
 from tinkerrpc.contract import limits, limits_markdown, losses_markdown, sampling_options_markdown
 from tinkerrpc.contract.losses import LOSSES, TRAIN_CONFIG_KEYS, LossName, RLLossName
 from tinkerrpc.contract.sampling import (
@@ -32,13 +33,15 @@ from tinkerrpc.v1 import trainer_service_pb2 as service_pb
 from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server.bounded_json import BoundedJsonError, parse_json_object
 from tinkerrpc_server.engine import losses as engine_losses
-from tinkerrpc_server.engine.routes import models as engine_models
-from tinkerrpc_server.service import models as service_models
 from tinkerrpc_server.service import servicer, step_loss, train_options, validation
+from tinkerrpc_server.service.datums import group_advantages
 from tinkerrpc_server.service.errors import ServiceError, Violations
+from tinkerrpc_server.service.events import Subscription
 from tinkerrpc_server.service.limits import Limits, add_limit_arguments
-from tinkerrpc_server.sidecar import protocol, sampling_args
+from tinkerrpc_server.service.sample_cache import SampleCache
+from tinkerrpc_server.sidecar import chat, generate, protocol, responses, sampling_args
 from tinkerrpc_server.sidecar.errors import OpenAIError
+from tinkerrpc_server.sidecar.models import parse_model_id
 
 pytestmark = pytest.mark.unit
 
@@ -189,8 +192,68 @@ def test_the_numpy_fallback_fills_the_tables_defaults(loss: Any) -> None:
 def test_every_bound_has_a_row_and_each_row_its_constants_value() -> None:
     wire = {"MAX_INT32", "MIN_INT64", "MAX_INT64"}
     bounds = {n for n in vars(limits) if re.fullmatch(r"(SIDECAR_)?(MAX|MIN)_[A-Z0-9_]+", n)} - wire
-    assert sorted(row.name for row in limits.LIMITS) == sorted(bounds)
+    rows = [row.name for row in limits.LIMITS]
+    assert len(rows) == len(set(rows))
+    assert sorted(bounds - set(rows)) == []
+    assert sorted(row.name for row in limits.LIMITS if row.kind == "constant" or row.name not in bounds) == [
+        "ADVANTAGE_STD_EPSILON"
+    ]
     assert all(getattr(limits, row.name) == row.value for row in limits.LIMITS)
+
+
+def _contract_values() -> set[str]:
+    """The names of the contract's numbers and strings: its bounds, defaults and constants."""
+    modules = (limits, contract.losses, contract.sampling)
+    return {
+        name
+        for module in modules
+        for name, value in vars(module).items()
+        if re.fullmatch(r"[A-Z][A-Z0-9_]+", name) and isinstance(value, (int, float, str))
+    }
+
+
+def test_no_module_defines_a_contract_value_again() -> None:
+    """A module-level assignment to one of the contract's names elsewhere is a second definition of its
+    value (one that importing the contract's would have replaced)."""
+    names = _contract_values()
+    assert {"DEFAULT_LORA_RANK", "SIDECAR_CHAT_MAX_TOKENS", "DEFAULT_RL_LOSS"} <= names
+    redefined = []
+    for package in (ROOT / "client" / "tinkerrpc", ROOT / "server" / "tinkerrpc_server"):
+        for path in sorted(package.rglob("*.py")):
+            if {"contract", "v1"} & set(path.relative_to(package).parts):
+                continue
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.Assign):
+                    targets = node.targets
+                elif isinstance(node, ast.AnnAssign):
+                    targets = [node.target]
+                else:
+                    continue
+                redefined += [
+                    f"{path.relative_to(ROOT)}: {target.id}"
+                    for target in targets
+                    if isinstance(target, ast.Name) and target.id in names
+                ]
+    assert redefined == []
+
+
+def test_the_services_advantages_watch_backlog_and_sample_cache_are_the_contracts() -> None:
+    # rewards 0 and 1: centred -0.5 and 0.5, population std 0.5.
+    scale = 0.5 + limits.ADVANTAGE_STD_EPSILON
+    assert group_advantages([0.0, 1.0], normalize_std=True) == [-0.5 / scale, 0.5 / scale]
+    subscription = Subscription()
+    event = service_pb.WatchModelResponse()
+    for _ in range(limits.MAX_WATCH_BACKLOG_EVENTS):
+        subscription.offer(event)
+    assert (len(subscription.pending), subscription.overflowed) == (limits.MAX_WATCH_BACKLOG_EVENTS, False)
+    subscription.offer(event)
+    assert (len(subscription.pending), subscription.overflowed) == (limits.MAX_WATCH_BACKLOG_EVENTS, True)
+    cache = inspect.signature(SampleCache).parameters
+    assert (cache["ttl_seconds"].default, cache["max_entries"].default, cache["max_bytes"].default) == (
+        limits.MAX_SAMPLE_KEY_AGE_SECONDS,
+        limits.MAX_CACHED_SAMPLES,
+        limits.MAX_SAMPLE_CACHE_BYTES,
+    )
 
 
 def test_tinkers_adam_defaults_are_the_contracts() -> None:
@@ -298,7 +361,8 @@ def test_stored_and_named_bounds_are_the_contracts() -> None:
     ]
     assert _refused(validation.check_history_request, pages[0]) == ""
     assert "page_size" in _refused(validation.check_history_request, pages[1])
-    assert service_models.DEFAULT_LORA_RANK == engine_models.DEFAULT_LORA_RANK == limits.DEFAULT_LORA_RANK
+    rank = inspect.signature(tinker.ServiceClient.create_lora_training_client).parameters["rank"]
+    assert rank.default == limits.DEFAULT_LORA_RANK
 
 
 def test_the_json_bounds_are_the_contracts() -> None:
@@ -385,7 +449,23 @@ def test_the_sidecars_request_models_bound_fields_as_the_contract() -> None:
     for field in ("request_id", "cache_salt"):
         assert _constraint(protocol.GenerateRequest, field, "max_length") == limits.SIDECAR_MAX_TAG_CHARS
     assert protocol.CompletionRequest.model_fields["max_tokens"].default == SIDECAR_COMPLETION_MAX_TOKENS
-    assert sampling_args.DEFAULT_CHAT_MAX_TOKENS == SIDECAR_CHAT_MAX_TOKENS
+    ref = parse_model_id("run")
+    unset = [
+        chat.chat_sample_args(
+            protocol.ChatCompletionRequest.model_validate(
+                {"model": "run", "messages": [{"role": "user", "content": "hi"}]}
+            ),
+            ref,
+        ),
+        responses.sample_args(protocol.ResponseRequest.model_validate({"model": "run", "input": "hi"}), ref),
+        generate.generate_sample_args(
+            protocol.GenerateRequest.model_validate(
+                {"model": "run", "token_ids": [1], "sampling_params": {}}
+            ),
+            ref,
+        ),
+    ]
+    assert [args.max_tokens for args in unset] == [SIDECAR_CHAT_MAX_TOKENS] * 3
     assert len(sampling_args.stop_list(["x"] * limits.MAX_STOP_STRINGS)) == limits.MAX_STOP_STRINGS
     with pytest.raises(OpenAIError):
         sampling_args.stop_list(["x"] * (limits.MAX_STOP_STRINGS + 1))

@@ -19,6 +19,7 @@ from tinkerrpc import (
     TopLogprob,
     UnavailableError,
 )
+from tinkerrpc.contract.sampling import SIDECAR_CHAT_MAX_TOKENS
 from tinkerrpc_server.sidecar import chat, completions, generate, models, sample_output, sampling_args
 from tinkerrpc_server.sidecar.errors import OpenAIError, from_rpc_error, param_from_loc
 from tinkerrpc_server.sidecar.metrics import SidecarMetrics
@@ -120,7 +121,7 @@ def test_chat_parameters_map_onto_sample_arguments() -> None:
         "parallel_tool_calls": True,
     }
     assert chat.chat_sample_args(chat_request(), models.parse_model_id("run")).max_tokens == (
-        sampling_args.DEFAULT_CHAT_MAX_TOKENS
+        SIDECAR_CHAT_MAX_TOKENS
     )
 
 
@@ -183,7 +184,7 @@ def test_generate_parameters_map_onto_sample_arguments_and_server_errors_onto_it
     unset = GenerateRequest.model_validate({"model": "run", "token_ids": [1], "sampling_params": {}})
     defaults = generate.generate_sample_args(unset, models.parse_model_id("run"))
     assert (defaults.max_tokens, defaults.temperature, defaults.top_logprobs, defaults.policy_version) == (
-        sampling_args.DEFAULT_CHAT_MAX_TOKENS,
+        SIDECAR_CHAT_MAX_TOKENS,
         1.0,
         0,
         None,

@@ -1,8 +1,8 @@
-"""Every fixed bound and default of the tinkerrpc API, and the defaults of the server's limit flags.
+"""Every fixed bound, default and constant of the tinkerrpc API, and the defaults of the server's limit flags.
 
 A constant here is the only definition of its value: the service's validation, the sidecar's request
 models, the engine's request checks, the SDK's client-side checks and the generated docs read it.
-`LIMITS` describes each fixed bound (what it bounds and why) for `limits_markdown()`; `SERVER_FLAGS`
+`LIMITS` describes each fixed bound and constant (what it applies to) for `limits_markdown()`; `SERVER_FLAGS`
 the server's per-request limits that `tinkerrpc serve` flags change, which a running server reports
 in GetServerInfo's `limits`.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 # --- Wire types: token counts and ids are int32, seeds and versions int64.
 MAX_INT32 = 2**31 - 1
@@ -69,10 +70,21 @@ DEFAULT_LEARNING_RATE = 1e-4
 DEFAULT_ADAM_BETA1 = 0.9
 DEFAULT_ADAM_BETA2 = 0.95
 DEFAULT_ADAM_EPS = 1e-12
+# With normalize_std a group's advantages are divided by its reward std plus this, so a group whose
+# rewards barely differ gets large but finite advantages (a zero-variance group trains nothing anyway).
+ADVANTAGE_STD_EPSILON = 1e-6
+# The sample cache, which lets a turn that names its sample key train on the sampler's own logprobs: a
+# key is honoured this long after its Sample, and the server keeps at most this many samples and bytes of
+# them (least recently used out first); a key past these is scored again, never an error.
+MAX_SAMPLE_KEY_AGE_SECONDS = 600
+MAX_CACHED_SAMPLES = 65_536
+MAX_SAMPLE_CACHE_BYTES = 64 * 1024 * 1024
 
 # --- Models
 # Model and checkpoint names: 1 to this many characters of [A-Za-z0-9._-], starting with a letter or digit.
 MAX_NAME_CHARS = 64
+# The rank of a model created without one: Tinker's SDK's create_lora_training_client default (the
+# engine's create_model without lora_config gets it too).
 DEFAULT_LORA_RANK = 32
 # At most the base model's hidden size (a rank past the width of the layers it adapts adds parameters,
 # not expressiveness) and never over this cap, whose adapter and Adam state on a mid-size model are
@@ -82,6 +94,11 @@ MAX_LORA_RANK = 512
 # --- GetRunHistory pages
 DEFAULT_HISTORY_PAGE_SIZE = 100
 MAX_HISTORY_PAGE_SIZE = 1000
+
+# --- WatchModel
+# Events a watcher may fall behind by before its stream ends with ABORTED (it resumes from a version):
+# a reader that slow would otherwise hold the server's memory without bound.
+MAX_WATCH_BACKLOG_EVENTS = 1024
 
 # --- JSON carried in requests (the sidecar's bodies, a tool's parameters_json, a call's arguments_json)
 # Arrays and objects inside one another: real schemas nest a handful of levels, and every layer that
@@ -96,12 +113,12 @@ MAX_JSON_NUMBER_CHARS = 100
 
 @dataclass(frozen=True)
 class Limit:
-    """One fixed bound: `name` is its constant in this module, `bounds` what it applies to."""
+    """One fixed bound or constant: `name` is its constant in this module, `bounds` what it applies to."""
 
     name: str
     value: int | float
     bounds: str
-    kind: str  # "at most" or "at least"
+    kind: Literal["at most", "at least", "constant"]
 
 
 def _most(name: str, bounds: str) -> Limit:
@@ -110,6 +127,10 @@ def _most(name: str, bounds: str) -> Limit:
 
 def _least(name: str, bounds: str) -> Limit:
     return Limit(name, globals()[name], bounds, "at least")
+
+
+def _constant(name: str, bounds: str) -> Limit:
+    return Limit(name, globals()[name], bounds, "constant")
 
 
 LIMITS: tuple[Limit, ...] = (
@@ -138,11 +159,20 @@ LIMITS: tuple[Limit, ...] = (
     _most("MAX_TRAJECTORY_METRICS", "metrics of one trajectory (each finite)"),
     _most("MAX_METRIC_NAME_BYTES", "bytes of one trajectory metric's name"),
     _most("MAX_TRAIN_METRIC_NAMES", "distinct trajectory metric names in one Train"),
+    _constant(
+        "ADVANTAGE_STD_EPSILON",
+        "added to a group's reward std (population) before the advantages are divided by it "
+        "(AdvantageOptions.normalize_std)",
+    ),
+    _most("MAX_SAMPLE_KEY_AGE_SECONDS", "seconds a sample key is honoured after its Sample"),
+    _most("MAX_CACHED_SAMPLES", "samples the server keeps for their sample keys"),
+    _most("MAX_SAMPLE_CACHE_BYTES", "bytes of tokens and logprobs the server keeps for sample keys"),
     _most(
         "MAX_NAME_CHARS", "characters of a model or checkpoint name ([A-Za-z0-9._-], first a letter or digit)"
     ),
     _most("MAX_LORA_RANK", "LoraConfig.rank (also at most the base model's hidden size)"),
     _most("MAX_HISTORY_PAGE_SIZE", "GetRunHistoryRequest.page_size"),
+    _most("MAX_WATCH_BACKLOG_EVENTS", "events a WatchModel stream falls behind by before it ends (ABORTED)"),
     _most("MAX_JSON_DEPTH", "nesting of JSON in a request (sidecar bodies, parameters_json, arguments_json)"),
     _most("MAX_JSON_ENTRIES", "entries of one JSON object or array in a request"),
     _most("MAX_JSON_NUMBER_CHARS", "characters of one JSON number literal (NaN and Infinity are refused)"),
@@ -203,10 +233,17 @@ def markdown_table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> 
 
 def limits_markdown() -> str:
     """The fixed bounds and the server's limit flags as Markdown tables (for the docs)."""
-    bounds = [(f"`{limit.name}`", f"{limit.kind} {number(limit.value)}", limit.bounds) for limit in LIMITS]
+    bounds = [
+        (
+            f"`{limit.name}`",
+            number(limit.value) if limit.kind == "constant" else f"{limit.kind} {number(limit.value)}",
+            limit.bounds,
+        )
+        for limit in LIMITS
+    ]
     flags = [(f"`{flag.flag}`", str(flag.default), flag.help) for flag in SERVER_FLAGS]
     return (
-        markdown_table(("bound", "value", "applies to"), bounds)
+        markdown_table(("name", "value", "applies to"), bounds)
         + "\n"
         + markdown_table(("flag", "default", "limits per request"), flags)
     )

@@ -220,8 +220,8 @@ class TrainerServiceServicer:
         deleted, restores. With from_version, the versions from it on that the history holds are sent
         first (replayed = true), then live events follow without a gap or a repeat. The stream lasts
         until the client cancels it or its deadline passes, or the model is deleted (it then ends with
-        NOT_FOUND); a watcher more than 1024 events behind is ended with ABORTED and resumes with
-        from_version = the last version it saw + 1.
+        NOT_FOUND); a watcher more than MAX_WATCH_BACKLOG_EVENTS events behind is ended with ABORTED
+        and resumes with from_version = the last version it saw + 1.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -98,8 +98,8 @@ class TrainerServiceStub:
     deleted, restores. With from_version, the versions from it on that the history holds are sent
     first (replayed = true), then live events follow without a gap or a repeat. The stream lasts
     until the client cancels it or its deadline passes, or the model is deleted (it then ends with
-    NOT_FOUND); a watcher more than 1024 events behind is ended with ABORTED and resumes with
-    from_version = the last version it saw + 1.
+    NOT_FOUND); a watcher more than MAX_WATCH_BACKLOG_EVENTS events behind is ended with ABORTED
+    and resumes with from_version = the last version it saw + 1.
     """
 
 @_typing.type_check_only
@@ -157,8 +157,8 @@ class TrainerServiceAsyncStub(TrainerServiceStub):
     deleted, restores. With from_version, the versions from it on that the history holds are sent
     first (replayed = true), then live events follow without a gap or a repeat. The stream lasts
     until the client cancels it or its deadline passes, or the model is deleted (it then ends with
-    NOT_FOUND); a watcher more than 1024 events behind is ended with ABORTED and resumes with
-    from_version = the last version it saw + 1.
+    NOT_FOUND); a watcher more than MAX_WATCH_BACKLOG_EVENTS events behind is ended with ABORTED
+    and resumes with from_version = the last version it saw + 1.
     """
 
 class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -297,8 +297,8 @@ class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
         deleted, restores. With from_version, the versions from it on that the history holds are sent
         first (replayed = true), then live events follow without a gap or a repeat. The stream lasts
         until the client cancels it or its deadline passes, or the model is deleted (it then ends with
-        NOT_FOUND); a watcher more than 1024 events behind is ended with ABORTED and resumes with
-        from_version = the last version it saw + 1.
+        NOT_FOUND); a watcher more than MAX_WATCH_BACKLOG_EVENTS events behind is ended with ABORTED
+        and resumes with from_version = the last version it saw + 1.
         """
 
 def add_TrainerServiceServicer_to_server(servicer: TrainerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

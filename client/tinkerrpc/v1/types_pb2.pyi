@@ -625,7 +625,7 @@ class AdvantageOptions(_message.Message):
     NORMALIZE_STD_FIELD_NUMBER: _builtins.int
     normalize_std: _builtins.bool
     """Divide (reward - group mean) by the group's population standard deviation (ddof = 0)
-    plus 1e-6. Off by default: advantages are mean-centred only.
+    plus ADVANTAGE_STD_EPSILON. Off by default: advantages are mean-centred only.
     """
     def __init__(
         self,

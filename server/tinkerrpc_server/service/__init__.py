@@ -6,8 +6,9 @@ Behaviours a client can rely on, beyond the proto comments:
   nothing to train, it fails FAILED_PRECONDITION (ErrorInfo NOTHING_TO_TRAIN, counts in its metadata)
   instead of stepping the optimizer on no data.
 - Groups train with a policy-gradient loss (importance sampling by default); supervised examples with
-  cross-entropy only. Advantages are reward − group mean, optionally over (population std + 1e-6), after
-  stale trajectories were dropped; a trajectory's staleness is measured from its oldest sampled turn.
+  cross-entropy only. Advantages are reward − group mean, optionally over (population std +
+  ADVANTAGE_STD_EPSILON), after stale trajectories were dropped; a trajectory's staleness is measured
+  from its oldest sampled turn.
 - Stop strings and stop token ids together: Tinker takes one kind per request, so the token ids are sent
   as their decoded texts.
 - Nothing acknowledged is lost at any --checkpoint-every K: a version without a full-state checkpoint

@@ -22,11 +22,10 @@ from dataclasses import dataclass, field
 import tinker
 from tinker_cookbook.renderers import TrainOnWhat
 
+from tinkerrpc.contract.limits import ADVANTAGE_STD_EPSILON
 from tinkerrpc.v1 import trainer_service_pb2, types_pb2
 from tinkerrpc_server.service.errors import STALE_POLICY_VERSION, Violations, failed_precondition
 from tinkerrpc_server.service.rendering import ChatCodec, off_loop
-
-STD_EPSILON = 1e-6
 
 
 @dataclass
@@ -45,14 +44,15 @@ class Batch:
 
 
 def group_advantages(rewards: list[float], normalize_std: bool) -> list[float] | None:
-    """reward − group mean, optionally over (population std + 1e-6); None for a zero-variance group."""
+    """reward − group mean, optionally over (population std + ADVANTAGE_STD_EPSILON); None for a
+    zero-variance group."""
     mean = sum(rewards) / len(rewards)
     centred = [r - mean for r in rewards]
     if all(abs(c) == 0.0 for c in centred):
         return None
     if normalize_std:
         std = math.sqrt(sum(c * c for c in centred) / len(centred))
-        return [c / (std + STD_EPSILON) for c in centred]
+        return [c / (std + ADVANTAGE_STD_EPSILON) for c in centred]
     return centred
 
 

@@ -11,11 +11,9 @@ from collections import deque
 
 from google.protobuf import timestamp_pb2
 
+from tinkerrpc.contract.limits import MAX_WATCH_BACKLOG_EVENTS
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
-
-# Events a watcher may fall behind by before its stream ends (ABORTED; it resumes from a version).
-WATCH_BACKLOG_EVENTS = 1024
 
 
 def now_timestamp() -> timestamp_pb2.Timestamp:
@@ -33,7 +31,7 @@ class Subscription:
         self.overflowed = False
 
     def offer(self, event: pb.WatchModelResponse) -> None:
-        if len(self.pending) >= WATCH_BACKLOG_EVENTS:
+        if len(self.pending) >= MAX_WATCH_BACKLOG_EVENTS:
             self.overflowed = True
         elif not self.overflowed:
             self.pending.append(event)

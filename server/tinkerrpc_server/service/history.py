@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import grpc
 
-from tinkerrpc.contract.limits import DEFAULT_HISTORY_PAGE_SIZE
+from tinkerrpc.contract.limits import DEFAULT_HISTORY_PAGE_SIZE, MAX_WATCH_BACKLOG_EVENTS
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server.service import errors
-from tinkerrpc_server.service.events import WATCH_BACKLOG_EVENTS, Subscription
+from tinkerrpc_server.service.events import Subscription
 from tinkerrpc_server.service.models import MODEL_RESOURCE, ModelRegistry, checkpoint_info, timestamp
 from tinkerrpc_server.service.store import MetricsRow, Store
 from tinkerrpc_server.service.validation import check_history_request, check_watch_request
@@ -122,7 +122,7 @@ class Watch:
             if self.subscription.overflowed:
                 return errors.ServiceError(
                     grpc.StatusCode.ABORTED,
-                    f"this watcher fell more than {WATCH_BACKLOG_EVENTS} events behind; watch again "
+                    f"this watcher fell more than {MAX_WATCH_BACKLOG_EVENTS} events behind; watch again "
                     "with from_version = the last version it saw + 1",
                 )
             return None

@@ -14,6 +14,7 @@ from typing import TypedDict
 import tinker
 from google.protobuf import timestamp_pb2
 
+from tinkerrpc.contract.limits import DEFAULT_LORA_RANK
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server import model_store
@@ -36,7 +37,6 @@ from tinkerrpc_server.service.validation import check_lora_rank
 
 log = logging.getLogger("tinkerrpc.service")
 
-DEFAULT_LORA_RANK = 32
 MODEL_RESOURCE = "tinkerrpc.v1.Model"
 CHECKPOINT_RESOURCE = "tinkerrpc.v1.Checkpoint"
 VERSION_RESOURCE = "tinkerrpc.v1.PolicyVersion"

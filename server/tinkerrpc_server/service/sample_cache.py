@@ -22,9 +22,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-DEFAULT_TTL_SECONDS = 600.0
-DEFAULT_MAX_ENTRIES = 65_536
-DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+from tinkerrpc.contract.limits import MAX_CACHED_SAMPLES, MAX_SAMPLE_CACHE_BYTES, MAX_SAMPLE_KEY_AGE_SECONDS
+
 # What one entry costs besides its tokens and logprobs (key, tuples, dict slot), as counted for the bound.
 _ENTRY_OVERHEAD_BYTES = 256
 # Bytes per cached token id or logprob, as counted for the bound.
@@ -61,9 +60,9 @@ class SampleCache:
     def __init__(
         self,
         sampler_of: SamplerOf,
-        ttl_seconds: float = DEFAULT_TTL_SECONDS,
-        max_entries: int = DEFAULT_MAX_ENTRIES,
-        max_bytes: int = DEFAULT_MAX_BYTES,
+        ttl_seconds: float = MAX_SAMPLE_KEY_AGE_SECONDS,
+        max_entries: int = MAX_CACHED_SAMPLES,
+        max_bytes: int = MAX_SAMPLE_CACHE_BYTES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not ttl_seconds > 0:

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Response
 
 from tinkerrpc import Sample
+from tinkerrpc.contract.sampling import SIDECAR_CHAT_MAX_TOKENS
 from tinkerrpc_server.sidecar.completion_route import CompletionFamily, answer
 from tinkerrpc_server.sidecar.errors import bad_request
 from tinkerrpc_server.sidecar.json_bounds import BoundedJSONRoute, check_json_text
@@ -38,7 +39,6 @@ from tinkerrpc_server.sidecar.sample_output import (
     usage_of,
 )
 from tinkerrpc_server.sidecar.sampling_args import (
-    DEFAULT_CHAT_MAX_TOKENS,
     SampleArgs,
     Sampler,
     check_sampling_fields,
@@ -171,7 +171,7 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
 def chat_sample_args(request: ChatCompletionRequest, ref: ModelRef) -> SampleArgs:
     check_sampling_fields(request)
     _check_unsupported_chat(request)
-    max_tokens = request.max_completion_tokens or request.max_tokens or DEFAULT_CHAT_MAX_TOKENS
+    max_tokens = request.max_completion_tokens or request.max_tokens or SIDECAR_CHAT_MAX_TOKENS
     top_logprobs = (request.top_logprobs or 0) if request.logprobs else 0
     thinking = thinking_asked(request)
     tools = tool_options(

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from fastapi import APIRouter, Response
 
 from tinkerrpc import Sample
+from tinkerrpc.contract.sampling import SIDECAR_CHAT_MAX_TOKENS
 from tinkerrpc_server.sidecar.errors import OpenAIError, bad_request
 from tinkerrpc_server.sidecar.json_bounds import BoundedJSONRoute
 from tinkerrpc_server.sidecar.models import ModelRef, parse_model_id
@@ -30,7 +31,6 @@ from tinkerrpc_server.sidecar.protocol import (
 )
 from tinkerrpc_server.sidecar.sample_output import ReplyHead, chat_logprob_entry, usage_of
 from tinkerrpc_server.sidecar.sampling_args import (
-    DEFAULT_CHAT_MAX_TOKENS,
     SampleArgs,
     Sampler,
     base_sample_args,
@@ -71,7 +71,7 @@ def _check_served(request: GenerateRequest) -> None:
 def generate_sample_args(request: GenerateRequest, ref: ModelRef) -> SampleArgs:
     _check_served(request)
     params = request.sampling_params
-    max_tokens = params.max_tokens if params.max_tokens is not None else DEFAULT_CHAT_MAX_TOKENS
+    max_tokens = params.max_tokens if params.max_tokens is not None else SIDECAR_CHAT_MAX_TOKENS
     if params.min_tokens > max_tokens:
         raise bad_request(
             f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens})",

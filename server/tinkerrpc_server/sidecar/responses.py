@@ -17,6 +17,7 @@ from fastapi import APIRouter, Response
 from pydantic import BaseModel, ValidationError
 
 from tinkerrpc import Sample, messages_from_response_input
+from tinkerrpc.contract.sampling import SIDECAR_CHAT_MAX_TOKENS
 from tinkerrpc_server.sidecar import sample_output
 from tinkerrpc_server.sidecar.errors import bad_request, param_from_loc
 from tinkerrpc_server.sidecar.json_bounds import BoundedJSONRoute, check_json_text
@@ -33,7 +34,6 @@ from tinkerrpc_server.sidecar.protocol import (
     ResponseUsage,
 )
 from tinkerrpc_server.sidecar.sampling_args import (
-    DEFAULT_CHAT_MAX_TOKENS,
     SampleArgs,
     Sampler,
     base_sample_args,
@@ -125,7 +125,7 @@ def sample_args(request: ResponseRequest, ref: ModelRef) -> SampleArgs:
         request,
         ref,
         n=1,
-        max_tokens=request.max_output_tokens or DEFAULT_CHAT_MAX_TOKENS,
+        max_tokens=request.max_output_tokens or SIDECAR_CHAT_MAX_TOKENS,
         top_logprobs=(request.top_logprobs or 0) if request.logprobs_asked else 0,
         **tool_options(offered, [t.name for t in tools], request.tool_choice, request.parallel_tool_calls),
     )

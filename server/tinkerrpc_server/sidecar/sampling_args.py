@@ -15,7 +15,6 @@ from typing import Any
 
 from tinkerrpc import Sample
 from tinkerrpc.contract.limits import MAX_STOP_STRINGS
-from tinkerrpc.contract.sampling import SIDECAR_CHAT_MAX_TOKENS
 from tinkerrpc_server.sidecar.errors import bad_request
 from tinkerrpc_server.sidecar.models import ModelRef
 from tinkerrpc_server.sidecar.protocol import (
@@ -23,9 +22,6 @@ from tinkerrpc_server.sidecar.protocol import (
     ResponseRequest,
     SamplingFields,
 )
-
-# Chat and Responses requests that set no token budget get this one.
-DEFAULT_CHAT_MAX_TOKENS = SIDECAR_CHAT_MAX_TOKENS
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from tinker import types
 from tinker.types.try_again_response import TryAgainResponse
 
+from tinkerrpc.contract.limits import DEFAULT_LORA_RANK
 from tinkerrpc_server.engine.answers import Answer
 from tinkerrpc_server.engine.core import NotFound
 from tinkerrpc_server.engine.routes.common import (
@@ -32,8 +33,6 @@ router = APIRouter(prefix="/api/v1")
 
 # retrieve_future holds a request this long before answering try_again (the SDK's own timeout is 45 s).
 LONG_POLL_SECONDS = 25.0
-# The LoRA rank of a create_model without lora_config (the SDK's create_lora_training_client default).
-DEFAULT_LORA_RANK = 32
 
 # ---- session and service ----
 
