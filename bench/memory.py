@@ -18,7 +18,8 @@ import psutil
 
 from bench.report import Figure, rounds
 from bench.workload import Settings
-from tinkerrpc_server.demo import DemoConfig, run_demo
+from tinkerrpc_server.recipes.base import run_recipe
+from tinkerrpc_server.recipes.yes_no_maybe.recipe import YesNoMaybeRecipe
 
 MEMORY_GOAL = 1.5
 # The kernel walks every mapping to sum a process's PSS (~10-25 ms for a process with torch loaded), so
@@ -81,7 +82,7 @@ def _new_descendants(existing: set[int]) -> Callable[[], list[psutil.Process]]:
 def _stack_peak(settings: Settings, work_dir: Path) -> tuple[int, int, float]:
     """(peak bytes, processes seen, seconds) of the stack the demo starts."""
     existing = {p.pid for p in psutil.Process().children(recursive=True)}
-    config = DemoConfig(
+    recipe = YesNoMaybeRecipe(
         out_dir=work_dir / "demo",
         sft_max_steps=settings.demo_sft_max_steps,
         rl_max_steps=settings.demo_rl_max_steps,
@@ -91,7 +92,7 @@ def _stack_peak(settings: Settings, work_dir: Path) -> tuple[int, int, float]:
 
     def demo() -> None:
         try:
-            run_demo(config)
+            run_recipe(recipe)
         except BaseException as exc:  # re-raised in the measuring thread
             failure.append(exc)
 

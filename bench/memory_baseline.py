@@ -11,8 +11,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tinkerrpc_server.demo import DemoConfig, yes_no_maybe_prompts
 from tinkerrpc_server.model_store import TINY_CHAT, resolve_base_model
+from tinkerrpc_server.recipes.yes_no_maybe.recipe import YesNoMaybeRecipe
+from tinkerrpc_server.recipes.yes_no_maybe.task import prompts as yes_no_maybe_prompts
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 
@@ -22,7 +23,7 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
-    demo = DemoConfig(out_dir=Path("unused"))
+    demo = YesNoMaybeRecipe(out_dir=Path("unused"))
     path = resolve_base_model(TINY_CHAT, args.model_dir)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = get_peft_model(

@@ -11,9 +11,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-TINY_CHAT = "tinkerrpc/tiny-chat"
-# The toy task: answer each prompt with exactly its word.
-TASKS = {f"respond with {word}": word for word in ("yes", "no", "maybe")}
+# Both are the standard library alone at import (the client install has them), unlike the rest of the
+# server package.
+from tinkerrpc_server.model_store import TINY_CHAT
+from tinkerrpc_server.recipes.yes_no_maybe.task import ANSWERS
+
+# The toy task, the yes / no / maybe task's answers asked for one at a time: answer each prompt with
+# exactly its word.
+TASKS = {f"respond with {word}": word for word in ANSWERS}
 
 
 def reward(prompt: str, answer: str) -> float:

@@ -5,8 +5,9 @@ test_art.py).
 
 The rollout and the training loop are ART's (its dev/yes-no-maybe example: `art.TrainableModel`,
 `model.register(backend)`, `model.openai_client()`, `art.gather_trajectory_groups`,
-`model.delete_checkpoints()`, `backend.train(...)`, `model.log(...)`); only the backend line differs
-between the flows, and the sizes are the tiny model's. The random tiny-chat model is warmed up first, as
+`model.delete_checkpoints()`, `backend.train(...)`, `model.log(...)`) on the task as the demo defines it
+(recipes/yes_no_maybe/task.py: its prompts and rewards); only the backend line differs between the
+flows, and the sizes are the tiny model's. The random tiny-chat model is warmed up first, as
 the demo's recipe does: through ART's SFT path (`model.train_sft`) on tinkerrpc.art; through the
 TinkerNativeBackend's raw tinker training client on the seed, whose `train_sft` raises
 NotImplementedError.
@@ -24,7 +25,6 @@ import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from itertools import permutations
 from typing import Any
 
 import art
@@ -40,9 +40,10 @@ from tinkerrpc import SupervisedExample
 from tinkerrpc.art import TinkerRPCBackend
 from tinkerrpc.art._backend import _supervised_step
 from tinkerrpc.art._trajectories import convert_groups, sft_conversation
+from tinkerrpc_server.model_store import TINY_CHAT
+from tinkerrpc_server.recipes.yes_no_maybe.task import ANSWERS, prompts, reward_of
 
-BASE_MODEL = "tinkerrpc/tiny-chat"
-ANSWERS = ("yes", "no", "maybe")
+BASE_MODEL = TINY_CHAT
 TARGET_REWARD = 0.9
 SFT_STEPS = 20
 SFT_BATCH_SIZE = 32
@@ -60,28 +61,11 @@ async def rollout(client: openai.AsyncOpenAI, model: art.TrainableModel, prompt:
     )
     choice = chat_completion.choices[0]
     # The TinkerNativeBackend's server answers an empty completion with no content.
-    content = choice.message.content or ""
-    if content == "yes":
-        reward = 0.5
-    elif content == "no":
-        reward = 0.75
-    elif content == "maybe":
-        reward = 1.0
-    else:
-        reward = 0.0
+    reward = reward_of(choice.message.content or "")
     return art.Trajectory(messages_and_choices=[*messages, choice], reward=reward)
 
 
-def with_quotes(w: str) -> str:
-    return f"'{w}'"
-
-
-prompts = [
-    f"{prefix} with {', '.join([with_quotes(w) if use_quotes else w for w in words]) if len(words) == 3 else f'{words[0]}' + (f' or {words[1]}' if len(words) > 1 else '')}"
-    for prefix in ["respond", "just respond"]
-    for use_quotes in [True, False]
-    for words in [list(p) for n in [3, 2] for p in permutations(ANSWERS, n)]
-]
+PROMPTS = prompts()
 
 
 def warm_up_trajectories(rng: random.Random, count: int) -> list[art.Trajectory]:
@@ -93,7 +77,7 @@ def warm_up_trajectories(rng: random.Random, count: int) -> list[art.Trajectory]
                 {"role": "assistant", "content": rng.choice(ANSWERS)},
             ]
         )
-        for prompt in rng.choices(prompts, k=count)
+        for prompt in rng.choices(PROMPTS, k=count)
     ]
 
 
@@ -143,7 +127,7 @@ async def rl_until_target(
         train_groups = await art.gather_trajectory_groups(
             (
                 art.TrajectoryGroup(rollout(openai_client, model, prompt) for _ in range(8))
-                for prompt in rng.sample(prompts, 8)
+                for prompt in rng.sample(PROMPTS, 8)
             ),
             pbar_desc="gather",
         )

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tinkerrpc_server.demo import yes_no_maybe_prompts
+from tinkerrpc_server.recipes.yes_no_maybe.task import prompts as yes_no_maybe_prompts
+from tinkerrpc_server.recipes.yes_no_maybe.task import reward_of
 
 pytestmark = pytest.mark.process
 
@@ -20,6 +21,17 @@ def test_prompts_cover_every_ordering() -> None:
     assert len(prompts) == len(set(prompts)) == 48
     assert "respond with yes, no or maybe" in prompts
     assert "just respond with 'maybe' or 'no'" in prompts
+
+
+def test_reward_ranks_maybe_no_yes_and_nothing_else() -> None:
+    assert [reward_of(r) for r in ("maybe", " No\n", "YES", "yes.", "maybe maybe", "")] == [
+        1.0,
+        0.75,
+        0.5,
+        0.0,
+        0.0,
+        0.0,
+    ]
 
 
 def test_demo_reaches_target_reward(tmp_path: Path) -> None:

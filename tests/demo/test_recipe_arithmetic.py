@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tinkerrpc_server.demo import ArithmeticConfig
-from tinkerrpc_server.recipes.arithmetic import Problem, split_problems
+from tinkerrpc_server.recipes.arithmetic.recipe import ArithmeticRecipe
+from tinkerrpc_server.recipes.arithmetic.task import Problem, split_problems
 
 pytestmark = pytest.mark.process
 
@@ -91,9 +91,9 @@ def test_format_check_is_independent_of_the_sum() -> None:
 
 def test_recipe_settings_are_range_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="samples_per_prompt=1"):
-        ArithmeticConfig(tmp_path, samples_per_prompt=1)
+        ArithmeticRecipe(tmp_path, samples_per_prompt=1)
     with pytest.raises(ValueError, match=r"target_gain=0\.0, steps=0"):
-        ArithmeticConfig(tmp_path, target_gain=0.0, steps=0)
+        ArithmeticRecipe(tmp_path, target_gain=0.0, steps=0)
 
 
 def test_rl_raises_held_out_accuracy(tmp_path: Path) -> None:

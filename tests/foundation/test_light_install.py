@@ -65,3 +65,14 @@ def test_openai_client_without_openai_names_the_extra() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "pip install 'tinkerrpc[openai]'" in done.stdout
+
+
+def test_the_examples_shared_module_imports_with_the_client_install() -> None:
+    """The examples talk to a running server with the client alone: what they share (the toy task from
+    the yes / no / maybe task, the model name) imports without the server extra's packages."""
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    done = run_light(
+        f"sys.path.insert(0, {str(examples)!r})\nimport example_support\nprint(example_support.TASKS)\n"
+    )
+    assert done.returncode == 0, done.stderr
+    assert "'respond with maybe': 'maybe'" in done.stdout

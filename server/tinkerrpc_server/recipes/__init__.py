@@ -1,1 +1,3 @@
-"""Tasks the demo's recipes train on: each generates its problems from a seed and checks answers exactly."""
+"""The recipes `tinkerrpc demo` runs, one package each: its task (task.py: the problems and their
+reward, which tests and examples use too) and its run (recipe.py: the settings, loop, summary and plot
+behind base.Recipe)."""
