@@ -149,6 +149,7 @@ def measure(
     peak_flops, peak_size = measure_peak_matmul()
     ours_rate = tokens / statistics.median(ours_seconds)
     baseline_rate = tokens / statistics.median(baseline_seconds)
+    ours_rates = [tokens / seconds for seconds in ours_seconds]
     padded = sum(
         max(len(s) - 1 for s in sequences[i : i + settings.baseline_micro_batch])
         * len(sequences[i : i + settings.baseline_micro_batch])
@@ -161,7 +162,7 @@ def measure(
         unit="tokens/s",
         goal=TRAINING_GOAL,
         direction=">=",
-        rounds=rounds([tokens / s for s in ours_seconds], [tokens / s for s in baseline_seconds]),
+        rounds=rounds(ours_rates, [tokens / seconds for seconds in baseline_seconds]),
         detail=(
             f"{len(sequences)} sequences, {tokens} tokens ({settings.train_min_tokens}-"
             f"{settings.train_max_tokens} each), LoRA r{settings.lora_rank} attn+mlp+unembed, "
@@ -176,7 +177,7 @@ def measure(
         unit="GFLOP/s",
         goal=MFU_GOAL,
         direction=">=",
-        rounds=rounds([6 * params * tokens / s / 1e9 for s in ours_seconds], [peak_flops / 1e9]),
+        rounds=rounds([6 * params * rate / 1e9 for rate in ours_rates], [peak_flops / 1e9]),
         detail=(
             f"P = {params / 1e6:.1f} M parameters that multiply activations (frozen base + LoRA; a tied "
             f"embedding once, an untied input embedding not), tokens/s of the engine from the "
