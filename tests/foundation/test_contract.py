@@ -1,16 +1,15 @@
 """Every layer's defaults and bounds are the contract's (tinkerrpc.contract): the loss table against the
 proto enum, the SDK, the service's Train, the engine's torch losses and the service's numpy fallback;
-the fixed bounds against the service's validation, the SDK's checks, GetServerInfo, the sidecar's request
-models and the ART backend; the sampling-options table against the SDK's sample(), the proto and the
-sidecar. A layer that kept a value of its own fails here once the two differ."""
+the fixed bounds, defaults and constants against the service's validation, advantages, watch backlog and
+sample cache, the SDK's checks, GetServerInfo and the sidecar's request models; the sampling-options table
+against the SDK's sample(), the proto and the sidecar. A layer that kept a value of its own fails here
+once the two differ (test_contract_sources.py checks the source text: no value defined twice)."""
 
 from __future__ import annotations
 
-import ast
 import inspect
 import math
 import re
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, get_args
 
@@ -21,8 +20,7 @@ from pydantic import BaseModel
 
 from tinkerrpc import _calls as calls
 from tinkerrpc import _convert as convert
-from tinkerrpc import contract
-from tinkerrpc.contract import limits, limits_markdown, losses_markdown, sampling_options_markdown
+from tinkerrpc.contract import limits
 from tinkerrpc.contract.losses import LOSSES, TRAIN_CONFIG_KEYS, LossName, RLLossName
 from tinkerrpc.contract.sampling import (
     SAMPLING_OPTIONS,
@@ -45,7 +43,6 @@ from tinkerrpc_server.sidecar.models import parse_model_id
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[2]
 RL = [loss for loss in LOSSES if loss.rl]
 
 
@@ -189,52 +186,16 @@ def test_the_numpy_fallback_fills_the_tables_defaults(loss: Any) -> None:
 # ---------------------------------------------------------------- fixed bounds
 
 
-def test_every_bound_has_a_row_and_each_row_its_constants_value() -> None:
+def test_every_bound_and_default_has_a_row_and_each_row_its_constants_value() -> None:
     wire = {"MAX_INT32", "MIN_INT64", "MAX_INT64"}
-    bounds = {n for n in vars(limits) if re.fullmatch(r"(SIDECAR_)?(MAX|MIN)_[A-Z0-9_]+", n)} - wire
+    named = {n for n in vars(limits) if re.fullmatch(r"(SIDECAR_)?(MAX|MIN|DEFAULT)_[A-Z0-9_]+", n)} - wire
     rows = [row.name for row in limits.LIMITS]
     assert len(rows) == len(set(rows))
-    assert sorted(bounds - set(rows)) == []
-    assert sorted(row.name for row in limits.LIMITS if row.kind == "constant" or row.name not in bounds) == [
-        "ADVANTAGE_STD_EPSILON"
-    ]
-    assert all(getattr(limits, row.name) == row.value for row in limits.LIMITS)
-
-
-def _contract_values() -> set[str]:
-    """The names of the contract's numbers and strings: its bounds, defaults and constants."""
-    modules = (limits, contract.losses, contract.sampling)
-    return {
-        name
-        for module in modules
-        for name, value in vars(module).items()
-        if re.fullmatch(r"[A-Z][A-Z0-9_]+", name) and isinstance(value, (int, float, str))
-    }
-
-
-def test_no_module_defines_a_contract_value_again() -> None:
-    """A module-level assignment to one of the contract's names elsewhere is a second definition of its
-    value (one that importing the contract's would have replaced)."""
-    names = _contract_values()
-    assert {"DEFAULT_LORA_RANK", "SIDECAR_CHAT_MAX_TOKENS", "DEFAULT_RL_LOSS"} <= names
-    redefined = []
-    for package in (ROOT / "client" / "tinkerrpc", ROOT / "server" / "tinkerrpc_server"):
-        for path in sorted(package.rglob("*.py")):
-            if {"contract", "v1"} & set(path.relative_to(package).parts):
-                continue
-            for node in ast.parse(path.read_text()).body:
-                if isinstance(node, ast.Assign):
-                    targets = node.targets
-                elif isinstance(node, ast.AnnAssign):
-                    targets = [node.target]
-                else:
-                    continue
-                redefined += [
-                    f"{path.relative_to(ROOT)}: {target.id}"
-                    for target in targets
-                    if isinstance(target, ast.Name) and target.id in names
-                ]
-    assert redefined == []
+    assert sorted(named.symmetric_difference(rows)) == ["ADVANTAGE_STD_EPSILON"]
+    kinds = {"MAX": "at most", "MIN": "at least", "DEFAULT": "default"}
+    for row in limits.LIMITS:
+        assert row.kind == kinds.get(row.name.removeprefix("SIDECAR_").split("_")[0], "constant"), row.name
+        assert getattr(limits, row.name) == row.value
 
 
 def test_the_services_advantages_watch_backlog_and_sample_cache_are_the_contracts() -> None:
@@ -497,34 +458,3 @@ def test_each_option_names_real_grpc_and_sidecar_fields() -> None:
             assert path[-1] in ENDPOINTS[endpoint].model_fields, place
     sampled = {f.name for f in types_pb2.SamplingParams.DESCRIPTOR.fields}
     assert sampled <= {option.grpc.split(".")[1] for option in SAMPLING_OPTIONS}
-
-
-# ---------------------------------------------------------------- the protos and the docs
-
-
-def test_the_protos_name_only_bounds_the_contract_defines() -> None:
-    named = set()
-    for proto in (ROOT / "protos").rglob("*.proto"):
-        named |= set(re.findall(r"\b(?:MAX|MIN|DEFAULT)_[A-Z0-9_]+\b", proto.read_text()))
-    assert named, "the protos name no bound"
-    assert sorted(name for name in named if not hasattr(limits, name)) == []
-
-
-def test_the_art_backend_passes_every_train_config_key() -> None:
-    source = (ROOT / "client" / "tinkerrpc" / "art" / "_backend.py").read_text()
-    train_calls = [
-        node
-        for node in ast.walk(ast.parse(source))
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "train"
-    ]
-    assert len(train_calls) == 1
-    passed = {keyword.arg for keyword in train_calls[0].keywords}
-    assert {key.train_field for key in TRAIN_CONFIG_KEYS} <= passed
-    assert passed <= set(inspect.signature(calls.train).parameters)
-    assert "loss_fn: RLLossName" in source
-
-
-def test_the_docs_tables_have_a_row_per_entry() -> None:
-    assert limits_markdown().count("\n| `") == len(limits.LIMITS) + len(limits.SERVER_FLAGS)
-    assert losses_markdown().count("\n| `") == len(LOSSES)
-    assert sampling_options_markdown().count("\n| `") == len(SAMPLING_OPTIONS)

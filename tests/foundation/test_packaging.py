@@ -26,6 +26,25 @@ def test_importing_tinkerrpc_pulls_no_heavy_dependencies() -> None:
     assert exported.endswith(" True")
 
 
+def test_importing_the_contract_imports_nothing_else_of_ours_nor_grpc() -> None:
+    """The CLI, the engine and the docs read tinkerrpc.contract: the package's public names load on
+    first use, so importing the contract loads it alone, without grpc, protobuf or the SDK's modules."""
+    code = (
+        "import sys, tinkerrpc.contract\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tinkerrpc', 'grpc', 'google')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(
+        [
+            "tinkerrpc",
+            "tinkerrpc.contract",
+            "tinkerrpc.contract.limits",
+            "tinkerrpc.contract.losses",
+            "tinkerrpc.contract.sampling",
+        ]
+    )
+
+
 def test_generated_code_matches_protos(tmp_path: Path) -> None:
     subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "generate_protos.py"), "--out", str(tmp_path)],

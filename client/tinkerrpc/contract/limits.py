@@ -113,12 +113,13 @@ MAX_JSON_NUMBER_CHARS = 100
 
 @dataclass(frozen=True)
 class Limit:
-    """One fixed bound or constant: `name` is its constant in this module, `bounds` what it applies to."""
+    """One fixed bound, default or constant: `name` is its constant in this module, `bounds` what it
+    applies to."""
 
     name: str
     value: int | float
     bounds: str
-    kind: Literal["at most", "at least", "constant"]
+    kind: Literal["at most", "at least", "default", "constant"]
 
 
 def _most(name: str, bounds: str) -> Limit:
@@ -127,6 +128,10 @@ def _most(name: str, bounds: str) -> Limit:
 
 def _least(name: str, bounds: str) -> Limit:
     return Limit(name, globals()[name], bounds, "at least")
+
+
+def _default(name: str, bounds: str) -> Limit:
+    return Limit(name, globals()[name], bounds, "default")
 
 
 def _constant(name: str, bounds: str) -> Limit:
@@ -149,6 +154,10 @@ LIMITS: tuple[Limit, ...] = (
     _most("SIDECAR_MAX_TEMPERATURE", "the sidecar's temperature (OpenAI's range)"),
     _most("SIDECAR_MAX_TAG_CHARS", "characters of the sidecar's request_id and cache_salt"),
     _most("MAX_LEARNING_RATE", "AdamParams.learning_rate (required, > 0)"),
+    _default("DEFAULT_LEARNING_RATE", "the SDK's learning_rate (Train's has none: it is required)"),
+    _default("DEFAULT_ADAM_BETA1", "AdamParams.beta1 when unset (Tinker's)"),
+    _default("DEFAULT_ADAM_BETA2", "AdamParams.beta2 when unset (Tinker's)"),
+    _default("DEFAULT_ADAM_EPS", "AdamParams.eps when unset (Tinker's)"),
     _least("MIN_ADAM_EPS", "AdamParams.eps (smaller is 0 in float32)"),
     _most("MAX_WEIGHT_DECAY", "AdamParams.weight_decay (>= 0)"),
     _most("MAX_LOSS_PARAMETER", "LossConfig's clip_high_threshold and beta"),
@@ -170,7 +179,11 @@ LIMITS: tuple[Limit, ...] = (
     _most(
         "MAX_NAME_CHARS", "characters of a model or checkpoint name ([A-Za-z0-9._-], first a letter or digit)"
     ),
+    _default(
+        "DEFAULT_LORA_RANK", "LoraConfig.rank when 0 (and the engine's create_model without lora_config)"
+    ),
     _most("MAX_LORA_RANK", "LoraConfig.rank (also at most the base model's hidden size)"),
+    _default("DEFAULT_HISTORY_PAGE_SIZE", "GetRunHistoryRequest.page_size when 0"),
     _most("MAX_HISTORY_PAGE_SIZE", "GetRunHistoryRequest.page_size"),
     _most("MAX_WATCH_BACKLOG_EVENTS", "events a WatchModel stream falls behind by before it ends (ABORTED)"),
     _most("MAX_JSON_DEPTH", "nesting of JSON in a request (sidecar bodies, parameters_json, arguments_json)"),

@@ -26,6 +26,12 @@ from importlib import metadata
 
 import grpc
 
+from tinkerrpc.contract.limits import (
+    MAX_STOP_STRING_BYTES,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+)
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import trainer_service_pb2_grpc
 from tinkerrpc_server.service.backend import Backend
@@ -40,13 +46,7 @@ from tinkerrpc_server.service.sample_cache import SampleCache
 from tinkerrpc_server.service.sampling import Sampler
 from tinkerrpc_server.service.store import Store
 from tinkerrpc_server.service.training import StepHooks, Trainer
-from tinkerrpc_server.service.validation import (
-    MAX_STOP_STRING_BYTES,
-    MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS,
-    MAX_TOP_LOGPROBS,
-    check_create_model,
-)
+from tinkerrpc_server.service.validation import check_create_model
 
 
 @dataclass(frozen=True)
