@@ -91,22 +91,22 @@ def classify_error(exc: BaseException) -> FailedResult:
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.storage = Storage(config.data_dir)
-        self.futures = FutureTable[Answer](answer_size)
-        self.worker = ComputeWorker[SampleJob, Answer](classify_error, torch_threads=config.torch_threads)
+        self._storage = Storage(config.data_dir)
+        self._futures = FutureTable[Answer](answer_size)
+        self._worker = ComputeWorker[SampleJob, Answer](classify_error, torch_threads=config.torch_threads)
         self.url_secret = secrets.token_bytes(32)  # signs external-weights file URLs
-        self.sessions = Sessions(config.session_timeout)
-        self.sequenced = SequencedRequests()
-        self.ledger = SamplerLedger(config.snapshot_grace)
-        self.runtimes = RuntimeRegistry(config.model_dir, config.device, config.dtype, config.policy)
+        self._sessions = Sessions(config.session_timeout)
+        self._sequenced = SequencedRequests()
+        self._ledger = SamplerLedger(config.snapshot_grace)
+        self._runtimes = RuntimeRegistry(config.model_dir, config.device, config.dtype, config.policy)
         self._stopped = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep_expired, name="engine-sweep", daemon=True)
         self._sweeper.start()
 
     def close(self) -> None:
         self._stopped.set()
-        self.worker.stop()
-        self.storage.close()
+        self._worker.stop()
+        self._storage.close()
 
     def _sweep_expired(self) -> None:
         interval = min(
@@ -114,14 +114,14 @@ class Engine:
         )
         while not self._stopped.wait(interval):
             try:
-                for record in self.storage.delete_expired(time.time()):
+                for record in self._storage.delete_expired(time.time()):
                     log.info("checkpoint %s expired and was deleted", record.tinker_path)
-                for session_id in self.sessions.silent(time.monotonic()):
+                for session_id in self._sessions.silent(time.monotonic()):
                     log.info(
-                        "session %s sent nothing for %.0f s: finished", session_id, self.sessions.timeout
+                        "session %s sent nothing for %.0f s: finished", session_id, self._sessions.timeout
                     )
                     self.finish_session(session_id)
-                self._delete_snapshots(self.ledger.unused(time.monotonic()), "superseded and unused")
+                self._delete_snapshots(self._ledger.unused(time.monotonic()), "superseded and unused")
             except Exception:
                 log.exception("the engine's sweep failed")
 
@@ -129,7 +129,7 @@ class Engine:
 
     def failed_request(self, message: str) -> str:
         """A request id whose outcome is already a user error (a request rejected before queueing)."""
-        return self.futures.failed(message)
+        return self._futures.failed(message)
 
     async def outcome(
         self, request_id: str, timeout: float, disconnected: Callable[[], Coroutine[Any, Any, None]]
@@ -137,56 +137,56 @@ class Engine:
         """A request's outcome, waiting up to `timeout` seconds (FutureTable.wait); NotFound for an id
         this engine does not hold."""
         try:
-            return await self.futures.wait(request_id, timeout, disconnected)
+            return await self._futures.wait(request_id, timeout, disconnected)
         except KeyError as exc:
             raise NotFound(f"unknown request id {request_id!r}") from exc
 
     def stats(self) -> dict[str, int]:
         """The compute worker's scheduling counters and the live training clients."""
-        return {**dataclasses.asdict(self.worker.stats), "live_models": self.runtimes.live_count()}
+        return {**dataclasses.asdict(self._worker.stats), "live_models": self._runtimes.live_count()}
 
     # ---- sessions ----
 
     def open_session(self) -> str:
-        return self.sessions.open()
+        return self._sessions.open()
 
     def session_alive(self, session_id: str) -> bool:
         """Record a sign of life of a session; False if it has finished (see Sessions.alive)."""
-        return self.sessions.alive(session_id)
+        return self._sessions.alive(session_id)
 
     def require_open_session(self, session_id: str) -> None:
-        self.sessions.require_open(session_id)
+        self._sessions.require_open(session_id)
 
     def finish_session(self, session_id: str) -> None:
         """Unload the session's training clients (after the work they have queued) and forget its
         sampling sessions: nothing it made stays in memory."""
-        self.sessions.mark_finished(session_id)
-        for model_id in self.runtimes.live_with_prefix(training_client_prefix(session_id)):
+        self._sessions.mark_finished(session_id)
+        for model_id in self._runtimes.live_with_prefix(training_client_prefix(session_id)):
             self.queue_unload(model_id)
-        self.ledger.forget_samplers(sampling_session_prefix(session_id))
+        self._ledger.forget_samplers(sampling_session_prefix(session_id))
         log.info("session %s finished", session_id)
 
     # ---- models ----
 
     def resolve_model_dir(self, base_model: str) -> Path:
-        return self.runtimes.resolve_model_dir(base_model)
+        return self._runtimes.resolve_model_dir(base_model)
 
     def runtime(self, base_model: str) -> BaseModelRuntime:
         """The runtime of a base model, loaded on first use (compute thread)."""
-        return self.runtimes.runtime(base_model)
+        return self._runtimes.runtime(base_model)
 
     def live_runtime(self, model_id: str) -> BaseModelRuntime:
-        return self.runtimes.live_runtime(model_id)
+        return self._runtimes.live_runtime(model_id)
 
     def is_live(self, model_id: str) -> bool:
-        return self.runtimes.is_live(model_id)
+        return self._runtimes.is_live(model_id)
 
     def unload_model(self, model_id: str) -> None:
         """Free a training client's adapter and optimizer state; its checkpoints stay, but its unnamed
         sampler snapshot goes with it (compute thread)."""
-        self.runtimes.unload(model_id)
-        self.sequenced.forget(model_id)
-        self.ledger.supersede(model_id)
+        self._runtimes.unload(model_id)
+        self._sequenced.forget(model_id)
+        self._ledger.supersede(model_id)
         log.info("model %s unloaded", model_id)
 
     def queue_unload(self, model_id: str) -> str:
@@ -199,7 +199,7 @@ class Engine:
         return self.submit_training(model_id, None, "unload_model", work)
 
     def supported_models(self) -> list[str]:
-        return self.runtimes.supported_models()
+        return self._runtimes.supported_models()
 
     def create_model(
         self, model_id: str, base_model: str, spec: LoraSpec, seed: int | None, metadata: dict[str, str]
@@ -218,11 +218,11 @@ class Engine:
     ) -> None:
         """Load a checkpoint into `model_id`, creating it unless it is live (compute thread)."""
         try:
-            record, directory = self.storage.resolve(path)
+            record, directory = self._storage.resolve(path)
         except UnknownPathError as exc:
             raise EngineUserError(str(exc)) from exc
-        base_model = base_model or self.storage.get_run(record.model_id).base_model
-        live_base = self.runtimes.live_base_model(model_id)
+        base_model = base_model or self._storage.get_run(record.model_id).base_model
+        live_base = self._runtimes.live_base_model(model_id)
         if live_base is not None and live_base != base_model:
             raise EngineUserError(f"{path} was trained on {base_model}, model {model_id} is on {live_base}")
         if with_optimizer and record.kind != "training":
@@ -236,7 +236,7 @@ class Engine:
         self, model_id: str, base_model: str, spec: LoraSpec, seed: int | None, metadata: dict[str, str]
     ) -> None:
         stamp = now_iso()
-        self.storage.put_run(
+        self._storage.put_run(
             RunRecord(
                 model_id,
                 base_model,
@@ -250,7 +250,7 @@ class Engine:
                 metadata,
             )
         )
-        self.runtimes.mark_live(model_id, base_model)
+        self._runtimes.mark_live(model_id, base_model)
 
     def submit_to_live_model(
         self, model_id: str, seq_id: int | None, name: str, work: Callable[[], Answer]
@@ -269,18 +269,18 @@ class Engine:
         earlier = self.resent_request(model_id, seq_id, name)
         if earlier is not None:
             return earlier
-        request_id, future = self.futures.create()
-        self.storage.touch_run(model_id)
+        request_id, future = self._futures.create()
+        self._storage.touch_run(model_id)
         if seq_id is not None:
-            self.sequenced.remember(model_id, seq_id, name, request_id)
-        self.worker.submit_training(model_id, seq_id, f"{name} {model_id}", work, future)
+            self._sequenced.remember(model_id, seq_id, name, request_id)
+        self._worker.submit_training(model_id, seq_id, f"{name} {model_id}", work, future)
         return request_id
 
     def resent_request(self, model_id: str, seq_id: int | None, name: str) -> str | None:
         """The request id of a recent `name` operation with this seq_id, if any: the SDK resends a
         request whose answer it did not get (a timeout, a 5xx) with the same body, and never reuses a
         seq_id otherwise, so such a repeat is the same request and must not run twice."""
-        return self.sequenced.earlier(model_id, seq_id, name)
+        return self._sequenced.earlier(model_id, seq_id, name)
 
     def reject_in_turn(self, model_id: str, seq_id: int, name: str, message: str) -> str:
         """A request id that fails with `message` when `seq_id` comes up in the model's queue, so the
@@ -306,17 +306,17 @@ class Engine:
         """Save a live model's adapter (and for "training", its optimizer) as a checkpoint, deleted
         `ttl_seconds` from now if set; an ephemeral one does not outlive this engine (compute thread)."""
         runtime = self.live_runtime(model_id)
-        directory = self.storage.checkpoint_dir(model_id, kind, name)
+        directory = self._storage.checkpoint_dir(model_id, kind, name)
         expires_at = expiry(ttl_seconds)
         record = CheckpointRecord(model_id, kind, name, now_iso(), 0, metadata, expires_at, ephemeral)
-        if self.storage.has_checkpoint(record.tinker_path) or directory.exists():
+        if self._storage.has_checkpoint(record.tinker_path) or directory.exists():
             if not overwrite:
                 raise EngineUserError(f"checkpoint {record.tinker_path} already exists")
-            self.storage.delete_checkpoint(model_id, record.checkpoint_id)
+            self._storage.delete_checkpoint(model_id, record.checkpoint_id)
         directory.parent.mkdir(parents=True, exist_ok=True)
         runtime.save_state(model_id, directory, include_optimizer=kind == "training")
         record.size_bytes = directory_size(directory)
-        self.storage.add_checkpoint(record)
+        self._storage.add_checkpoint(record)
         return record
 
     def save_unnamed_snapshot(
@@ -325,7 +325,7 @@ class Engine:
         """An ephemeral sampler snapshot: it supersedes the model's previous unnamed one, which stays
         while it is used (compute thread)."""
         record = self.save_checkpoint(model_id, "sampler", name, False, metadata, ttl_seconds, ephemeral=True)
-        doomed = self.ledger.add_snapshot(model_id, record.checkpoint_id, record.tinker_path)
+        doomed = self._ledger.add_snapshot(model_id, record.checkpoint_id, record.tinker_path)
         self._delete_snapshots(doomed, "past the cap of unnamed snapshots per training client")
         return record
 
@@ -346,46 +346,46 @@ class Engine:
         record = self.save_unnamed_snapshot(model_id, unnamed, metadata, ttl_seconds)
         session = sampling_session_prefix(session_of(model_id))
         sampler_id = f"{session}{sampling_session_seq_id}:{secrets.token_hex(3)}"
-        self.ledger.add_sampler(replace(self._weights(record.tinker_path, None), sampler_id=sampler_id))
+        self._ledger.add_sampler(replace(self._weights(record.tinker_path, None), sampler_id=sampler_id))
         return record, sampler_id
 
     def run(self, model_id: str) -> RunRecord:
         """A training run this engine holds (UnknownPathError: none)."""
-        return self.storage.get_run(model_id)
+        return self._storage.get_run(model_id)
 
     def runs(self) -> list[RunRecord]:
-        return self.storage.list_runs()
+        return self._storage.list_runs()
 
     def checkpoints(self, model_id: str) -> list[CheckpointRecord]:
         """The unexpired checkpoints of a run, oldest first."""
-        return self.storage.list_checkpoints(model_id)
+        return self._storage.list_checkpoints(model_id)
 
     def run_of_checkpoint(self, tinker_path: str) -> RunRecord:
         """The training run that saved the checkpoint at `tinker_path`."""
-        record, _ = self.storage.resolve(tinker_path)
-        return self.storage.get_run(record.model_id)
+        record, _ = self._storage.resolve(tinker_path)
+        return self._storage.get_run(record.model_id)
 
     def external_weights(self, model_id: str, checkpoint_id: str) -> tuple[CheckpointRecord, Path]:
         """An external_weights checkpoint and its directory (UnknownPathError: none at that id)."""
         tinker_path = f"tinker://{model_id}/{checkpoint_id}"
-        record, directory = self.storage.resolve(tinker_path)
+        record, directory = self._storage.resolve(tinker_path)
         if record.kind != "external":
             raise UnknownPathError(f"{tinker_path} is not an external_weights checkpoint")
         return record, directory
 
     def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> CheckpointRecord:
-        record = self.storage.delete_checkpoint(model_id, checkpoint_id)
+        record = self._storage.delete_checkpoint(model_id, checkpoint_id)
         log.info("deleted checkpoint %s", record.tinker_path)
         return record
 
     def set_checkpoint_ttl(self, model_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
         """Expire a checkpoint `ttl_seconds` from now, or never (None)."""
-        self.storage.set_expiry(f"tinker://{model_id}/{checkpoint_id}", expiry(ttl_seconds))
+        self._storage.set_expiry(f"tinker://{model_id}/{checkpoint_id}", expiry(ttl_seconds))
 
     def _delete_snapshots(self, doomed: list[UnnamedSnapshot], why: str) -> None:
         for snapshot in doomed:
             with contextlib.suppress(UnknownPathError):  # its owner may have deleted it already
-                self.storage.delete_checkpoint(snapshot.model_id, snapshot.checkpoint_id)
+                self._storage.delete_checkpoint(snapshot.model_id, snapshot.checkpoint_id)
             log.info("unnamed sampler snapshot %s deleted: %s", snapshot.tinker_path, why)
 
     # ---- sampling ----
@@ -396,10 +396,10 @@ class Engine:
         sampler = replace(self._weights(model_path, base_model), sampler_id=sampler_id)
         if sampler.model_path is None:
             self.resolve_model_dir(sampler.base_model)
-        self.ledger.add_sampler(sampler)
+        self._ledger.add_sampler(sampler)
 
     def sampler(self, sampler_id: str) -> Sampler:
-        sampler = self.ledger.sampler(sampler_id)
+        sampler = self._ledger.sampler(sampler_id)
         if sampler is None:
             raise NotFound(f"unknown sampling session {sampler_id!r}")
         return sampler
@@ -415,8 +415,8 @@ class Engine:
     def _weights(self, model_path: str | None, base_model: str | None) -> Sampler:
         """A sampler (of no sampling session) of a checkpoint's weights, else of `base_model`."""
         if model_path:
-            record, weights_dir = self.storage.resolve(model_path)
-            return Sampler("", self.storage.get_run(record.model_id).base_model, model_path, weights_dir)
+            record, weights_dir = self._storage.resolve(model_path)
+            return Sampler("", self._storage.get_run(record.model_id).base_model, model_path, weights_dir)
         if base_model is None:
             raise protocol.BadRequest("base_model is required")
         return Sampler("", base_model, None, None)
@@ -442,7 +442,7 @@ class Engine:
     def submit_sample(self, sampler: Sampler, job: SampleJob) -> str:
         """Queue one sample job, its request id; jobs for the same weights run in one continuously
         batched decode."""
-        request_id, future = self.futures.create()
+        request_id, future = self._futures.create()
 
         def run_batch(feed: RequestFeed[SampleJob, Outcome[Answer]]) -> None:
             self.run_sample_batch(sampler, feed)
@@ -450,14 +450,14 @@ class Engine:
         model_path = sampler.model_path
         if model_path is not None:
             # Counted until answered, so the snapshot it samples from stays while it runs.
-            self.ledger.sample_started(model_path)
+            self._ledger.sample_started(model_path)
 
             def answered(_: object) -> None:
-                self.ledger.sample_answered(model_path)
+                self._ledger.sample_answered(model_path)
 
             future.add_done_callback(answered)
 
-        self.worker.submit_sample(
+        self._worker.submit_sample(
             (sampler.base_model, sampler.weights_dir),
             sampler.model_path or sampler.base_model,
             run_batch,
