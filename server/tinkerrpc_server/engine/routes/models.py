@@ -18,6 +18,7 @@ from tinker.types.try_again_response import TryAgainResponse
 from tinkerrpc.contract.limits import DEFAULT_LORA_RANK
 from tinkerrpc_server.engine.answers import Answer
 from tinkerrpc_server.engine.core import NotFound
+from tinkerrpc_server.engine.optimizers import check_optimizer_config
 from tinkerrpc_server.engine.routes.common import (
     EngineDep,
     future,
@@ -130,6 +131,7 @@ async def retrieve_future(
 async def create_model(request: types.CreateModelRequest, engine: EngineDep) -> types.UntypedAPIFuture:
     check_id("session_id", request.session_id)
     engine.require_open_session(request.session_id)
+    check_optimizer_config(request.optimizer_config)
     model_id = check_id("model_id", f"{request.session_id}:train:{request.model_seq_id}")
     base_model = request.base_model
     lora = request.lora_config or types.LoraConfig(rank=DEFAULT_LORA_RANK)

@@ -11,8 +11,8 @@ from tinker import types
 
 from tinkerrpc_server.engine import protocol
 from tinkerrpc_server.engine.answers import Answer
+from tinkerrpc_server.engine.optimizers import adam_params
 from tinkerrpc_server.engine.routes.common import EngineDep, model_operation
-from tinkerrpc_server.engine.runtime import EngineUserError
 
 router = APIRouter(prefix="/api/v1")
 
@@ -34,11 +34,10 @@ async def forward_backward(request: Request, engine: EngineDep) -> types.Untyped
 @router.post("/optim_step")
 async def optim_step(request: types.OptimStepRequest, engine: EngineDep) -> types.UntypedAPIFuture:
     model_id = request.model_id
-    adam = request.optim_params
+    params = request.optim_params
 
     def work() -> Answer:
-        if not isinstance(adam, types.AdamParams):
-            raise EngineUserError("optim_step needs adam_params (the only optimizer this engine runs)")
+        adam = adam_params(params)
         metrics = engine.live_runtime(model_id).optim_step(
             model_id,
             learning_rate=adam.learning_rate,

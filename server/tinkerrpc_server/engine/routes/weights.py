@@ -21,6 +21,7 @@ from tinker import types
 
 from tinkerrpc_server.engine import protocol
 from tinkerrpc_server.engine.answers import Answer
+from tinkerrpc_server.engine.optimizers import check_optimizer_config
 from tinkerrpc_server.engine.routes.common import (
     EngineDep,
     future,
@@ -103,6 +104,8 @@ async def save_weights_external(
 
 @router.post("/load_weights")
 async def load_weights(request: types.LoadWeightsRequest, engine: EngineDep) -> types.UntypedAPIFuture:
+    check_optimizer_config(request.optimizer_config)
+
     def load_into(model_id: str) -> Callable[[], Answer]:
         def work() -> Answer:
             metadata = str_metadata(request.user_metadata)
