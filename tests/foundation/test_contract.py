@@ -18,9 +18,10 @@ import pytest
 import tinker
 from pydantic import BaseModel
 
+import tinkerrpc
 from tinkerrpc import _calls as calls
 from tinkerrpc import _convert as convert
-from tinkerrpc.contract import limits
+from tinkerrpc.contract import estimators, limits
 from tinkerrpc.contract.losses import LOSSES, TRAIN_CONFIG_KEYS, LossName, RLLossName
 from tinkerrpc.contract.sampling import (
     SAMPLING_OPTIONS,
@@ -37,7 +38,16 @@ from tinkerrpc_server.service.errors import ServiceError, Violations
 from tinkerrpc_server.service.events import Subscription
 from tinkerrpc_server.service.limits import Limits, add_limit_arguments
 from tinkerrpc_server.service.sample_cache import SampleCache
-from tinkerrpc_server.sidecar import chat, generate, protocol, responses, sampling_args
+from tinkerrpc_server.sidecar import (
+    chat,
+    chat_protocol,
+    completions_protocol,
+    generate,
+    generate_protocol,
+    responses,
+    responses_protocol,
+    sampling_args,
+)
 from tinkerrpc_server.sidecar.errors import OpenAIError
 from tinkerrpc_server.sidecar.models import parse_model_id
 
@@ -103,7 +113,7 @@ def test_train_picks_the_default_loss_for_groups_and_examples() -> None:
 
 
 def test_every_loss_config_field_is_a_table_key() -> None:
-    fields = {f.name for f in types_pb2.LossConfig.DESCRIPTOR.fields} - {"function"}
+    fields = {f.name for f in types_pb2.LossConfig.DESCRIPTOR.fields} - {"function", "aggregation"}
     assert sorted(key.train_field for key in TRAIN_CONFIG_KEYS if key.train_field) == sorted(fields)
 
 
@@ -183,6 +193,56 @@ def test_the_numpy_fallback_fills_the_tables_defaults(loss: Any) -> None:
     assert step_loss.loss_from_logprobs(loss.name, other, datums, outputs) != pytest.approx(with_defaults)
 
 
+# ---------------------------------------------------------------- estimators and aggregations
+
+
+def test_every_proto_estimator_and_aggregation_has_one_row_and_a_type_checker_name() -> None:
+    for rows, enum, names in (
+        (estimators.ADVANTAGE_ESTIMATORS, types_pb2.AdvantageEstimator, estimators.AdvantageEstimatorName),
+        (estimators.LOSS_AGGREGATIONS, types_pb2.LossAggregation, estimators.LossAggregationName),
+    ):
+        proto = {name for name in enum.keys() if not name.endswith("_UNSPECIFIED")}
+        assert sorted(row.proto_enum for row in rows) == sorted(proto)
+        assert get_args(names) == tuple(row.name for row in rows)
+
+
+def _one_group() -> list[tinkerrpc.TrajectoryGroup]:
+    turn = tinkerrpc.SampledTurn((1, 2), (3,), (-0.5,), 0)
+    return [tinkerrpc.TrajectoryGroup([tinkerrpc.Trajectory(turns=[turn], reward=r) for r in (0.0, 1.0)])]
+
+
+def test_the_sdk_sends_each_estimator_and_aggregation_and_the_tables_defaults() -> None:
+    assert convert.ESTIMATOR_TO_PB == {
+        e.name: types_pb2.AdvantageEstimator.Value(e.proto_enum) for e in estimators.ADVANTAGE_ESTIMATORS
+    }
+    assert convert.AGGREGATION_TO_PB == {
+        a.name: types_pb2.LossAggregation.Value(a.proto_enum) for a in estimators.LOSS_AGGREGATIONS
+    }
+    parameters = inspect.signature(calls.train).parameters
+    assert parameters["loss_aggregation"].default == estimators.DEFAULT_LOSS_AGGREGATION
+    assert parameters["advantage_estimator"].default is None
+    for name in convert.ESTIMATOR_TO_PB:
+        request = calls.train("m", _one_group(), advantage_estimator=name).request  # type: ignore[arg-type]
+        assert train_options.advantage_estimator(request) == name
+    for name in convert.AGGREGATION_TO_PB:
+        request = calls.train("m", _one_group(), loss_aggregation=name).request  # type: ignore[arg-type]
+        assert train_options.loss_aggregation(request) == name
+    with pytest.raises(ValueError, match="advantage_estimator"):
+        calls.train("m", _one_group(), advantage_estimator="grpo")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="loss_aggregation"):
+        calls.train("m", _one_group(), loss_aggregation="mean")  # type: ignore[arg-type]
+
+
+def test_train_uses_the_tables_default_estimator_and_aggregation() -> None:
+    request = _train_request(types_pb2.LOSS_FUNCTION_IMPORTANCE_SAMPLING)
+    assert train_options.advantage_estimator(request) == estimators.DEFAULT_ADVANTAGE_ESTIMATOR
+    assert train_options.loss_aggregation(request) == estimators.DEFAULT_LOSS_AGGREGATION
+    request.advantages.normalize_std = True
+    assert train_options.advantage_estimator(request) == estimators.NORMALIZE_STD_ESTIMATOR
+    # Every loss but the token_sum-only one is linear in a positive scale of its advantages.
+    assert estimators.TOKEN_SUM_ONLY_LOSS in {loss.name for loss in RL}
+
+
 # ---------------------------------------------------------------- fixed bounds
 
 
@@ -201,7 +261,7 @@ def test_every_bound_and_default_has_a_row_and_each_row_its_constants_value() ->
 def test_the_services_advantages_watch_backlog_and_sample_cache_are_the_contracts() -> None:
     # rewards 0 and 1: centred -0.5 and 0.5, population std 0.5.
     scale = 0.5 + limits.ADVANTAGE_STD_EPSILON
-    assert group_advantages([0.0, 1.0], normalize_std=True) == [-0.5 / scale, 0.5 / scale]
+    assert group_advantages([0.0, 1.0], "group_mean_std") == [-0.5 / scale, 0.5 / scale]
     subscription = Subscription()
     event = service_pb.WatchModelResponse()
     for _ in range(limits.MAX_WATCH_BACKLOG_EVENTS):
@@ -372,10 +432,10 @@ def test_the_servers_limits_and_flags_are_the_contracts() -> None:
 # ---------------------------------------------------------------- the sidecar's request models
 
 ENDPOINTS: dict[str, type[BaseModel]] = {
-    "chat": protocol.ChatCompletionRequest,
-    "completions": protocol.CompletionRequest,
-    "responses": protocol.ResponseRequest,
-    "generate": protocol.GenerateSamplingParams,
+    "chat": chat_protocol.ChatCompletionRequest,
+    "completions": completions_protocol.CompletionRequest,
+    "responses": responses_protocol.ResponseRequest,
+    "generate": generate_protocol.GenerateSamplingParams,
 }
 
 
@@ -387,40 +447,48 @@ def _constraint(model: type[BaseModel], field: str, name: str) -> Any:
 
 def test_the_sidecars_request_models_bound_fields_as_the_contract() -> None:
     for model in (
-        protocol.ChatCompletionRequest,
-        protocol.CompletionRequest,
-        protocol.GenerateSamplingParams,
+        chat_protocol.ChatCompletionRequest,
+        completions_protocol.CompletionRequest,
+        generate_protocol.GenerateSamplingParams,
     ):
         assert _constraint(model, "n", "le") == limits.SIDECAR_MAX_N
-    assert _constraint(protocol.CompletionRequest, "best_of", "le") == limits.SIDECAR_MAX_N
+    assert _constraint(completions_protocol.CompletionRequest, "best_of", "le") == limits.SIDECAR_MAX_N
     for model in ENDPOINTS.values():
         assert _constraint(model, "temperature", "le") == limits.SIDECAR_MAX_TEMPERATURE
     for model, field in [
-        (protocol.ChatCompletionRequest, "top_logprobs"),
-        (protocol.CompletionRequest, "logprobs"),
-        (protocol.ResponseRequest, "top_logprobs"),
-        (protocol.GenerateSamplingParams, "logprobs"),
-        (protocol.GenerateSamplingParams, "prompt_logprobs"),
+        (chat_protocol.ChatCompletionRequest, "top_logprobs"),
+        (completions_protocol.CompletionRequest, "logprobs"),
+        (responses_protocol.ResponseRequest, "top_logprobs"),
+        (generate_protocol.GenerateSamplingParams, "logprobs"),
+        (generate_protocol.GenerateSamplingParams, "prompt_logprobs"),
     ]:
         assert _constraint(model, field, "le") == limits.MAX_TOP_LOGPROBS
     assert (
-        _constraint(protocol.GenerateSamplingParams, "stop_token_ids", "max_length")
+        _constraint(generate_protocol.GenerateSamplingParams, "stop_token_ids", "max_length")
         == limits.MAX_STOP_TOKEN_IDS
     )
     for field in ("request_id", "cache_salt"):
-        assert _constraint(protocol.GenerateRequest, field, "max_length") == limits.SIDECAR_MAX_TAG_CHARS
-    assert protocol.CompletionRequest.model_fields["max_tokens"].default == SIDECAR_COMPLETION_MAX_TOKENS
+        assert (
+            _constraint(generate_protocol.GenerateRequest, field, "max_length")
+            == limits.SIDECAR_MAX_TAG_CHARS
+        )
+    assert (
+        completions_protocol.CompletionRequest.model_fields["max_tokens"].default
+        == SIDECAR_COMPLETION_MAX_TOKENS
+    )
     ref = parse_model_id("run")
     unset = [
         chat.chat_sample_args(
-            protocol.ChatCompletionRequest.model_validate(
+            chat_protocol.ChatCompletionRequest.model_validate(
                 {"model": "run", "messages": [{"role": "user", "content": "hi"}]}
             ),
             ref,
         ),
-        responses.sample_args(protocol.ResponseRequest.model_validate({"model": "run", "input": "hi"}), ref),
+        responses.sample_args(
+            responses_protocol.ResponseRequest.model_validate({"model": "run", "input": "hi"}), ref
+        ),
         generate.generate_sample_args(
-            protocol.GenerateRequest.model_validate(
+            generate_protocol.GenerateRequest.model_validate(
                 {"model": "run", "token_ids": [1], "sampling_params": {}}
             ),
             ref,

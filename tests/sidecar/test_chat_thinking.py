@@ -10,8 +10,8 @@ import pytest
 from pydantic import ValidationError
 
 from tinkerrpc_server.sidecar import chat
+from tinkerrpc_server.sidecar.chat_protocol import ChatCompletionRequest
 from tinkerrpc_server.sidecar.errors import OpenAIError
-from tinkerrpc_server.sidecar.protocol import ChatCompletionRequest
 
 pytestmark = pytest.mark.unit
 

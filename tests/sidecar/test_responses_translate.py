@@ -8,14 +8,14 @@ from typing import Any
 import pytest
 
 from tinkerrpc import Message, Sample, ToolCall, Trajectory, messages_from_response_input
-from tinkerrpc_server.sidecar import models, protocol, responses
+from tinkerrpc_server.sidecar import models, responses, responses_protocol
 from tinkerrpc_server.sidecar.errors import OpenAIError
 
 pytestmark = pytest.mark.unit
 
 
-def request(**fields: Any) -> protocol.ResponseRequest:
-    return protocol.ResponseRequest.model_validate({"model": "run", "input": "hi", **fields})
+def request(**fields: Any) -> responses_protocol.ResponseRequest:
+    return responses_protocol.ResponseRequest.model_validate({"model": "run", "input": "hi", **fields})
 
 
 def tool_sample() -> Sample:
@@ -88,10 +88,10 @@ def test_sample_arguments_withhold_tools_under_tool_choice_none() -> None:
 
 def test_a_tool_call_streams_as_function_call_events_and_trains_as_one_turn() -> None:
     sample = tool_sample()
-    asked = request(include=[protocol.LOGPROBS_INCLUDE])
+    asked = request(include=[responses_protocol.LOGPROBS_INCLUDE])
     final = responses.build_response(asked, models.parse_model_id("run"), sample, 0, rl_fields=True)
     (item,) = final.output
-    assert isinstance(item, protocol.OutputFunctionCall) and item.call_id == "call_7"
+    assert isinstance(item, responses_protocol.OutputFunctionCall) and item.call_id == "call_7"
     assert (final.status, final.model, item.token_ids, item.token_logprobs) == (
         "completed",
         "run@2",

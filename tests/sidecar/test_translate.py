@@ -21,9 +21,11 @@ from tinkerrpc import (
 )
 from tinkerrpc.contract.sampling import SIDECAR_CHAT_MAX_TOKENS
 from tinkerrpc_server.sidecar import chat, completions, generate, models, sample_output, sampling_args
+from tinkerrpc_server.sidecar.chat_protocol import ChatCompletionRequest
+from tinkerrpc_server.sidecar.completions_protocol import CompletionRequest
 from tinkerrpc_server.sidecar.errors import OpenAIError, from_rpc_error, param_from_loc
+from tinkerrpc_server.sidecar.generate_protocol import GenerateRequest
 from tinkerrpc_server.sidecar.metrics import SidecarMetrics
-from tinkerrpc_server.sidecar.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
 pytestmark = pytest.mark.unit
 

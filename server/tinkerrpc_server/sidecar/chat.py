@@ -11,14 +11,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Response
+from openai.types.chat.chat_completion import ChoiceLogprobs
 
 from tinkerrpc import Sample
 from tinkerrpc.contract.sampling import SIDECAR_CHAT_MAX_TOKENS
-from tinkerrpc_server.sidecar.completion_route import CompletionFamily, answer
-from tinkerrpc_server.sidecar.errors import bad_request
-from tinkerrpc_server.sidecar.json_bounds import BoundedJSONRoute, check_json_text
-from tinkerrpc_server.sidecar.models import ModelRef
-from tinkerrpc_server.sidecar.protocol import (
+from tinkerrpc_server.sidecar.chat_protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -27,9 +24,12 @@ from tinkerrpc_server.sidecar.protocol import (
     ChatCompletionRequest,
     ChatDelta,
     ChatMessageParam,
-    ChoiceLogprobs,
     ToolCallDelta,
 )
+from tinkerrpc_server.sidecar.completion_route import CompletionFamily, answer
+from tinkerrpc_server.sidecar.errors import bad_request
+from tinkerrpc_server.sidecar.json_bounds import BoundedJSONRoute, check_json_text
+from tinkerrpc_server.sidecar.models import ModelRef
 from tinkerrpc_server.sidecar.sample_output import (
     ReplyHead,
     chat_logprob_entry,

@@ -12,8 +12,10 @@ from fastapi import Response
 from pydantic import BaseModel
 
 from tinkerrpc import Sample
+from tinkerrpc_server.sidecar.chat_protocol import ChatCompletion
+from tinkerrpc_server.sidecar.completions_protocol import Completion
 from tinkerrpc_server.sidecar.models import ModelRef, parse_model_id
-from tinkerrpc_server.sidecar.protocol import ChatCompletion, Completion, SamplingFields
+from tinkerrpc_server.sidecar.protocol import SamplingFields
 from tinkerrpc_server.sidecar.sample_output import response_json
 from tinkerrpc_server.sidecar.sampling_args import Prompt, SampleArgs, Sampler
 from tinkerrpc_server.sidecar.streaming import chunk_stream

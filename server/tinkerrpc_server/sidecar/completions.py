@@ -10,13 +10,14 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 from fastapi import APIRouter, Response
+from openai.types.completion_choice import Logprobs
 
 from tinkerrpc import Sample
 from tinkerrpc_server.sidecar.completion_route import CompletionFamily, answer
+from tinkerrpc_server.sidecar.completions_protocol import Completion, CompletionChoice, CompletionRequest
 from tinkerrpc_server.sidecar.errors import bad_request
 from tinkerrpc_server.sidecar.json_bounds import BoundedJSONRoute
 from tinkerrpc_server.sidecar.models import ModelRef
-from tinkerrpc_server.sidecar.protocol import Completion, CompletionChoice, CompletionRequest, LegacyLogprobs
 from tinkerrpc_server.sidecar.sample_output import (
     ReplyHead,
     rl_fields_asked,
@@ -68,7 +69,7 @@ def completion_sample_args(request: CompletionRequest, ref: ModelRef) -> SampleA
     )
 
 
-def _legacy_logprobs(sample: Sample, positions: range, text_start: int, as_token_ids: bool) -> LegacyLogprobs:
+def _legacy_logprobs(sample: Sample, positions: range, text_start: int, as_token_ids: bool) -> Logprobs:
     tokens: list[str] = []
     offsets: list[int] = []
     top: list[dict[str, float]] = []
@@ -80,7 +81,7 @@ def _legacy_logprobs(sample: Sample, positions: range, text_start: int, as_token
         offset += len(text)
         alternatives = sample.top_logprobs[p] if p < len(sample.top_logprobs) else ()
         top.append({token_label(a.token_id, a.text, as_token_ids): a.logprob for a in alternatives})
-    return LegacyLogprobs(
+    return Logprobs(
         tokens=tokens,
         token_logprobs=[sample.logprobs[p] for p in positions],
         top_logprobs=top if sample.top_logprobs else None,

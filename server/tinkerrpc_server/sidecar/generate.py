@@ -15,20 +15,20 @@ import time
 from collections.abc import Sequence
 
 from fastapi import APIRouter, Response
+from openai.types.chat.chat_completion import ChoiceLogprobs
 
 from tinkerrpc import Sample
 from tinkerrpc.contract.sampling import SIDECAR_CHAT_MAX_TOKENS
 from tinkerrpc_server.sidecar.errors import OpenAIError, bad_request
-from tinkerrpc_server.sidecar.json_bounds import BoundedJSONRoute
-from tinkerrpc_server.sidecar.models import ModelRef, parse_model_id
-from tinkerrpc_server.sidecar.protocol import (
-    ChoiceLogprobs,
+from tinkerrpc_server.sidecar.generate_protocol import (
     GenerateChoice,
     GenerateRequest,
     GenerateResponse,
     GenerateSamplingParams,
     PromptTokenLogprob,
 )
+from tinkerrpc_server.sidecar.json_bounds import BoundedJSONRoute
+from tinkerrpc_server.sidecar.models import ModelRef, parse_model_id
 from tinkerrpc_server.sidecar.sample_output import ReplyHead, chat_logprob_entry, usage_of
 from tinkerrpc_server.sidecar.sampling_args import (
     SampleArgs,

@@ -14,7 +14,7 @@ from fastapi import APIRouter
 
 from tinkerrpc import ModelInfo
 from tinkerrpc_server.sidecar.errors import model_not_found
-from tinkerrpc_server.sidecar.protocol import ModelCard, ModelList
+from tinkerrpc_server.sidecar.models_protocol import ModelCard, ModelList
 
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # ASCII digits only (`str.isdigit` also takes superscripts and other scripts' digits, which `int()`

@@ -22,7 +22,7 @@ from tinkerrpc_server.sidecar import sample_output
 from tinkerrpc_server.sidecar.errors import bad_request, param_from_loc
 from tinkerrpc_server.sidecar.json_bounds import BoundedJSONRoute, check_json_text
 from tinkerrpc_server.sidecar.models import ModelRef, parse_model_id
-from tinkerrpc_server.sidecar.protocol import (
+from tinkerrpc_server.sidecar.responses_protocol import (
     INPUT_ITEMS,
     FunctionCallInput,
     FunctionTool,

@@ -13,19 +13,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from openai.types.chat import ChatCompletionTokenLogprob
+from openai.types.chat.chat_completion_message_function_tool_call import Function
+from openai.types.chat.chat_completion_token_logprob import TopLogprob
+
 from tinkerrpc import Sample
+from tinkerrpc_server.sidecar.chat_protocol import ChatCompletion, ToolCall
+from tinkerrpc_server.sidecar.completions_protocol import Completion
 from tinkerrpc_server.sidecar.models import ModelRef
-from tinkerrpc_server.sidecar.protocol import (
-    ChatCompletion,
-    Completion,
-    FinishReason,
-    FunctionCall,
-    SamplingFields,
-    TokenLogprobEntry,
-    ToolCall,
-    TopLogprobEntry,
-    Usage,
-)
+from tinkerrpc_server.sidecar.protocol import FinishReason, SamplingFields, Usage
 
 
 def truncate_at_stop(text: str, stops: Sequence[str], keep_stop: bool = False, start: int = 0) -> str:
@@ -129,19 +125,19 @@ def token_text(sample: Sample, position: int) -> str:
     return sample.token_texts[position] if position < len(sample.token_texts) else ""
 
 
-def chat_logprob_entry(sample: Sample, position: int, as_token_ids: bool) -> TokenLogprobEntry:
+def chat_logprob_entry(sample: Sample, position: int, as_token_ids: bool) -> ChatCompletionTokenLogprob:
     """The chat-shaped logprob entry (also the Responses API's) of the token at `position`."""
     token_id = sample.tokens[position]
     text = token_text(sample, position)
     alternatives = sample.top_logprobs[position] if position < len(sample.top_logprobs) else ()
-    return TokenLogprobEntry(
+    return ChatCompletionTokenLogprob(
         token=token_label(token_id, text, as_token_ids),
         logprob=sample.logprobs[position],
         bytes=_token_bytes(
             sample.token_bytes[position] if position < len(sample.token_bytes) else None, text
         ),
         top_logprobs=[
-            TopLogprobEntry(
+            TopLogprob(
                 token=token_label(alt.token_id, alt.text, as_token_ids),
                 logprob=alt.logprob,
                 bytes=_token_bytes(alt.bytes, alt.text),
@@ -175,7 +171,7 @@ def parse_chat_choice(
     tool_calls = [
         ToolCall(
             id=call.id,
-            function=FunctionCall(name=call.name, arguments=call.arguments),
+            function=Function(name=call.name, arguments=call.arguments),
         )
         for call in (message.tool_calls if message is not None else ())
     ]

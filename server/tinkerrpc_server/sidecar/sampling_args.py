@@ -16,12 +16,10 @@ from typing import Any
 from tinkerrpc import Sample
 from tinkerrpc.contract.limits import MAX_STOP_STRINGS
 from tinkerrpc_server.sidecar.errors import bad_request
+from tinkerrpc_server.sidecar.generate_protocol import GenerateSamplingParams
 from tinkerrpc_server.sidecar.models import ModelRef
-from tinkerrpc_server.sidecar.protocol import (
-    GenerateSamplingParams,
-    ResponseRequest,
-    SamplingFields,
-)
+from tinkerrpc_server.sidecar.protocol import SamplingFields
+from tinkerrpc_server.sidecar.responses_protocol import ResponseRequest
 
 
 @dataclass(frozen=True)

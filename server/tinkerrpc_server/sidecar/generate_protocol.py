@@ -1,0 +1,102 @@
+"""vLLM's tokens-in, tokens-out generate: the shapes of `/inference/v1/generate` (GenerateRequest,
+GenerateResponse), as the `renderers` package's client (verifiers' and prime-rl's training client) sends
+and reads them. No `openai` type describes them; the logprobs are openai's chat ChoiceLogprobs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from openai.types.chat.chat_completion import ChoiceLogprobs
+from pydantic import BaseModel, Field
+
+from tinkerrpc.contract.limits import (
+    MAX_INT32,
+    MAX_INT64,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+    MIN_INT64,
+    SIDECAR_MAX_N,
+    SIDECAR_MAX_TAG_CHARS,
+    SIDECAR_MAX_TEMPERATURE,
+)
+from tinkerrpc_server.sidecar.protocol import StrictRequest, TokenId, Usage
+
+
+class GenerateSamplingParams(StrictRequest):
+    """vLLM's SamplingParams, the subset the sampler honours; knobs it lacks are declared so that the
+    route names them in a 400 (accepted only at their neutral values)."""
+
+    n: int = Field(1, ge=1, le=SIDECAR_MAX_N)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32)
+    temperature: float | None = Field(None, ge=0.0, le=SIDECAR_MAX_TEMPERATURE)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    # -1 or 0 disables top-k.
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
+    seed: int | None = Field(None, ge=MIN_INT64, le=MAX_INT64)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    ignore_eos: bool = False
+    # Top alternatives per sampled token (the sampled token's own logprob always comes with them).
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Only 0 (each prompt token's own logprob) is served.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # The answer carries no text: these change nothing but are what vLLM clients send.
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
+    # prime-rl's vLLM: where in the prompt the MoE routing data starts; no routing data is returned here.
+    routed_experts_prompt_start: int | None = Field(None, ge=0, le=MAX_INT32)
+    # Honoured only at their neutral values (checked by name so the 400 says which one).
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+
+class GenerateRequest(StrictRequest):
+    model: str = Field(min_length=1)
+    token_ids: list[TokenId] = Field(min_length=1)
+    sampling_params: GenerateSamplingParams
+    request_id: str | None = Field(None, min_length=1, max_length=SIDECAR_MAX_TAG_CHARS)
+    stream: bool = False
+    # Accepted and ignored: it keeps one caller's prompts out of another's prefix cache, and no KV cache
+    # outlives a Sample call here.
+    cache_salt: str | None = Field(None, max_length=SIDECAR_MAX_TAG_CHARS)
+    # vLLM refuses any other priority unless it schedules by priority, as this server does not.
+    priority: int = Field(0, ge=MIN_INT64, le=MAX_INT64)
+
+
+class PromptTokenLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+class GenerateChoice(BaseModel):
+    index: int
+    logprobs: ChoiceLogprobs | None
+    finish_reason: Literal["stop", "length"]
+    token_ids: list[int]
+    # RL extensions, as on the other routes.
+    policy_version: int
+    sample_key: str | None = None
+
+
+class GenerateResponse(BaseModel):
+    request_id: str
+    model: str
+    created: int
+    choices: list[GenerateChoice]
+    usage: Usage
+    # vLLM's shape: None at position 0, then {token id: its logprob} per prompt token.
+    prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = None
+    # RL extensions (vLLM names), as on the other routes.
+    prompt_token_ids: list[int]
+    policy_version: int
