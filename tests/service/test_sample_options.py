@@ -55,12 +55,20 @@ def test_enable_thinking_switches_the_codec(codec: ChatCodec) -> None:
 def test_forced_openings_are_the_renderers_tokens(codec: ChatCodec) -> None:
     any_call = _forced_opening(_chat(forced_tool_call=pb.ForcedToolCall()), codec)
     named = _forced_opening(_chat(forced_tool_call=pb.ForcedToolCall(function_name="get_weather")), codec)
+    # Qwen3's thinking renderer: the reply the model is trained to write starts with an empty think
+    # block, and the call follows it (issue 40: an opening before it made the model fail).
     assert codec.decode(any_call, skip_special_tokens=False, spaces_between_special_tokens=False) == (
-        '<tool_call>\n{"name": "'
+        '<think>\n\n</think>\n\n<tool_call>\n{"name": "'
     )
     assert named[: len(any_call)] == any_call
     assert codec.decode(named, skip_special_tokens=False, spaces_between_special_tokens=False) == (
-        '<tool_call>\n{"name": "get_weather", "arguments":'
+        '<think>\n\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments":'
+    )
+    # Without thinking the prompt already ends with the empty think block: the opening is the call's.
+    plain = codec.with_renderer("qwen3_disable_thinking")
+    plain_call = _forced_opening(_chat(forced_tool_call=pb.ForcedToolCall()), plain)
+    assert plain.decode(plain_call, skip_special_tokens=False, spaces_between_special_tokens=False) == (
+        '<tool_call>\n{"name": "'
     )
     assert _forced_opening(_chat(), codec) == []
 

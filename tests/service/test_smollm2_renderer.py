@@ -23,6 +23,7 @@ from tinkerrpc_server.service.rendering import (
     default_renderer_name,
     thinking_variant,
 )
+from tinkerrpc_server.service.replies import tool_call_opening
 from tinkerrpc_server.service.smollm2_renderer import DEFAULT_SYSTEM_PROMPT, SMOLLM2_RENDERER
 
 pytestmark = pytest.mark.process
@@ -148,4 +149,4 @@ def test_the_server_s_codec_of_the_built_in_uses_it(codec: ChatCodec) -> None:
     expected = _template_ids(codec.tokenizer, [{"role": "user", "content": "What is 7 + 5?"}], True)
     assert codec.generation_prompt(question, []) == expected
     # What a forced tool call starts the reply with (up to the token before the arguments, " {").
-    assert codec.decode(codec.tool_call_opening("lookup")) == '<tool_call>\n{"name": "lookup", "arguments":'
+    assert codec.decode(tool_call_opening(codec, "lookup")) == '<tool_call>\n{"name": "lookup", "arguments":'

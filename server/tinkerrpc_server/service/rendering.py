@@ -16,7 +16,6 @@ import json
 import logging
 import re
 import secrets
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -47,7 +46,7 @@ ROLE_NAMES = {
     types_pb2.ROLE_ASSISTANT: "assistant",
     types_pb2.ROLE_TOOL: "tool",
 }
-_ROLES_BY_NAME = {name: role for role, name in ROLE_NAMES.items()}
+ROLES_BY_NAME = {name: role for role, name in ROLE_NAMES.items()}
 
 
 # Every use of a tokenizer (loading codecs, rendering, tokenising, decoding) runs on this one thread, off
@@ -115,11 +114,6 @@ def thinking_variant(renderer_name: str, enable_thinking: bool) -> str:
     raise RendererVariantError(
         f"renderer {renderer_name!r} has no variant with thinking {'enabled' if enable_thinking else 'disabled'}"
     )
-
-
-# A tool call rendered with these is searched for the renderer's tool-call opening.
-_SENTINEL_NAME = "tkrpcsentinelfunction"
-_SENTINEL_ARGUMENT = "tkrpcsentinelargument"
 
 
 class PlainTextTokenizer:
@@ -260,50 +254,6 @@ class ChatCodec:
     def generation_prompt(self, messages: list[types_pb2.Message], tools: list[types_pb2.Tool]) -> list[int]:
         """The conversation (tools declared first) rendered with the generation prompt appended."""
         return list(self.renderer.build_generation_prompt(self._conversation(messages, tools)).to_ints())
-
-    def tool_call_opening(self, function_name: str) -> list[int]:
-        """The tokens that open an assistant reply with a tool call: the renderer's own tokens of a call
-        up to the function's name (any function when empty) or, with a name, up to its arguments, as
-        it renders a call answering a user in an earlier turn (how the model learns calls from
-        multi-turn conversations: Qwen3's thinking renderers put no empty think block there). The
-        renderer's tokens, not a re-tokenised text: a prefix cut at a token boundary is what the model
-        saw in training. RendererVariantError when the renderer renders no tool calls as text."""
-        name = function_name or _SENTINEL_NAME
-        call = renderers.ToolCall(
-            id="call_0",
-            function=renderers.ToolCall.FunctionBody(
-                name=self.plain_text.mark(name), arguments=json.dumps({_SENTINEL_ARGUMENT: 1})
-            ),
-        )
-        asked: list[renderers.Message] = [{"role": "user", "content": "hello"}]
-        answered: list[renderers.Message] = [
-            *asked,
-            {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "content": "done", "tool_call_id": "call_0"},
-        ]
-        prompt = self.renderer.build_generation_prompt(asked).to_ints()
-        rendered = self.renderer.build_generation_prompt(answered).to_ints()
-        # Where the rendering leaves the generation prompt: a prompt may end past it (the empty think block
-        # of qwen3_disable_thinking), and the opening follows the whole prompt.
-        shared = next(
-            (i for i, (a, b) in enumerate(zip(prompt, rendered, strict=False)) if a != b), len(prompt)
-        )
-        reply = rendered[shared:]
-        text = str(self.tokenizer.decode(reply, skip_special_tokens=False))
-        name_at = text.find(name)
-        arguments_at = text.rfind("{", 0, text.find(_SENTINEL_ARGUMENT))
-        if name_at < 0 or arguments_at < name_at + len(name):
-            raise RendererVariantError(
-                f"renderer {self.renderer_name!r} has no tool-call format to force a call with"
-            )
-        end = arguments_at if function_name else name_at
-        count = 0
-        while (
-            count < len(reply)
-            and len(self.tokenizer.decode(reply[: count + 1], skip_special_tokens=False)) <= end
-        ):
-            count += 1
-        return reply[:count]
 
     def supervised_examples(
         self, messages: list[types_pb2.Message], tools: list[types_pb2.Tool], train_on: TrainOnWhat
@@ -526,20 +476,3 @@ def _cookbook_messages(
             converted["name"] = mark(message.name)
         out.append(converted)
     return out
-
-
-def to_proto_message(message: renderers.Message) -> types_pb2.Message:
-    content: Any = message.get("content", "")
-    text = content if isinstance(content, str) else renderers.format_content_as_string(content)
-    proto = types_pb2.Message(
-        role=_ROLES_BY_NAME.get(message["role"], types_pb2.ROLE_ASSISTANT), content=text
-    )
-    for call in message.get("tool_calls", []):
-        # Chat templates like Qwen3's carry no call ids, yet the tool message answering a call must
-        # name one: a sampled call without an id gets a fresh one, as OpenAI's API gives.
-        proto.tool_calls.add(
-            id=call.id or f"call_{uuid.uuid4().hex[:24]}",
-            name=call.function.name,
-            arguments_json=call.function.arguments,
-        )
-    return proto

@@ -19,13 +19,8 @@ from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server.service import errors
 from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.models import VERSION_RESOURCE, ModelRegistry
-from tinkerrpc_server.service.rendering import (
-    ChatCodec,
-    RendererVariantError,
-    off_loop,
-    thinking_variant,
-    to_proto_message,
-)
+from tinkerrpc_server.service.rendering import ChatCodec, RendererVariantError, off_loop, thinking_variant
+from tinkerrpc_server.service.replies import parse_reply, tool_call_opening
 from tinkerrpc_server.service.sample_cache import SampleCache
 from tinkerrpc_server.service.store import ModelRow, Store
 from tinkerrpc_server.service.validation import check_prompt, check_prompt_tokens, check_sampling_params
@@ -58,7 +53,7 @@ def _forced_opening(request: pb.SampleRequest, codec: ChatCodec) -> list[int]:
     if request.WhichOneof("prompt") != "chat" or not request.chat.HasField("forced_tool_call"):
         return []
     try:
-        return codec.tool_call_opening(request.chat.forced_tool_call.function_name)
+        return tool_call_opening(codec, request.chat.forced_tool_call.function_name)
     except RendererVariantError as err:
         raise errors.invalid_argument([("chat.forced_tool_call", str(err))]) from err
 
@@ -114,10 +109,10 @@ def _sampled_sequence(
     )
     if request.WhichOneof("prompt") == "chat":
         # A forced tool-call opening is the reply's start: parsed with it, the reply is the call.
-        message, _termination = codec.renderer.parse_response(forced + tokens)
-        if request.chat.single_tool_call:
-            del message.get("tool_calls", [])[1:]
-        sampled.message.CopyFrom(to_proto_message(message))
+        tool_names = {tool.name for tool in request.chat.tools}
+        sampled.message.CopyFrom(
+            parse_reply(codec, tokens, forced, tool_names, request.chat.single_tool_call)
+        )
     if request.params.return_token_texts:
         sampled.token_texts.extend(codec.token_text(t) for t in tokens)
         sampled.token_bytes.extend(codec.token_bytes(t) for t in tokens)
