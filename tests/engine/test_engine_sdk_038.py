@@ -1,5 +1,5 @@
 """Tinker 0.38's newer options through the unmodified SDK against a real engine: the optimizer family
-chosen at creation and the sampler's top-K logprobs of sampled tokens."""
+chosen at creation and the sampler's top-K logprobs of sampled tokens (and the cap on K)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import tinker
 from engine_proc import TINY, seq_gaps
 from tinker import types
 
+from tinkerrpc.contract.limits import MAX_ENGINE_TOPK_LOGPROBS
 from tinkerrpc_server.local.stack import LocalEngine
 
 pytestmark = pytest.mark.process
@@ -64,3 +65,62 @@ def test_a_dimuon_model_is_refused_at_creation_and_nothing_runs_adam_in_its_plac
     client.optim_step(ADAM).result()  # the gradients kept from before the refused step
     assert not np.allclose(probe(client), before)
     assert seq_gaps(engine, client.model_id) == []
+
+
+def expect_failure(call: object, *fragments: str) -> None:
+    with pytest.raises((tinker.RequestFailedError, tinker.APIStatusError)) as info:
+        call.result()  # type: ignore[attr-defined]
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+
+
+PROMPT = types.ModelInput.from_ints([5, 17, 42, 8, 99])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 0.0])
+def test_topk_sample_logprobs_are_the_sampled_positions_distribution(
+    service: tinker.ServiceClient, temperature: float
+) -> None:
+    sampler = service.create_sampling_client(base_model=TINY).result()
+    params = types.SamplingParams(max_tokens=6, seed=11, temperature=temperature, stop=[])
+    k = 4
+    response = sampler.sample(PROMPT, 2, params, topk_sample_logprobs=k).result()
+    for seq in response.sequences:
+        top = seq.topk_logprobs_np
+        assert top is not None and top.token_ids.shape == top.logprobs.shape == (len(seq.tokens), k)
+        assert np.all(np.diff(top.logprobs, axis=1) <= 0) and np.all(top.logprobs <= 0)
+        assert all(len(set(row)) == k for row in top.token_ids.tolist())
+        for position, (token, logprob) in enumerate(zip(seq.tokens, seq.logprobs, strict=True)):
+            listed = dict(zip(top.token_ids[position].tolist(), top.logprobs[position].tolist(), strict=True))
+            if temperature == 0.0:
+                assert top.token_ids[position, 0] == token
+            if token in listed:  # the sampled token's own logprob is the one listed for it
+                assert listed[token] == pytest.approx(logprob, abs=1e-4)
+        assert seq.topk_logprobs is not None and seq.topk_logprobs[0] == list(
+            zip(top.token_ids[0].tolist(), top.logprobs[0].tolist(), strict=True)
+        )
+        if temperature == 1.0:
+            # At T = 1 they are the model's next-token distribution: the prompt top-K of the same tokens.
+            extended = types.ModelInput.from_ints(PROMPT.to_ints() + seq.tokens)
+            scored = sampler.sample(extended, 1, types.SamplingParams(max_tokens=1), topk_prompt_logprobs=k)
+            prompt_top = scored.result().topk_prompt_logprobs_np
+            assert prompt_top is not None
+            # The first position has no entry: the SDK's sentinel row, which it reads as None.
+            assert scored.result().topk_prompt_logprobs[0] is None  # type: ignore[index]
+            rows = slice(PROMPT.length, PROMPT.length + len(seq.tokens))
+            np.testing.assert_array_equal(top.token_ids, prompt_top.token_ids[rows])
+            np.testing.assert_allclose(top.logprobs, prompt_top.logprobs[rows], atol=1e-4)
+    plain = sampler.sample(PROMPT, 1, params).result()
+    assert plain.sequences[0].topk_logprobs is None
+
+
+def test_topk_logprobs_out_of_range_are_refused_naming_the_field(service: tinker.ServiceClient) -> None:
+    sampler = service.create_sampling_client(base_model=TINY).result()
+    params = types.SamplingParams(max_tokens=2)
+    for field in ("topk_sample_logprobs", "topk_prompt_logprobs"):
+        for k in (-1, MAX_ENGINE_TOPK_LOGPROBS + 1):
+            expect_failure(
+                sampler.sample(PROMPT, 1, params, **{field: k}), field, str(MAX_ENGINE_TOPK_LOGPROBS)
+            )
+    at_cap = sampler.sample(PROMPT, 1, params, topk_sample_logprobs=MAX_ENGINE_TOPK_LOGPROBS).result()
+    assert at_cap.sequences[0].topk_logprobs_np.token_ids.shape == (2, MAX_ENGINE_TOPK_LOGPROBS)  # type: ignore[union-attr]

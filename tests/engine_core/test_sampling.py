@@ -190,6 +190,23 @@ def test_bad_sample_jobs_are_refused(runtime: BaseModelRuntime, job: SampleJob, 
         runtime.sample(None, [SampleJob([1, 2], 1, 2), job])
 
 
+def test_topk_sample_logprobs_up_to_the_whole_vocabulary(runtime: BaseModelRuntime) -> None:
+    vocab = runtime.vocab_size
+    with pytest.raises(EngineUserError, match=f"topk_sample_logprobs must be in \\[0, {vocab}\\]"):
+        runtime.sample(None, [SampleJob([1, 2], 1, 2, topk_sample_logprobs=vocab + 1)])
+    job = SampleJob([1, 2], 1, 3, temperature=0.7, seed=3, stop_token_ids=[], topk_sample_logprobs=vocab)
+    (seq,) = runtime.sample(None, [job])[0].sequences
+    assert seq.topk_logprobs is not None and seq.topk_logprobs.token_ids.shape == (3, vocab)
+    # The whole distribution at the row's temperature: every token once, the probabilities sum to 1.
+    assert all(sorted(row) == list(range(vocab)) for row in seq.topk_logprobs.token_ids.tolist())
+    np.testing.assert_allclose(
+        np.exp(seq.topk_logprobs.logprobs.astype(np.float64)).sum(axis=1), 1.0, atol=1e-4
+    )
+    for position, token in enumerate(seq.tokens):
+        listed = seq.topk_logprobs.logprobs[position][seq.topk_logprobs.token_ids[position] == token]
+        assert listed[0] == pytest.approx(seq.logprobs[position], abs=1e-5)
+
+
 def test_missing_sampler_weights_are_refused(runtime: BaseModelRuntime, tmp_path: Path) -> None:
     with pytest.raises(EngineUserError, match="no sampler weights"):
         runtime.sample(tmp_path / "nothing-here", [SampleJob([1, 2], 1, 2)])

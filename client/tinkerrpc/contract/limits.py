@@ -21,6 +21,9 @@ MAX_INT64 = 2**63 - 1
 # --- Sample
 # OpenAI's top_logprobs cap.
 MAX_TOP_LOGPROBS = 20
+# The engine's cap on K of the tinker SDK's topk_sample_logprobs and topk_prompt_logprobs (the cookbook's
+# distillation recipes ask for 20); each position's K entries are kept until the answer is read.
+MAX_ENGINE_TOPK_LOGPROBS = 256
 # Stop strings: the count and UTF-8 bytes of each, and stop token ids (they become stop strings when
 # stop strings are given too, so each one costs a string match).
 MAX_STOP_STRINGS = 16
@@ -140,6 +143,10 @@ def _constant(name: str, bounds: str) -> Limit:
 
 LIMITS: tuple[Limit, ...] = (
     _most("MAX_TOP_LOGPROBS", "SamplingParams.top_logprobs (the sidecar's top_logprobs, logprobs)"),
+    _most(
+        "MAX_ENGINE_TOPK_LOGPROBS",
+        "the engine's topk_sample_logprobs and topk_prompt_logprobs (tinker SDK; also at most the vocabulary)",
+    ),
     _most("MAX_STOP_STRINGS", "strings in SamplingParams.stop (the sidecar's stop)"),
     _most("MAX_STOP_STRING_BYTES", "UTF-8 bytes of one stop string (each also non-empty)"),
     _most("MAX_STOP_TOKEN_IDS", "ids in SamplingParams.stop_token_ids"),

@@ -32,7 +32,12 @@ def answer_size(answer: Answer) -> int:
         numbers = sum(2 * len(seq.tokens) for seq in answer.sequences)
         numbers += len(answer.prompt_logprobs or ())
         entries = sum(len(row or ()) for row in answer.topk_prompt_logprobs or ())
-        return _LISTED_NUMBER_BYTES * numbers + _TOPK_ENTRY_BYTES * entries
+        arrays = sum(
+            seq.topk_logprobs.token_ids.nbytes + seq.topk_logprobs.logprobs.nbytes
+            for seq in answer.sequences
+            if seq.topk_logprobs is not None
+        )
+        return _LISTED_NUMBER_BYTES * numbers + _TOPK_ENTRY_BYTES * entries + arrays
     if isinstance(answer, ForwardResult):
         return sum(array.nbytes for array in answer.logprobs) + _LISTED_NUMBER_BYTES * len(answer.metrics)
     return _JSON_ANSWER_BYTES

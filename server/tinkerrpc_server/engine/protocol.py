@@ -16,7 +16,9 @@ import pydantic
 import zstandard
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
+from tinker.types.topk_logprobs import MASK_LOGPROB
 
+from tinkerrpc.contract.limits import MAX_ENGINE_TOPK_LOGPROBS
 from tinkerrpc_server.engine.compute.samples import SampleJob, SampleOutput
 from tinkerrpc_server.engine.runtime import DatumArrays, ForwardResult
 
@@ -141,11 +143,15 @@ def encode_forward_result(result: ForwardResult) -> bytes:
 def encode_sample_output(result: SampleOutput) -> bytes:
     response = pb.SampleResponse()
     for seq in result.sequences:
-        response.sequences.add(
+        encoded = response.sequences.add(
             stop_reason=_STOP_REASONS[seq.stop_reason],
             tokens=np.asarray(seq.tokens, dtype=np.int32).tobytes(),
             logprobs=np.asarray(seq.logprobs, dtype=np.float32).tobytes(),
         )
+        if seq.topk_logprobs is not None:
+            _encode_topk(
+                encoded.topk_sampled_logprobs, seq.topk_logprobs.token_ids, seq.topk_logprobs.logprobs
+            )
     if result.prompt_logprobs is not None:
         # The wire marks positions without a logprob (the first token) as NaN.
         values = [math.nan if lp is None else lp for lp in result.prompt_logprobs]
@@ -154,17 +160,21 @@ def encode_sample_output(result: SampleOutput) -> bytes:
         rows = result.topk_prompt_logprobs
         k = max((len(row) for row in rows if row), default=0)
         if k:
+            # Positions without an entry hold the SDK's sentinel (id 0, MASK_LOGPROB), which it reads as None.
             ids = np.zeros((len(rows), k), dtype=np.int32)
-            lps = np.full((len(rows), k), -math.inf, dtype=np.float32)
+            lps = np.full((len(rows), k), MASK_LOGPROB, dtype=np.float32)
             for i, row in enumerate(rows):
                 for j, (token, logprob) in enumerate(row or []):
                     ids[i, j] = token
                     lps[i, j] = logprob
-            response.topk_prompt_logprobs.token_ids = ids.tobytes()
-            response.topk_prompt_logprobs.logprobs = lps.tobytes()
-            response.topk_prompt_logprobs.k = k
-            response.topk_prompt_logprobs.length = len(rows)
+            _encode_topk(response.topk_prompt_logprobs, ids, lps)
     return bytes(response.SerializeToString())
+
+
+def _encode_topk(message: pb.TopkLogprobs, token_ids: np.ndarray, logprobs: np.ndarray) -> None:
+    message.length, message.k = token_ids.shape
+    message.token_ids = token_ids.astype(np.int32).tobytes()
+    message.logprobs = logprobs.astype(np.float32).tobytes()
 
 
 def prompt_tokens(prompt: types.ModelInput) -> list[int]:
@@ -186,8 +196,13 @@ def sample_job(request: types.SampleRequest) -> SampleJob:
     complete set of stops and replaces EOS: token ids stop on those ids, strings stop when the decoded
     text contains one of them.
     """
-    for unsupported, value in (
+    for name, k in (
         ("topk_sample_logprobs", request.topk_sample_logprobs),
+        ("topk_prompt_logprobs", request.topk_prompt_logprobs),
+    ):
+        if not 0 <= k <= MAX_ENGINE_TOPK_LOGPROBS:
+            raise BadRequest(f"{name} must be in [0, {MAX_ENGINE_TOPK_LOGPROBS}], got {k}")
+    for unsupported, value in (
         ("prompt_alt_tokens_k", request.prompt_alt_tokens_k),
         ("target_prompt_logprobs", request.target_prompt_logprobs),
     ):
@@ -212,6 +227,7 @@ def sample_job(request: types.SampleRequest) -> SampleJob:
         seed=params.seed,
         include_prompt_logprobs=bool(request.prompt_logprobs) or request.topk_prompt_logprobs > 0,
         topk_prompt_logprobs=request.topk_prompt_logprobs,
+        topk_sample_logprobs=request.topk_sample_logprobs,
         prompt_logprobs_last_n=request.prompt_logprobs_last_n,
     )
 

@@ -11,6 +11,7 @@ import torch
 
 from tinkerrpc_server.engine.compute.samples import SampledSeq, SampleJob, SampleOutput, StopReason
 from tinkerrpc_server.engine.compute.token_choice import StopCheck
+from tinkerrpc_server.engine.compute.topk import TopkEntry, TopkRows
 
 
 @dataclass(eq=False)
@@ -44,7 +45,15 @@ class DecodingJob:
             keep_from = len(prompt_logprobs) - last_n
             prompt_logprobs = [None if j < keep_from else lp for j, lp in enumerate(prompt_logprobs)]
         return SampleOutput(
-            sequences=[SampledSeq(r.tokens, r.logprobs, r.stop_reason or "length") for r in self.rows],
+            sequences=[
+                SampledSeq(
+                    r.tokens,
+                    r.logprobs,
+                    r.stop_reason or "length",
+                    TopkRows.stack(r.topk, job.topk_sample_logprobs) if job.topk_sample_logprobs else None,
+                )
+                for r in self.rows
+            ],
             prompt_logprobs=prompt_logprobs,
             topk_prompt_logprobs=self.topk_prompt_logprobs if job.topk_prompt_logprobs else None,
         )
@@ -56,6 +65,7 @@ class Row:
     uniforms: torch.Tensor  # one draw per token it may sample, from its own seed
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    topk: list[TopkEntry] = field(default_factory=list)  # one per token when the job asks for them
     stop_reason: StopReason | None = None
     # The prefill whose prompt KV the row holds a copy of (rows of one prompt share it), and its length.
     prefix: tuple[int, int] | None = None

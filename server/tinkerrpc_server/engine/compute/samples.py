@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tinkerrpc_server.engine.compute.topk import TopkRows
+
 StopReason = Literal["stop", "length"]
 
 
@@ -27,6 +29,7 @@ class SampleJob:
     seed: int | None = None
     include_prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
     # Only the last N prompt positions get a logprob (the others are None); None: all of them.
     prompt_logprobs_last_n: int | None = None
 
@@ -36,6 +39,7 @@ class SampledSeq:
     tokens: list[int]
     logprobs: list[float]
     stop_reason: StopReason
+    topk_logprobs: TopkRows | None = None
 
 
 @dataclass

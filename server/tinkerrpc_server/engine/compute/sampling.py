@@ -143,6 +143,11 @@ class Sampling(StateIO):
             raise EngineUserError(f"{where}: top_k must be 0 (off) or positive, got {job.top_k}")
         if job.topk_prompt_logprobs < 0:
             raise EngineUserError(f"{where}: topk_prompt_logprobs must be >= 0")
+        if not 0 <= job.topk_sample_logprobs <= self.vocab_size:
+            raise EngineUserError(
+                f"{where}: topk_sample_logprobs must be in [0, {self.vocab_size}] (the vocabulary), "
+                f"got {job.topk_sample_logprobs}"
+            )
         last_n = job.prompt_logprobs_last_n
         if last_n is not None and not 1 <= last_n < len(prompt):
             raise EngineUserError(f"{where}: prompt_logprobs_last_n must be in [1, {len(prompt) - 1}]")

@@ -28,6 +28,7 @@ from tinkerrpc_server.engine.compute.prefill import Prefill
 from tinkerrpc_server.engine.compute.rows import DecodingJob, Row
 from tinkerrpc_server.engine.compute.samples import SampleJob, SampleOutput
 from tinkerrpc_server.engine.compute.token_choice import choose
+from tinkerrpc_server.engine.compute.topk import sampled_top_logprobs
 
 # The sampling model (the engine's own decoder or a transformers model, forward_call.py), made usable
 # for the span of its context.
@@ -261,6 +262,8 @@ class DecodeBatch:
         drawn = drawn.clamp_(max=batch.uniforms.shape[1] - 1)
         uniforms = batch.uniforms.gather(1, drawn.unsqueeze(-1)).squeeze(-1)
         tokens, logprobs = choose(batch.next_logits, batch.temperatures, batch.top_ks, batch.top_ps, uniforms)
+        wanted = [0 if row.stop_reason else row.owner.job.topk_sample_logprobs for row in batch.rows]
+        tops = sampled_top_logprobs(batch.next_logits, batch.temperatures, wanted)
         live: list[int] = []
         for index, (row, token, logprob) in enumerate(
             zip(batch.rows, tokens.tolist(), logprobs.tolist(), strict=True)
@@ -269,6 +272,9 @@ class DecodeBatch:
                 continue
             row.tokens.append(token)
             row.logprobs.append(logprob)
+            top = tops[index]
+            if top is not None:
+                row.topk.append(top)
             row.stop_reason = row.owner.stop.reason(row.tokens)
             if row.stop_reason is None:
                 live.append(index)
