@@ -26,6 +26,7 @@ from tinkerrpc._types import (
     Trajectory,
     TrajectoryGroup,
 )
+from tinkerrpc.contract.estimators import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS
 from tinkerrpc.contract.losses import LOSSES
 from tinkerrpc.v1 import trainer_service_pb2 as service_pb
 from tinkerrpc.v1 import types_pb2 as pb
@@ -57,6 +58,13 @@ _TRAIN_ON_TO_PB: dict[TrainOn, pb.TrainOn.ValueType] = {
 # Each loss of the contract's table by its proto enum value (tinkerrpc.contract.losses).
 LOSS_TO_PB: dict[str, pb.LossFunction.ValueType] = {
     loss.name: pb.LossFunction.Value(loss.proto_enum) for loss in LOSSES
+}
+# Each advantage estimator and loss aggregation of the contract's tables by its proto enum value.
+ESTIMATOR_TO_PB: dict[str, pb.AdvantageEstimator.ValueType] = {
+    e.name: pb.AdvantageEstimator.Value(e.proto_enum) for e in ADVANTAGE_ESTIMATORS
+}
+AGGREGATION_TO_PB: dict[str, pb.LossAggregation.ValueType] = {
+    a.name: pb.LossAggregation.Value(a.proto_enum) for a in LOSS_AGGREGATIONS
 }
 
 

@@ -1,4 +1,4 @@
-"""MkDocs hook: the limits, losses and sampling-options tables, written at build time by `tinkerrpc.contract`.
+"""MkDocs hook: the limits, losses, estimators and sampling-options tables, written at build time by `tinkerrpc.contract`.
 
 The contract module is where every bound, loss and sampling option is defined (one rule, one place); a
 page holding one of the placeholders below gets that module's Markdown in its place, so the page can
@@ -15,6 +15,7 @@ from tinkerrpc import contract
 PLACEHOLDERS = {
     "<!-- contract:limits -->": contract.limits_markdown,
     "<!-- contract:losses -->": contract.losses_markdown,
+    "<!-- contract:estimators -->": contract.estimators_markdown,
     "<!-- contract:sampling -->": contract.sampling_options_markdown,
 }
 

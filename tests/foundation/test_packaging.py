@@ -38,6 +38,7 @@ def test_importing_the_contract_imports_nothing_else_of_ours_nor_grpc() -> None:
         [
             "tinkerrpc",
             "tinkerrpc.contract",
+            "tinkerrpc.contract.estimators",
             "tinkerrpc.contract.limits",
             "tinkerrpc.contract.losses",
             "tinkerrpc.contract.sampling",

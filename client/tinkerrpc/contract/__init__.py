@@ -1,7 +1,9 @@
 """The tinkerrpc API's rules in one place: every fixed bound and default (`limits`), the loss table
-(`losses`) and the sampling-options table (`sampling`). The service's validation, the sidecar's request
+(`losses`), the advantage-estimator and loss-aggregation tables (`estimators`) and the sampling-options
+table (`sampling`). The service's validation, the sidecar's request
 models, the engine's loss checks, the SDK's client-side checks and the ART backend read them; the docs'
-tables are generated from them (`limits_markdown()`, `losses_markdown()`, `sampling_options_markdown()`);
+tables are generated from them (`limits_markdown()`, `losses_markdown()`, `estimators_markdown()`,
+`sampling_options_markdown()`);
 tests/foundation/test_contract.py fails when any layer's default or bound differs from the table's.
 
 A leaf package: the standard library only, so the light SDK imports it without torch, tinker or fastapi.
@@ -29,8 +31,9 @@ Adding a loss:
 A config key Train should set also needs its optional field in `LossConfig` (named as the key).
 """
 
+from tinkerrpc.contract.estimators import estimators_markdown
 from tinkerrpc.contract.limits import limits_markdown
 from tinkerrpc.contract.losses import losses_markdown
 from tinkerrpc.contract.sampling import sampling_options_markdown
 
-__all__ = ["limits_markdown", "losses_markdown", "sampling_options_markdown"]
+__all__ = ["estimators_markdown", "limits_markdown", "losses_markdown", "sampling_options_markdown"]

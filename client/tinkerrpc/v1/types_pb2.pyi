@@ -145,6 +145,68 @@ and clip_high_threshold as for PPO.
 """
 Global___LossFunction: _TypeAlias = LossFunction  # noqa: Y015
 
+class _LossAggregation:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _LossAggregationEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_LossAggregation.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    LOSS_AGGREGATION_UNSPECIFIED: _LossAggregation.ValueType  # 0
+    """Not set: TOKEN_SUM."""
+    LOSS_AGGREGATION_TOKEN_SUM: _LossAggregation.ValueType  # 1
+    """Sum over every trained token (Tinker's own loss; weight 1)."""
+    LOSS_AGGREGATION_TOKEN_MEAN: _LossAggregation.ValueType  # 2
+    """Mean over every trained token of the step (weight 1 / trained tokens)."""
+    LOSS_AGGREGATION_SEQUENCE_MEAN: _LossAggregation.ValueType  # 3
+    """Mean over trajectories of each trajectory's mean over its sampled tokens (weight
+    1 / (trajectories * the trajectory's sampled tokens)).
+    """
+
+class LossAggregation(_LossAggregation, metaclass=_LossAggregationEnumTypeWrapper):
+    """How the per-token losses of a Train step add up: a weight on each token's advantage, fixed per
+    trajectory (Tinker's losses are sums over tokens). DRO trains with TOKEN_SUM only.
+    """
+
+LOSS_AGGREGATION_UNSPECIFIED: LossAggregation.ValueType  # 0
+"""Not set: TOKEN_SUM."""
+LOSS_AGGREGATION_TOKEN_SUM: LossAggregation.ValueType  # 1
+"""Sum over every trained token (Tinker's own loss; weight 1)."""
+LOSS_AGGREGATION_TOKEN_MEAN: LossAggregation.ValueType  # 2
+"""Mean over every trained token of the step (weight 1 / trained tokens)."""
+LOSS_AGGREGATION_SEQUENCE_MEAN: LossAggregation.ValueType  # 3
+"""Mean over trajectories of each trajectory's mean over its sampled tokens (weight
+1 / (trajectories * the trajectory's sampled tokens)).
+"""
+Global___LossAggregation: _TypeAlias = LossAggregation  # noqa: Y015
+
+class _AdvantageEstimator:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _AdvantageEstimatorEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AdvantageEstimator.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ADVANTAGE_ESTIMATOR_UNSPECIFIED: _AdvantageEstimator.ValueType  # 0
+    """Not set: GROUP_MEAN_STD with normalize_std, GROUP_MEAN without."""
+    ADVANTAGE_ESTIMATOR_GROUP_MEAN: _AdvantageEstimator.ValueType  # 1
+    """reward - group mean (Dr. GRPO)."""
+    ADVANTAGE_ESTIMATOR_GROUP_MEAN_STD: _AdvantageEstimator.ValueType  # 2
+    """(reward - group mean) / (population std + ADVANTAGE_STD_EPSILON) (GRPO)."""
+    ADVANTAGE_ESTIMATOR_LEAVE_ONE_OUT: _AdvantageEstimator.ValueType  # 3
+    """reward - mean of the group's other rewards (RLOO); a group of one trains nothing."""
+
+class AdvantageEstimator(_AdvantageEstimator, metaclass=_AdvantageEstimatorEnumTypeWrapper):
+    """How a group's rewards become each trajectory's advantage."""
+
+ADVANTAGE_ESTIMATOR_UNSPECIFIED: AdvantageEstimator.ValueType  # 0
+"""Not set: GROUP_MEAN_STD with normalize_std, GROUP_MEAN without."""
+ADVANTAGE_ESTIMATOR_GROUP_MEAN: AdvantageEstimator.ValueType  # 1
+"""reward - group mean (Dr. GRPO)."""
+ADVANTAGE_ESTIMATOR_GROUP_MEAN_STD: AdvantageEstimator.ValueType  # 2
+"""(reward - group mean) / (population std + ADVANTAGE_STD_EPSILON) (GRPO)."""
+ADVANTAGE_ESTIMATOR_LEAVE_ONE_OUT: AdvantageEstimator.ValueType  # 3
+"""reward - mean of the group's other rewards (RLOO); a group of one trains nothing."""
+Global___AdvantageEstimator: _TypeAlias = AdvantageEstimator  # noqa: Y015
+
 class _StopReason:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -524,6 +586,7 @@ class LossConfig(_message.Message):
     CLIP_LOW_THRESHOLD_FIELD_NUMBER: _builtins.int
     CLIP_HIGH_THRESHOLD_FIELD_NUMBER: _builtins.int
     BETA_FIELD_NUMBER: _builtins.int
+    AGGREGATION_FIELD_NUMBER: _builtins.int
     function: Global___LossFunction.ValueType
     """Which loss to use."""
     clip_low_threshold: _builtins.float
@@ -534,6 +597,10 @@ class LossConfig(_message.Message):
     """Upper clip bound on the importance ratio for PPO, CISPO and GSPO; unset = its default."""
     beta: _builtins.float
     """Strength of DRO's quadratic penalty; unset = its default."""
+    aggregation: Global___LossAggregation.ValueType
+    """How the per-token losses add up to the step's loss (the contract's aggregation table);
+    unset = LOSS_AGGREGATION_TOKEN_SUM.
+    """
     def __init__(
         self,
         *,
@@ -541,10 +608,11 @@ class LossConfig(_message.Message):
         clip_low_threshold: _builtins.float | None = ...,
         clip_high_threshold: _builtins.float | None = ...,
         beta: _builtins.float | None = ...,
+        aggregation: Global___LossAggregation.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_beta", b"_beta", "_clip_high_threshold", b"_clip_high_threshold", "_clip_low_threshold", b"_clip_low_threshold", "beta", b"beta", "clip_high_threshold", b"clip_high_threshold", "clip_low_threshold", b"clip_low_threshold"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_beta", b"_beta", "_clip_high_threshold", b"_clip_high_threshold", "_clip_low_threshold", b"_clip_low_threshold", "beta", b"beta", "clip_high_threshold", b"clip_high_threshold", "clip_low_threshold", b"clip_low_threshold", "function", b"function"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_beta", b"_beta", "_clip_high_threshold", b"_clip_high_threshold", "_clip_low_threshold", b"_clip_low_threshold", "aggregation", b"aggregation", "beta", b"beta", "clip_high_threshold", b"clip_high_threshold", "clip_low_threshold", b"clip_low_threshold", "function", b"function"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__beta: _TypeAlias = _typing.Literal["beta"]  # noqa: Y015
     _WhichOneofArgType__beta: _TypeAlias = _typing.Literal["_beta", b"_beta"]  # noqa: Y015
@@ -623,18 +691,25 @@ class AdvantageOptions(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NORMALIZE_STD_FIELD_NUMBER: _builtins.int
+    ESTIMATOR_FIELD_NUMBER: _builtins.int
     normalize_std: _builtins.bool
     """Divide (reward - group mean) by the group's population standard deviation (ddof = 0)
-    plus ADVANTAGE_STD_EPSILON. Off by default: advantages are mean-centred only.
+    plus ADVANTAGE_STD_EPSILON. Off by default: advantages are mean-centred only. The same as
+    estimator ADVANTAGE_ESTIMATOR_GROUP_MEAN_STD; refused with any other estimator.
+    """
+    estimator: Global___AdvantageEstimator.ValueType
+    """How a group's rewards become advantages (the contract's estimator table); unset =
+    GROUP_MEAN_STD when normalize_std is set, GROUP_MEAN otherwise.
     """
     def __init__(
         self,
         *,
         normalize_std: _builtins.bool = ...,
+        estimator: Global___AdvantageEstimator.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["normalize_std", b"normalize_std"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["estimator", b"estimator", "normalize_std", b"normalize_std"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -6,10 +6,10 @@ Merged turns: when a trajectory's next turn reads the previous turn's whole sequ
 as the start of its prompt (the usual case with tools), the two train as ONE datum of the later sequence,
 each turn's loss inputs on its own completion positions and zeros on the tokens between (tool results,
 user turns, template tokens). Every loss is a sum over positions (no per-datum or per-token mean) and
-advantages, normalize_std included, are fixed per trajectory before any datum is built; every loss but
-DRO adds nothing at a position without advantage (or weight), and a causal model reads a prefix the same
-inside a longer sequence, so the merged datum trains exactly as the separate ones while the shared
-history is processed once instead of once per turn. Where a turn's prompt does not continue the previous sequence (a renderer stripped earlier
+advantages, the estimator's and the aggregation's weight included, are fixed per trajectory before any
+datum is built; every loss but DRO adds nothing at a position without advantage (or weight), and a
+causal model reads a prefix the same inside a longer sequence, so the merged datum trains exactly as the
+separate ones while the shared history is processed once instead of once per turn. Where a turn's prompt does not continue the previous sequence (a renderer stripped earlier
 thinking, history was edited), the chain breaks there and a new datum starts. Supervised examples that
 continue each other (renderers without the extension property) merge the same way."""
 
@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 import tinker
 from tinker_cookbook.renderers import TrainOnWhat
 
+from tinkerrpc.contract.estimators import AdvantageEstimatorName, LossAggregationName
 from tinkerrpc.contract.limits import ADVANTAGE_STD_EPSILON
 from tinkerrpc.v1 import trainer_service_pb2, types_pb2
 from tinkerrpc_server.service.errors import STALE_POLICY_VERSION, Violations, failed_precondition
 from tinkerrpc_server.service.rendering import ChatCodec, off_loop
+from tinkerrpc_server.service.train_options import advantage_estimator, loss_aggregation
 
 
 @dataclass
@@ -43,17 +45,30 @@ class Batch:
     env_metrics: dict[str, float] = field(default_factory=dict)
 
 
-def group_advantages(rewards: list[float], normalize_std: bool) -> list[float] | None:
-    """reward − group mean, optionally over (population std + ADVANTAGE_STD_EPSILON); None for a
-    zero-variance group."""
+def group_advantages(rewards: list[float], estimator: AdvantageEstimatorName) -> list[float] | None:
+    """The group's advantages by the contract's estimator row; None for a zero-variance group (and, for
+    leave_one_out, a group of one: no other reward to compare with)."""
     mean = sum(rewards) / len(rewards)
     centred = [r - mean for r in rewards]
-    if all(abs(c) == 0.0 for c in centred):
+    if all(abs(c) == 0.0 for c in centred) or (estimator == "leave_one_out" and len(rewards) == 1):
         return None
-    if normalize_std:
+    if estimator == "group_mean_std":
         std = math.sqrt(sum(c * c for c in centred) / len(centred))
         return [c / (std + ADVANTAGE_STD_EPSILON) for c in centred]
+    if estimator == "leave_one_out":
+        # r_i − (Σ r − r_i) / (n − 1) = n / (n − 1) · (r_i − mean)
+        return [c * len(rewards) / (len(rewards) - 1) for c in centred]
     return centred
+
+
+def aggregation_weights(sampled_tokens: list[int], aggregation: LossAggregationName) -> list[float]:
+    """Each trajectory's weight on its advantages (its sampled tokens given per trajectory), by the
+    contract's aggregation row: Tinker's losses sum over tokens, so a mean is a weighted sum."""
+    if aggregation == "token_mean":
+        return [1.0 / sum(sampled_tokens)] * len(sampled_tokens)
+    if aggregation == "sequence_mean":
+        return [1.0 / (len(sampled_tokens) * tokens) for tokens in sampled_tokens]
+    return [1.0] * len(sampled_tokens)
 
 
 def _staleness(trajectory: types_pb2.Trajectory, current_version: int) -> int:
@@ -172,6 +187,9 @@ def rl_batch(
                 metric_counts[name] += 1
     batch.env_metrics = {f"env/{name}": metric_sums[name] / metric_counts[name] for name in metric_sums}
 
+    estimator = advantage_estimator(request)
+    # Each trained trajectory's sequences and sampled tokens, weighted once all are known.
+    trained: list[tuple[list[_Sequence], int]] = []
     violations = Violations()
     for g, group in enumerate(request.groups):
         fresh = []
@@ -191,13 +209,14 @@ def rl_batch(
             fresh.append((t, trajectory))
         if not fresh:
             continue
-        advantages = group_advantages([tr.reward for _, tr in fresh], request.advantages.normalize_std)
+        advantages = group_advantages([tr.reward for _, tr in fresh], estimator)
         if advantages is None:
             batch.zero_variance_groups += 1
             batch.dropped_zero_variance += len(fresh)
             continue
         for (t, trajectory), advantage in zip(fresh, advantages, strict=True):
             sequences = []
+            sampled = 0
             for k, turn in enumerate(trajectory.turns):
                 prompt = turn_prompt(trajectory, k, codec)
                 length = len(prompt) + len(turn.completion_token_ids)
@@ -208,10 +227,17 @@ def rl_batch(
                     )
                     continue
                 sequences.append(_turn_sequence(prompt, turn, advantage, ratio_mask))
-                batch.trained_tokens += len(turn.completion_token_ids)
-            _add(batch, sequences, merge)
-            batch.used += 1
+                sampled += len(turn.completion_token_ids)
+            trained.append((sequences, sampled))
     violations.raise_if_any()
+    weights = aggregation_weights([sampled for _, sampled in trained], loss_aggregation(request))
+    for (sequences, sampled), weight in zip(trained, weights, strict=True):
+        if weight != 1.0:
+            for sequence in sequences:
+                sequence.inputs["advantages"] = [a * weight for a in sequence.inputs["advantages"]]
+        _add(batch, sequences, merge)
+        batch.trained_tokens += sampled
+        batch.used += 1
     return batch
 
 

@@ -1,6 +1,7 @@
-"""A Train request's loss and optimizer options: their checks, and what they become for Tinker (the loss
-name, its loss_fn_config, the AdamParams). The losses, their config keys' defaults and ranges, and the
-bounds are the contract's (`tinkerrpc.contract`)."""
+"""A Train request's loss, advantage and optimizer options: their checks, and what they become for Tinker
+(the loss name, its loss_fn_config, the advantage estimator and loss aggregation, the AdamParams). The
+losses, their config keys' defaults and ranges, the estimators, the aggregations and the bounds are the
+contract's (`tinkerrpc.contract`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,16 @@ import math
 import tinker
 from tinker.types import LossFnType
 
+from tinkerrpc.contract.estimators import (
+    ADVANTAGE_ESTIMATORS,
+    DEFAULT_ADVANTAGE_ESTIMATOR,
+    DEFAULT_LOSS_AGGREGATION,
+    LOSS_AGGREGATIONS,
+    NORMALIZE_STD_ESTIMATOR,
+    TOKEN_SUM_ONLY_LOSS,
+    AdvantageEstimatorName,
+    LossAggregationName,
+)
 from tinkerrpc.contract.limits import MAX_LEARNING_RATE, MAX_WEIGHT_DECAY, MIN_ADAM_EPS
 from tinkerrpc.contract.losses import (
     DEFAULT_RL_LOSS,
@@ -23,6 +34,12 @@ from tinkerrpc.v1 import trainer_service_pb2, types_pb2
 from tinkerrpc_server.service.errors import Violations
 
 _LOSS_BY_ENUM = {types_pb2.LossFunction.Value(loss.proto_enum): loss for loss in LOSSES}
+_ESTIMATOR_BY_ENUM: dict[int, AdvantageEstimatorName] = {
+    types_pb2.AdvantageEstimator.Value(e.proto_enum): e.name for e in ADVANTAGE_ESTIMATORS
+}
+_AGGREGATION_BY_ENUM: dict[int, LossAggregationName] = {
+    types_pb2.LossAggregation.Value(a.proto_enum): a.name for a in LOSS_AGGREGATIONS
+}
 
 
 def train_loss(request: trainer_service_pb2.TrainRequest) -> Loss:
@@ -46,6 +63,50 @@ def loss_config(request: trainer_service_pb2.TrainRequest) -> dict[str, float] |
         if key.train_field is not None
     }
     return config or None
+
+
+def advantage_estimator(request: trainer_service_pb2.TrainRequest) -> AdvantageEstimatorName:
+    """The estimator of a validated request; unset: normalize_std's (its older spelling) or the default."""
+    estimator = request.advantages.estimator
+    if estimator == types_pb2.ADVANTAGE_ESTIMATOR_UNSPECIFIED:
+        return NORMALIZE_STD_ESTIMATOR if request.advantages.normalize_std else DEFAULT_ADVANTAGE_ESTIMATOR
+    return _ESTIMATOR_BY_ENUM[estimator]
+
+
+def loss_aggregation(request: trainer_service_pb2.TrainRequest) -> LossAggregationName:
+    """The loss aggregation of a validated request (unset: the default)."""
+    aggregation = request.loss.aggregation
+    if aggregation == types_pb2.LOSS_AGGREGATION_UNSPECIFIED:
+        return DEFAULT_LOSS_AGGREGATION
+    return _AGGREGATION_BY_ENUM[aggregation]
+
+
+def check_advantages(v: Violations, request: trainer_service_pb2.TrainRequest) -> None:
+    """The estimator and aggregation options: known values, a consistent normalize_std, and RL only."""
+    options = request.advantages
+    if options.estimator not in types_pb2.AdvantageEstimator.values():
+        v.add("advantages.estimator", f"unknown advantage estimator {options.estimator}")
+    elif options.normalize_std and options.estimator not in (
+        types_pb2.ADVANTAGE_ESTIMATOR_UNSPECIFIED,
+        types_pb2.AdvantageEstimator.Value(f"ADVANTAGE_ESTIMATOR_{NORMALIZE_STD_ESTIMATOR.upper()}"),
+    ):
+        v.add(
+            "advantages.normalize_std",
+            f"normalize_std is the {NORMALIZE_STD_ESTIMATOR} estimator: leave it unset with another estimator",
+        )
+    aggregation = request.loss.aggregation
+    if aggregation not in types_pb2.LossAggregation.values():
+        v.add("loss.aggregation", f"unknown loss aggregation {aggregation}")
+    elif aggregation not in (types_pb2.LOSS_AGGREGATION_UNSPECIFIED, types_pb2.LOSS_AGGREGATION_TOKEN_SUM):
+        if request.examples:
+            v.add("loss.aggregation", "supervised examples train with token_sum (their weights) only")
+        elif request.loss.function in _LOSS_BY_ENUM and train_loss(request).name == TOKEN_SUM_ONLY_LOSS:
+            v.add(
+                "loss.aggregation",
+                f"{TOKEN_SUM_ONLY_LOSS} trains with token_sum only (its drift term carries no advantage)",
+            )
+    if request.examples and options.estimator:
+        v.add("advantages.estimator", "supervised examples have no advantages")
 
 
 def check_loss(v: Violations, request: trainer_service_pb2.TrainRequest) -> None:

@@ -36,7 +36,7 @@ from tinkerrpc_server.service.errors import Violations
 from tinkerrpc_server.service.limits import Limits, flag_of
 from tinkerrpc_server.service.rendering import ROLE_NAMES
 from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE, ModelRow
-from tinkerrpc_server.service.train_options import check_adam, check_loss
+from tinkerrpc_server.service.train_options import check_adam, check_advantages, check_loss
 
 NAME_PATTERN = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_NAME_CHARS - 1}}}")
 NAME_RULE = f"1-{MAX_NAME_CHARS} characters of [A-Za-z0-9._-], starting with a letter or digit"
@@ -68,6 +68,7 @@ def check_train_request(
     if not request.groups and not request.examples:
         v.add("groups", "empty batch: give trajectory groups (RL) or supervised examples")
     check_loss(v, request)
+    check_advantages(v, request)
     check_adam(v, request.adam)
     if request.HasField("max_staleness") and request.max_staleness < 0:
         v.add("max_staleness", "must be >= 0")
