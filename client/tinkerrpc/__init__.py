@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from tinkerrpc._messages import Message, SampledTurn, Tool, ToolCall
     from tinkerrpc._openai import messages_from_response_input
     from tinkerrpc._retry import RetryPolicy
+    from tinkerrpc._sampling import SamplingOptions
     from tinkerrpc._server_info import ServerInfo, ServerLimits
     from tinkerrpc._types import (
         CheckpointInfo,
@@ -85,6 +86,7 @@ _DEFINED_IN = {
     "tinkerrpc._messages": ("Message", "SampledTurn", "Tool", "ToolCall"),
     "tinkerrpc._openai": ("messages_from_response_input",),
     "tinkerrpc._retry": ("RetryPolicy",),
+    "tinkerrpc._sampling": ("SamplingOptions",),
     "tinkerrpc._server_info": ("ServerInfo", "ServerLimits"),
     "tinkerrpc._types": (
         "CheckpointInfo",
@@ -148,6 +150,7 @@ __all__ = [
     "RunStep",
     "Sample",
     "SampledTurn",
+    "SamplingOptions",
     "ServerInfo",
     "ServerLimits",
     "StalePolicyError",

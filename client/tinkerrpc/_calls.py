@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from google.protobuf.message import Message as ProtoMessage
 from grpc_health.v1 import health_pb2
@@ -20,7 +19,8 @@ from tinkerrpc import _convert as convert
 from tinkerrpc._call_kinds import Call, StreamCall, WatchCall
 from tinkerrpc._channel import remaining
 from tinkerrpc._export import WeightsWriter, check_export_target
-from tinkerrpc._messages import MessageLike, Tool, as_messages
+from tinkerrpc._messages import MessageLike, as_messages
+from tinkerrpc._sampling import Prompt, SamplingOptions, ToolLike
 from tinkerrpc._server_info import ServerInfo, server_info_from_proto
 from tinkerrpc._types import (
     CheckpointInfo,
@@ -37,15 +37,12 @@ from tinkerrpc._types import (
     TrajectoryGroup,
     check_trainable,
 )
-from tinkerrpc.contract.estimators import AdvantageEstimatorName, LossAggregationName
 from tinkerrpc.contract.limits import DEFAULT_LEARNING_RATE, DEFAULT_LORA_RANK, MAX_HISTORY_PAGE_SIZE
 from tinkerrpc.contract.losses import DEFAULT_RL_LOSS, LOSS_BY_NAME, LossName
 from tinkerrpc.contract.sampling import DEFAULT_MAX_TOKENS
 from tinkerrpc.v1 import trainer_service_pb2 as service_pb
 from tinkerrpc.v1 import types_pb2 as pb
 
-Prompt = str | Sequence[int] | Sequence[MessageLike]
-ToolLike = Tool | Mapping[str, Any]
 GroupLike = TrajectoryGroup | Sequence[Trajectory]
 ConversationLike = SupervisedExample | Sequence[MessageLike]
 
@@ -165,6 +162,7 @@ def sample(
     enable_thinking: bool | None = None,
     force_tool_call: bool | str = False,
     parallel_tool_calls: bool = True,
+    options: SamplingOptions | None = None,
     timeout: float | None = None,
 ) -> Call[list[Sample]]:
     """Sample `n` completions of a chat prompt (messages), token ids or raw text.
@@ -174,14 +172,8 @@ def sample(
     prompts only: `enable_thinking` renders with the renderer's thinking (True) or thinking-disabled
     (False) variant; `force_tool_call` (True: any of `tools`, or a function's name) makes the reply a
     tool call, its opening appended to the prompt as prompt tokens; `parallel_tool_calls=False` keeps
-    the first call of each reply."""
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    if isinstance(stop, str):
-        raise TypeError("stop must be a list of strings, not a single string")
-    params = pb.SamplingParams(
+    the first call of each reply. `options`: all of these as one `SamplingOptions`, instead of them."""
+    keywords = SamplingOptions(
         n=n,
         max_tokens=max_tokens,
         temperature=temperature,
@@ -190,40 +182,25 @@ def sample(
         stop=stop,
         stop_token_ids=stop_token_ids,
         seed=seed,
-        include_prompt_logprobs=include_prompt_logprobs,
+        policy_version=policy_version,
+        tools=tools,
         top_logprobs=top_logprobs,
+        include_prompt_logprobs=include_prompt_logprobs,
         return_token_texts=return_token_texts,
         ignore_default_stops=ignore_default_stops,
         min_tokens=min_tokens,
         skip_special_tokens=skip_special_tokens,
         spaces_between_special_tokens=spaces_between_special_tokens,
         return_prompt_text=return_prompt_text,
+        enable_thinking=enable_thinking,
+        force_tool_call=force_tool_call,
+        parallel_tool_calls=parallel_tool_calls,
     )
-    request = service_pb.SampleRequest(model=model, policy_version=policy_version, params=params)
-    chat_only = tools or enable_thinking is not None or force_tool_call or not parallel_tool_calls
-    if isinstance(prompt, str):
-        if chat_only:
-            raise ValueError("tools and chat options need a chat prompt (a list of messages), not text")
-        request.text = prompt
-    elif not prompt:
-        raise ValueError("the prompt is empty: give messages, token ids or text")
-    elif all(isinstance(t, int) for t in prompt):
-        if chat_only:
-            raise ValueError("tools and chat options need a chat prompt (a list of messages), not token ids")
-        request.tokens.token_ids.extend(prompt)  # type: ignore[arg-type]
-    else:
-        if enable_thinking is not None:
-            request.chat.enable_thinking = enable_thinking
-        if force_tool_call:
-            request.chat.forced_tool_call.function_name = (
-                force_tool_call if isinstance(force_tool_call, str) else ""
-            )
-        request.chat.single_tool_call = not parallel_tool_calls
-        messages = as_messages(prompt)  # type: ignore[arg-type]
-        request.chat.messages.extend(convert.message_to_proto(m) for m in messages)
-        request.chat.tools.extend(
-            convert.tool_to_proto(t if isinstance(t, Tool) else Tool.from_openai(t)) for t in tools or ()
+    if options is not None and keywords != SamplingOptions():
+        raise TypeError(
+            "give the sampling options either as options=SamplingOptions(...) or as keywords, not both"
         )
+    request = (options or keywords).request(model, prompt)
     return Call("Sample", request, convert.samples_from_proto, safe_to_repeat=True, timeout=timeout)
 
 
@@ -236,8 +213,6 @@ def train(
     max_staleness: int | None = None,
     strict_staleness: bool = False,
     normalize_std: bool = False,
-    advantage_estimator: AdvantageEstimatorName | None = None,
-    loss_aggregation: LossAggregationName | None = None,
     clip_low_threshold: float | None = None,
     clip_high_threshold: float | None = None,
     beta: float | None = None,
@@ -250,19 +225,7 @@ def train(
     idempotency_key: str | None = None,
     timeout: float | None = None,
 ) -> Call[TrainResult]:
-    """One RL optimizer step from trajectory groups; exactly once even when retried.
-
-    `advantage_estimator` and `loss_aggregation` are rows of the contract's tables
-    (tinkerrpc.contract.estimators); None: the server's defaults (token_sum; group_mean_std with
-    normalize_std, group_mean without)."""
-    if advantage_estimator is not None and advantage_estimator not in convert.ESTIMATOR_TO_PB:
-        raise ValueError(
-            f"advantage_estimator must be one of {tuple(convert.ESTIMATOR_TO_PB)}, got {advantage_estimator!r}"
-        )
-    if loss_aggregation is not None and loss_aggregation not in convert.AGGREGATION_TO_PB:
-        raise ValueError(
-            f"loss_aggregation must be one of {tuple(convert.AGGREGATION_TO_PB)}, got {loss_aggregation!r}"
-        )
+    """One RL optimizer step from trajectory groups; exactly once even when retried."""
     if loss not in LOSS_BY_NAME:
         raise ValueError(f"loss must be one of {tuple(LOSS_BY_NAME)}, got {loss!r}")
     if not LOSS_BY_NAME[loss].rl:
@@ -280,17 +243,9 @@ def train(
             clip_low_threshold=clip_low_threshold,
             clip_high_threshold=clip_high_threshold,
             beta=beta,
-            aggregation=convert.AGGREGATION_TO_PB[loss_aggregation]
-            if loss_aggregation
-            else pb.LOSS_AGGREGATION_UNSPECIFIED,
         ),
         adam=_adam(learning_rate, adam_beta1, adam_beta2, adam_eps, weight_decay, grad_clip_norm),
-        advantages=pb.AdvantageOptions(
-            normalize_std=normalize_std,
-            estimator=convert.ESTIMATOR_TO_PB[advantage_estimator]
-            if advantage_estimator
-            else pb.ADVANTAGE_ESTIMATOR_UNSPECIFIED,
-        ),
+        advantages=pb.AdvantageOptions(normalize_std=normalize_std),
         max_staleness=max_staleness,
         strict_staleness=strict_staleness,
         # Fixed here, once per logical call, so that retries reuse it.

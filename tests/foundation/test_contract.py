@@ -201,7 +201,7 @@ def test_every_proto_estimator_and_aggregation_has_one_row_and_a_type_checker_na
         (estimators.ADVANTAGE_ESTIMATORS, types_pb2.AdvantageEstimator, estimators.AdvantageEstimatorName),
         (estimators.LOSS_AGGREGATIONS, types_pb2.LossAggregation, estimators.LossAggregationName),
     ):
-        proto = {name for name in enum.keys() if not name.endswith("_UNSPECIFIED")}  # noqa: SIM118
+        proto = {name for name in enum.keys() if not name.endswith("_UNSPECIFIED")}
         assert sorted(row.proto_enum for row in rows) == sorted(proto)
         assert get_args(names) == tuple(row.name for row in rows)
 
@@ -212,15 +212,14 @@ def _one_group() -> list[tinkerrpc.TrajectoryGroup]:
 
 
 def test_the_sdk_sends_each_estimator_and_aggregation_and_the_tables_defaults() -> None:
-    assert {
+    assert convert.ESTIMATOR_TO_PB == {
         e.name: types_pb2.AdvantageEstimator.Value(e.proto_enum) for e in estimators.ADVANTAGE_ESTIMATORS
-    } == convert.ESTIMATOR_TO_PB
-    assert {
+    }
+    assert convert.AGGREGATION_TO_PB == {
         a.name: types_pb2.LossAggregation.Value(a.proto_enum) for a in estimators.LOSS_AGGREGATIONS
-    } == convert.AGGREGATION_TO_PB
+    }
     parameters = inspect.signature(calls.train).parameters
-    # None: the server's defaults, the table's.
-    assert parameters["loss_aggregation"].default is None
+    assert parameters["loss_aggregation"].default == estimators.DEFAULT_LOSS_AGGREGATION
     assert parameters["advantage_estimator"].default is None
     for name in convert.ESTIMATOR_TO_PB:
         request = calls.train("m", _one_group(), advantage_estimator=name).request  # type: ignore[arg-type]
@@ -506,7 +505,7 @@ def test_the_sidecars_request_models_bound_fields_as_the_contract() -> None:
 
 def test_the_sdks_sample_defaults_are_the_tables() -> None:
     parameters = inspect.signature(calls.sample).parameters
-    options = {name for name in parameters if name not in ("model", "prompt", "timeout")}
+    options = {name for name in parameters if name not in ("model", "prompt", "options", "timeout")}
     assert sorted(option.name for option in SAMPLING_OPTIONS) == sorted(options)
     assert {o.name: parameters[o.name].default for o in SAMPLING_OPTIONS} == {
         o.name: o.default for o in SAMPLING_OPTIONS

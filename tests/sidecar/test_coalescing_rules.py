@@ -5,6 +5,7 @@ fast this machine runs."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,25 +14,23 @@ from typing import Any
 import grpc
 import pytest
 
-from tinkerrpc import RPCError, Sample
+from tinkerrpc import RPCError, Sample, SamplingOptions
 from tinkerrpc_server.sidecar.coalescing import (
     GATHER_IDLE_SECONDS,
     GATHER_MAX_SECONDS,
     MAX_MERGED_N,
     SampleCoalescer,
 )
-from tinkerrpc_server.sidecar.sampling_args import Prompt, SampleArgs
+from tinkerrpc_server.sidecar.sampling_args import Prompt
 
 pytestmark = pytest.mark.unit
 
-ARGS = SampleArgs(
-    n=1, max_tokens=4, temperature=1.0, top_p=None, top_k=0, seed=None, policy_version=None, top_logprobs=0
-)
+ARGS = SamplingOptions(max_tokens=4, return_token_texts=True)
 MS = 0.001
 
 
-def args(**changes: Any) -> SampleArgs:
-    return SampleArgs(**{**ARGS.sdk_kwargs(), **changes})
+def args(**changes: Any) -> SamplingOptions:
+    return dataclasses.replace(ARGS, **changes)
 
 
 @dataclass(order=True)
@@ -91,7 +90,7 @@ class Upstream:
         if not gated:
             self.release.set()
 
-    async def __call__(self, name: str, prompt: Prompt, args: SampleArgs) -> list[Sample]:
+    async def __call__(self, name: str, prompt: Prompt, args: SamplingOptions) -> list[Sample]:
         self.calls.append(args.n)
         start = sum(self.calls[:-1])
         if self.max_n is not None and args.n > self.max_n:
@@ -105,7 +104,7 @@ class Upstream:
 
 
 def start(
-    coalescer: SampleCoalescer, *requests: tuple[Prompt, SampleArgs]
+    coalescer: SampleCoalescer, *requests: tuple[Prompt, SamplingOptions]
 ) -> list[asyncio.Task[list[Sample]]]:
     return [asyncio.ensure_future(coalescer.sample("m", prompt, a)) for prompt, a in requests]
 
@@ -236,7 +235,7 @@ async def test_a_refused_merged_call_gives_each_member_its_own_answer() -> None:
 async def test_a_failure_other_than_a_refusal_is_every_members() -> None:
     clock = ManualClock()
 
-    async def unavailable(name: str, prompt: Prompt, a: SampleArgs) -> list[Sample]:
+    async def unavailable(name: str, prompt: Prompt, a: SamplingOptions) -> list[Sample]:
         raise RPCError(grpc.StatusCode.UNAVAILABLE, "the server is restarting")
 
     coalescer = SampleCoalescer(unavailable, clock=clock)

@@ -15,12 +15,13 @@ from tinkerrpc import (
     Message,
     NotFoundError,
     Sample,
+    SamplingOptions,
     ToolCall,
     TopLogprob,
     UnavailableError,
 )
 from tinkerrpc.contract.sampling import SIDECAR_CHAT_MAX_TOKENS
-from tinkerrpc_server.sidecar import chat, completions, generate, models, sample_output, sampling_args
+from tinkerrpc_server.sidecar import chat, completions, generate, models, sample_output
 from tinkerrpc_server.sidecar.chat_protocol import ChatCompletionRequest
 from tinkerrpc_server.sidecar.completions_protocol import CompletionRequest
 from tinkerrpc_server.sidecar.errors import OpenAIError, from_rpc_error, param_from_loc
@@ -99,7 +100,7 @@ def test_chat_parameters_map_onto_sample_arguments() -> None:
         response_format={"type": "text"},
     )
     args = chat.chat_sample_args(request, models.parse_model_id(request.model))
-    assert args.sdk_kwargs() == {
+    assert vars(args) == {
         "n": 3,
         "max_tokens": 7,
         "temperature": 0.0,
@@ -175,14 +176,19 @@ def test_generate_parameters_map_onto_sample_arguments_and_server_errors_onto_it
         }
     )
     args = generate.generate_sample_args(request, models.parse_model_id(request.model))
-    assert args.sdk_kwargs() == {
-        **sampling_args.SampleArgs(
-            n=1, max_tokens=9, temperature=0.7, top_p=0.9, top_k=0, seed=5, policy_version=3, top_logprobs=1
-        ).sdk_kwargs(),
-        "include_prompt_logprobs": True,
-        "stop_token_ids": [2],
-        "skip_special_tokens": False,
-    }
+    assert args == SamplingOptions(
+        max_tokens=9,
+        temperature=0.7,
+        top_p=0.9,
+        seed=5,
+        policy_version=3,
+        top_logprobs=1,
+        return_token_texts=True,
+        include_prompt_logprobs=True,
+        stop=[],
+        stop_token_ids=[2],
+        skip_special_tokens=False,
+    )
     unset = GenerateRequest.model_validate({"model": "run", "token_ids": [1], "sampling_params": {}})
     defaults = generate.generate_sample_args(unset, models.parse_model_id("run"))
     assert (defaults.max_tokens, defaults.temperature, defaults.top_logprobs, defaults.policy_version) == (

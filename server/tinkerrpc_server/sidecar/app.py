@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import BaseRoute, Match
 
-from tinkerrpc import AsyncClient, ModelInfo, RetryPolicy, RPCError, Sample
+from tinkerrpc import AsyncClient, ModelInfo, RetryPolicy, RPCError, Sample, SamplingOptions
 from tinkerrpc_server.processes.http_serving import (
     SHARED,
     bound_port,
@@ -39,7 +39,7 @@ from tinkerrpc_server.sidecar.errors import OpenAIError, from_rpc_error, param_f
 from tinkerrpc_server.sidecar.metrics import SidecarMetrics
 from tinkerrpc_server.sidecar.runs import routes as run_view
 from tinkerrpc_server.sidecar.sample_output import usage_of
-from tinkerrpc_server.sidecar.sampling_args import Prompt, SampleArgs
+from tinkerrpc_server.sidecar.sampling_args import Prompt
 
 log = logging.getLogger("tinkerrpc.sidecar")
 
@@ -207,12 +207,12 @@ def create_app(upstream: GrpcUpstream, api_key: str | None) -> FastAPI:
             500, f"internal error: {type(error).__name__}", error_type="server_error"
         ).to_response()
 
-    async def upstream_sample(name: str, prompt: Prompt, args: SampleArgs) -> list[Sample]:
-        return await client().model(name).sample(prompt, **args.sdk_kwargs())
+    async def upstream_sample(name: str, prompt: Prompt, args: SamplingOptions) -> list[Sample]:
+        return await client().model(name).sample(prompt, options=args)
 
     coalescer = SampleCoalescer(upstream_sample, metrics.coalesced_requests.inc)
 
-    async def sample(route: str, ref: models.ModelRef, prompt: Prompt, args: SampleArgs) -> list[Sample]:
+    async def sample(route: str, ref: models.ModelRef, prompt: Prompt, args: SamplingOptions) -> list[Sample]:
         try:
             samples = await coalescer.sample(ref.name, prompt, args)
         except RPCError as error:

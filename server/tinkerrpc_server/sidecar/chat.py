@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Response
 from openai.types.chat.chat_completion import ChoiceLogprobs
 
-from tinkerrpc import Sample
+from tinkerrpc import Sample, SamplingOptions
 from tinkerrpc.contract.sampling import SIDECAR_CHAT_MAX_TOKENS
 from tinkerrpc_server.sidecar.chat_protocol import (
     AssistantMessage,
@@ -39,7 +39,6 @@ from tinkerrpc_server.sidecar.sample_output import (
     usage_of,
 )
 from tinkerrpc_server.sidecar.sampling_args import (
-    SampleArgs,
     Sampler,
     check_sampling_fields,
     sampling_fields_args,
@@ -168,7 +167,7 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def chat_sample_args(request: ChatCompletionRequest, ref: ModelRef) -> SampleArgs:
+def chat_sample_args(request: ChatCompletionRequest, ref: ModelRef) -> SamplingOptions:
     check_sampling_fields(request)
     _check_unsupported_chat(request)
     max_tokens = request.max_completion_tokens or request.max_tokens or SIDECAR_CHAT_MAX_TOKENS
@@ -190,7 +189,11 @@ def chat_echo(request: ChatCompletionRequest) -> str:
 
 
 def build_chat_completion(
-    request: ChatCompletionRequest, ref: ModelRef, args: SampleArgs, samples: Sequence[Sample], created: int
+    request: ChatCompletionRequest,
+    ref: ModelRef,
+    args: SamplingOptions,
+    samples: Sequence[Sample],
+    created: int,
 ) -> ChatCompletion:
     head = ReplyHead.of("chatcmpl", ref, samples, created)
     choices: list[ChatChoice] = []
@@ -221,7 +224,11 @@ def build_chat_completion(
 
 
 def chat_stream_chunks(
-    request: ChatCompletionRequest, ref: ModelRef, args: SampleArgs, samples: Sequence[Sample], created: int
+    request: ChatCompletionRequest,
+    ref: ModelRef,
+    args: SamplingOptions,
+    samples: Sequence[Sample],
+    created: int,
 ) -> Iterator[ChatCompletionChunk]:
     """The chunks OpenAI would stream for these samples, interleaved by choice index.
 

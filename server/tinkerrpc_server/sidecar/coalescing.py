@@ -29,15 +29,15 @@ from typing import Any, Protocol
 
 import grpc
 
-from tinkerrpc import RPCError, Sample
-from tinkerrpc_server.sidecar.sampling_args import Prompt, SampleArgs
+from tinkerrpc import RPCError, Sample, SamplingOptions
+from tinkerrpc_server.sidecar.sampling_args import Prompt
 
 GATHER_IDLE_SECONDS = 0.002
 GATHER_MAX_SECONDS = 0.02
 MAX_MERGED_N = 16
 
 # One upstream Sample call: (model name, prompt, arguments) -> the samples.
-Upstream = Callable[[str, Prompt, SampleArgs], Awaitable[list[Sample]]]
+Upstream = Callable[[str, Prompt, SamplingOptions], Awaitable[list[Sample]]]
 # One member's answer: its samples, or the error its request alone got.
 _Answer = list[Sample] | Exception
 
@@ -62,7 +62,7 @@ class GatherClock(Protocol):
 class _Group:
     name: str
     prompt: Prompt
-    args: SampleArgs
+    args: SamplingOptions
     opened: float
     members: list[int] = field(default_factory=list)  # each member's n, in arrival order
     result: asyncio.Future[list[_Answer]] | None = None
@@ -91,7 +91,7 @@ class SampleCoalescer:
     def _now(self) -> GatherClock:
         return self._clock or asyncio.get_running_loop()
 
-    async def sample(self, name: str, prompt: Prompt, args: SampleArgs) -> list[Sample]:
+    async def sample(self, name: str, prompt: Prompt, args: SamplingOptions) -> list[Sample]:
         if args.seed is not None or args.n >= MAX_MERGED_N:
             return await self._upstream(name, prompt, args)
         key = _key(name, prompt, args)
@@ -184,7 +184,7 @@ def _own_answer(answer: list[Sample] | BaseException) -> _Answer:
     return answer
 
 
-def _key(name: str, prompt: Prompt, args: SampleArgs) -> str:
+def _key(name: str, prompt: Prompt, args: SamplingOptions) -> str:
     """Equal for requests that may share one call: the same model, prompt and arguments but n."""
-    arguments = {**args.sdk_kwargs(), "n": 0}
+    arguments = {**vars(args), "n": 0}
     return json.dumps([name, prompt, arguments], sort_keys=True, separators=(",", ":"), default=repr)

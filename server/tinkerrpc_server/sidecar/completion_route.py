@@ -11,13 +11,13 @@ from typing import Generic, TypeVar
 from fastapi import Response
 from pydantic import BaseModel
 
-from tinkerrpc import Sample
+from tinkerrpc import Sample, SamplingOptions
 from tinkerrpc_server.sidecar.chat_protocol import ChatCompletion
 from tinkerrpc_server.sidecar.completions_protocol import Completion
 from tinkerrpc_server.sidecar.models import ModelRef, parse_model_id
 from tinkerrpc_server.sidecar.protocol import SamplingFields
 from tinkerrpc_server.sidecar.sample_output import response_json
-from tinkerrpc_server.sidecar.sampling_args import Prompt, SampleArgs, Sampler
+from tinkerrpc_server.sidecar.sampling_args import Prompt, Sampler
 from tinkerrpc_server.sidecar.streaming import chunk_stream
 
 RequestT = TypeVar("RequestT", bound=SamplingFields)
@@ -29,10 +29,10 @@ class CompletionFamily(Generic[RequestT]):
     and stream chunks (both given the request, model, arguments, samples and creation time)."""
 
     route: str
-    sample_args: Callable[[RequestT, ModelRef], SampleArgs]
+    sample_args: Callable[[RequestT, ModelRef], SamplingOptions]
     prompt: Callable[[RequestT], Prompt]
-    build: Callable[[RequestT, ModelRef, SampleArgs, Sequence[Sample], int], ChatCompletion | Completion]
-    stream_chunks: Callable[[RequestT, ModelRef, SampleArgs, Sequence[Sample], int], Iterable[BaseModel]]
+    build: Callable[[RequestT, ModelRef, SamplingOptions, Sequence[Sample], int], ChatCompletion | Completion]
+    stream_chunks: Callable[[RequestT, ModelRef, SamplingOptions, Sequence[Sample], int], Iterable[BaseModel]]
 
 
 async def answer(family: CompletionFamily[RequestT], request: RequestT, sample: Sampler) -> Response:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Response
 from openai.types.completion_choice import Logprobs
 
-from tinkerrpc import Sample
+from tinkerrpc import Sample, SamplingOptions
 from tinkerrpc_server.sidecar.completion_route import CompletionFamily, answer
 from tinkerrpc_server.sidecar.completions_protocol import Completion, CompletionChoice, CompletionRequest
 from tinkerrpc_server.sidecar.errors import bad_request
@@ -28,7 +28,6 @@ from tinkerrpc_server.sidecar.sample_output import (
     usage_of,
 )
 from tinkerrpc_server.sidecar.sampling_args import (
-    SampleArgs,
     Sampler,
     check_sampling_fields,
     sampling_fields_args,
@@ -53,7 +52,7 @@ def completion_prompt(request: CompletionRequest) -> str | list[int]:
     return completion_prompt(request.model_copy(update={"prompt": prompt[0]}))
 
 
-def completion_sample_args(request: CompletionRequest, ref: ModelRef) -> SampleArgs:
+def completion_sample_args(request: CompletionRequest, ref: ModelRef) -> SamplingOptions:
     check_sampling_fields(request)
     if request.echo and request.logprobs is not None:
         raise bad_request(
@@ -105,7 +104,7 @@ def _finish(sample: Sample) -> Literal["stop", "length"]:
 
 
 def build_completion(
-    request: CompletionRequest, ref: ModelRef, args: SampleArgs, samples: Sequence[Sample], created: int
+    request: CompletionRequest, ref: ModelRef, args: SamplingOptions, samples: Sequence[Sample], created: int
 ) -> Completion:
     head = ReplyHead.of("cmpl", ref, samples, created)
     choices = [
@@ -128,7 +127,7 @@ def build_completion(
 
 
 def completion_stream_chunks(
-    request: CompletionRequest, ref: ModelRef, args: SampleArgs, samples: Sequence[Sample], created: int
+    request: CompletionRequest, ref: ModelRef, args: SamplingOptions, samples: Sequence[Sample], created: int
 ) -> Iterator[Completion]:
     """Legacy completion chunks, one per sampled token, interleaved by index.
 

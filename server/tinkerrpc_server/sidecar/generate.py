@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from fastapi import APIRouter, Response
 from openai.types.chat.chat_completion import ChoiceLogprobs
 
-from tinkerrpc import Sample
+from tinkerrpc import Sample, SamplingOptions
 from tinkerrpc.contract.sampling import SIDECAR_CHAT_MAX_TOKENS
 from tinkerrpc_server.sidecar.errors import OpenAIError, bad_request
 from tinkerrpc_server.sidecar.generate_protocol import (
@@ -31,7 +31,6 @@ from tinkerrpc_server.sidecar.json_bounds import BoundedJSONRoute
 from tinkerrpc_server.sidecar.models import ModelRef, parse_model_id
 from tinkerrpc_server.sidecar.sample_output import ReplyHead, chat_logprob_entry, usage_of
 from tinkerrpc_server.sidecar.sampling_args import (
-    SampleArgs,
     Sampler,
     base_sample_args,
     check_neutral_knobs,
@@ -68,7 +67,7 @@ def _check_served(request: GenerateRequest) -> None:
         raise bad_request("priority must be 0: this server does not schedule by priority", "priority")
 
 
-def generate_sample_args(request: GenerateRequest, ref: ModelRef) -> SampleArgs:
+def generate_sample_args(request: GenerateRequest, ref: ModelRef) -> SamplingOptions:
     _check_served(request)
     params = request.sampling_params
     max_tokens = params.max_tokens if params.max_tokens is not None else SIDECAR_CHAT_MAX_TOKENS

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Response
 from pydantic import BaseModel, ValidationError
 
-from tinkerrpc import Sample, messages_from_response_input
+from tinkerrpc import Sample, SamplingOptions, messages_from_response_input
 from tinkerrpc.contract.sampling import SIDECAR_CHAT_MAX_TOKENS
 from tinkerrpc_server.sidecar import sample_output
 from tinkerrpc_server.sidecar.errors import bad_request, param_from_loc
@@ -34,7 +34,6 @@ from tinkerrpc_server.sidecar.responses_protocol import (
     ResponseUsage,
 )
 from tinkerrpc_server.sidecar.sampling_args import (
-    SampleArgs,
     Sampler,
     base_sample_args,
     tool_options,
@@ -115,7 +114,7 @@ def prompt_messages(request: ResponseRequest) -> list[dict[str, Any]]:
     return [m.to_openai() for m in messages]
 
 
-def sample_args(request: ResponseRequest, ref: ModelRef) -> SampleArgs:
+def sample_args(request: ResponseRequest, ref: ModelRef) -> SamplingOptions:
     _check_request(request)
     tools = function_tools(request)
     offered = [

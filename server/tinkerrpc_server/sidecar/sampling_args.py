@@ -1,4 +1,4 @@
-"""What every endpoint's request becomes: the keyword arguments of the SDK's `model.sample(...)`.
+"""What every endpoint's request becomes: the SDK's `SamplingOptions`, passed as `model.sample(prompt, options=...)`.
 
 The endpoint modules decide their own fields (budget, logprobs, tools); what they share is translated
 here once: temperature, top_p, top_k, seed and the pinned version for every endpoint, and for chat and
@@ -8,12 +8,10 @@ Pure functions: no I/O, so every mapping is testable without a server.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from tinkerrpc import Sample
+from tinkerrpc import Sample, SamplingOptions
 from tinkerrpc.contract.limits import MAX_STOP_STRINGS
 from tinkerrpc_server.sidecar.errors import bad_request
 from tinkerrpc_server.sidecar.generate_protocol import GenerateSamplingParams
@@ -21,46 +19,12 @@ from tinkerrpc_server.sidecar.models import ModelRef
 from tinkerrpc_server.sidecar.protocol import SamplingFields
 from tinkerrpc_server.sidecar.responses_protocol import ResponseRequest
 
-
-@dataclass(frozen=True)
-class SampleArgs:
-    """Keyword arguments of the SDK's `model.sample(...)`, decided from an OpenAI request."""
-
-    n: int
-    max_tokens: int
-    temperature: float
-    top_p: float | None
-    top_k: int
-    seed: int | None
-    policy_version: int | None
-    top_logprobs: int
-    include_prompt_logprobs: bool = False
-    # Always on: stream deltas and OpenAI logprob tokens are built from the tokens' texts.
-    return_token_texts: bool = True
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_default_stops: bool = False
-    min_tokens: int = 0
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    return_prompt_text: bool = False
-    tools: list[dict[str, Any]] | None = None
-    enable_thinking: bool | None = None
-    # True: a call to any of the tools; a name: a call to that function.
-    force_tool_call: bool | str = False
-    parallel_tool_calls: bool = True
-
-    def sdk_kwargs(self) -> dict[str, Any]:
-        # Shallow: `dataclasses.asdict` would deep-copy the tools' JSON schemas for nothing.
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-
 # What the SDK accepts as a prompt: raw text, token ids, or OpenAI-style message dicts.
 Prompt = str | list[int] | list[dict[str, Any]]
 
 # The app's one Sample call, as the endpoint routes reach it: (route, model, prompt, arguments);
 # it maps gRPC failures to OpenAI errors and counts the route's tokens.
-Sampler = Callable[[str, ModelRef, Prompt, SampleArgs], Awaitable[list[Sample]]]
+Sampler = Callable[[str, ModelRef, Prompt, SamplingOptions], Awaitable[list[Sample]]]
 
 
 def base_sample_args(
@@ -71,10 +35,10 @@ def base_sample_args(
     max_tokens: int,
     top_logprobs: int,
     **options: Any,
-) -> SampleArgs:
+) -> SamplingOptions:
     """The knobs every endpoint's request shares, with OpenAI's defaults (temperature 1; top_k off at
     -1 or 0), and the pinned policy version of the model id; `options` are the endpoint's own."""
-    return SampleArgs(
+    return SamplingOptions(
         n=n,
         max_tokens=max_tokens,
         temperature=1.0 if request.temperature is None else request.temperature,
@@ -83,6 +47,8 @@ def base_sample_args(
         seed=request.seed,
         policy_version=ref.version,
         top_logprobs=top_logprobs,
+        # Always on: stream deltas and OpenAI logprob tokens are built from the tokens' texts.
+        return_token_texts=True,
         **options,
     )
 
@@ -127,7 +93,7 @@ def check_sampling_fields(request: SamplingFields) -> None:
 
 def sampling_fields_args(
     request: SamplingFields, ref: ModelRef, max_tokens: int, top_logprobs: int, **options: Any
-) -> SampleArgs:
+) -> SamplingOptions:
     """The arguments of a chat or legacy completion request (checked by `check_sampling_fields`),
     with the stop conditions and vLLM's decoding options that both take."""
     if request.min_tokens > max_tokens:
@@ -180,7 +146,7 @@ def tool_options(
     tool_choice: str | dict[str, Any] | None,
     parallel_tool_calls: bool | None,
 ) -> dict[str, Any]:
-    """The tool arguments of `SampleArgs`: the tools in chat form, what tool_choice forces, and whether
+    """The tool options of `SamplingOptions`: the tools in chat form, what tool_choice forces, and whether
     a reply keeps more than its first call."""
     return {
         # With tool_choice "none" the tools are not offered to the model at all.
