@@ -37,6 +37,7 @@ from tinkerrpc._types import (
     TrajectoryGroup,
     check_trainable,
 )
+from tinkerrpc.contract.estimators import AdvantageEstimatorName, LossAggregationName
 from tinkerrpc.contract.limits import DEFAULT_LEARNING_RATE, DEFAULT_LORA_RANK, MAX_HISTORY_PAGE_SIZE
 from tinkerrpc.contract.losses import DEFAULT_RL_LOSS, LOSS_BY_NAME, LossName
 from tinkerrpc.contract.sampling import DEFAULT_MAX_TOKENS
@@ -213,6 +214,8 @@ def train(
     max_staleness: int | None = None,
     strict_staleness: bool = False,
     normalize_std: bool = False,
+    advantage_estimator: AdvantageEstimatorName | None = None,
+    loss_aggregation: LossAggregationName | None = None,
     clip_low_threshold: float | None = None,
     clip_high_threshold: float | None = None,
     beta: float | None = None,
@@ -225,7 +228,19 @@ def train(
     idempotency_key: str | None = None,
     timeout: float | None = None,
 ) -> Call[TrainResult]:
-    """One RL optimizer step from trajectory groups; exactly once even when retried."""
+    """One RL optimizer step from trajectory groups; exactly once even when retried.
+
+    `advantage_estimator` and `loss_aggregation` are rows of the contract's tables
+    (tinkerrpc.contract.estimators); None: the server's defaults (token_sum; group_mean_std with
+    normalize_std, group_mean without)."""
+    if advantage_estimator is not None and advantage_estimator not in convert.ESTIMATOR_TO_PB:
+        raise ValueError(
+            f"advantage_estimator must be one of {tuple(convert.ESTIMATOR_TO_PB)}, got {advantage_estimator!r}"
+        )
+    if loss_aggregation is not None and loss_aggregation not in convert.AGGREGATION_TO_PB:
+        raise ValueError(
+            f"loss_aggregation must be one of {tuple(convert.AGGREGATION_TO_PB)}, got {loss_aggregation!r}"
+        )
     if loss not in LOSS_BY_NAME:
         raise ValueError(f"loss must be one of {tuple(LOSS_BY_NAME)}, got {loss!r}")
     if not LOSS_BY_NAME[loss].rl:
@@ -243,9 +258,17 @@ def train(
             clip_low_threshold=clip_low_threshold,
             clip_high_threshold=clip_high_threshold,
             beta=beta,
+            aggregation=convert.AGGREGATION_TO_PB[loss_aggregation]
+            if loss_aggregation
+            else pb.LOSS_AGGREGATION_UNSPECIFIED,
         ),
         adam=_adam(learning_rate, adam_beta1, adam_beta2, adam_eps, weight_decay, grad_clip_norm),
-        advantages=pb.AdvantageOptions(normalize_std=normalize_std),
+        advantages=pb.AdvantageOptions(
+            normalize_std=normalize_std,
+            estimator=convert.ESTIMATOR_TO_PB[advantage_estimator]
+            if advantage_estimator
+            else pb.ADVANTAGE_ESTIMATOR_UNSPECIFIED,
+        ),
         max_staleness=max_staleness,
         strict_staleness=strict_staleness,
         # Fixed here, once per logical call, so that retries reuse it.
