@@ -1,7 +1,8 @@
 """The contract's values are written once: no module of the SDK or the server assigns one of its names
 again, the protos name only the bounds it defines, the ART backend passes every Train config key, and the
 docs' tables (generated from it by docs/hooks/contract.py) have a row per entry. Checks on the source
-text; tests/foundation/test_contract.py checks each layer's behaviour against the tables."""
+text; tests/foundation/test_contract.py and test_contract_sidecar.py check each layer's behaviour against
+the tables."""
 
 from __future__ import annotations
 
