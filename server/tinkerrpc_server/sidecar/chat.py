@@ -27,7 +27,7 @@ from tinkerrpc_server.sidecar.chat_protocol import (
     ToolCallDelta,
 )
 from tinkerrpc_server.sidecar.completion_route import CompletionFamily, answer
-from tinkerrpc_server.sidecar.errors import bad_request
+from tinkerrpc_server.sidecar.errors import THINKING_PARAM, OpenAIError, bad_request
 from tinkerrpc_server.sidecar.json_bounds import BoundedJSONRoute, check_json_text
 from tinkerrpc_server.sidecar.models import ModelRef
 from tinkerrpc_server.sidecar.sample_output import (
@@ -64,9 +64,7 @@ def enable_thinking(kwargs: dict[str, Any] | None) -> bool | None:
             )
     value = (kwargs or {}).get("enable_thinking")
     if value is not None and not isinstance(value, bool):
-        raise bad_request(
-            "chat_template_kwargs.enable_thinking must be a boolean", "chat_template_kwargs.enable_thinking"
-        )
+        raise bad_request(f"{THINKING_PARAM} must be a boolean", THINKING_PARAM)
     return value
 
 
@@ -86,6 +84,13 @@ def thinking_asked(request: ChatCompletionRequest) -> bool | None:
             "reasoning_effort",
         )
     return from_effort
+
+
+def name_as_sent(error: OpenAIError, request: ChatCompletionRequest) -> None:
+    """Make the server's refusal of the thinking variant (a renderer without one) name the field the
+    caller set: reasoning_effort when it alone asked, else chat_template_kwargs.enable_thinking."""
+    if error.param == THINKING_PARAM and enable_thinking(request.chat_template_kwargs) is None:
+        error.param = "reasoning_effort"
 
 
 def _check_unsupported_chat(request: ChatCompletionRequest) -> None:
@@ -299,6 +304,10 @@ def create_router(sample: Sampler) -> APIRouter:
 
     @router.post(ROUTE, response_model=None)
     async def chat_completions(request: ChatCompletionRequest) -> Response:
-        return await answer(CHAT, request, sample)
+        try:
+            return await answer(CHAT, request, sample)
+        except OpenAIError as error:
+            name_as_sent(error, request)
+            raise
 
     return router

@@ -88,11 +88,16 @@ def model_not_found(model: str, reason: str) -> OpenAIError:
     )
 
 
+# The chat request's name for the server's chat.enable_thinking (vLLM's chat_template_kwargs; the chat
+# route names reasoning_effort instead when that alone chose the renderer's variant).
+THINKING_PARAM = "chat_template_kwargs.enable_thinking"
+
 # Server-side field paths of a SampleRequest, as the OpenAI request names them.
 _PROTO_FIELD_TO_PARAM: tuple[tuple[str, str], ...] = (
     ("params.", ""),
     ("chat.messages", "messages"),
     ("chat.tools", "tools"),
+    ("chat.enable_thinking", THINKING_PARAM),
     ("tokens.token_ids", "prompt"),
     ("text", "prompt"),
     ("policy_version", "model"),
