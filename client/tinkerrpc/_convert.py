@@ -17,6 +17,7 @@ from tinkerrpc._types import (
     RunHistory,
     RunStep,
     Sample,
+    SamplerMismatch,
     StopReason,
     SupervisedExample,
     TopLogprob,
@@ -201,6 +202,19 @@ def model_info_from_proto(msg: pb.ModelInfo) -> ModelInfo:
     )
 
 
+def _mismatch_from_proto(msg: pb.TrainMetrics) -> SamplerMismatch | None:
+    if not msg.HasField("sampler_mismatch"):
+        return None
+    m = msg.sampler_mismatch
+    return SamplerMismatch(
+        kl=m.kl,
+        mean_ratio=m.mean_ratio,
+        max_ratio=m.max_ratio,
+        outside_fraction=m.outside_fraction,
+        tokens=m.tokens,
+    )
+
+
 def metrics_from_proto(msg: pb.TrainMetrics) -> TrainMetrics:
     return TrainMetrics(
         loss=msg.loss,
@@ -218,6 +232,7 @@ def metrics_from_proto(msg: pb.TrainMetrics) -> TrainMetrics:
         std_reward=msg.std_reward,
         learning_rate=msg.learning_rate,
         scored_tokens=msg.scored_tokens,
+        sampler_mismatch=_mismatch_from_proto(msg),
     )
 
 

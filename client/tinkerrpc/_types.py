@@ -262,6 +262,22 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class SamplerMismatch:
+    """How far the learner's logprobs of an RL step's sampled tokens are from the sampler's, with
+    d = learner − sampler per sampled token (see SamplerMismatch in protos/tinkerrpc/v1/types.proto)."""
+
+    # KL(sampler || learner), k3 estimator: mean(exp(d) − 1 − d).
+    kl: float
+    # Mean and largest importance ratio exp(d).
+    mean_ratio: float
+    max_ratio: float
+    # Fraction of tokens whose ratio is outside [MISMATCH_RATIO_MIN, MISMATCH_RATIO_MAX] (contract limits).
+    outside_fraction: float
+    # Sampled tokens the figures are over.
+    tokens: int
+
+
+@dataclass(frozen=True)
 class TrainMetrics:
     """Figures from one Train step (see TrainMetrics in protos/tinkerrpc/v1/types.proto)."""
 
@@ -281,6 +297,9 @@ class TrainMetrics:
     learning_rate: float = 0.0
     # Tokens the server had to score (turns without logprobs or a usable sample key).
     scored_tokens: int = 0
+    # RL steps: the sampler/learner mismatch over the sampled tokens; None for supervised steps (and
+    # when the backend returned no per-token logprobs).
+    sampler_mismatch: SamplerMismatch | None = None
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,11 @@ DEFAULT_ADAM_EPS = 1e-12
 # With normalize_std a group's advantages are divided by its reward std plus this, so a group whose
 # rewards barely differ gets large but finite advantages (a zero-variance group trains nothing anyway).
 ADVANTAGE_STD_EPSILON = 1e-6
+# An RL step's sampler/learner mismatch (TrainMetrics.sampler_mismatch) counts the sampled tokens whose
+# importance ratio exp(learner - sampler) lies outside [MIN, MAX]: a token the learner finds half or
+# twice as likely as the sampler did is past what PPO-style clipping (0.8 to 1.2 and the like) absorbs.
+MISMATCH_RATIO_MIN = 0.5
+MISMATCH_RATIO_MAX = 2.0
 # The sample cache, which lets a turn that names its sample key train on the sampler's own logprobs: a
 # key is honoured this long after its Sample, and the server keeps at most this many samples and bytes of
 # them (least recently used out first); a key past these is scored again, never an error.
@@ -179,6 +184,14 @@ LIMITS: tuple[Limit, ...] = (
         "ADVANTAGE_STD_EPSILON",
         "added to a group's reward std (population) before the advantages are divided by it "
         "(AdvantageOptions.normalize_std)",
+    ),
+    _constant(
+        "MISMATCH_RATIO_MIN",
+        "SamplerMismatch.outside_fraction counts sampled tokens whose importance ratio is below this",
+    ),
+    _constant(
+        "MISMATCH_RATIO_MAX",
+        "SamplerMismatch.outside_fraction counts sampled tokens whose importance ratio is above this",
     ),
     _most("MAX_SAMPLE_KEY_AGE_SECONDS", "seconds a sample key is honoured after its Sample"),
     _most("MAX_CACHED_SAMPLES", "samples the server keeps for their sample keys"),

@@ -1293,6 +1293,7 @@ class TrainMetrics(_message.Message):
     STD_REWARD_FIELD_NUMBER: _builtins.int
     LEARNING_RATE_FIELD_NUMBER: _builtins.int
     SCORED_TOKENS_FIELD_NUMBER: _builtins.int
+    SAMPLER_MISMATCH_FIELD_NUMBER: _builtins.int
     loss: _builtins.float
     """Summed loss over all trained tokens (Tinker's `loss:sum`)."""
     mean_reward: _builtins.float
@@ -1332,6 +1333,12 @@ class TrainMetrics(_message.Message):
     def extra(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Further figures: trainer metrics and the means of trajectory metrics ("env/<name>")."""
 
+    @_builtins.property
+    def sampler_mismatch(self) -> Global___SamplerMismatch:
+        """How far the learner's logprobs of the sampled tokens are from the sampler's (RL steps only; unset
+        for supervised steps and when the backend returned no per-token logprobs).
+        """
+
     def __init__(
         self,
         *,
@@ -1350,14 +1357,60 @@ class TrainMetrics(_message.Message):
         std_reward: _builtins.float = ...,
         learning_rate: _builtins.float = ...,
         scored_tokens: _builtins.int = ...,
+        sampler_mismatch: Global___SamplerMismatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampler_mismatch", b"sampler_mismatch"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped_stale", b"dropped_stale", "dropped_zero_variance", b"dropped_zero_variance", "extra", b"extra", "learning_rate", b"learning_rate", "loss", b"loss", "mean_reward", b"mean_reward", "scored_tokens", b"scored_tokens", "staleness_histogram", b"staleness_histogram", "std_reward", b"std_reward", "step_seconds", b"step_seconds", "tokens_per_second", b"tokens_per_second", "total_tokens", b"total_tokens", "trained_tokens", b"trained_tokens", "trajectories_used", b"trajectories_used", "zero_variance_groups", b"zero_variance_groups"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped_stale", b"dropped_stale", "dropped_zero_variance", b"dropped_zero_variance", "extra", b"extra", "learning_rate", b"learning_rate", "loss", b"loss", "mean_reward", b"mean_reward", "sampler_mismatch", b"sampler_mismatch", "scored_tokens", b"scored_tokens", "staleness_histogram", b"staleness_histogram", "std_reward", b"std_reward", "step_seconds", b"step_seconds", "tokens_per_second", b"tokens_per_second", "total_tokens", b"total_tokens", "trained_tokens", b"trained_tokens", "trajectories_used", b"trajectories_used", "zero_variance_groups", b"zero_variance_groups"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TrainMetrics: _TypeAlias = TrainMetrics  # noqa: Y015
+
+@_typing.final
+class SamplerMismatch(_message.Message):
+    """Sampler/learner mismatch of one RL step, over its sampled (completion) tokens only: with
+    d = learner logprob - sampler logprob per token (the learner's from the step's forward_backward at
+    the model's version before the step; the sampler's those the turns carried, fetched or scored), the
+    importance ratio is exp(d). For turns sampled at the current version it is the numerical gap between
+    the sampler and the trainer; for older turns it includes how far the policy has moved since.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KL_FIELD_NUMBER: _builtins.int
+    MEAN_RATIO_FIELD_NUMBER: _builtins.int
+    MAX_RATIO_FIELD_NUMBER: _builtins.int
+    OUTSIDE_FRACTION_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    kl: _builtins.float
+    """KL(sampler || learner) by the k3 estimator on the sampled tokens: mean(exp(d) - 1 - d), >= 0."""
+    mean_ratio: _builtins.float
+    """Mean of the importance ratio exp(d)."""
+    max_ratio: _builtins.float
+    """Largest importance ratio."""
+    outside_fraction: _builtins.float
+    """Fraction of tokens whose ratio lies outside [MISMATCH_RATIO_MIN, MISMATCH_RATIO_MAX] (0.5 and 2
+    in tinkerrpc.contract.limits).
+    """
+    tokens: _builtins.int
+    """Sampled tokens these figures are over (the step's trained_tokens)."""
+    def __init__(
+        self,
+        *,
+        kl: _builtins.float = ...,
+        mean_ratio: _builtins.float = ...,
+        max_ratio: _builtins.float = ...,
+        outside_fraction: _builtins.float = ...,
+        tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kl", b"kl", "max_ratio", b"max_ratio", "mean_ratio", b"mean_ratio", "outside_fraction", b"outside_fraction", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SamplerMismatch: _TypeAlias = SamplerMismatch  # noqa: Y015
 
 @_typing.final
 class RunStep(_message.Message):

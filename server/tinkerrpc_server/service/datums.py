@@ -33,6 +33,9 @@ from tinkerrpc_server.service.train_options import advantage_estimator, loss_agg
 @dataclass
 class Batch:
     datums: list[tinker.types.Datum] = field(default_factory=list)
+    # Per datum, which target positions predict a sampled (completion) token: where the sampler/learner
+    # mismatch is measured. All False for supervised datums.
+    sampled_masks: list[list[bool]] = field(default_factory=list)
     trained_tokens: int = 0
     total_tokens: int = 0
     used: int = 0
@@ -89,11 +92,13 @@ def turn_prompt(trajectory: types_pb2.Trajectory, turn_index: int, codec: ChatCo
 @dataclass
 class _Sequence:
     """One datum before Tinker's types: its tokens, and each float loss input per target position (one
-    fewer than tokens); the positions before `trained_from` carry no loss."""
+    fewer than tokens); the positions before `trained_from` carry no loss; `sampled` marks the target
+    positions of sampled tokens (none for supervised sequences)."""
 
     tokens: list[int]
     inputs: dict[str, list[float]]
     trained_from: int
+    sampled: list[bool] = field(default_factory=list)
 
     def continued_by(self, later: _Sequence) -> bool:
         """`later` reads this whole sequence as its prefix and trains only after it: one datum of
@@ -106,6 +111,7 @@ class _Sequence:
             later.tokens,
             {name: values + later.inputs[name][kept:] for name, values in self.inputs.items()},
             self.trained_from,
+            self.sampled + later.sampled[kept:],
         )
 
     def datum(self) -> tinker.types.Datum:
@@ -134,7 +140,8 @@ def _turn_sequence(
     }
     if ratio_mask:
         inputs["sequence_ratio_mask"] = [0.0] * prompt_positions + [1.0] * len(completion)
-    return _Sequence(prompt + completion, inputs, prompt_positions)
+    sampled = [False] * prompt_positions + [True] * len(completion)
+    return _Sequence(prompt + completion, inputs, prompt_positions, sampled)
 
 
 def _merged(sequences: list[_Sequence]) -> list[_Sequence]:
@@ -151,6 +158,7 @@ def _merged(sequences: list[_Sequence]) -> list[_Sequence]:
 def _add(batch: Batch, sequences: list[_Sequence], merge: bool) -> None:
     for sequence in _merged(sequences) if merge else sequences:
         batch.datums.append(sequence.datum())
+        batch.sampled_masks.append(sequence.sampled or [False] * (len(sequence.tokens) - 1))
         batch.total_tokens += len(sequence.tokens)
 
 

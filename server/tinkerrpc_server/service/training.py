@@ -31,6 +31,7 @@ from tinkerrpc_server.service import errors, recovery
 from tinkerrpc_server.service.datums import Batch, build_batch, turn_prompt
 from tinkerrpc_server.service.deadlines import bounded
 from tinkerrpc_server.service.limits import Limits
+from tinkerrpc_server.service.mismatch import sampler_mismatch
 from tinkerrpc_server.service.models import (
     ModelRegistry,
     ModelRuntime,
@@ -335,6 +336,9 @@ class Trainer:
                 step_seconds=step_seconds,
                 tokens_per_second=batch.total_tokens / step_seconds if step_seconds > 0 else 0.0,
                 extra={**{k: float(v) for k, v in trainer_metrics.items()}, **batch.env_metrics},
+                sampler_mismatch=sampler_mismatch(
+                    batch.datums, batch.sampled_masks, fb_output.loss_fn_outputs
+                ),
             )
             now = time.time()
             sampler_row = CheckpointRow(
