@@ -1,49 +1,39 @@
 """Every request check of service/validation.py in-process: each malformed field is a field violation
 naming it (and only it), size limits are RESOURCE_EXHAUSTED naming the flag, a wrong expected version is
-FAILED_PRECONDITION. The live bad-input campaign (tests/hardening) sends such requests end to end."""
+FAILED_PRECONDITION (test_validation_sample.py: Sample's prompts, tool JSON and sampling parameters). The
+live bad-input campaign (tests/hardening) sends such requests end to end."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
 
 import grpc
 import pytest
 from google.rpc import error_details_pb2  # type: ignore[import-untyped]
+from validation_support import (
+    CONTEXT,
+    LIMITS,
+    LONG_INTEGER_JSON,
+    TOO_MUCH_TEXT,
+    UNKNOWN_ROLE,
+    VOCAB,
+    message,
+    violated,
+)
 
 from tinkerrpc.contract import limits
-from tinkerrpc.contract.limits import MAX_JSON_DEPTH, MAX_JSON_NUMBER_CHARS
+from tinkerrpc.contract.limits import MAX_JSON_DEPTH
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
-from tinkerrpc_server import bounded_json
 from tinkerrpc_server.service import errors, validation
 from tinkerrpc_server.service.errors import ServiceError
-from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.store import ModelRow
 
 pytestmark = pytest.mark.unit
 
 VERSION = 3
-VOCAB = 100
-CONTEXT = 64
-LIMITS = Limits(max_sample_n=8, max_sample_tokens=32, max_train_trajectories=2, max_train_tokens=50)
-# Over the context's text bound (validation.MAX_TEXT_BYTES_PER_TOKEN bytes per token).
-TOO_MUCH_TEXT = "x" * (CONTEXT * validation.MAX_TEXT_BYTES_PER_TOKEN + 1)
-# Tool JSON past the JSON bounds, each well within the context's text bound.
-LONG_INTEGER_JSON = '{"a": 1' + "0" * MAX_JSON_NUMBER_CHARS + "}"
+# Tool JSON past the JSON depth bound, well within the context's text bound.
 TOO_DEEP_JSON = '{"a": ' * MAX_JSON_DEPTH + "[]" + "}" * MAX_JSON_DEPTH
-
-
-def _violated(check: Callable[[], object]) -> list[str]:
-    with pytest.raises(ServiceError) as err:
-        check()
-    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value.message
-    (bad,) = [d for d in err.value.details if isinstance(d, error_details_pb2.BadRequest)]
-    return [v.field for v in bad.field_violations]
-
-
-def _message(role: types_pb2.Role.ValueType, content: str = "hi") -> types_pb2.Message:
-    return types_pb2.Message(role=role, content=content)
 
 
 def _rl() -> pb.TrainRequest:
@@ -64,11 +54,10 @@ def _rl() -> pb.TrainRequest:
 
 def _sft() -> pb.TrainRequest:
     request = pb.TrainRequest(model="m", adam=types_pb2.AdamParams(learning_rate=1e-3))
-    request.examples.add(messages=[_message(types_pb2.ROLE_USER), _message(types_pb2.ROLE_ASSISTANT)])
+    request.examples.add(messages=[message(types_pb2.ROLE_USER), message(types_pb2.ROLE_ASSISTANT)])
     return request
 
 
-UNKNOWN_ROLE = cast(types_pb2.Role.ValueType, 99)
 TRAJECTORY = "groups[0].trajectories[0]"
 TURN = f"{TRAJECTORY}.turns[0]"
 
@@ -244,7 +233,7 @@ def test_train_request_violations(
     validation.check_train_request(base(), VERSION, VOCAB, CONTEXT)  # the unchanged request is valid
     request = base()
     mutate(request)
-    assert _violated(lambda: validation.check_train_request(request, VERSION, VOCAB, CONTEXT)) == fields
+    assert violated(lambda: validation.check_train_request(request, VERSION, VOCAB, CONTEXT)) == fields
 
 
 def test_stored_fields_at_their_bounds_pass() -> None:
@@ -264,7 +253,7 @@ def test_every_violation_of_a_request_is_reported_at_once() -> None:
     request.adam.learning_rate = 0
     _turn(request).policy_version = 9
     request.groups.add()
-    assert _violated(lambda: validation.check_train_request(request, VERSION, VOCAB, CONTEXT)) == [
+    assert violated(lambda: validation.check_train_request(request, VERSION, VOCAB, CONTEXT)) == [
         "adam.learning_rate",
         f"{TURN}.policy_version",
         "groups[1].trajectories",
@@ -297,7 +286,7 @@ def _create(**fields: object) -> pb.CreateModelRequest:
     ],
 )
 def test_create_model_violations(request_: pb.CreateModelRequest, fields: list[str]) -> None:
-    assert _violated(lambda: validation.check_create_model(request_)) == fields
+    assert violated(lambda: validation.check_create_model(request_)) == fields
 
 
 def test_valid_create_model_and_checkpoint_names_pass() -> None:
@@ -320,7 +309,7 @@ def test_lora_modules_and_rank_within_bounds_pass() -> None:
     ("rank", "hidden_size", "maximum"), [(65, 64, 64), (limits.MAX_LORA_RANK + 1, 4096, limits.MAX_LORA_RANK)]
 )
 def test_lora_rank_over_the_base_models_maximum_states_it(rank: int, hidden_size: int, maximum: int) -> None:
-    assert _violated(lambda: validation.check_lora_rank(rank, "org/base", hidden_size)) == ["lora.rank"]
+    assert violated(lambda: validation.check_lora_rank(rank, "org/base", hidden_size)) == ["lora.rank"]
     with pytest.raises(ServiceError) as err:
         validation.check_lora_rank(rank, "org/base", hidden_size)
     stated = (
@@ -330,175 +319,36 @@ def test_lora_rank_over_the_base_models_maximum_states_it(rank: int, hidden_size
 
 
 def test_checkpoint_name_and_kind_violations() -> None:
-    assert _violated(lambda: validation.check_checkpoint_name("../escape")) == ["name"]
-    assert _violated(lambda: validation.check_checkpoint_kind(0)) == ["kind"]
-
-
-def _chat(*messages: types_pb2.Message, tools: tuple[str, ...] = ()) -> pb.SampleRequest:
-    request = pb.SampleRequest(model="m", chat=pb.ChatPrompt(messages=messages))
-    for name in tools:
-        request.chat.tools.add(name=name, parameters_json="{}")
-    return request
-
-
-def _forced(request: pb.SampleRequest, name: str) -> pb.SampleRequest:
-    request.chat.forced_tool_call.function_name = name
-    return request
-
-
-USER = _message(types_pb2.ROLE_USER)
-
-
-def _calling(arguments_json: str) -> types_pb2.Message:
-    return types_pb2.Message(
-        role=types_pb2.ROLE_ASSISTANT,
-        tool_calls=[types_pb2.ToolCall(name="f", arguments_json=arguments_json)],
-    )
-
-
-def _with_tool(request: pb.SampleRequest, parameters_json: str) -> pb.SampleRequest:
-    request.chat.tools.add(name="f", parameters_json=parameters_json)
-    return request
-
-
-@pytest.mark.parametrize(
-    ("text", "reason"),
-    [
-        ('{"a": 1' + "0" * 5000 + "}", "a number of 5001 characters: at most 100"),
-        ('{"a": -1' + "0" * 99 + "}", "a number of 101 characters: at most 100"),
-        ('{"a": 0.' + "1" * 200 + "}", "a number of 202 characters: at most 100"),
-        ('{"a": 1e400}', "1e400 is out of the range of a double"),
-        ('{"a": NaN}', "NaN is not a JSON number"),
-        ('{"a": [Infinity]}', "Infinity is not a JSON number"),
-        ('{"a": -Infinity}', "-Infinity is not a JSON number"),
-        ("[" * 20_000, "nested too deeply: more than 64 levels"),
-        ('{"a": ' * 65 + "1" + "}" * 65, "nested too deeply: more than 64 levels"),
-        ("[" * 64 + "]" * 64, "got an array"),  # 64 levels are within the bound
-        ("{", "invalid JSON at character 1"),
-        ("[1]", "got an array"),
-        ("null", "got null"),
-    ],
-)
-def test_tool_json_is_refused_with_its_reason(text: str, reason: str) -> None:
-    with pytest.raises(bounded_json.BoundedJsonError) as err:
-        bounded_json.parse_json_object(text)
-    assert str(err.value) == reason
-
-
-def test_tool_json_within_its_bounds_parses() -> None:
-    assert bounded_json.parse_json_object("") == {}
-    deepest = '{"a": ' * 63 + "[]" + "}" * 63  # 64 levels, the innermost array included
-    assert bounded_json.parse_json_object(deepest)
-    assert bounded_json.parse_json_object('{"n": -1' + "0" * 98 + ', "x": 1.5e308}') == {
-        "n": -(10**98),
-        "x": 1.5e308,
-    }
-
-
-@pytest.mark.parametrize(
-    ("request_", "fields"),
-    [
-        (pb.SampleRequest(model="m"), ["prompt"]),
-        (pb.SampleRequest(model="m", text=TOO_MUCH_TEXT), ["text"]),
-        (_chat(), ["chat.messages"]),
-        (_chat(_message(types_pb2.ROLE_USER, TOO_MUCH_TEXT)), ["chat.messages"]),
-        (_chat(types_pb2.Message(role=UNKNOWN_ROLE)), ["chat.messages[0].role"]),
-        (_chat(USER, tools=("",)), ["chat.tools[0].name"]),
-        (_chat(USER, _calling('{"a": NaN}')), ["chat.messages[1].tool_calls[0].arguments_json"]),
-        (_chat(USER, _calling(LONG_INTEGER_JSON)), ["chat.messages[1].tool_calls[0].arguments_json"]),
-        (_with_tool(_chat(USER), '{"minimum": 1e999}'), ["chat.tools[0].parameters_json"]),
-        (_with_tool(_chat(USER), LONG_INTEGER_JSON), ["chat.tools[0].parameters_json"]),
-        (_forced(_chat(USER), ""), ["chat.forced_tool_call"]),
-        (_forced(_chat(USER, tools=("search",)), "other"), ["chat.forced_tool_call.function_name"]),
-    ],
-)
-def test_prompt_violations(request_: pb.SampleRequest, fields: list[str]) -> None:
-    assert _violated(lambda: validation.check_prompt(request_, CONTEXT)) == fields
-
-
-def test_prompt_token_violations() -> None:
-    tokens = pb.SampleRequest(model="m", tokens=pb.TokenPrompt(token_ids=[1, VOCAB]))
-    validation.check_prompt(tokens, CONTEXT)
-    assert _violated(lambda: validation.check_prompt_tokens(tokens, [1, VOCAB], VOCAB)) == [
-        "tokens.token_ids"
-    ]
-    assert _violated(lambda: validation.check_prompt_tokens(_chat(USER), [], VOCAB)) == ["chat"]
-    validation.check_prompt(_forced(_chat(USER, tools=("search",)), "search"), CONTEXT)
-    validation.check_prompt_tokens(tokens, [1, 2], VOCAB)
-
-
-def _params(**fields: object) -> types_pb2.SamplingParams:
-    params = types_pb2.SamplingParams(max_tokens=8)
-    for name, value in fields.items():
-        if isinstance(value, list):
-            getattr(params, name).extend(value)
-        else:
-            setattr(params, name, value)
-    return params
-
-
-@pytest.mark.parametrize(
-    ("params", "prompt_length", "fields"),
-    [
-        (_params(n=-1), 4, ["params.n"]),
-        (_params(n=LIMITS.max_sample_n + 1), 4, ["params.n"]),
-        (_params(), CONTEXT, ["prompt", "params.max_tokens"]),
-        (_params(max_tokens=0), 4, ["params.max_tokens"]),
-        (_params(max_tokens=LIMITS.max_sample_tokens + 1), 4, ["params.max_tokens"]),
-        (_params(max_tokens=30), CONTEXT - 20, ["params.max_tokens"]),
-        (_params(temperature=1e-4), 4, ["params.temperature"]),
-        (_params(temperature=101.0), 4, ["params.temperature"]),
-        (_params(top_p=0.0), 4, ["params.top_p"]),
-        (_params(top_p=1.5), 4, ["params.top_p"]),
-        (_params(top_k=-1), 4, ["params.top_k"]),
-        (_params(top_logprobs=validation.MAX_TOP_LOGPROBS + 1), 4, ["params.top_logprobs"]),
-        (_params(stop_token_ids=[0] * (validation.MAX_STOP_TOKEN_IDS + 1)), 4, ["params.stop_token_ids"]),
-        (_params(stop_token_ids=[VOCAB]), 4, ["params.stop_token_ids"]),
-        (_params(stop=["x"] * (validation.MAX_STOP_STRINGS + 1)), 4, ["params.stop"]),
-        (_params(stop=[""]), 4, ["params.stop"]),
-        (_params(stop=["é" * validation.MAX_STOP_STRING_BYTES]), 4, ["params.stop"]),
-        (_params(min_tokens=-1), 4, ["params.min_tokens"]),
-        (_params(min_tokens=9), 4, ["params.min_tokens"]),
-    ],
-)
-def test_sampling_param_violations(
-    params: types_pb2.SamplingParams, prompt_length: int, fields: list[str]
-) -> None:
-    check = lambda: validation.check_sampling_params(params, prompt_length, VOCAB, CONTEXT, LIMITS)  # noqa: E731
-    assert _violated(check) == fields
-
-
-def test_valid_sampling_params_pass() -> None:
-    greedy = _params(n=LIMITS.max_sample_n, temperature=0.0, top_p=1.0, top_k=5, stop=["\n"], min_tokens=8)
-    validation.check_sampling_params(greedy, CONTEXT - 8, VOCAB, CONTEXT, LIMITS)
+    assert violated(lambda: validation.check_checkpoint_name("../escape")) == ["name"]
+    assert violated(lambda: validation.check_checkpoint_kind(0)) == ["kind"]
 
 
 def test_export_history_and_watch_violations() -> None:
     export = pb.ExportWeightsRequest(model="m", expected_policy_version=-1, policy_version=-1)
-    assert _violated(lambda: validation.check_export_request(export)) == [
+    assert violated(lambda: validation.check_export_request(export)) == [
         "expected_policy_version",
         "policy_version",
     ]
     history = pb.GetRunHistoryRequest
-    assert _violated(lambda: validation.check_history_request(history(model="m", from_version=-1))) == [
+    assert violated(lambda: validation.check_history_request(history(model="m", from_version=-1))) == [
         "from_version"
     ]
-    assert _violated(
+    assert violated(
         lambda: validation.check_history_request(history(model="m", from_version=5, to_version=4))
     ) == ["to_version"]
-    assert _violated(lambda: validation.check_history_request(history(model="m", page_size=1001))) == [
+    assert violated(lambda: validation.check_history_request(history(model="m", page_size=1001))) == [
         "page_size"
     ]
-    assert _violated(lambda: validation.check_history_request(history(model="m", page_token="abc"))) == [
+    assert violated(lambda: validation.check_history_request(history(model="m", page_token="abc"))) == [
         "page_token"
     ]
-    assert _violated(
+    assert violated(
         lambda: validation.check_history_request(history(model="m", from_version=7, page_token="7"))
     ) == ["page_token"]
     assert validation.check_history_request(history(model="m", from_version=2, page_token="9")) == 9
     assert validation.check_history_request(history(model="m")) == 0
     watch = pb.WatchModelRequest(model="m", from_version=-1)
-    assert _violated(lambda: validation.check_watch_request(watch)) == ["from_version"]
+    assert violated(lambda: validation.check_watch_request(watch)) == ["from_version"]
 
 
 def test_size_limits_are_resource_exhausted_naming_the_flag() -> None:
