@@ -280,6 +280,14 @@ def test_a_choice_without_logprobs_trains_by_its_sample_key() -> None:
     assert convert.metrics_from_proto(pb.TrainMetrics(scored_tokens=7)).scored_tokens == 7
 
 
+def test_sampler_mismatch_is_read_when_set_and_none_for_a_supervised_step() -> None:
+    figures = {"kl": 0.02, "mean_ratio": 1.01, "max_ratio": 2.5, "outside_fraction": 0.125, "tokens": 8}
+    reported = pb.TrainMetrics(sampler_mismatch=pb.SamplerMismatch(**figures))
+    wire = pb.TrainMetrics.FromString(reported.SerializeToString())
+    assert convert.metrics_from_proto(wire).sampler_mismatch == tinkerrpc.SamplerMismatch(**figures)
+    assert convert.metrics_from_proto(pb.TrainMetrics(trained_tokens=8)).sampler_mismatch is None
+
+
 def test_train_request_carries_a_fresh_idempotency_key_and_all_options() -> None:
     group = [tinkerrpc.Trajectory.from_sample([], make_sample(1), reward=1.0)]
     options: dict[str, Any] = {"loss": "ppo", "clip_low_threshold": 0.7, "max_staleness": 2}
