@@ -5,17 +5,26 @@ it was before. One `tinkerrpc serve --sidecar-port` (conftest.hosted_server) ser
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import httpx
 import pytest
 from google.protobuf.message import Message as ProtoMessage
-from hardening_support import MAX_SAMPLE_N, MAX_TRAIN_TRAJECTORIES, SIDECAR_KEY, HostedServer
+from hardening_support import (
+    BIG_TOKEN,
+    CHAT,
+    COMPLETIONS,
+    GENERATE,
+    HI,
+    MAX_SAMPLE_N,
+    MAX_TRAIN_TRAJECTORIES,
+    HostedServer,
+    HttpRow,
+    http_outcome,
+)
 from service.svc import CALL_TIMEOUT, TINY, Server, assistant, create_model, prompt_logprobs, rl_request, user
 
 from tinkerrpc.v1 import trainer_service_pb2 as pb
@@ -24,8 +33,6 @@ from tinkerrpc.v1 import types_pb2
 pytestmark = pytest.mark.process
 
 MODEL = "campaign"
-KEY = SIDECAR_KEY
-BIG_TOKEN = 10**6
 Code = grpc.StatusCode
 
 
@@ -361,23 +368,6 @@ def grpc_rows(s: Setup) -> list[GrpcRow]:
 # ---- the HTTP table (the hosted sidecar)
 
 
-@dataclass(frozen=True)
-class HttpRow:
-    label: str
-    path: str
-    body: dict[str, Any] | bytes | None
-    status: int
-    needle: str
-    key: str | None = KEY
-    method: str = "POST"
-
-
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-GENERATE = "/inference/v1/generate"
-HI = [{"role": "user", "content": "hi"}]
-
-
 def _generate(**sampling: Any) -> dict[str, Any]:
     return {"model": MODEL, "token_ids": [1, 2], "sampling_params": {"max_tokens": 1, **sampling}}
 
@@ -463,18 +453,6 @@ def _grpc_outcome(s: Setup, row: GrpcRow) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.OK, ""
 
 
-def _http_outcome(s: Setup, row: HttpRow) -> tuple[int, str]:
-    headers = {"content-type": "application/json"}
-    if row.key is not None:
-        headers["authorization"] = f"Bearer {row.key}"
-    content = row.body if isinstance(row.body, bytes) else json.dumps(row.body).encode() if row.body else None
-    response = httpx.request(
-        row.method, s.sidecar + row.path, content=content, headers=headers, timeout=CALL_TIMEOUT
-    )
-    error = response.json().get("error") or {}
-    return response.status_code, f"{error.get('message', '')} [param {error.get('param')}]"
-
-
 def test_bad_input_campaign_gets_named_errors_and_changes_nothing(setup: Setup) -> None:
     probe = list(setup.sample.prompt_token_ids)
     before = _state(setup, probe)
@@ -490,7 +468,7 @@ def test_bad_input_campaign_gets_named_errors_and_changes_nothing(setup: Setup) 
             )
     http_table = http_rows()
     for http_row in http_table:
-        status, message = _http_outcome(setup, http_row)
+        status, message = http_outcome(setup.sidecar, http_row)
         if status != http_row.status or http_row.needle.lower() not in message.lower():
             failures.append(
                 f"{http_row.label} expected {http_row.status} with {http_row.needle!r}: got {status}: {message}"

@@ -1,5 +1,5 @@
 """The campaign's reply rows (issue 40): what the server makes of hostile model output, each row with its
-exact answer. Three tables, the bad-input campaign's row machinery reused for the refusals:
+exact answer. Three tables, the campaigns' HTTP rows (hardening_support) for the refusals:
 
 - parse rows: a reply as the model could write it (tool-call markup that is malformed or adversarial,
   several end-of-turn tokens, a cut at max_tokens) and the message the server parses from it, on
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from hardening_support import HostedServer
+from hardening_support import CHAT, COMPLETIONS, HostedServer, HttpRow, http_outcome
 from reply_client import both_replies
 from reply_lessons import (
     ARGUMENTS,
@@ -31,9 +31,7 @@ from reply_lessons import (
     taught_model,
     written,
 )
-from test_bad_input_campaign import CHAT, COMPLETIONS, HttpRow, Setup, _http_outcome
 
-from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc_server.service.rendering import ChatCodec, ChatCodecs
 from tinkerrpc_server.service.replies import parse_reply, tool_call_opening
 
@@ -253,10 +251,9 @@ REFUSAL_ROWS = [
 
 
 def test_refusal_rows(hosted_server: HostedServer, actor: str) -> None:
-    setup = Setup(hosted_server.server, hosted_server.sidecar_url, pb.SampleResponse(), pb.TrainRequest())
     failures = []
     for row in REFUSAL_ROWS:
-        status, message = _http_outcome(setup, row)
+        status, message = http_outcome(hosted_server.sidecar_url, row)
         if status != row.status or row.needle.lower() not in message.lower():
             failures.append(f"{row.label} expected {row.status} with {row.needle!r}: got {status}: {message}")
     assert not failures, "\n".join(failures)

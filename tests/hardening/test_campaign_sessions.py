@@ -3,7 +3,7 @@ mixed options, the run view's event-stream parameters, sample keys after a resto
 RPC right after the backend finished serve's Tinker session. Each row has its exact expected answer. The
 HTTP and key rows run on the hardening suite's hosted server (conftest.hosted_server: --max-sample-n 8,
 --max-sample-tokens 64); the session rows on a serve over a separately started engine whose key the test
-holds (tests/service/session_support.py). The table machinery (rows, outcomes) is test_bad_input_campaign's."""
+holds (tests/service/session_support.py). The HTTP row machinery is hardening_support's."""
 
 from __future__ import annotations
 
@@ -17,20 +17,21 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hardening_support import MAX_SAMPLE_N, MAX_SAMPLE_TOKENS, HostedServer
-from service.session_support import SESSION_TIMEOUT, finish_session, sessions, until_served
-from service.svc import CALL_TIMEOUT, Server, create_model, poll_until, user, yes_no_sft_request
-from test_bad_input_campaign import (
+from hardening_support import (
     BIG_TOKEN,
     CHAT,
     COMPLETIONS,
     GENERATE,
     HI,
-    KEY,
+    MAX_SAMPLE_N,
+    MAX_SAMPLE_TOKENS,
+    SIDECAR_KEY,
+    HostedServer,
     HttpRow,
-    Setup,
-    _http_outcome,
+    http_outcome,
 )
+from service.session_support import SESSION_TIMEOUT, finish_session, sessions, until_served
+from service.svc import CALL_TIMEOUT, Server, create_model, poll_until, user, yes_no_sft_request
 
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
@@ -113,7 +114,7 @@ def together_rows() -> list[TogetherRow]:
 
 
 async def _together(sidecar: str, row: TogetherRow) -> list[Answer]:
-    headers = {"authorization": f"Bearer {KEY}"}
+    headers = {"authorization": f"Bearer {SIDECAR_KEY}"}
     async with httpx.AsyncClient(base_url=sidecar, headers=headers, timeout=CALL_TIMEOUT) as http:
         responses = await asyncio.gather(*(http.post(row.path, json=body) for body in row.bodies))
     answers = []
@@ -206,7 +207,7 @@ def stream_rows() -> list[StreamRow]:
 
 def _stream_outcome(sidecar: str, row: StreamRow) -> tuple[int, str | None, str]:
     """Status, and the error's param and message, or for a 200 the stream's first line."""
-    headers = [(b"authorization", f"Bearer {KEY}".encode())]
+    headers = [(b"authorization", f"Bearer {SIDECAR_KEY}".encode())]
     if row.last_event_id is not None:
         headers.append((b"last-event-id", row.last_event_id))  # bytes: sent as they are
     with (
@@ -220,11 +221,10 @@ def _stream_outcome(sidecar: str, row: StreamRow) -> tuple[int, str | None, str]
 
 
 def test_the_run_views_parameters_are_checked(hosted: HostedServer) -> None:
-    setup = Setup(hosted.server, hosted.sidecar_url, pb.SampleResponse(), pb.TrainRequest())
     failures = []
     plain = run_view_http_rows()
     for row in plain:
-        status, message = _http_outcome(setup, row)
+        status, message = http_outcome(hosted.sidecar_url, row)
         if status != row.status or row.needle.lower() not in message.lower():
             failures.append(
                 f"{row.label}: expected {row.status} with {row.needle!r}, got {status}: {message[:200]}"
