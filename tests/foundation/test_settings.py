@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,44 @@ def test_children_inherit_no_credential_but_what_they_are_handed(monkeypatch: py
     assert settings.AUTH_TOKEN_ENV not in env and settings.SIDECAR_API_KEY_ENV not in env
     assert env["UNRELATED"] == "kept"
     assert env["TINKER_TELEMETRY"] == "0"
+
+
+REPO = Path(__file__).resolve().parents[2]
+# settings.py is the server's one reader of the environment; the SDK may not import the server, so its
+# one reader is the sidecar key's ($TINKERRPC_SIDECAR_API_KEY).
+ENVIRONMENT_READERS = {
+    REPO / "server/tinkerrpc_server/settings.py",
+    REPO / "client/tinkerrpc/_openai_client.py",
+}
+ENVIRONMENT_NAMES = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
+
+
+def _environment_uses(path: Path) -> list[int]:
+    """The lines of `path` that read or change the process environment: os.environ, os.getenv and the
+    like, or those names imported from os."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (
+            (isinstance(node, ast.Attribute) and node.attr in ENVIRONMENT_NAMES)
+            or (isinstance(node, ast.Name) and node.id in ENVIRONMENT_NAMES)
+            or (
+                isinstance(node, ast.ImportFrom)
+                and node.module == "os"
+                and any(alias.name in ENVIRONMENT_NAMES for alias in node.names)
+            )
+        ):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_settings_reads_the_environment() -> None:
+    sources = [*(REPO / "server/tinkerrpc_server").rglob("*.py"), *(REPO / "client/tinkerrpc").rglob("*.py")]
+    assert len(sources) > 50
+    found = {
+        f"{path.relative_to(REPO)}:{line}"
+        for path in sources
+        if path not in ENVIRONMENT_READERS
+        for line in _environment_uses(path)
+    }
+    assert not found, "the environment is read outside settings.py (settings.Settings holds each value)"
+    assert all(_environment_uses(path) for path in ENVIRONMENT_READERS)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,7 +15,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tinkerrpc_server.engine.auth import HEALTH_PATH
 from tinkerrpc_server.local.launch import EngineProcess, LocalProcess, tinkerrpc_command
 from tinkerrpc_server.processes.probes import http_ok
-from tinkerrpc_server.settings import SIDECAR_API_KEY_ENV
+from tinkerrpc_server.settings import (
+    SIDECAR_API_KEY_ENV,
+    TINKER_API_KEY_ENV,
+    TINKER_BASE_URL_ENV,
+    child_environment,
+)
 
 if TYPE_CHECKING:
     import tinker
@@ -151,14 +155,14 @@ class LocalEngine(EngineProcess):
         return tinker.RestClient(base_url=self.base_url, api_key=self.api_key)
 
     def sdk_user_env(self) -> dict[str, str]:
-        """This process's environment plus what a tinker SDK user sets to reach this engine instead of
-        Tinker (its URL and key), offline: the built-in models' tokenizers load from the hub cache the
-        engine was started with, when it was given one."""
-        env = {**os.environ, "TINKER_BASE_URL": self.base_url, "TINKER_API_KEY": self.api_key}
-        env.update({"HF_HUB_OFFLINE": "1", "TINKER_TELEMETRY": "0"})
+        """A child's environment (settings.child_environment: no tinkerrpc credential, telemetry off) plus
+        what a tinker SDK user sets to reach this engine instead of Tinker (its URL and key), offline: the
+        built-in models' tokenizers load from the hub cache the engine was started with, when it was given
+        one."""
+        handed = {TINKER_BASE_URL_ENV: self.base_url, TINKER_API_KEY_ENV: self.api_key, "HF_HUB_OFFLINE": "1"}
         if "HF_HUB_CACHE" in self.env:
-            env["HF_HUB_CACHE"] = self.env["HF_HUB_CACHE"]
-        return env
+            handed["HF_HUB_CACHE"] = self.env["HF_HUB_CACHE"]
+        return child_environment(handed)
 
     def stats(self) -> dict[str, int]:
         """The engine's scheduling counters (sample requests, the batches they ran in, training ops)."""
