@@ -271,7 +271,7 @@ def test_the_run_view_draws_the_run_and_follows_a_train_live(
         "version 2 with the live stream open",
     )
     before = _run_state(browser)
-    assert before["points"] == 2 and before["canvases"] >= 4, before
+    assert before["points"] == 2 and before["canvases"] >= 5, before
     assert before["sampleable"] == "0, 1, 2"
     assert browser.evaluate("location.search") == ""  # the key left the address bar
     browser.evaluate("window.loadedOnce = true")  # gone if the page reloads
@@ -285,6 +285,9 @@ def test_the_run_view_draws_the_run_and_follows_a_train_live(
     )
     after = _run_state(browser)
     assert after["points"] == 3 and browser.evaluate("window.loadedOnce") is True, after
+    # Every RL step has a point on the mismatch chart: its KL (k3), never negative.
+    kl = browser.evaluate("window.runCharts.mismatch.data[1]")
+    assert len(kl) == 3 and all(value is not None and value >= 0 for value in kl), kl
     # Version 3's point is on the reward chart's data, which uPlot draws.
     assert browser.evaluate("document.getElementById('summary').textContent").startswith("version 3:")
 

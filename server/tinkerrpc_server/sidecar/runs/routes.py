@@ -56,6 +56,7 @@ def _finite(value: float) -> float | None:
 
 def step_json(step: RunStep) -> dict[str, Any]:
     metrics = step.metrics
+    mismatch = metrics.sampler_mismatch  # None for supervised steps: no point on the mismatch chart
     return {
         "v": step.policy_version,
         "reward": _finite(metrics.mean_reward),
@@ -70,6 +71,8 @@ def step_json(step: RunStep) -> dict[str, Any]:
         "dropped_stale": metrics.dropped_stale,
         "dropped_zero_variance": metrics.dropped_zero_variance,
         "staleness": {str(k): n for k, n in sorted(metrics.staleness_histogram.items())},
+        "kl": _finite(mismatch.kl) if mismatch else None,
+        "ratio_outside": mismatch.outside_fraction if mismatch else None,
         "time": step.commit_time.isoformat() if step.commit_time else None,
         "checkpoints": [c.name for c in step.checkpoints],
     }
@@ -257,7 +260,8 @@ def create_router(client: Callable[[], AsyncClient], api_key: str | None) -> API
             f'<p><a href="/runs">runs</a></p><h1>{html.escape(info.name)}</h1>'
             "<p id=summary></p><p id=status></p>"
             "<section class=charts><div id=chart-reward></div><div id=chart-loss></div>"
-            "<div id=chart-staleness></div><div id=chart-throughput></div></section>"
+            "<div id=chart-staleness></div><div id=chart-throughput></div><div id=chart-mismatch></div>"
+            "</section>"
             "<section><h2>Sampleable versions</h2><p id=sampleable></p></section>"
             "<section><h2>Checkpoints</h2><table id=checkpoints><thead><tr><th>name</th><th>kind</th>"
             "<th>version</th><th>made</th></tr></thead><tbody></tbody></table></section></main>"

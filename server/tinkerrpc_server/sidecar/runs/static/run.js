@@ -40,6 +40,10 @@
     throughput: { title: "Throughput (tokens per second)", series: [
       { label: "tokens/s", stroke: "#2b8a3e", width: 2, value: (s) => s.tps },
     ] },
+    mismatch: { title: "Sampler/learner mismatch (RL steps, sampled tokens)", series: [
+      { label: "KL (k3)", stroke: "#c2255c", width: 2, value: (s) => s.kl },
+      { label: "fraction of ratios outside [MISMATCH_RATIO_MIN, MAX]", stroke: "#f783ac", value: (s) => s.ratio_outside },
+    ] },
   };
 
   // A value axis as wide as its widest tick label (uPlot's fixed 50 px cut "10,000" to "0,000"). uPlot
