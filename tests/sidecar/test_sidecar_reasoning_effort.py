@@ -94,11 +94,12 @@ def test_thinking_refused_by_the_renderer_names_the_field_the_caller_sent(
     for effort in THINKING_EFFORTS:
         error = refusal(client, plain_model, reasoning_effort=effort, stream=stream)
         assert error.param == "reasoning_effort", effort
-        assert "has no variant with thinking enabled" in error.message
+        assert "reasoning_effort: renderer 'role_colon' has no variant with thinking enabled" in error.message
     from_kwargs = refusal(
         client, plain_model, stream=stream, extra_body={"chat_template_kwargs": {"enable_thinking": True}}
     )
     assert from_kwargs.param == "chat_template_kwargs.enable_thinking"
+    assert "chat_template_kwargs.enable_thinking: renderer 'role_colon' has no variant" in from_kwargs.message
     # Both set and agreeing: chat_template_kwargs is the server's own field, named as the caller sent it.
     both = refusal(
         client,

@@ -27,7 +27,7 @@ from tinkerrpc_server.sidecar.chat_protocol import (
     ToolCallDelta,
 )
 from tinkerrpc_server.sidecar.completion_route import CompletionFamily, answer
-from tinkerrpc_server.sidecar.errors import THINKING_PARAM, OpenAIError, bad_request
+from tinkerrpc_server.sidecar.errors import THINKING_FIELD, THINKING_PARAM, OpenAIError, bad_request
 from tinkerrpc_server.sidecar.json_bounds import BoundedJSONRoute, check_json_text
 from tinkerrpc_server.sidecar.models import ModelRef
 from tinkerrpc_server.sidecar.sample_output import (
@@ -88,9 +88,13 @@ def thinking_asked(request: ChatCompletionRequest) -> bool | None:
 
 def name_as_sent(error: OpenAIError, request: ChatCompletionRequest) -> None:
     """Make the server's refusal of the thinking variant (a renderer without one) name the field the
-    caller set: reasoning_effort when it alone asked, else chat_template_kwargs.enable_thinking."""
-    if error.param == THINKING_PARAM and enable_thinking(request.chat_template_kwargs) is None:
+    caller set, in param and message: reasoning_effort when it alone asked, else
+    chat_template_kwargs.enable_thinking."""
+    if error.param != THINKING_PARAM:
+        return
+    if enable_thinking(request.chat_template_kwargs) is None:
         error.param = "reasoning_effort"
+    error.message = error.message.replace(THINKING_FIELD, error.param)
 
 
 def _check_unsupported_chat(request: ChatCompletionRequest) -> None:

@@ -88,8 +88,9 @@ def model_not_found(model: str, reason: str) -> OpenAIError:
     )
 
 
-# The chat request's name for the server's chat.enable_thinking (vLLM's chat_template_kwargs; the chat
-# route names reasoning_effort instead when that alone chose the renderer's variant).
+# The server's field choosing the renderer's thinking variant, and its name in a chat request (vLLM's
+# chat_template_kwargs; the chat route names reasoning_effort instead when that alone chose it).
+THINKING_FIELD = "chat.enable_thinking"
 THINKING_PARAM = "chat_template_kwargs.enable_thinking"
 
 # Server-side field paths of a SampleRequest, as the OpenAI request names them.
@@ -97,7 +98,7 @@ _PROTO_FIELD_TO_PARAM: tuple[tuple[str, str], ...] = (
     ("params.", ""),
     ("chat.messages", "messages"),
     ("chat.tools", "tools"),
-    ("chat.enable_thinking", THINKING_PARAM),
+    (THINKING_FIELD, THINKING_PARAM),
     ("tokens.token_ids", "prompt"),
     ("text", "prompt"),
     ("policy_version", "model"),
