@@ -36,6 +36,7 @@ from tinker import types
 
 from tinkerrpc_server.engine import protocol
 from tinkerrpc_server.engine.answers import Answer, answer_size
+from tinkerrpc_server.engine.compute.execution_plan import choose_execution_plan
 from tinkerrpc_server.engine.compute.feed import MappedFeed, RequestFeed
 from tinkerrpc_server.engine.compute.samples import SampleJob, SampleOutput
 from tinkerrpc_server.engine.config import EngineConfig
@@ -98,7 +99,13 @@ class Engine:
         self._sessions = Sessions(config.session_timeout)
         self._sequenced = SequencedRequests()
         self._ledger = SamplerLedger(config.snapshot_grace)
-        self._runtimes = RuntimeRegistry(config.model_dir, config.device, config.dtype, config.policy)
+        self._runtimes = RuntimeRegistry(
+            config.model_dir,
+            config.device,
+            config.dtype,
+            config.policy,
+            choose_execution_plan(config.kernels),
+        )
         self._stopped = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep_expired, name="engine-sweep", daemon=True)
         self._sweeper.start()

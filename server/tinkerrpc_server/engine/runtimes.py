@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+from tinkerrpc_server.engine.compute.execution_plan import ExecutionPlan
 from tinkerrpc_server.engine.compute.scheduler import BatchPolicy
 from tinkerrpc_server.engine.runtime import BaseModelRuntime, EngineUserError
 from tinkerrpc_server.model_store import listed_builtin_models, resolve_base_model
@@ -21,12 +22,17 @@ log = logging.getLogger("tinkerrpc.engine")
 
 class RuntimeRegistry:
     def __init__(
-        self, model_dir: Path, device: str | None, dtype: str | None, policy: BatchPolicy | None
+        self,
+        model_dir: Path,
+        device: str | None,
+        dtype: str | None,
+        policy: BatchPolicy | None,
+        plan: ExecutionPlan,
     ) -> None:
-        """Base models are found in (and built-in ones written to) `model_dir`; `device`, `dtype` and
-        `policy` as in BaseModelRuntime."""
+        """Base models are found in (and built-in ones written to) `model_dir`; `device`, `dtype`,
+        `policy` and the execution `plan` as in BaseModelRuntime."""
         self.model_dir = model_dir
-        self._device, self._dtype, self._policy = device, dtype, policy
+        self._device, self._dtype, self._policy, self._plan = device, dtype, policy, plan
         self._resolve_lock = threading.Lock()
         self._runtimes: dict[Path, BaseModelRuntime] = {}
         self._live: dict[str, str] = {}  # model_id -> base model
@@ -51,7 +57,9 @@ class RuntimeRegistry:
         runtime = self._runtimes.get(path)
         if runtime is None:
             started = time.perf_counter()
-            runtime = self._runtimes[path] = BaseModelRuntime(path, self._device, self._dtype, self._policy)
+            runtime = self._runtimes[path] = BaseModelRuntime(
+                path, self._device, self._dtype, self._policy, self._plan
+            )
             log.info(
                 "loaded base model %s from %s in %.1f s", base_model, path, time.perf_counter() - started
             )
