@@ -8,12 +8,11 @@ every framework that takes an `openai.OpenAI`/`AsyncOpenAI` takes it.
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 from tinkerrpc._server_info import ServerInfo
+from tinkerrpc._settings import SIDECAR_API_KEY_ENV, sidecar_api_key_from_environment
 
-SIDECAR_API_KEY_ENV = "TINKERRPC_SIDECAR_API_KEY"
 # The openai client refuses to start without a key; a sidecar without one ignores what it is sent.
 KEYLESS_PLACEHOLDER = "tinkerrpc-sidecar-without-key"
 
@@ -29,7 +28,7 @@ def sidecar_connection(
             "the server hosts no OpenAI sidecar: start it with `tinkerrpc serve --sidecar-port PORT`, "
             "or pass sidecar_url= for a standalone `tinkerrpc sidecar`"
         )
-    key = api_key or os.environ.get(SIDECAR_API_KEY_ENV, "")
+    key = api_key or sidecar_api_key_from_environment()
     if not key:
         if info is not None and info.sidecar_requires_api_key:
             raise ValueError(

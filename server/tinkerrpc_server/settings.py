@@ -16,8 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from tinkerrpc._settings import SIDECAR_API_KEY_ENV
+
 AUTH_TOKEN_ENV = "TINKERRPC_AUTH_TOKEN"
-SIDECAR_API_KEY_ENV = "TINKERRPC_SIDECAR_API_KEY"
 # The key the engine requires as X-API-Key: `serve` hands its engine child a fresh one here (never on
 # the command line, which every user of the machine can read); `tinkerrpc engine` reads it too.
 ENGINE_API_KEY_ENV = "TINKERRPC_ENGINE_API_KEY"

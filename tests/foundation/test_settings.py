@@ -80,11 +80,11 @@ def test_children_inherit_no_credential_but_what_they_are_handed(monkeypatch: py
 
 
 REPO = Path(__file__).resolve().parents[2]
-# settings.py is the server's one reader of the environment; the SDK may not import the server, so its
-# one reader is the sidecar key's ($TINKERRPC_SIDECAR_API_KEY).
+# settings.py is the server's one reader of the environment; the SDK may not import the server, so it
+# has its own settings module.
 ENVIRONMENT_READERS = {
     REPO / "server/tinkerrpc_server/settings.py",
-    REPO / "client/tinkerrpc/_openai_client.py",
+    REPO / "client/tinkerrpc/_settings.py",
 }
 ENVIRONMENT_NAMES = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
 
