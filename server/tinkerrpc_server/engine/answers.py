@@ -37,6 +37,8 @@ def answer_size(answer: Answer) -> int:
             for seq in answer.sequences
             if seq.topk_logprobs is not None
         )
+        if answer.target_prompt_logprobs is not None:
+            arrays += answer.target_prompt_logprobs.logprobs.nbytes
         return _LISTED_NUMBER_BYTES * numbers + _TOPK_ENTRY_BYTES * entries + arrays
     if isinstance(answer, ForwardResult):
         return sum(array.nbytes for array in answer.logprobs) + _LISTED_NUMBER_BYTES * len(answer.metrics)

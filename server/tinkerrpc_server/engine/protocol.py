@@ -19,6 +19,12 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinker.types.topk_logprobs import MASK_LOGPROB
 
 from tinkerrpc.contract.limits import MAX_ENGINE_TOPK_LOGPROBS
+from tinkerrpc_server.engine.compute.prompt_targets import (
+    NO_TARGET,
+    CsrLayout,
+    PromptTargetLogprobs,
+    PromptTargets,
+)
 from tinkerrpc_server.engine.compute.samples import SampleJob, SampleOutput
 from tinkerrpc_server.engine.runtime import DatumArrays, ForwardResult
 
@@ -168,7 +174,20 @@ def encode_sample_output(result: SampleOutput) -> bytes:
                     ids[i, j] = token
                     lps[i, j] = logprob
             _encode_topk(response.topk_prompt_logprobs, ids, lps)
+    if result.target_prompt_logprobs is not None:
+        _encode_target_logprobs(response.target_prompt_logprobs, result.target_prompt_logprobs)
     return bytes(response.SerializeToString())
+
+
+def _encode_target_logprobs(message: pb.Tensor, answer: PromptTargetLogprobs) -> None:
+    message.dtype = pb.DTYPE_FLOAT32
+    message.shape.extend(answer.logprobs.shape)
+    if answer.layout is None:
+        message.dense = answer.listed().tobytes()
+        return
+    message.sparse_csr.values = answer.listed().astype(np.float32).tobytes()
+    message.sparse_csr.crow_indices = answer.layout.crow_indices.astype(np.int64).tobytes()
+    message.sparse_csr.col_indices = answer.layout.col_indices.astype(np.int64).tobytes()
 
 
 def _encode_topk(message: pb.TopkLogprobs, token_ids: np.ndarray, logprobs: np.ndarray) -> None:
@@ -202,14 +221,11 @@ def sample_job(request: types.SampleRequest) -> SampleJob:
     ):
         if not 0 <= k <= MAX_ENGINE_TOPK_LOGPROBS:
             raise BadRequest(f"{name} must be in [0, {MAX_ENGINE_TOPK_LOGPROBS}], got {k}")
-    for unsupported, value in (
-        ("prompt_alt_tokens_k", request.prompt_alt_tokens_k),
-        ("target_prompt_logprobs", request.target_prompt_logprobs),
-    ):
-        if value:
-            raise BadRequest(f"{unsupported} is not supported by this engine")
+    if request.prompt_alt_tokens_k:
+        raise BadRequest("prompt_alt_tokens_k is not supported by this engine")
     params = request.sampling_params
     tokens = prompt_tokens(request.prompt)
+    targets = request.target_prompt_logprobs
     if params.max_tokens is not None and params.max_tokens < 0:
         raise BadRequest(f"max_tokens must be >= 0, got {params.max_tokens}")
     if params.top_k < -1:
@@ -228,8 +244,52 @@ def sample_job(request: types.SampleRequest) -> SampleJob:
         include_prompt_logprobs=bool(request.prompt_logprobs) or request.topk_prompt_logprobs > 0,
         topk_prompt_logprobs=request.topk_prompt_logprobs,
         topk_sample_logprobs=request.topk_sample_logprobs,
+        target_prompt_logprobs=None if targets is None else _prompt_targets(targets, len(tokens)),
         prompt_logprobs_last_n=request.prompt_logprobs_last_n,
     )
+
+
+def _prompt_targets(tensor: Any, prompt_length: int) -> PromptTargets:
+    """The SDK's `target_prompt_logprobs` grid (its TensorData) checked for shape and layout; the runtime
+    checks the ids against the vocabulary."""
+    field = "target_prompt_logprobs"
+    shape = tensor.shape or []
+    if tensor.dtype != "int64":
+        raise BadRequest(f"{field} must be an int64 tensor of token ids, got {tensor.dtype}")
+    if len(shape) != 2 or shape[0] != prompt_length - 1 or not 1 <= shape[1] <= MAX_ENGINE_TOPK_LOGPROBS:
+        raise BadRequest(
+            f"{field} must have shape [len(prompt) - 1, K] = [{prompt_length - 1}, K] with K in "
+            f"[1, {MAX_ENGINE_TOPK_LOGPROBS}], got {shape}"
+        )
+    rows, k = shape
+    values = np.asarray(tensor.data, dtype=np.int64)
+    if tensor.sparse_crow_indices is None and tensor.sparse_col_indices is None:
+        if values.size != rows * k:
+            raise BadRequest(f"{field}: {values.size} values do not fill shape {shape}")
+        return PromptTargets(values.reshape(rows, k))
+    layout = CsrLayout(
+        np.asarray(tensor.sparse_crow_indices or [], dtype=np.int64),
+        np.asarray(tensor.sparse_col_indices or [], dtype=np.int64),
+    )
+    crow, col = layout.crow_indices, layout.col_indices
+    if (
+        len(crow) != rows + 1
+        or crow[0] != 0
+        or np.any(np.diff(crow) < 0)
+        or crow[-1] != len(col)
+        or len(col) != values.size
+    ):
+        raise BadRequest(
+            f"{field}: not a valid sparse CSR tensor of shape {shape} (row pointers: {rows + 1}, "
+            "from 0, non-decreasing, ending at the number of column indices and values)"
+        )
+    row_of_cell = layout.rows()
+    same_row = row_of_cell[1:] == row_of_cell[:-1]
+    if np.any((col < 0) | (col >= k)) or np.any(same_row & (np.diff(col) <= 0)):
+        raise BadRequest(f"{field}: sparse column indices must be in [0, {k}) and increasing within a row")
+    ids = np.full((rows, k), NO_TARGET, dtype=np.int64)
+    ids[row_of_cell, col] = values
+    return PromptTargets(ids, layout)
 
 
 class WeightsInfoRequest(pydantic.BaseModel):

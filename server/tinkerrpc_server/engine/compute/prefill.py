@@ -8,6 +8,7 @@ import torch
 from tinkerrpc_server.engine.compute.feed import DecodeStats
 from tinkerrpc_server.engine.compute.forward_call import ForwardCall
 from tinkerrpc_server.engine.compute.kv_cache import DecodingRows, new_cache
+from tinkerrpc_server.engine.compute.prompt_targets import NO_TARGET
 from tinkerrpc_server.engine.compute.rows import DecodingJob, Row
 
 
@@ -50,13 +51,44 @@ class Prefill:
         self.done_columns = 0
         self.columns_per_chunk = max(1, chunk_tokens // len(prompts))
         self.top_k = max(o.job.topk_prompt_logprobs for o in jobs)
-        self.wants_logprobs = any(o.job.include_prompt_logprobs for o in jobs) or self.top_k > 0
+        self._gather_targets(prompts, width)
+        self.wants_logprobs = (
+            any(o.job.include_prompt_logprobs for o in jobs) or self.top_k > 0 or self.asked_ids is not None
+        )
         if self.wants_logprobs:
             # Per prompt column j: logprob of the token at j + 1 (and the top-k there).
             self.target_logprobs = torch.zeros((len(prompts), width - 1), device=device)
             self.top_values = torch.zeros((len(prompts), width - 1, self.top_k), device=device)
             self.top_ids = torch.zeros((len(prompts), width - 1, self.top_k), dtype=torch.long, device=device)
         self.last_logits: torch.Tensor | None = None
+
+    def _gather_targets(self, prompts: list[list[int]], width: int) -> None:
+        """Lay out the target ids each prompt's requests ask about, side by side per prompt column (a
+        shared prompt's requests each get their own columns), NO_TARGET in every other cell."""
+        self.asked_ids: torch.Tensor | None = None
+        self.asked_columns: dict[int, int] = {}  # job key -> its first column
+        used = [0] * len(prompts)
+        row = 0
+        for owner in self.jobs:
+            targets = owner.job.target_prompt_logprobs
+            if targets is not None:
+                self.asked_columns[owner.key] = used[self.prompt_of_row[row]]
+                used[self.prompt_of_row[row]] += targets.ids.shape[1]
+            row += owner.job.num_samples
+        if not any(used):
+            return
+        asked = torch.full((len(prompts), width - 1, max(used)), NO_TARGET, dtype=torch.long)
+        row = 0
+        for owner in self.jobs:
+            targets = owner.job.target_prompt_logprobs
+            if targets is not None:
+                first = self.asked_columns[owner.key]
+                rows = slice(width - len(owner.job.prompt_tokens), width - 1)
+                columns = slice(first, first + targets.ids.shape[1])
+                asked[self.prompt_of_row[row], rows, columns] = torch.from_numpy(targets.ids)
+            row += owner.job.num_samples
+        self.asked_ids = asked.to(self.device)
+        self.asked_logprobs = torch.zeros(asked.shape, device=self.device)
 
     @property
     def done(self) -> bool:
@@ -96,6 +128,9 @@ class Prefill:
             values, ids = logprobs.topk(min(self.top_k, logprobs.shape[-1]), dim=-1)
             self.top_values[:, start:stop, : values.shape[-1]] = values
             self.top_ids[:, start:stop, : ids.shape[-1]] = ids
+        if self.asked_ids is not None:
+            asked = self.asked_ids[:, start:stop].clamp(min=0)
+            self.asked_logprobs[:, start:stop] = logprobs.gather(-1, asked)
 
     def rows(self, stats: DecodeStats) -> DecodingRows[Row] | None:
         """The prefilled rows of the requests still wanted, their prompt KV copied to each of their
@@ -138,6 +173,12 @@ class Prefill:
 
     def _set_prompt_logprobs(self, owner: DecodingJob, prompt: int, width: int) -> None:
         job = owner.job
+        targets = job.target_prompt_logprobs
+        if targets is not None:
+            first = self.asked_columns[owner.key]
+            rows = slice(width - len(job.prompt_tokens), width - 1)
+            gathered = self.asked_logprobs[prompt, rows, first : first + targets.ids.shape[1]]
+            owner.target_prompt_logprobs = targets.answer(gathered.cpu().numpy())
         if not (job.include_prompt_logprobs or job.topk_prompt_logprobs):
             return
         start = width - len(job.prompt_tokens)

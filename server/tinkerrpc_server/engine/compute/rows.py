@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from tinkerrpc_server.engine.compute.prompt_targets import PromptTargetLogprobs
 from tinkerrpc_server.engine.compute.samples import SampledSeq, SampleJob, SampleOutput, StopReason
 from tinkerrpc_server.engine.compute.token_choice import StopCheck
 from tinkerrpc_server.engine.compute.topk import TopkEntry, TopkRows
@@ -23,6 +24,7 @@ class DecodingJob:
     unfinished: int = 0
     prompt_logprobs: list[float | None] | None = None
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    target_prompt_logprobs: PromptTargetLogprobs | None = None
     dropped: bool = False
 
     @classmethod
@@ -56,6 +58,7 @@ class DecodingJob:
             ],
             prompt_logprobs=prompt_logprobs,
             topk_prompt_logprobs=self.topk_prompt_logprobs if job.topk_prompt_logprobs else None,
+            target_prompt_logprobs=self.target_prompt_logprobs,
         )
 
 

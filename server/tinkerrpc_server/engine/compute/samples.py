@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tinkerrpc_server.engine.compute.prompt_targets import PromptTargetLogprobs, PromptTargets
 from tinkerrpc_server.engine.compute.topk import TopkRows
 
 StopReason = Literal["stop", "length"]
@@ -30,6 +31,7 @@ class SampleJob:
     include_prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
+    target_prompt_logprobs: PromptTargets | None = None
     # Only the last N prompt positions get a logprob (the others are None); None: all of them.
     prompt_logprobs_last_n: int | None = None
 
@@ -47,3 +49,4 @@ class SampleOutput:
     sequences: list[SampledSeq]
     prompt_logprobs: list[float | None] | None
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None
+    target_prompt_logprobs: PromptTargetLogprobs | None = None

@@ -19,6 +19,7 @@ from tinkerrpc_server.engine.compute.errors import EngineUserError
 from tinkerrpc_server.engine.compute.execution_plan import ExecutionPlan, process_plan
 from tinkerrpc_server.engine.compute.feed import MappedFeed, RequestFeed
 from tinkerrpc_server.engine.compute.forward_call import SamplingModel, TransformersSampler
+from tinkerrpc_server.engine.compute.prompt_targets import NO_TARGET
 from tinkerrpc_server.engine.compute.samples import SampleJob, SampleOutput
 from tinkerrpc_server.engine.compute.scheduler import (
     BatchPolicy,
@@ -147,6 +148,12 @@ class Sampling(StateIO):
             raise EngineUserError(
                 f"{where}: topk_sample_logprobs must be in [0, {self.vocab_size}] (the vocabulary), "
                 f"got {job.topk_sample_logprobs}"
+            )
+        targets = job.target_prompt_logprobs
+        if targets is not None and not np.all((targets.ids >= NO_TARGET) & (targets.ids < self.vocab_size)):
+            raise EngineUserError(
+                f"{where}: target_prompt_logprobs ids must be in [0, {self.vocab_size}) (the vocabulary) or "
+                f"{NO_TARGET} (no target)"
             )
         last_n = job.prompt_logprobs_last_n
         if last_n is not None and not 1 <= last_n < len(prompt):
