@@ -72,8 +72,8 @@ def test_an_unwritable_cache_costs_only_the_layout(
     else:
         read_only = tmp_path / "read-only"
         read_only.mkdir(mode=0o500)
-    monkeypatch.setattr(model_store, "hf_hub_cache", lambda: read_only)
-    monkeypatch.setattr(model_store, "_published", set())
+    monkeypatch.setattr(model_store.layout, "hf_hub_cache", lambda: read_only)
+    monkeypatch.setattr(model_store.layout, "_published", set())
     assert resolve_base_model(TINY_CHAT, tiny_chat.parent.parent) == tiny_chat
     assert "cannot lay out tinkerrpc/tiny-chat in the Hugging Face cache" in caplog.text
 
@@ -82,8 +82,8 @@ def test_smollm2_loads_by_name_offline_with_its_fixed_tokenizer(
     tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """As the cookbook's get_tokenizer loads it: AutoTokenizer by name, with the hub offline."""
-    monkeypatch.setattr(model_store, "hf_hub_cache", lambda: tmp_path)
-    monkeypatch.setattr(model_store, "_published", set())
+    monkeypatch.setattr(model_store.layout, "hf_hub_cache", lambda: tmp_path)
+    monkeypatch.setattr(model_store.layout, "_published", set())
     model_dir = smollm2_model_dir(tmp_path_factory)
     resolve_base_model(SMOLLM2, model_dir)
     assert (tmp_path / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "refs" / "main").is_file()
