@@ -16,7 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from tinkerrpc._settings import SIDECAR_API_KEY_ENV
+from tinkerrpc._settings import (
+    SIDECAR_API_KEY_ENV as SIDECAR_API_KEY_ENV,  # re-exported: one name for both sides
+)
 
 AUTH_TOKEN_ENV = "TINKERRPC_AUTH_TOKEN"
 # The key the engine requires as X-API-Key: `serve` hands its engine child a fresh one here (never on
