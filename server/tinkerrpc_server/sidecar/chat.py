@@ -11,7 +11,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Response
-from openai.types.chat.chat_completion import ChoiceLogprobs
 
 from tinkerrpc import Sample, SamplingOptions
 from tinkerrpc.contract.sampling import SIDECAR_CHAT_MAX_TOKENS
@@ -30,6 +29,7 @@ from tinkerrpc_server.sidecar.completion_route import CompletionFamily, answer
 from tinkerrpc_server.sidecar.errors import THINKING_FIELD, THINKING_PARAM, OpenAIError, bad_request
 from tinkerrpc_server.sidecar.json_bounds import BoundedJSONRoute, check_json_text
 from tinkerrpc_server.sidecar.models import ModelRef
+from tinkerrpc_server.sidecar.openai_shapes import ChoiceLogprobs
 from tinkerrpc_server.sidecar.sample_output import (
     ReplyHead,
     chat_logprob_entry,

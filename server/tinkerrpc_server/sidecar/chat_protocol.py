@@ -1,23 +1,24 @@
 """The chat completions request and its answers (plain and streamed), with vLLM-style RL extensions.
 
-Logprob entries and a tool call's function are `openai`'s own types (same fields). The envelopes are
-ours: openai's ChatCompletion, Choice and ChatCompletionMessage declare lists of their own types (a list
-field cannot be narrowed to our choices with the RL fields, it is invariant) and optional fields
-(service_tier, annotations, audio) that would add nulls to every reply.
+Logprob entries and a tool call's function are OpenAI's shapes (`openai_shapes`, field for field as
+the `openai` package declares them). The envelopes are ours: openai's ChatCompletion, Choice and
+ChatCompletionMessage declare lists of their own types (a list field cannot be narrowed to our choices
+with the RL fields, it is invariant) and optional fields (service_tier, annotations, audio) that would
+add nulls to every reply.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from openai.types.chat.chat_completion import ChoiceLogprobs
-from openai.types.chat.chat_completion_message_function_tool_call import (
-    ChatCompletionMessageFunctionToolCall,
-    Function,
-)
 from pydantic import BaseModel, ConfigDict, Field
 
 from tinkerrpc.contract.limits import MAX_INT32, MAX_TOP_LOGPROBS
+from tinkerrpc_server.sidecar.openai_shapes import (
+    ChatCompletionMessageFunctionToolCall,
+    ChoiceLogprobs,
+    Function,
+)
 from tinkerrpc_server.sidecar.protocol import (
     FinishReason,
     OutputFormatType,

@@ -10,7 +10,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 from fastapi import APIRouter, Response
-from openai.types.completion_choice import Logprobs
 
 from tinkerrpc import Sample, SamplingOptions
 from tinkerrpc_server.sidecar.completion_route import CompletionFamily, answer
@@ -18,6 +17,7 @@ from tinkerrpc_server.sidecar.completions_protocol import Completion, Completion
 from tinkerrpc_server.sidecar.errors import bad_request
 from tinkerrpc_server.sidecar.json_bounds import BoundedJSONRoute
 from tinkerrpc_server.sidecar.models import ModelRef
+from tinkerrpc_server.sidecar.openai_shapes import Logprobs
 from tinkerrpc_server.sidecar.sample_output import (
     ReplyHead,
     rl_fields_asked,

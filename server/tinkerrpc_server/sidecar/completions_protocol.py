@@ -1,19 +1,19 @@
 """The legacy completions request and its answer, with vLLM-style RL extensions.
 
-The logprobs are `openai`'s own Logprobs (same fields). The envelopes are ours: openai's CompletionChoice
-has no null finish_reason (a stream chunk's) and Completion's choices list cannot be narrowed to ours
-with the RL fields (a list is invariant).
+The logprobs are OpenAI's legacy Logprobs shape (`openai_shapes`). The envelopes are ours: openai's
+CompletionChoice has no null finish_reason (a stream chunk's) and Completion's choices list cannot be
+narrowed to ours with the RL fields (a list is invariant).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from openai.types.completion_choice import Logprobs
 from pydantic import BaseModel, Field
 
 from tinkerrpc.contract.limits import MAX_INT32, MAX_TOP_LOGPROBS, SIDECAR_MAX_N
 from tinkerrpc.contract.sampling import SIDECAR_COMPLETION_MAX_TOKENS
+from tinkerrpc_server.sidecar.openai_shapes import Logprobs
 from tinkerrpc_server.sidecar.protocol import SamplingFields, TokenId, Usage
 
 

@@ -15,7 +15,6 @@ import time
 from collections.abc import Sequence
 
 from fastapi import APIRouter, Response
-from openai.types.chat.chat_completion import ChoiceLogprobs
 
 from tinkerrpc import Sample, SamplingOptions
 from tinkerrpc.contract.sampling import SIDECAR_CHAT_MAX_TOKENS
@@ -29,6 +28,7 @@ from tinkerrpc_server.sidecar.generate_protocol import (
 )
 from tinkerrpc_server.sidecar.json_bounds import BoundedJSONRoute
 from tinkerrpc_server.sidecar.models import ModelRef, parse_model_id
+from tinkerrpc_server.sidecar.openai_shapes import ChoiceLogprobs
 from tinkerrpc_server.sidecar.sample_output import ReplyHead, chat_logprob_entry, usage_of
 from tinkerrpc_server.sidecar.sampling_args import (
     Sampler,

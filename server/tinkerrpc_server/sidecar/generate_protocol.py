@@ -1,13 +1,13 @@
 """vLLM's tokens-in, tokens-out generate: the shapes of `/inference/v1/generate` (GenerateRequest,
 GenerateResponse), as the `renderers` package's client (verifiers' and prime-rl's training client) sends
-and reads them. No `openai` type describes them; the logprobs are openai's chat ChoiceLogprobs.
+and reads them. No `openai` type describes them; the logprobs are OpenAI's chat ChoiceLogprobs shape
+(`openai_shapes`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from openai.types.chat.chat_completion import ChoiceLogprobs
 from pydantic import BaseModel, Field
 
 from tinkerrpc.contract.limits import (
@@ -20,6 +20,7 @@ from tinkerrpc.contract.limits import (
     SIDECAR_MAX_TAG_CHARS,
     SIDECAR_MAX_TEMPERATURE,
 )
+from tinkerrpc_server.sidecar.openai_shapes import ChoiceLogprobs
 from tinkerrpc_server.sidecar.protocol import StrictRequest, TokenId, Usage
 
 

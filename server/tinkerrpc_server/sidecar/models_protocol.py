@@ -1,15 +1,16 @@
-"""The model list's cards: openai's Model with vLLM's and the RL fields."""
+"""The model list's cards: OpenAI's Model shape (`openai_shapes`) with vLLM's and the RL fields."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from openai.types.model import Model
 from pydantic import BaseModel
+
+from tinkerrpc_server.sidecar.openai_shapes import Model
 
 
 class ModelCard(Model):
-    # openai's Model also declares shutdown_date, so every card carries a null one.
+    # OpenAI's Model also declares shutdown_date, so every card carries a null one.
     object: Literal["model"] = "model"
     owned_by: str = "tinkerrpc"
     parent: str

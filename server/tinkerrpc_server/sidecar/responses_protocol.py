@@ -1,18 +1,17 @@
-"""The Responses API's request and its answer, in the shapes of the `openai` package's
-`openai.types.responses`, with the RL fields on every output item.
+"""The Responses API's request and its answer, in the shapes the `openai` package
+declares in `openai.types.responses`, with the RL fields on every output item.
 
-A function call item is openai's ResponseFunctionToolCall with the RL fields. The rest are ours: the
-request's input items and tools are validated strictly (openai's models allow any extra field), and
-openai's ResponseOutputText, ResponseOutputMessage and Response declare lists of their own types, which
-cannot be narrowed to ours (a list is invariant), nor hold the usage details this reply carries.
+A function call item is OpenAI's ResponseFunctionToolCall shape (`openai_shapes`) with the RL fields.
+The rest are ours: the request's input items and tools are validated strictly (openai's models allow
+any extra field), and openai's ResponseOutputText, ResponseOutputMessage and Response declare lists of
+their own types, which cannot be narrowed to ours (a list is invariant), nor hold the usage details this
+reply carries.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from openai.types.chat import ChatCompletionTokenLogprob
-from openai.types.responses import ResponseFunctionToolCall
 from pydantic import BaseModel, ConfigDict, Field
 
 from tinkerrpc.contract.limits import (
@@ -22,6 +21,7 @@ from tinkerrpc.contract.limits import (
     MIN_INT64,
     SIDECAR_MAX_TEMPERATURE,
 )
+from tinkerrpc_server.sidecar.openai_shapes import ChatCompletionTokenLogprob, ResponseFunctionToolCall
 from tinkerrpc_server.sidecar.protocol import OutputFormatType, ServiceTier, StrictRequest
 
 

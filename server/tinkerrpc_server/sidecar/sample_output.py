@@ -13,14 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from openai.types.chat import ChatCompletionTokenLogprob
-from openai.types.chat.chat_completion_message_function_tool_call import Function
-from openai.types.chat.chat_completion_token_logprob import TopLogprob
-
 from tinkerrpc import Sample
 from tinkerrpc_server.sidecar.chat_protocol import ChatCompletion, ToolCall
 from tinkerrpc_server.sidecar.completions_protocol import Completion
 from tinkerrpc_server.sidecar.models import ModelRef
+from tinkerrpc_server.sidecar.openai_shapes import ChatCompletionTokenLogprob, Function, TopLogprob
 from tinkerrpc_server.sidecar.protocol import FinishReason, SamplingFields, Usage
 
 

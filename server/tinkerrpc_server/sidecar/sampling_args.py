@@ -1,4 +1,5 @@
-"""What every endpoint's request becomes: the SDK's `SamplingOptions`, passed as `model.sample(prompt, options=...)`.
+"""What every endpoint's request becomes: the SDK's `SamplingOptions`, passed as
+`model.sample(prompt, options=...)`.
 
 The endpoint modules decide their own fields (budget, logprobs, tools); what they share is translated
 here once: temperature, top_p, top_k, seed and the pinned version for every endpoint, and for chat and
