@@ -11,7 +11,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from tinkerrpc._server_info import ServerInfo
-from tinkerrpc._settings import SIDECAR_API_KEY_ENV, sidecar_api_key_from_environment
+from tinkerrpc.settings import SIDECAR_API_KEY_ENV, sidecar_api_key_from_environment
 
 # The openai client refuses to start without a key; a sidecar without one ignores what it is sent.
 KEYLESS_PLACEHOLDER = "tinkerrpc-sidecar-without-key"

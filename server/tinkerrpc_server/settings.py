@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from tinkerrpc._settings import (
+from tinkerrpc.settings import (
     SIDECAR_API_KEY_ENV as SIDECAR_API_KEY_ENV,  # re-exported: one name for both sides
 )
 

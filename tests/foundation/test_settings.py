@@ -84,7 +84,7 @@ REPO = Path(__file__).resolve().parents[2]
 # has its own settings module.
 ENVIRONMENT_READERS = {
     REPO / "server/tinkerrpc_server/settings.py",
-    REPO / "client/tinkerrpc/_settings.py",
+    REPO / "client/tinkerrpc/settings.py",
 }
 ENVIRONMENT_NAMES = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
 
