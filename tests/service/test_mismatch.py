@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tinker
+from mismatch_reference import reference_mismatch, reported_mismatch
 from svc import TINY, user
 from tinker_cookbook.renderers import Message
 
@@ -23,48 +24,31 @@ from tinkerrpc_server.service.rendering import ROLE_NAMES, ChatCodec, ChatCodecs
 pytestmark = pytest.mark.unit
 
 
-def _reference(learner: list[float], sampler: list[float]) -> dict[str, float]:
-    """KL(sampler || learner) by k3 and the importance ratios, one token at a time."""
-    ratios = [math.exp(lp - q) for lp, q in zip(learner, sampler, strict=True)]
-    k3 = [r - 1 - math.log(r) for r in ratios]
-    return {
-        "kl": sum(k3) / len(k3),
-        "mean_ratio": sum(ratios) / len(ratios),
-        "max_ratio": max(ratios),
-        "outside_fraction": sum(not MISMATCH_RATIO_MIN <= r <= MISMATCH_RATIO_MAX for r in ratios)
-        / len(ratios),
-    }
-
-
-def _figures(mismatch: types_pb2.SamplerMismatch) -> dict[str, float]:
-    return {
-        "kl": mismatch.kl,
-        "mean_ratio": mismatch.mean_ratio,
-        "max_ratio": mismatch.max_ratio,
-        "outside_fraction": mismatch.outside_fraction,
-    }
-
-
-def test_the_figures_equal_a_token_by_token_reference() -> None:
+def test_the_figures_equal_a_token_by_tokenreference_mismatch() -> None:
     rng = random.Random(7)
     sampler = [-rng.uniform(0.0, 6.0) for _ in range(500)]
     learner = [q + rng.gauss(0.0, 0.5) for q in sampler]
 
     mismatch = mismatch_of(np.asarray(learner) - np.asarray(sampler))
 
-    expected = _reference(learner, sampler)
-    assert _figures(mismatch) == pytest.approx(expected, rel=1e-12)
+    expected = reference_mismatch(learner, sampler)
+    assert reported_mismatch(mismatch) == pytest.approx(expected, rel=1e-12)
     assert mismatch.tokens == 500
     # The draw puts some tokens past each bound: the fraction is neither 0 nor 1.
     assert 0.05 < mismatch.outside_fraction < 0.5
 
 
-def test_equal_logprobs_give_zero_kl_and_unit_ratios_and_a_known_shift_its_exact_figures() -> None:
+def test_equal_logprobs_give_zero_kl_and_unit_ratios_and_a_known_shift_its_exactreported_mismatch() -> None:
     same = mismatch_of(np.zeros(10))
-    assert _figures(same) == {"kl": 0.0, "mean_ratio": 1.0, "max_ratio": 1.0, "outside_fraction": 0.0}
+    assert reported_mismatch(same) == {
+        "kl": 0.0,
+        "mean_ratio": 1.0,
+        "max_ratio": 1.0,
+        "outside_fraction": 0.0,
+    }
     # d = ln 3 on every token: ratio 3 (past MISMATCH_RATIO_MAX), k3 = 3 − 1 − ln 3.
     shifted = mismatch_of(np.full(4, math.log(3.0)))
-    assert _figures(shifted) == pytest.approx(
+    assert reported_mismatch(shifted) == pytest.approx(
         {"kl": 2.0 - math.log(3.0), "mean_ratio": 3.0, "max_ratio": 3.0, "outside_fraction": 1.0}
     )
     # The bounds themselves are inside.
@@ -154,7 +138,9 @@ def test_only_sampled_positions_count_in_merged_datums_whatever_their_advantage(
     assert mismatch is not None and mismatch.tokens == len(learner_lps)
     # float32 on the wire: the reference reads the learner's logprobs as the backend sends them.
     learner_f32 = [float(np.float32(lp)) for lp in learner_lps]
-    assert _figures(mismatch) == pytest.approx(_reference(learner_f32, sampler_lps), rel=1e-6)
+    assert reported_mismatch(mismatch) == pytest.approx(
+        reference_mismatch(learner_f32, sampler_lps), rel=1e-6
+    )
 
 
 def test_supervised_steps_and_backends_without_logprobs_report_none(codec: ChatCodec) -> None:

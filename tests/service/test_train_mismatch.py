@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from mismatch_reference import reference_mismatch, reported_mismatch
 from svc import (
     CALL_TIMEOUT,
     Server,
@@ -17,9 +18,8 @@ from svc import (
     yes_no_sft_request,
 )
 
-from tinkerrpc.contract.limits import MISMATCH_RATIO_MAX, MISMATCH_RATIO_MIN
 from tinkerrpc.v1 import trainer_service_pb2 as pb
-from tinkerrpc.v1 import trainer_service_pb2_grpc, types_pb2
+from tinkerrpc.v1 import trainer_service_pb2_grpc
 
 pytestmark = pytest.mark.process
 
@@ -33,26 +33,6 @@ SHIFTS = (0.0, 0.25, 1.0, 2.0)
 def stub(server: Server) -> trainer_service_pb2_grpc.TrainerServiceStub:
     create_model(server.stub, MODEL)
     return server.stub
-
-
-def _expected(learner: list[float], sampler: list[float]) -> dict[str, float]:
-    ratios = [math.exp(lp - q) for lp, q in zip(learner, sampler, strict=True)]
-    return {
-        "kl": sum(r - 1 - math.log(r) for r in ratios) / len(ratios),
-        "mean_ratio": sum(ratios) / len(ratios),
-        "max_ratio": max(ratios),
-        "outside_fraction": sum(not MISMATCH_RATIO_MIN <= r <= MISMATCH_RATIO_MAX for r in ratios)
-        / len(ratios),
-    }
-
-
-def _figures(mismatch: types_pb2.SamplerMismatch) -> dict[str, float]:
-    return {
-        "kl": mismatch.kl,
-        "mean_ratio": mismatch.mean_ratio,
-        "max_ratio": mismatch.max_ratio,
-        "outside_fraction": mismatch.outside_fraction,
-    }
 
 
 def test_the_reported_mismatch_equals_one_computed_from_the_policys_own_logprobs(
@@ -76,15 +56,15 @@ def test_the_reported_mismatch_equals_one_computed_from_the_policys_own_logprobs
         learner.extend(scored[len(prompt) - 1 :])
     # The sampler's own logprobs are the policy's at this version: the first trajectory alone is ~0 KL.
     own = len(sample.sequences[0].token_ids)
-    assert _expected(learner[:own], sent[:own])["kl"] < 1e-4
+    assert reference_mismatch(learner[:own], sent[:own])["kl"] < 1e-4
 
     response = stub.Train(request, timeout=CALL_TIMEOUT)
 
     mismatch = response.metrics.sampler_mismatch
     assert response.metrics.HasField("sampler_mismatch")
     assert mismatch.tokens == len(sent) == response.metrics.trained_tokens
-    expected = _expected(learner, sent)
-    assert _figures(mismatch) == pytest.approx(expected, rel=1e-3, abs=1e-5)
+    expected = reference_mismatch(learner, sent)
+    assert reported_mismatch(mismatch) == pytest.approx(expected, rel=1e-3, abs=1e-5)
     assert mismatch.max_ratio > math.exp(2.0) * 0.99 and 0.0 < mismatch.outside_fraction < 1.0
 
     history = stub.GetRunHistory(
