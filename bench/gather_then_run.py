@@ -69,15 +69,7 @@ def main(argv: list[str]) -> int:
     # As `tinkerrpc engine` starts: the baseline runs under the same process settings and start-up.
     settings.set_process_defaults()
     settings.configure_logging(environment.log_level)
-    config = EngineConfig(
-        data_dir=args.data_dir,
-        model_dir=args.model_dir,
-        api_key=environment.engine_api_key,
-        device=environment.engine_device,
-        dtype=environment.engine_dtype,
-        policy=GATHER_THEN_RUN,
-        kernels=environment.kernels,
-    )
+    config = EngineConfig.from_settings(environment, args.data_dir, args.model_dir, policy=GATHER_THEN_RUN)
     return engine_main(config, lambda port: report_ready(args.report_fd, {"port": port}))
 
 

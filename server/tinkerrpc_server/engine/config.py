@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tinkerrpc_server.engine.auth import api_key_problem, is_loopback_host
-from tinkerrpc_server.settings import ENGINE_API_KEY_ENV, ENGINE_DTYPES, KernelSettings
+from tinkerrpc_server.settings import ENGINE_API_KEY_ENV, ENGINE_DTYPES, KernelSettings, Settings
 
 if TYPE_CHECKING:
     from tinkerrpc_server.engine.compute.scheduler import BatchPolicy
@@ -64,6 +64,33 @@ class EngineConfig:
     # Whether the engine's CPU kernels may run and where their build is cached (the settings'): the
     # engine chooses its execution plan from them when it starts (compute/execution_plan.py).
     kernels: KernelSettings = field(default_factory=KernelSettings)
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: Settings,
+        data_dir: Path,
+        model_dir: Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        policy: BatchPolicy | None = None,
+        ownership_patience: float = 0.0,
+    ) -> EngineConfig:
+        """An engine as the process's settings describe it (key, device, dtype, kernels): how a started
+        child or a bench baseline is configured, where the CLI's flags have no say."""
+        return cls(
+            data_dir=data_dir,
+            model_dir=model_dir,
+            api_key=settings.engine_api_key,
+            host=host,
+            port=port,
+            device=settings.engine_device,
+            dtype=settings.engine_dtype,
+            policy=policy,
+            ownership_patience=ownership_patience,
+            kernels=settings.kernels,
+        )
 
     def __post_init__(self) -> None:
         problem = self._problem()

@@ -52,16 +52,13 @@ def main(argv: list[str]) -> int:
     if settings is None:
         return 2
     try:
-        config = EngineConfig(
-            data_dir=args.data_dir,
-            model_dir=args.model_dir,
-            api_key=settings.engine_api_key,
+        config = EngineConfig.from_settings(
+            settings,
+            args.data_dir,
+            args.model_dir,
             host=args.host,
             port=args.port,
-            device=settings.engine_device,
-            dtype=settings.engine_dtype,
             ownership_patience=_PREDECESSOR_EXIT_SECONDS,
-            kernels=settings.kernels,
         )
     except EngineConfigError as err:
         print(f"tinkerrpc engine: {err}", file=sys.stderr)
