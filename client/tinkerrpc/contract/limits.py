@@ -24,6 +24,10 @@ MAX_TOP_LOGPROBS = 20
 # The engine's cap on K of the tinker SDK's topk_sample_logprobs and topk_prompt_logprobs (the cookbook's
 # distillation recipes ask for 20); each position's K entries are kept until the answer is read.
 MAX_ENGINE_TOPK_LOGPROBS = 256
+# Token streams (the engine's sample stream, SampleStream): streams open at once on the engine, and the
+# tokens one stream may hold unread; a reader that far behind loses its stream and its rows stop decoding.
+MAX_ENGINE_TOKEN_STREAMS = 256
+MAX_STREAM_BUFFERED_TOKENS = 65_536
 # Stop strings: the count and UTF-8 bytes of each, and stop token ids (they become stop strings when
 # stop strings are given too, so each one costs a string match).
 MAX_STOP_STRINGS = 16
@@ -151,6 +155,11 @@ LIMITS: tuple[Limit, ...] = (
     _most(
         "MAX_ENGINE_TOPK_LOGPROBS",
         "the engine's topk_sample_logprobs and topk_prompt_logprobs (tinker SDK; also at most the vocabulary)",
+    ),
+    _most("MAX_ENGINE_TOKEN_STREAMS", "token streams open at once on the engine (SampleStream)"),
+    _most(
+        "MAX_STREAM_BUFFERED_TOKENS",
+        "tokens a stream holds unread; a reader further behind loses its stream, its rows stop decoding",
     ),
     _most("MAX_STOP_STRINGS", "strings in SamplingParams.stop (the sidecar's stop)"),
     _most("MAX_STOP_STRING_BYTES", "UTF-8 bytes of one stop string (each also non-empty)"),

@@ -28,10 +28,11 @@ from tinkerrpc_server.engine.auth import ApiKeyMiddleware
 from tinkerrpc_server.engine.compute.execution_plan import choose_execution_plan
 from tinkerrpc_server.engine.config import EngineConfig
 from tinkerrpc_server.engine.core import Engine, NotFound
-from tinkerrpc_server.engine.routes import models, sampling, training, weights
+from tinkerrpc_server.engine.routes import models, sampling, streaming, training, weights
 from tinkerrpc_server.engine.routes.common import future
 from tinkerrpc_server.engine.signed_urls import Forbidden
 from tinkerrpc_server.engine.storage import InvalidNameError, UnknownPathError
+from tinkerrpc_server.engine.token_streams import StreamSlots
 from tinkerrpc_server.engine.worker import in_passing_thread
 from tinkerrpc_server.model_store import UnknownBaseModelError, prepare_builtin_models
 from tinkerrpc_server.processes.http_serving import OWNER_ONLY, bound_port, serve_until_signalled
@@ -69,6 +70,7 @@ def create_app(config: EngineConfig) -> FastAPI:
 
     app = FastAPI(title="tinkerrpc embedded engine", lifespan=lifespan)
     app.state.engine = engine
+    app.state.token_streams = StreamSlots()
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
 
@@ -93,7 +95,7 @@ def create_app(config: EngineConfig) -> FastAPI:
                 return JSONResponse(future(request_id, model_id).model_dump(mode="json"))
         return JSONResponse({"detail": message}, status_code=400)
 
-    for family in (models, training, sampling, weights):
+    for family in (models, training, sampling, streaming, weights):
         app.include_router(family.router)
     return app
 

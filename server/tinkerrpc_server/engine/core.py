@@ -148,6 +148,12 @@ class Engine:
         except KeyError as exc:
             raise NotFound(f"unknown request id {request_id!r}") from exc
 
+    def abandon(self, request_id: str) -> None:
+        """Nobody waits for `request_id` (its stream's client left): its rows stop at the next step."""
+        future = self._futures.get(request_id)
+        if future is not None:
+            future.abandon()
+
     def stats(self) -> dict[str, int]:
         """The compute worker's scheduling counters and the live training clients."""
         return {**dataclasses.asdict(self._worker.stats), "live_models": self._runtimes.live_count()}

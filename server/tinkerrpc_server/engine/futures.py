@@ -54,6 +54,11 @@ class RequestFuture(concurrent.futures.Future[Outcome[AnswerT]], Generic[AnswerT
         if disconnected and self._polls == 0 and not self.done():
             self._caller_left = True
 
+    def abandon(self) -> None:
+        """Its caller left without polling (a token stream's client disconnected): nobody reads it."""
+        if not self.done():
+            self._caller_left = True
+
     @property
     def abandoned(self) -> bool:
         return self._caller_left

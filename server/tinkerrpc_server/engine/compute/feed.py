@@ -24,6 +24,8 @@ class DecodeStats:
     shared_prefill_rows: int = 0  # rows whose prompt KV was copied from another row's prefill
     # Decode steps whose rows all held one prompt's KV: its columns were read once for all of them.
     shared_prompt_decode_steps: int = 0
+    # Rows in the batch decoding now (0 when none is): a gauge, not a counter.
+    decoding_rows: int = 0
 
 
 In_co = TypeVar("In_co", covariant=True)

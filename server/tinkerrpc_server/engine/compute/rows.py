@@ -35,7 +35,9 @@ class DecodingJob:
             seed = job.seed + sample_index if job.seed is not None else _fresh_seed()
             generator = torch.Generator(device="cpu")
             generator.manual_seed(seed % (2**63))
-            decoding.rows.append(Row(decoding, torch.rand(job.max_tokens, generator=generator)))
+            decoding.rows.append(
+                Row(decoding, torch.rand(job.max_tokens, generator=generator), sample_index=sample_index)
+            )
         decoding.unfinished = job.num_samples
         return decoding
 
@@ -73,6 +75,7 @@ class Row:
     # The prefill whose prompt KV the row holds a copy of (rows of one prompt share it), and its length.
     prefix: tuple[int, int] | None = None
     prefix_length: int = 0
+    sample_index: int = 0  # its place among its job's samples
 
 
 def _fresh_seed() -> int:

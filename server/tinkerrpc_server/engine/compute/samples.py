@@ -6,6 +6,7 @@ checks it, the scheduler decodes it and answers with a `SampleOutput`, which the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -13,6 +14,18 @@ from tinkerrpc_server.engine.compute.prompt_targets import PromptTargetLogprobs,
 from tinkerrpc_server.engine.compute.topk import TopkRows
 
 StopReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One token a row of a job just sampled, as its stream reports it (on the compute thread)."""
+
+    sample_index: int
+    token: int
+    logprob: float
+    # Its top-K alternatives (ids, logprobs) when the job asks for topk_sample_logprobs.
+    top: tuple[list[int], list[float]] | None
+    stop_reason: StopReason | None  # set on the row's last token
 
 
 @dataclass
@@ -34,6 +47,9 @@ class SampleJob:
     target_prompt_logprobs: PromptTargets | None = None
     # Only the last N prompt positions get a logprob (the others are None); None: all of them.
     prompt_logprobs_last_n: int | None = None
+    # Told each token as it is sampled, on the compute thread (a token stream, engine/token_streams.py);
+    # it must not block.
+    on_token: Callable[[TokenEvent], None] | None = None
 
 
 @dataclass

@@ -26,7 +26,7 @@ from tinkerrpc_server.engine.compute.forward_call import ForwardCall, SamplingMo
 from tinkerrpc_server.engine.compute.kv_cache import DecodingRows
 from tinkerrpc_server.engine.compute.prefill import Prefill
 from tinkerrpc_server.engine.compute.rows import DecodingJob, Row
-from tinkerrpc_server.engine.compute.samples import SampleJob, SampleOutput
+from tinkerrpc_server.engine.compute.samples import SampleJob, SampleOutput, TokenEvent
 from tinkerrpc_server.engine.compute.token_choice import choose
 from tinkerrpc_server.engine.compute.topk import sampled_top_logprobs
 
@@ -276,6 +276,8 @@ class DecodeBatch:
             if top is not None:
                 row.topk.append(top)
             row.stop_reason = row.owner.stop.reason(row.tokens)
+            if row.owner.job.on_token is not None:
+                row.owner.job.on_token(TokenEvent(row.sample_index, token, logprob, top, row.stop_reason))
             if row.stop_reason is None:
                 live.append(index)
             else:
@@ -309,6 +311,7 @@ class DecodeBatch:
         stats.decode_steps += 1
         stats.decoded_rows += len(batch.rows)
         stats.largest_decode_rows = max(stats.largest_decode_rows, len(batch.rows))
+        stats.decoding_rows = len(batch.rows)
 
     def _keep(self, indices: list[int]) -> None:
         """Drop every decoding row but those at `indices`."""
@@ -316,6 +319,7 @@ class DecodeBatch:
         if len(indices) == len(self.decoding.rows):
             return
         self.decoding = self.decoding.keep(indices) if indices else None
+        self.feed.stats.decoding_rows = len(indices)
 
     def _answer(self, owner: DecodingJob) -> None:
         if self.by_key.pop(owner.key, None) is None:
