@@ -223,7 +223,7 @@ def test_responses_refusals_name_the_parameter(api: openai.OpenAI, compat_model:
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input[0].content[0].type",
         ),
-        ({"extra_body": {"mystery": 1}}, "mystery"),
+        ({"stream_options": {"mystery": 1}}, "stream_options.mystery"),
     ]
     for fields, param in cases:
         request: dict[str, Any] = {"model": compat_model, "input": "hi", **fields}

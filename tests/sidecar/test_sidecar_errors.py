@@ -52,7 +52,7 @@ def test_bad_parameters_are_400_naming_the_parameter(orphan_sidecar: Sidecar) ->
         ({"n": 99}, "n"),
         ({"presence_penalty": 1.0}, "presence_penalty"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"extra_body": {"mystery_knob": 1}}, "mystery_knob"),
+        ({"stream_options": {"include_usage": True, "mystery_knob": 1}}, "stream_options.mystery_knob"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"temperature": -1}, "temperature"),
     ]

@@ -217,7 +217,7 @@ def test_schema_violations_name_the_parameter() -> None:
         "top_logprobs": {"logprobs": True, "top_logprobs": 21},
         "messages[0].role": {"messages": [{"role": "narrator", "content": "x"}]},
         "tools[0].type": {"tools": [{"type": "web_search", "function": {"name": "f"}}]},
-        "mystery_knob": {"mystery_knob": 1},
+        "messages[0].mystery_knob": {"messages": [{"role": "user", "content": "x", "mystery_knob": 1}]},
     }
     for param, fields in cases.items():
         with pytest.raises(ValidationError) as caught:

@@ -48,20 +48,9 @@ from tinkerrpc_server.sidecar.sampling_args import (
 ROUTE = "/v1/chat/completions"
 
 
-# chat_template_kwargs keys that mean something here: each maps to a renderer option.
-CHAT_TEMPLATE_KWARGS = ("enable_thinking",)
-
-
 def enable_thinking(kwargs: dict[str, Any] | None) -> bool | None:
-    """chat_template_kwargs' enable_thinking (None when unset), after refusing keys the renderer cannot
-    honour: a chat template's variables are not ours to render, only the renderer's variants are."""
-    for key in kwargs or {}:
-        if key not in CHAT_TEMPLATE_KWARGS:
-            raise bad_request(
-                f"chat_template_kwargs key {key!r} is not supported: the model's renderer takes only "
-                f"{', '.join(CHAT_TEMPLATE_KWARGS)} (its thinking or thinking-disabled variant)",
-                f"chat_template_kwargs.{key}",
-            )
+    """chat_template_kwargs' enable_thinking (None when unset); the request kept only the keys a renderer
+    option reads (`extensions.CHAT_TEMPLATE_KWARGS`), the others were ignored as vendor extensions."""
     value = (kwargs or {}).get("enable_thinking")
     if value is not None and not isinstance(value, bool):
         raise bad_request(f"{THINKING_PARAM} must be a boolean", THINKING_PARAM)

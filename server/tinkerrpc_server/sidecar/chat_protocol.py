@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tinkerrpc.contract.limits import MAX_INT32, MAX_TOP_LOGPROBS
+from tinkerrpc_server.sidecar.extensions import known_template_kwargs
 from tinkerrpc_server.sidecar.openai_shapes import (
     ChatCompletionMessageFunctionToolCall,
     ChoiceLogprobs,
@@ -99,7 +100,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
     # vLLM: keyword arguments of the chat template; only enable_thinking, which picks the renderer's
-    # thinking or thinking-disabled variant.
+    # thinking or thinking-disabled variant, is kept (other keys are vendor extensions, ignored).
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM: the reply's content starts with the last message's when that message is the assistant's.
     echo: bool = False
@@ -119,6 +120,8 @@ class ChatCompletionRequest(SamplingFields):
     service_tier: ServiceTier | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+
+    _known_template_kwargs = field_validator("chat_template_kwargs")(known_template_kwargs)
 
 
 class ToolCall(ChatCompletionMessageFunctionToolCall):

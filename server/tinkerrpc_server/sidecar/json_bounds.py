@@ -15,6 +15,7 @@ from fastapi.routing import APIRoute
 
 from tinkerrpc_server.bounded_json import BoundedJsonError, loads_bounded
 from tinkerrpc_server.sidecar.errors import OpenAIError, bad_request
+from tinkerrpc_server.sidecar.extensions import noting_ignored_fields
 
 
 def _refused(error: BoundedJsonError) -> OpenAIError:
@@ -33,7 +34,8 @@ def check_json_text(text: str, path: str) -> None:
 
 class BoundedJSONRoute(APIRoute):
     """A route whose JSON body is checked against the bounds before FastAPI parses it into the
-    request model (the body is read once; FastAPI reuses it)."""
+    request model (the body is read once; FastAPI reuses it); the fields its parsing ignored (vendor
+    extensions, `extensions`) are named on the response."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
@@ -46,6 +48,6 @@ class BoundedJSONRoute(APIRoute):
                     loads_bounded(body)
                 except BoundedJsonError as error:
                     raise _refused(error) from None
-            return await handler(request)
+            return await noting_ignored_fields(handler, request)
 
         return bounded

@@ -3,9 +3,10 @@ changes sampling), the sampling fields of chat and legacy completions, token ids
 own request and response models live beside its route: chat_protocol, completions_protocol,
 responses_protocol, generate_protocol, models_protocol.
 
-Requests forbid unknown fields (OpenAI answers "Unrecognized request argument" too) and validate
-strictly: `true` is no integer and `1.0` no count. Fields that do not affect sampling are declared and
-ignored; fields the sampler cannot honour are declared so that the endpoint modules can name them in a 400.
+Nested objects forbid unknown fields and requests validate strictly: `true` is no integer and `1.0` no
+count. An unknown top-level field is a vendor extension, ignored as vLLM ignores it (`extensions`).
+Fields that do not affect sampling are declared and ignored; fields the sampler cannot honour are
+declared so that the endpoint modules can name them in a 400.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 # The bounds are the contract's (tinkerrpc.contract.limits): token counts and ids are int32 on the wire,
 # seeds int64; n and temperature keep one request from monopolising the sampler.
 from tinkerrpc.contract.limits import MAX_INT32, MAX_INT64, MIN_INT64, SIDECAR_MAX_N, SIDECAR_MAX_TEMPERATURE
+from tinkerrpc_server.sidecar.extensions import ExtensibleRequest
 
 
 class StrictRequest(BaseModel):
@@ -36,7 +38,7 @@ OutputFormatType = Literal["text", "json_object", "json_schema"]
 ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
 
 
-class SamplingFields(StrictRequest):
+class SamplingFields(ExtensibleRequest, StrictRequest):
     """Parameters shared by chat and legacy completions."""
 
     model: str = Field(min_length=1)

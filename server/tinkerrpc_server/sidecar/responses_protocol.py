@@ -21,6 +21,7 @@ from tinkerrpc.contract.limits import (
     MIN_INT64,
     SIDECAR_MAX_TEMPERATURE,
 )
+from tinkerrpc_server.sidecar.extensions import ExtensibleRequest
 from tinkerrpc_server.sidecar.openai_shapes import ChatCompletionTokenLogprob, ResponseFunctionToolCall
 from tinkerrpc_server.sidecar.protocol import OutputFormatType, ServiceTier, StrictRequest
 
@@ -103,7 +104,7 @@ class FunctionTool(BaseModel):
     strict: bool | None = None
 
 
-class ResponseRequest(StrictRequest):
+class ResponseRequest(ExtensibleRequest, StrictRequest):
     model: str = Field(min_length=1)
     input: str | list[dict[str, Any]]
     instructions: str | None = None
