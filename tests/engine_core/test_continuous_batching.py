@@ -3,7 +3,7 @@ leave it, shared prefills sample what separate ones do, and the worker feeds arr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -59,7 +59,12 @@ class ScriptedFeed:
     def other_work_waiting(self) -> bool:
         return False
 
-    def run_other_work(self) -> None:
+
+def serve(
+    runtime: BaseModelRuntime, sampler_dir: Path, feed: ScriptedFeed, policy: BatchPolicy | None = None
+) -> None:
+    """Run `feed`'s decode to its end (it never pauses: the feed has no other work)."""
+    for _ in runtime.serve_samples(sampler_dir, feed, policy):
         pass
 
 
@@ -85,7 +90,7 @@ def test_a_request_joining_mid_batch_samples_what_it_samples_alone(
         OTHER_PROMPT, 2, 12, seed=7, stop_token_ids=[], include_prompt_logprobs=True, topk_prompt_logprobs=2
     )
     feed = ScriptedFeed({0: [long], 5: [joiner]})
-    runtime.serve_samples(sampler_dir, feed, policy=BatchPolicy(prefill_chunk_tokens=chunk_tokens))
+    serve(runtime, sampler_dir, feed, policy=BatchPolicy(prefill_chunk_tokens=chunk_tokens))
     assert feed.stats.requests_joined_running_batch == 1
     # Its prompt (12 tokens) was prefilled in the running row's decode passes, one chunk per pass.
     assert feed.stats.prefill_chunks_in_decode_steps == chunks_in_decode_steps
@@ -112,7 +117,7 @@ def test_finished_rows_leave_the_batch_and_their_request_is_answered_at_once(
     short = SampleJob(PROMPT, 2, 3, seed=2, stop_token_ids=[])
     long = SampleJob(OTHER_PROMPT, 1, 20, seed=3, stop_token_ids=[])
     feed = ScriptedFeed({0: [short, long]})
-    runtime.serve_samples(sampler_dir, feed)
+    serve(runtime, sampler_dir, feed)
     assert feed.answered_at[0] <= 3 < feed.answered_at[1]
     assert [len(s.tokens) for s in output(feed, 0).sequences] == [3, 3]
     assert len(output(feed, 1).sequences[0].tokens) == 20
@@ -128,7 +133,7 @@ def test_shared_prefill_samples_what_separate_requests_sample(
     job = SampleJob(PROMPT, 4, 10, seed=11, stop_token_ids=[], include_prompt_logprobs=True)
     twin = SampleJob(PROMPT, 1, 6, seed=50, stop_token_ids=[])
     feed = ScriptedFeed({0: [job, twin]})
-    runtime.serve_samples(sampler_dir, feed)
+    serve(runtime, sampler_dir, feed)
     assert feed.stats.shared_prefill_rows == 4  # 5 rows, one prefill
     # Until the twin's 6 tokens, all 5 rows hold the prompt's KV: attention reads it once for all.
     assert feed.stats.shared_prompt_decode_steps >= 5
@@ -170,7 +175,7 @@ def test_chunked_prefill_and_bounded_batches_sample_the_same(
                 atol=1e-4,
             )
     feed = ScriptedFeed({0: jobs})
-    runtime.serve_samples(sampler_dir, feed, policy=tight)
+    serve(runtime, sampler_dir, feed, policy=tight)
     assert feed.stats.largest_decode_rows <= 3 and len(feed.results) == 3
     assert feed.stats.prefill_chunks > 3
 
@@ -188,7 +193,7 @@ def test_gather_then_run_admits_only_into_an_empty_batch_and_answers_when_it_is_
     short = SampleJob(PROMPT, 1, 3, seed=3, stop_token_ids=[])
     late = SampleJob(OTHER_PROMPT, 1, 4, seed=2, stop_token_ids=[])
     feed = ScriptedFeed({0: [long, short], 3: [late]})
-    runtime.serve_samples(sampler_dir, feed, policy=GATHER_THEN_RUN)
+    serve(runtime, sampler_dir, feed, policy=GATHER_THEN_RUN)
     assert feed.stats.requests_joined_running_batch == 0 and feed.stats.shared_prefill_rows == 0
     # As the engine batched before continuous batching: the short row computes until the long one
     # stops (14 decode passes of 2 rows), then the late request's batch runs (3 passes of 1 row).
@@ -206,7 +211,7 @@ def test_abandoned_and_bad_requests_leave_without_disturbing_the_others(
     given_up = SampleJob(OTHER_PROMPT, 3, 30, seed=9, stop_token_ids=[])
     bad = SampleJob([1, 10**6], 1, 4)
     feed = ScriptedFeed({0: [kept, given_up], 2: [bad]}, abandon_at={1: 4})
-    runtime.serve_samples(sampler_dir, feed)
+    serve(runtime, sampler_dir, feed)
     assert 1 not in feed.results
     assert isinstance(feed.results[2], EngineUserError) and "vocabulary" in str(feed.results[2])
     assert_same_samples(output(feed, 0), runtime.sample(sampler_dir, [kept])[0])
@@ -221,7 +226,7 @@ def test_stops_and_max_tokens_end_rows_inside_a_continuous_batch(
     first = greedy.sequences[0].tokens.index(stop_id)
     stopping = SampleJob(PROMPT, 1, 12, temperature=0.0, stop_token_ids=[stop_id])
     feed = ScriptedFeed({0: [SampleJob(OTHER_PROMPT, 1, 25, seed=1, stop_token_ids=[])], 3: [stopping]})
-    runtime.serve_samples(sampler_dir, feed)
+    serve(runtime, sampler_dir, feed)
     seq = output(feed, 1).sequences[0]
     assert seq.tokens == greedy.sequences[0].tokens[: first + 1] and seq.stop_reason == "stop"
     assert output(feed, 0).sequences[0].stop_reason == "length"
@@ -231,28 +236,31 @@ def test_the_worker_feeds_requests_arriving_during_a_batch_into_it() -> None:
     worker = ComputeWorker(lambda exc: FailedResult(str(exc), "internal"))
     seen: list[list[str]] = []
 
-    def answer(feed: RequestFeed[str, Outcome]) -> None:
+    def answer(feed: RequestFeed[str, Outcome]) -> Iterator[None]:
         joined = list(feed.joining())
         seen.append([payload for _, payload in joined])
         for key, payload in joined:
             feed.deliver(key, FailedResult(f"answered {payload}", "user"))
+        yield from ()
 
-    def run_batch(feed: RequestFeed[str, Outcome]) -> None:
+    def run_batch(feed: RequestFeed[str, Outcome]) -> Iterator[None]:
         first = list(feed.joining())
         seen.append([payload for _, payload in first])
-        worker.submit_sample("weights", "test", run_batch, "late", futures["late"])
+        worker.submit_sample("model", "weights", "test", run_batch, "late", futures["late"])
         seen.append([payload for _, payload in feed.joining()])
-        # Another sampler's request has now waited longer than this sampler's next one: none joins.
-        worker.submit_sample("other weights", "test", answer, "other", futures["other"])
-        worker.submit_sample("weights", "test", answer, "later", futures["later"])
+        # Other weights of the same model have now waited longer than this sampler's next request:
+        # none joins.
+        worker.submit_sample("model", "other weights", "test", answer, "other", futures["other"])
+        worker.submit_sample("model", "weights", "test", answer, "later", futures["later"])
         seen.append([payload for _, payload in feed.joining()])
         feed.deliver(first[0][0], FailedResult("answered first", "user"))
         assert not futures["late"].done()  # each request is answered on its own
         feed.deliver(first[0][0] + 1, FailedResult("answered late", "user"))
+        yield
 
     futures = {name: RequestFuture() for name in ("first", "late", "other", "later")}
     try:
-        worker.submit_sample("weights", "test", run_batch, "first", futures["first"])
+        worker.submit_sample("model", "weights", "test", run_batch, "first", futures["first"])
         outcomes = {name: future.result(timeout=30) for name, future in futures.items()}
     finally:
         worker.stop()
@@ -278,7 +286,7 @@ def test_rows_leaving_from_anywhere_in_the_batch_keep_the_others_samples(
     ]
     late = SampleJob(OTHER_PROMPT[:5], 2, 9, seed=25, stop_token_ids=[])
     feed = ScriptedFeed({0: jobs, 8: [late]})
-    runtime.serve_samples(sampler_dir, feed)
+    serve(runtime, sampler_dir, feed)
     assert feed.stats.rows_left_early >= 2 and feed.stats.requests_joined_running_batch == 1
     for key, job in enumerate([*jobs, late]):
         assert_same_samples(output(feed, key), runtime.sample(sampler_dir, [job])[0])

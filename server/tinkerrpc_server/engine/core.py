@@ -27,7 +27,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -434,10 +434,12 @@ class Engine:
             raise protocol.BadRequest("base_model is required")
         return Sampler("", base_model, None, None)
 
-    def run_sample_batch(self, sampler: Sampler, feed: RequestFeed[SampleJob, Outcome[Answer]]) -> None:
+    def run_sample_batch(
+        self, sampler: Sampler, feed: RequestFeed[SampleJob, Outcome[Answer]]
+    ) -> Iterator[None]:
         """Run the sample jobs `feed` brings for one sampler as one continuously batched decode
-        (compute thread): each is answered as soon as it finishes, a bad one alone fails, and `feed`
-        runs queued training between decode steps."""
+        (compute thread), one stretch per `next()`: each is answered as soon as it finishes, a bad one
+        alone fails, and decoding pauses between two steps while `feed` has other work waiting."""
         runtime = self.runtime(sampler.base_model)
         if sampler.weights_dir is not None and not sampler.weights_dir.is_dir():
             raise EngineUserError(f"the weights of {sampler.model_path} were deleted")
@@ -450,15 +452,15 @@ class Engine:
                 return FailedResult(str(result), "user")
             return result
 
-        runtime.serve_samples(sampler.weights_dir, MappedFeed(feed, job_of, outcome_of))
+        yield from runtime.serve_samples(sampler.weights_dir, MappedFeed(feed, job_of, outcome_of))
 
     def submit_sample(self, sampler: Sampler, job: SampleJob) -> str:
         """Queue one sample job, its request id; jobs for the same weights run in one continuously
-        batched decode."""
+        batched decode, which shares the compute thread with other base models' (worker.py)."""
         request_id, future = self._futures.create()
 
-        def run_batch(feed: RequestFeed[SampleJob, Outcome[Answer]]) -> None:
-            self.run_sample_batch(sampler, feed)
+        def run_batch(feed: RequestFeed[SampleJob, Outcome[Answer]]) -> Iterator[None]:
+            return self.run_sample_batch(sampler, feed)
 
         model_path = sampler.model_path
         if model_path is not None:
@@ -471,6 +473,7 @@ class Engine:
             future.add_done_callback(answered)
 
         self._worker.submit_sample(
+            sampler.base_model,
             (sampler.base_model, sampler.weights_dir),
             sampler.model_path or sampler.base_model,
             run_batch,

@@ -5,13 +5,14 @@ Scheduling rules:
   creation is seq 0); a request whose predecessor never arrives runs after `gap_timeout` seconds;
 - sample requests that are pending together for the same weights go to the runtime as ONE batch, and
   requests for those weights that arrive while it runs join it (the scheduler admits them at its next
-  decode step; see BatchPolicy in compute/scheduler.py), unless requests for other weights have waited
-  longer: then the batch takes no one new, finishes, and the other weights' batch runs next; each
+  decode step; see BatchPolicy in compute/scheduler.py), unless requests for other weights of the same
+  base model have waited longer: then the batch takes no one new, finishes, and the other weights'
+  batch runs next (one batch per base model at a time keeps one merged decoder per runtime); each
   request is answered as soon as its own sequences finish;
-- the worker alternates between a training operation and a sample batch whenever both are waiting,
-  so sampling keeps being served while training requests queue (and vice versa); a running sample
-  batch also lets one waiting training operation run between two of its decode steps, so a long
-  Sample never holds another model's Train until it finishes;
+- each base model's running batch (its lane) and training share the compute thread by compute time
+  (engine/fair_share.py): a batch pauses between two decode steps whenever another lane or a training
+  operation is ready, and the least served of them runs next, so a long Sample holds neither another
+  model's Sample nor a Train until it finishes;
 - a request whose caller gave up (RequestFuture.abandoned: its SDK call was cancelled) is dropped when
   its turn comes instead of run, and a running sample batch stops decoding for it.
 
@@ -31,21 +32,22 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeAlias, TypeVar
 
 import torch
 
 from tinkerrpc_server.engine.compute.feed import DecodeStats, RequestFeed
+from tinkerrpc_server.engine.fair_share import FairShare
 from tinkerrpc_server.engine.futures import AnswerT, FailedResult, Outcome, RequestFuture
 
 log = logging.getLogger("tinkerrpc.engine")
 
 JobT = TypeVar("JobT")
-# Runs one sample batch: takes the requests' jobs from the feed as they come, answers each one through
-# it, and runs the feed's other work between decode steps.
-BatchWork: TypeAlias = Callable[[RequestFeed[JobT, Outcome[AnswerT]]], None]
+# Runs one sample batch, one stretch per next(): takes the requests' jobs from the feed as they come,
+# answers each one through it, and yields between two decode steps while the feed has other work waiting.
+BatchWork: TypeAlias = Callable[[RequestFeed[JobT, Outcome[AnswerT]]], Iterator[None]]
 
 ABANDONED = (
     "dropped without running: its caller stopped waiting for the result (cancelled or past its deadline)"
@@ -79,11 +81,24 @@ class _PendingSample(Generic[JobT, AnswerT]):
 
 @dataclass
 class _SampleGroup(Generic[JobT, AnswerT]):
+    lane: Hashable  # the base model: its groups run one after another
     run_batch: BatchWork[JobT, AnswerT]
     description: str
     requests: list[_PendingSample[JobT, AnswerT]] = field(default_factory=list)
     created: float = field(default_factory=time.monotonic)
 
+
+@dataclass
+class _RunningBatch(Generic[JobT, AnswerT]):
+    group_key: Hashable
+    group: _SampleGroup[JobT, AnswerT]
+    started: float = field(default_factory=time.perf_counter)
+    session: _SampleBatch[JobT, AnswerT] | None = None  # with `steps`, made at its first turn
+    steps: Iterator[None] | None = None
+
+
+# Training, as a participant of the fair share beside the lanes (no base model's name).
+_TRAINING: Hashable = object()
 
 SAMPLE_GATHER_SECONDS = 0.005
 
@@ -102,6 +117,8 @@ class WorkerStats(DecodeStats):
     abandoned_training_ops: int = 0
     # Training operations run between two decode steps of a sample batch.
     training_ops_between_decode_steps: int = 0
+    # Turns that went from one lane's running batch to another's between two of its decode steps.
+    sample_turns_to_other_models: int = 0
 
 
 class ComputeWorker(Generic[JobT, AnswerT]):
@@ -122,9 +139,12 @@ class ComputeWorker(Generic[JobT, AnswerT]):
         self._cond = threading.Condition()
         self._models: dict[str, _ModelQueue[AnswerT]] = {}
         self._model_rotation: list[str] = []
+        # Sample groups waiting to start, in arrival order; each lane's running batch.
         self._samples: OrderedDict[Hashable, _SampleGroup[JobT, AnswerT]] = OrderedDict()
+        self._running: dict[Hashable, _RunningBatch[JobT, AnswerT]] = {}
+        self._fair_share = FairShare()
+        self._last_lane: Hashable = None
         self._arrivals = itertools.count()
-        self._prefer_sampling = False
         self._stopping = False
         self.stats = WorkerStats()
         self._thread = threading.Thread(target=self._loop, name="engine-compute", daemon=True)
@@ -162,17 +182,19 @@ class ComputeWorker(Generic[JobT, AnswerT]):
 
     def submit_sample(
         self,
+        lane: Hashable,
         group_key: Hashable,
         description: str,
         run_batch: BatchWork[JobT, AnswerT],
         job: JobT,
         future: RequestFuture[AnswerT],
     ) -> None:
-        """Queue one sample request; pending requests with the same group_key run as one batch."""
+        """Queue one sample request; pending requests with the same group_key run as one batch, the
+        batches of one lane one after another, and the lanes' running batches share the compute thread."""
         with self._cond:
             group = self._samples.get(group_key)
             if group is None:
-                group = self._samples[group_key] = _SampleGroup(run_batch, description)
+                group = self._samples[group_key] = _SampleGroup(lane, run_batch, description)
             group.requests.append(_PendingSample(job, future))
             self._cond.notify()
 
@@ -229,39 +251,54 @@ class ComputeWorker(Generic[JobT, AnswerT]):
             # this pins the count set above, whatever the process-wide one becomes.
             torch.get_num_threads()
         while True:
-            op: _TrainingOp[AnswerT] | None = None
-            group: _SampleGroup[JobT, AnswerT] | None = None
-            group_key: Hashable = None
             with self._cond:
-                while not self._stopping:
-                    now = time.monotonic()
-                    # Concurrent clients' requests arrive a few ms apart: a young group waits that long
-                    # so they run as one batch instead of one request and then all the others.
-                    gathering = (
-                        SAMPLE_GATHER_SECONDS - (now - next(iter(self._samples.values())).created)
-                        if self._samples
-                        else 0.0
-                    )
-                    if self._samples and self._prefer_sampling and gathering <= 0:
-                        group_key, group = self._samples.popitem(last=False)
-                        break
-                    op, wait = self._next_training_op(now)
-                    if op is not None:
-                        break
-                    if self._samples and gathering <= 0:
-                        group_key, group = self._samples.popitem(last=False)
-                        break
-                    if self._samples:
-                        wait = gathering if wait is None else min(wait, gathering)
-                    self._cond.wait(timeout=wait)
-                else:
-                    return
-            # Alternate: after a training op, waiting samples go first, and the other way round.
-            self._prefer_sampling = op is not None
-            if group is not None:
-                self._run_sample_group(group_key, group)
-            elif op is not None:
-                self._run_training_op(op)
+                turn = self._wait_for_turn()
+            if turn is None:
+                return
+            started = time.perf_counter()
+            if isinstance(turn, _RunningBatch):
+                self._step_batch(turn)
+                participant = turn.group.lane
+            else:
+                self._run_training_op(turn)
+                participant = _TRAINING
+            self._fair_share.charge(participant, time.perf_counter() - started)
+
+    def _wait_for_turn(self) -> _RunningBatch[JobT, AnswerT] | _TrainingOp[AnswerT] | None:
+        """The next turn (with the lock held): a lane's running batch or a training op, chosen by the
+        fair share among those ready; None once stopping and no batch is left to finish."""
+        while True:
+            now = time.monotonic()
+            gathering = self._start_gathered_groups(now)
+            if self._stopping:  # batches running finish (nothing pauses them now), nothing new starts
+                return next(iter(self._running.values()), None)
+            _, op, gap_wait = self._runnable_training_op(now)
+            ready = [*self._running, *([_TRAINING] if op is not None else [])]
+            if ready:
+                chosen = self._fair_share.next_turn(ready)
+                if chosen is not _TRAINING:
+                    return self._running[chosen]
+                op, _ = self._next_training_op(now)
+                return op
+            waits = [wait for wait in (gathering, gap_wait) if wait is not None]
+            self._cond.wait(timeout=min(waits) if waits else None)
+
+    def _start_gathered_groups(self, now: float) -> float | None:
+        """Start the oldest waiting group of each lane without a running batch (with the lock held);
+        the time until a group too young to start is old enough."""
+        wait: float | None = None
+        for group_key, group in list(self._samples.items()):
+            if group.lane in self._running:
+                continue
+            # Concurrent clients' requests arrive a few ms apart: a young group waits that long so they
+            # run as one batch instead of one request and then all the others.
+            young = SAMPLE_GATHER_SECONDS - (now - group.created)
+            if young > 0:
+                wait = young if wait is None else min(wait, young)
+                continue
+            del self._samples[group_key]
+            self._running[group.lane] = _RunningBatch(group_key, group)
+        return wait
 
     def _run_training_op(self, op: _TrainingOp[AnswerT]) -> None:
         seq = f"seq={op.seq_id}" if op.seq_id >= 0 else "unsequenced"
@@ -278,32 +315,52 @@ class ComputeWorker(Generic[JobT, AnswerT]):
             outcome = self._classify_error(exc)
         elapsed_ms = (time.perf_counter() - started) * 1000
         self.stats.training_ops += 1
+        if self._running:
+            self.stats.training_ops_between_decode_steps += 1
         status = (
             "ok" if not isinstance(outcome, FailedResult) else f"{outcome.category} error: {outcome.message}"
         )
         log.info("%s %s %.1f ms %s", op.name, seq, elapsed_ms, status)
         op.future.set_result(outcome)
 
-    def _run_sample_group(self, group_key: Hashable, group: _SampleGroup[JobT, AnswerT]) -> None:
-        waiting = [r for r in group.requests if not r.future.abandoned]
-        self._drop_abandoned_samples([r for r in group.requests if r.future.abandoned])
-        if not waiting:
-            return
-        session = _SampleBatch(self, group_key, waiting)
-        started = time.perf_counter()
+    def _step_batch(self, batch: _RunningBatch[JobT, AnswerT]) -> None:
+        """One turn of a lane's running batch: it decodes until another participant is ready."""
+        lane = batch.group.lane
+        if self._last_lane is not None and self._last_lane != lane and self._last_lane in self._running:
+            self.stats.sample_turns_to_other_models += 1
+        self._last_lane = lane
+        if batch.session is None:
+            requests = batch.group.requests
+            waiting = [r for r in requests if not r.future.abandoned]
+            self._drop_abandoned_samples([r for r in requests if r.future.abandoned])
+            batch.session = _SampleBatch(self, batch.group_key, lane, waiting)
+            if not waiting:
+                self._finish_batch(batch)
+                return
+        session = batch.session
         try:
-            group.run_batch(session)
+            if batch.steps is None:
+                batch.steps = batch.group.run_batch(session)
+            next(batch.steps)
+            return
+        except StopIteration:
+            pass
         except BaseException as exc:
             session.fail_unanswered(self._classify_error(exc))
         self.stats.sample_batches += 1
         log.info(
             "sample %s: %d request(s) in one batch (%d joined it later), %.1f ms, %d failed",
-            group.description,
+            batch.group.description,
             session.taken,
             session.joined_later,
-            (time.perf_counter() - started) * 1000,
+            (time.perf_counter() - batch.started) * 1000,
             session.failures,
         )
+        self._finish_batch(batch)
+
+    def _finish_batch(self, batch: _RunningBatch[JobT, AnswerT]) -> None:
+        with self._cond:
+            del self._running[batch.group.lane]
 
     def _drop_abandoned_samples(self, requests: list[_PendingSample[JobT, AnswerT]]) -> None:
         if requests:
@@ -314,39 +371,45 @@ class ComputeWorker(Generic[JobT, AnswerT]):
 
     # ---- between two decode steps of a sample batch (compute thread) ----
 
-    def training_waiting(self) -> bool:
+    def other_work_waiting(self, lane: Hashable) -> bool:
+        """Whether another lane's batch or a training op is ready: `lane`'s batch then pauses."""
         with self._cond:
-            return not self._stopping and self._runnable_training_op(time.monotonic())[1] is not None
+            if self._stopping:
+                return False
+            if any(other != lane for other in self._running) or any(
+                group.lane != lane for group in self._samples.values()
+            ):
+                return True
+            return self._runnable_training_op(time.monotonic())[1] is not None
 
-    def run_one_training_op(self) -> None:
-        with self._cond:
-            op, _ = self._next_training_op(time.monotonic())
-        if op is not None:
-            self.stats.training_ops_between_decode_steps += 1
-            self._run_training_op(op)
-
-    def take_joining_samples(self, group_key: Hashable) -> list[_PendingSample[JobT, AnswerT]]:
+    def take_joining_samples(
+        self, lane: Hashable, group_key: Hashable
+    ) -> list[_PendingSample[JobT, AnswerT]]:
         """Requests for a running batch's weights that arrived while it ran, unless requests for other
-        weights have waited longer (they go first: the running batch then takes no one new)."""
+        weights of its lane have waited longer (they go first: the running batch then takes no one new)."""
         with self._cond:
-            if self._stopping or not self._samples or next(iter(self._samples)) != group_key:
+            if self._stopping:
                 return []
-            return self._samples.popitem(last=False)[1].requests
+            first = next((key for key, group in self._samples.items() if group.lane == lane), None)
+            if first != group_key:
+                return []
+            return self._samples.pop(group_key).requests
 
 
 class _SampleBatch(Generic[JobT, AnswerT]):
     """A running sample batch's view of the worker (a RequestFeed of jobs and outcomes): its requests
-    as they arrive, their answers, which of them were abandoned, and the training operations waiting
-    meanwhile."""
+    as they arrive, their answers, which of them were abandoned, and whether other work is ready."""
 
     def __init__(
         self,
         worker: ComputeWorker[JobT, AnswerT],
         group_key: Hashable,
+        lane: Hashable,
         first: list[_PendingSample[JobT, AnswerT]],
     ) -> None:
         self._worker = worker
         self._group_key = group_key
+        self._lane = lane
         self._arrived = first
         self._unanswered: dict[int, _PendingSample[JobT, AnswerT]] = {}
         self._keys = itertools.count()
@@ -357,7 +420,7 @@ class _SampleBatch(Generic[JobT, AnswerT]):
         return self._worker.stats
 
     def joining(self) -> list[tuple[int, JobT]]:
-        arrived = self._arrived or self._worker.take_joining_samples(self._group_key)
+        arrived = self._arrived or self._worker.take_joining_samples(self._lane, self._group_key)
         self._arrived = []
         waiting = [r for r in arrived if not r.future.abandoned]
         self._worker._drop_abandoned_samples([r for r in arrived if r.future.abandoned])
@@ -391,10 +454,7 @@ class _SampleBatch(Generic[JobT, AnswerT]):
         return keys
 
     def other_work_waiting(self) -> bool:
-        return self._worker.training_waiting()
-
-    def run_other_work(self) -> None:
-        self._worker.run_one_training_op()
+        return self._worker.other_work_waiting(self._lane)
 
     def fail_unanswered(self, outcome: FailedResult) -> None:
         """The batch failed: every request it took or was given and has not answered gets `outcome`."""

@@ -33,7 +33,7 @@ Out_contra = TypeVar("Out_contra", contravariant=True)
 
 
 class RequestFeed(Protocol[In_co, Out_contra]):
-    """Where a running batch gets its requests and answers them, and what it does between steps."""
+    """Where a running batch gets its requests and answers them, and whether it should pause between steps."""
 
     @property
     def stats(self) -> DecodeStats: ...
@@ -51,11 +51,8 @@ class RequestFeed(Protocol[In_co, Out_contra]):
         ...
 
     def other_work_waiting(self) -> bool:
-        """Whether work that should not wait for the whole batch is queued."""
-        ...
-
-    def run_other_work(self) -> None:
-        """Run some of that work; it runs outside the model's context."""
+        """Whether work that should not wait for the whole batch is queued: the decode then pauses
+        (yields) between two steps so its caller can run that work outside the model's context."""
         ...
 
 
@@ -101,9 +98,6 @@ class MappedFeed(Generic[A, B, C, D]):
     def other_work_waiting(self) -> bool:
         return self._inner.other_work_waiting()
 
-    def run_other_work(self) -> None:
-        self._inner.run_other_work()
-
 
 class FixedRequests:
     """A feed of a fixed list of jobs (keyed by their index) that collects their outputs."""
@@ -125,6 +119,3 @@ class FixedRequests:
 
     def other_work_waiting(self) -> bool:
         return False
-
-    def run_other_work(self) -> None:
-        pass

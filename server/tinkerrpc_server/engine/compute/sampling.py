@@ -72,10 +72,11 @@ class Sampling(StateIO):
         weights_dir: Path | None,
         feed: RequestFeed[SampleJob, SampleOutput | EngineUserError],
         policy: BatchPolicy | None = None,
-    ) -> None:
+    ) -> Iterator[None]:
         """Sample the jobs `feed` brings, as they come, in one continuously batched decode (under
-        `policy`, by default the runtime's); a bad job is answered with its EngineUserError without
-        running."""
+        `policy`, by default the runtime's), one stretch per `next()`: it pauses between two decode
+        steps while `feed` has other work waiting (see `decode`). A bad job is answered with its
+        EngineUserError without running."""
 
         def validated(key: int, job: SampleJob) -> SampleJob | None:
             try:
@@ -87,7 +88,7 @@ class Sampling(StateIO):
         def output(key: int, result: SampleOutput) -> SampleOutput | EngineUserError:
             return result
 
-        decode(
+        yield from decode(
             self._sampling_model(weights_dir),
             MappedFeed(feed, validated, output),
             self.tokenizer,

@@ -8,13 +8,14 @@ Jobs come from a `RequestFeed` while the batch decodes: a job that arrives joins
 (its prompt prefilled in bounded chunks between decode steps, then its KV merged in), a sequence that
 stops leaves the batch at once, and a job is answered as soon as its own sequences stop. The n samples
 of one job, and jobs with an identical prompt admitted together, share one prefill. A batch pauses
-between decode steps for the feed's other work (training) and stops decoding for jobs nobody waits
-for. How jobs join and leave is the policy's `BatchingStrategy`.
+between decode steps when the feed has other work waiting (its caller runs it: training, another
+model's batch) and stops decoding for jobs nobody waits for. How jobs join and leave is the policy's
+`BatchingStrategy`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -111,7 +112,8 @@ def generate(
 ) -> list[SampleOutput]:
     """Sample every checked job's num_samples continuations; outputs in the order of `jobs`."""
     feed = FixedRequests(jobs)
-    decode(model_context, feed, tokenizer, device, policy)
+    for _ in decode(model_context, feed, tokenizer, device, policy):
+        pass  # a fixed feed has no other work: decoding never pauses
     answered = [result for result in feed.results if result is not None]
     assert len(answered) == len(jobs), "a job was never answered"
     return answered
@@ -123,11 +125,12 @@ def decode(
     tokenizer: object,
     device: torch.device,
     policy: BatchPolicy,
-) -> None:
-    """Serve `feed` (checked jobs) until it has no job left to decode.
+) -> Iterator[None]:
+    """Serve `feed` (checked jobs) until it has no job left to decode, one stretch per `next()`.
 
     The model is used only inside `model_context()`; when `feed` has other work waiting, decoding
-    leaves that context between two steps, lets the work run, and re-enters it (the KV cache is kept).
+    leaves that context between two steps and yields, so the caller can run that work before the next
+    `next()` re-enters it (the KV cache is kept).
     """
     batch = DecodeBatch(feed, tokenizer, device, policy)
     while True:
@@ -135,7 +138,7 @@ def decode(
             batch.advance(model)
         if batch.idle:
             return
-        feed.run_other_work()
+        yield
 
 
 class DecodeBatch:

@@ -1,0 +1,68 @@
+"""Two models on one engine share its compute thread: a small model's requests are answered while a
+large model's long batch runs, instead of after it (engine/fair_share.py), through the real tinker SDK."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import tinker
+from engine_proc import TINY, start_engine
+from smollm2_support import SMOLLM2, smollm2_model_dir
+from tinker import types
+
+from tinkerrpc_server.local.stack import LocalEngine
+
+pytestmark = pytest.mark.process
+
+PROMPT = types.ModelInput.from_ints([5, 6, 7, 8])
+SMALL = types.SamplingParams(max_tokens=16, seed=3, stop=[])
+# 16 rows decoding until told to stop: on this machine about 16 steps/s, so it runs for well over a
+# minute unless abandoned.
+LONG = types.SamplingParams(max_tokens=2048, seed=1, stop=[])
+TIMEOUT = 300.0
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEngine]:
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    work: Path = tmp_path_factory.mktemp("fair-share")
+    running = start_engine(work / "data", smollm2_model_dir(tmp_path_factory), work / "engine.log")
+    yield running
+    assert running.stop() == 0, running.log()[-3000:]
+
+
+def _latency(sampler: tinker.SamplingClient) -> float:
+    started = time.perf_counter()
+    response = sampler.sample(PROMPT, 1, SMALL).result(timeout=TIMEOUT)
+    assert len(response.sequences[0].tokens) == 16
+    return time.perf_counter() - started
+
+
+def test_a_small_model_is_answered_while_a_large_model_s_long_batch_runs(engine: LocalEngine) -> None:
+    with engine.service_client() as service:
+        tiny = service.create_sampling_client(base_model=TINY).result()
+        large = service.create_sampling_client(base_model=SMOLLM2).result()
+        large.sample(PROMPT, 1, types.SamplingParams(max_tokens=2)).result(timeout=TIMEOUT)  # loaded
+        alone = statistics.median(_latency(tiny) for _ in range(3))
+        before = engine.stats()
+        long_batch = large.sample(PROMPT, 16, LONG).future()
+        deadline = time.monotonic() + TIMEOUT
+        while engine.stats()["decode_steps"] - before["decode_steps"] < 3:  # the long batch decodes
+            assert time.monotonic() < deadline, "the long batch never started decoding"
+            time.sleep(0.05)
+        during = [_latency(tiny) for _ in range(3)]
+        still_running = not long_batch.done()
+        after = engine.stats()
+        assert long_batch.cancel()  # its caller gives up: the batch stops decoding
+    print(
+        f"tiny-chat 16 tokens: {alone:.3f} s alone, {[round(d, 3) for d in during]} s during SmolLM2 16 rows"
+    )
+    assert still_running, "the small model's requests were answered only after the long batch"
+    # Each waited about one SmolLM2 step (16 rows) per turn it gave up, not the batch's whole length.
+    assert max(during) < alone + 5.0, (alone, during)
+    assert after["sample_turns_to_other_models"] > before["sample_turns_to_other_models"]
