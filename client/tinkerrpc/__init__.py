@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from tinkerrpc._messages import Message, SampledTurn, Tool, ToolCall
     from tinkerrpc._openai import messages_from_response_input
     from tinkerrpc._retry import RetryPolicy
+    from tinkerrpc._sample_stream import SampleChunk, SampleDelta
     from tinkerrpc._sampling import SamplingOptions
     from tinkerrpc._server_info import ServerInfo, ServerLimits
     from tinkerrpc._types import (
@@ -87,6 +88,7 @@ _DEFINED_IN = {
     "tinkerrpc._messages": ("Message", "SampledTurn", "Tool", "ToolCall"),
     "tinkerrpc._openai": ("messages_from_response_input",),
     "tinkerrpc._retry": ("RetryPolicy",),
+    "tinkerrpc._sample_stream": ("SampleChunk", "SampleDelta"),
     "tinkerrpc._sampling": ("SamplingOptions",),
     "tinkerrpc._server_info": ("ServerInfo", "ServerLimits"),
     "tinkerrpc._types": (
@@ -151,6 +153,8 @@ __all__ = [
     "RunHistory",
     "RunStep",
     "Sample",
+    "SampleChunk",
+    "SampleDelta",
     "SampledTurn",
     "SamplerMismatch",
     "SamplingOptions",

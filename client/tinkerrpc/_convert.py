@@ -284,6 +284,23 @@ def train_result_from_proto(msg: service_pb.TrainResponse) -> TrainResult:
     )
 
 
+def top_logprobs_from_proto(top: pb.TopLogprobs) -> tuple[TopLogprob, ...]:
+    """One sampled position's alternatives."""
+    return tuple(
+        TopLogprob(
+            token_id,
+            logprob,
+            top.token_texts[i] if i < len(top.token_texts) else "",
+            top.token_bytes[i] if i < len(top.token_bytes) else None,
+        )
+        for i, (token_id, logprob) in enumerate(zip(top.token_ids, top.logprobs, strict=False))
+    )
+
+
+def stop_reason_from_proto(reason: pb.StopReason.ValueType) -> StopReason | None:
+    return _STOP_FROM_PB.get(reason)
+
+
 def samples_from_proto(msg: service_pb.SampleResponse) -> list[Sample]:
     """Every sequence of a Sample response; the response's prompt ids and logprobs go on each."""
     prompt_ids = tuple(msg.prompt_token_ids)
@@ -294,21 +311,10 @@ def samples_from_proto(msg: service_pb.SampleResponse) -> list[Sample]:
             logprobs=tuple(seq.logprobs),
             text=seq.text,
             message=message_from_proto(seq.message) if seq.HasField("message") else None,
-            stop_reason=_STOP_FROM_PB.get(seq.stop_reason),
+            stop_reason=stop_reason_from_proto(seq.stop_reason),
             policy_version=seq.policy_version,
             prompt_token_ids=prompt_ids,
-            top_logprobs=tuple(
-                tuple(
-                    TopLogprob(
-                        token_id,
-                        logprob,
-                        top.token_texts[i] if i < len(top.token_texts) else "",
-                        top.token_bytes[i] if i < len(top.token_bytes) else None,
-                    )
-                    for i, (token_id, logprob) in enumerate(zip(top.token_ids, top.logprobs, strict=False))
-                )
-                for top in seq.top_logprobs
-            ),
+            top_logprobs=tuple(top_logprobs_from_proto(top) for top in seq.top_logprobs),
             token_texts=tuple(seq.token_texts),
             token_bytes=tuple(seq.token_bytes),
             prompt_logprobs=prompt_logprobs,

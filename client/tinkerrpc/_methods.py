@@ -41,6 +41,7 @@ from tinkerrpc._channel import (
 from tinkerrpc._errors import UnavailableError
 from tinkerrpc._openai_client import import_openai, sidecar_connection
 from tinkerrpc._retry import RetryPolicy
+from tinkerrpc._sample_stream import sample_stream
 from tinkerrpc._server_info import ServerInfo
 from tinkerrpc._watch import AsyncEventStream, EventStream
 
@@ -314,6 +315,7 @@ class ModelHandle(Generic[ClientT_co]):
     export_weights = Method(on_model(calls.export_weights))
     history = Method(on_model(calls.history))
     watch = Watch(on_model(calls.watch))
+    sample_stream = Watch(on_model(sample_stream))
 
     @Method
     def openai_client(

@@ -13,8 +13,8 @@ import pytest
 from engine_proc import TINY
 from tinker import types
 
-from tinkerrpc_server.engine.routes.streaming import SAMPLE_STREAM_PATH
 from tinkerrpc_server.local.stack import LocalEngine
+from tinkerrpc_server.token_stream_wire import SAMPLE_STREAM_PATH
 
 pytestmark = pytest.mark.process
 

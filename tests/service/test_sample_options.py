@@ -13,7 +13,7 @@ from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server.service import errors
 from tinkerrpc_server.service.rendering import ChatCodec, ChatCodecs, RendererVariantError, thinking_variant
-from tinkerrpc_server.service.sampling import _Drawn, _forced_opening, _request_codec, _sampled_sequence
+from tinkerrpc_server.service.sampling import Drawn, _forced_opening, _request_codec, _sampled_sequence
 
 pytestmark = pytest.mark.unit
 
@@ -80,7 +80,7 @@ def test_a_forced_reply_parses_with_its_opening_and_single_tool_call_keeps_one(c
     rest = codec.tokenizer.encode(
         ' {"city": "Paris"}}\n</tool_call>\n' + call + "<|im_end|>", add_special_tokens=False
     )
-    sampled = _Drawn(list(rest), [-0.5] * len(rest), stopped=True)
+    sampled = Drawn(list(rest), [-0.5] * len(rest), stopped=True)
     both = _sampled_sequence(sampled, request, 4, codec, opening)
     assert [c.name for c in both.message.tool_calls] == ["get_weather", "get_weather"]
     assert list(both.token_ids) == list(rest)  # the opening is the prompt's, not the sequence's

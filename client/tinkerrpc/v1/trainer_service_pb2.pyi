@@ -818,6 +818,187 @@ class SampleResponse(_message.Message):
 Global___SampleResponse: _TypeAlias = SampleResponse  # noqa: Y015
 
 @_typing.final
+class SampleStreamRequest(_message.Message):
+    """SampleStream input."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def request(self) -> Global___SampleRequest:
+        """What to sample, exactly as Sample takes it."""
+
+    def __init__(
+        self,
+        *,
+        request: Global___SampleRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SampleStreamRequest: _TypeAlias = SampleStreamRequest  # noqa: Y015
+
+@_typing.final
+class SampleStreamResponse(_message.Message):
+    """SampleStream output, streamed: one `head`, then `deltas`, then one `done`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEAD_FIELD_NUMBER: _builtins.int
+    DELTAS_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def head(self) -> Global___SampleStreamHead:
+        """What is known before any token: the prompt and the policy version sampled."""
+
+    @_builtins.property
+    def deltas(self) -> Global___SampleStreamDeltas:
+        """Tokens sampled since the previous response, of one or more sequences."""
+
+    @_builtins.property
+    def done(self) -> Global___SampleResponse:
+        """The whole result, as Sample answers it: the stream ends with it."""
+
+    def __init__(
+        self,
+        *,
+        head: Global___SampleStreamHead | None = ...,
+        deltas: Global___SampleStreamDeltas | None = ...,
+        done: Global___SampleResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deltas", b"deltas", "done", b"done", "event", b"event", "head", b"head"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deltas", b"deltas", "done", b"done", "event", b"event", "head", b"head"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["head", "deltas", "done"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___SampleStreamResponse: _TypeAlias = SampleStreamResponse  # noqa: Y015
+
+@_typing.final
+class SampleStreamHead(_message.Message):
+    """The start of a SampleStream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    policy_version: _builtins.int
+    """The policy version that produces every sequence."""
+    model: _builtins.str
+    """Model name."""
+    @_builtins.property
+    def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The prompt as the sampler sees it."""
+
+    def __init__(
+        self,
+        *,
+        prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        policy_version: _builtins.int = ...,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SampleStreamHead: _TypeAlias = SampleStreamHead  # noqa: Y015
+
+@_typing.final
+class SampleStreamDeltas(_message.Message):
+    """New tokens of some sequences of a SampleStream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQUENCES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def sequences(self) -> _containers.RepeatedCompositeFieldContainer[Global___SequenceDelta]:
+        """One entry per sequence that has new tokens, each sequence's in order."""
+
+    def __init__(
+        self,
+        *,
+        sequences: _abc.Iterable[Global___SequenceDelta] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sequences", b"sequences"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SampleStreamDeltas: _TypeAlias = SampleStreamDeltas  # noqa: Y015
+
+@_typing.final
+class SequenceDelta(_message.Message):
+    """A sequence's tokens sampled since its previous delta."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOKEN_TEXTS_FIELD_NUMBER: _builtins.int
+    TOKEN_BYTES_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    STOP_REASON_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """Which sequence (0 to n-1, as in SampleResponse.sequences)."""
+    text: _builtins.str
+    """The text these tokens add to SampledSequence.text. Text that could be the start of a stop string,
+    or an unfinished character, is held back until it is known: the deltas of a sequence join to its
+    text, and a stop string arrives whole, never in pieces.
+    """
+    stop_reason: _types_pb2.StopReason.ValueType
+    """Set on the sequence's last delta: why it ended."""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The new token ids."""
+
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Their log-probabilities under the sampling policy."""
+
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.TopLogprobs]:
+        """Their top alternatives, when SamplingParams.top_logprobs > 0."""
+
+    @_builtins.property
+    def token_texts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Their decoded texts, when token texts were requested."""
+
+    @_builtins.property
+    def token_bytes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Their exact bytes, when token texts were requested."""
+
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        top_logprobs: _abc.Iterable[_types_pb2.TopLogprobs] | None = ...,
+        token_texts: _abc.Iterable[_builtins.str] | None = ...,
+        token_bytes: _abc.Iterable[_builtins.bytes] | None = ...,
+        text: _builtins.str = ...,
+        stop_reason: _types_pb2.StopReason.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "logprobs", b"logprobs", "stop_reason", b"stop_reason", "text", b"text", "token_bytes", b"token_bytes", "token_ids", b"token_ids", "token_texts", b"token_texts", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SequenceDelta: _TypeAlias = SequenceDelta  # noqa: Y015
+
+@_typing.final
 class ExportWeightsRequest(_message.Message):
     """ExportWeights input."""
 

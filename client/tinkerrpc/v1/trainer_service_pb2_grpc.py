@@ -86,6 +86,11 @@ class TrainerServiceStub:
                 request_serializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.SampleRequest.SerializeToString,
                 response_deserializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.SampleResponse.FromString,
                 _registered_method=True)
+        self.SampleStream = channel.unary_stream(
+                '/tinkerrpc.v1.TrainerService/SampleStream',
+                request_serializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.SampleStreamRequest.SerializeToString,
+                response_deserializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.SampleStreamResponse.FromString,
+                _registered_method=True)
         self.ExportWeights = channel.unary_stream(
                 '/tinkerrpc.v1.TrainerService/ExportWeights',
                 request_serializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.ExportWeightsRequest.SerializeToString,
@@ -189,6 +194,17 @@ class TrainerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SampleStream(self, request, context):
+        """Samples as Sample does (the same request, checked the same way) and streams the tokens as they
+        are made: `head` first, then `deltas` as each decode step samples tokens, last `done`, the whole
+        SampleResponse Sample would answer (sample keys, parsed messages, prompt logprobs). On the embedded
+        engine the tokens come from its token stream; a backend that does not stream (Tinker itself), and
+        a request with min_tokens, is sampled whole first and replayed as deltas.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ExportWeights(self, request, context):
         """Streams the model's LoRA adapter at its current (or an earlier) policy version as a plain PEFT
         adapter directory (adapter_config.json, adapter_model.safetensors, ...), to serve or merge
@@ -279,6 +295,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.Sample,
                     request_deserializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.SampleRequest.FromString,
                     response_serializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.SampleResponse.SerializeToString,
+            ),
+            'SampleStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.SampleStream,
+                    request_deserializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.SampleStreamRequest.FromString,
+                    response_serializer=tinkerrpc_dot_v1_dot_trainer__service__pb2.SampleStreamResponse.SerializeToString,
             ),
             'ExportWeights': grpc.unary_stream_rpc_method_handler(
                     servicer.ExportWeights,
@@ -573,6 +594,33 @@ class TrainerService:
             '/tinkerrpc.v1.TrainerService/Sample',
             tinkerrpc_dot_v1_dot_trainer__service__pb2.SampleRequest.SerializeToString,
             tinkerrpc_dot_v1_dot_trainer__service__pb2.SampleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SampleStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tinkerrpc.v1.TrainerService/SampleStream',
+            tinkerrpc_dot_v1_dot_trainer__service__pb2.SampleStreamRequest.SerializeToString,
+            tinkerrpc_dot_v1_dot_trainer__service__pb2.SampleStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -79,6 +79,13 @@ class TrainerServiceStub:
     """
     Sample: _grpc.UnaryUnaryMultiCallable[_trainer_service_pb2.SampleRequest, _trainer_service_pb2.SampleResponse]
     """Samples completions from the latest or a pinned policy version."""
+    SampleStream: _grpc.UnaryStreamMultiCallable[_trainer_service_pb2.SampleStreamRequest, _trainer_service_pb2.SampleStreamResponse]
+    """Samples as Sample does (the same request, checked the same way) and streams the tokens as they
+    are made: `head` first, then `deltas` as each decode step samples tokens, last `done`, the whole
+    SampleResponse Sample would answer (sample keys, parsed messages, prompt logprobs). On the embedded
+    engine the tokens come from its token stream; a backend that does not stream (Tinker itself), and
+    a request with min_tokens, is sampled whole first and replayed as deltas.
+    """
     ExportWeights: _grpc.UnaryStreamMultiCallable[_trainer_service_pb2.ExportWeightsRequest, _trainer_service_pb2.ExportWeightsResponse]
     """Streams the model's LoRA adapter at its current (or an earlier) policy version as a plain PEFT
     adapter directory (adapter_config.json, adapter_model.safetensors, ...), to serve or merge
@@ -138,6 +145,13 @@ class TrainerServiceAsyncStub(TrainerServiceStub):
     """
     Sample: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.SampleRequest, _trainer_service_pb2.SampleResponse]  # type: ignore[assignment]
     """Samples completions from the latest or a pinned policy version."""
+    SampleStream: _aio.UnaryStreamMultiCallable[_trainer_service_pb2.SampleStreamRequest, _trainer_service_pb2.SampleStreamResponse]  # type: ignore[assignment]
+    """Samples as Sample does (the same request, checked the same way) and streams the tokens as they
+    are made: `head` first, then `deltas` as each decode step samples tokens, last `done`, the whole
+    SampleResponse Sample would answer (sample keys, parsed messages, prompt logprobs). On the embedded
+    engine the tokens come from its token stream; a backend that does not stream (Tinker itself), and
+    a request with min_tokens, is sampled whole first and replayed as deltas.
+    """
     ExportWeights: _aio.UnaryStreamMultiCallable[_trainer_service_pb2.ExportWeightsRequest, _trainer_service_pb2.ExportWeightsResponse]  # type: ignore[assignment]
     """Streams the model's LoRA adapter at its current (or an earlier) policy version as a plain PEFT
     adapter directory (adapter_config.json, adapter_model.safetensors, ...), to serve or merge
@@ -254,6 +268,19 @@ class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_trainer_service_pb2.SampleResponse, _abc.Awaitable[_trainer_service_pb2.SampleResponse]]:
         """Samples completions from the latest or a pinned policy version."""
+
+    @_abc_1.abstractmethod
+    def SampleStream(
+        self,
+        request: _trainer_service_pb2.SampleStreamRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_trainer_service_pb2.SampleStreamResponse], _abc.AsyncIterator[_trainer_service_pb2.SampleStreamResponse]]:
+        """Samples as Sample does (the same request, checked the same way) and streams the tokens as they
+        are made: `head` first, then `deltas` as each decode step samples tokens, last `done`, the whole
+        SampleResponse Sample would answer (sample keys, parsed messages, prompt logprobs). On the embedded
+        engine the tokens come from its token stream; a backend that does not stream (Tinker itself), and
+        a request with min_tokens, is sampled whole first and replayed as deltas.
+        """
 
     @_abc_1.abstractmethod
     def ExportWeights(

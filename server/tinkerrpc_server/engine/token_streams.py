@@ -1,29 +1,20 @@
 """Token streams: a sample request's tokens handed from the compute thread to its HTTP stream as they are
-sampled, bounded in number (MAX_ENGINE_TOKEN_STREAMS open at once) and in what each holds unread
-(MAX_STREAM_BUFFERED_TOKENS: a reader that far behind loses its stream, and its rows stop decoding).
-
-The wire form is NDJSON, one JSON object per line (docs/engine.md, "Token streams"):
-- `{"tokens": [{"sample": i, "token": t, "logprob": lp, "top": [ids, logprobs] | null,
-  "stop_reason": "stop" | "length" | null}, ...]}`: tokens sampled since the last line, in order per
-  sample; a sample's last token carries its stop reason;
-- last, `{"done": {"sequences": [{"tokens", "logprobs", "stop_reason"}], "prompt_logprobs": [...] | null}}`
-  (the whole result, as asample answers it) or `{"error": message, "category": "user" | "server"}`.
+sampled (the wire form is token_stream_wire.py's), bounded in number (MAX_ENGINE_TOKEN_STREAMS open at
+once) and in what each holds unread (MAX_STREAM_BUFFERED_TOKENS: a reader that far behind loses its
+stream, and its rows stop decoding).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from tinkerrpc.contract.limits import MAX_ENGINE_TOKEN_STREAMS, MAX_STREAM_BUFFERED_TOKENS
+from tinkerrpc_server import token_stream_wire as wire
 from tinkerrpc_server.engine.answers import Answer
 from tinkerrpc_server.engine.compute.samples import SampleOutput, TokenEvent
 from tinkerrpc_server.engine.futures import FailedResult, Outcome
-
-NDJSON_MEDIA_TYPE = "application/x-ndjson"
 
 
 class TokenStream:
@@ -85,43 +76,15 @@ class StreamSlots:
         self.open -= 1
 
 
-def _line(payload: dict[str, Any]) -> bytes:
-    return (json.dumps(payload, separators=(",", ":")) + "\n").encode()
-
-
 def tokens_line(events: list[TokenEvent]) -> bytes:
-    return _line(
-        {
-            "tokens": [
-                {
-                    "sample": e.sample_index,
-                    "token": e.token,
-                    "logprob": e.logprob,
-                    "top": None if e.top is None else [e.top[0], e.top[1]],
-                    "stop_reason": e.stop_reason,
-                }
-                for e in events
-            ]
-        }
+    return wire.tokens_line(
+        [wire.StreamedToken(e.sample_index, e.token, e.logprob, e.top, e.stop_reason) for e in events]
     )
 
 
 def outcome_line(outcome: Outcome[Answer]) -> bytes:
     if isinstance(outcome, FailedResult):
-        return error_line(outcome.message, outcome.category)
+        return wire.failed_line(outcome.message, outcome.category)
     assert isinstance(outcome, SampleOutput), f"a sample request answered {type(outcome).__name__}"
-    return _line(
-        {
-            "done": {
-                "sequences": [
-                    {"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason}
-                    for s in outcome.sequences
-                ],
-                "prompt_logprobs": outcome.prompt_logprobs,
-            }
-        }
-    )
-
-
-def error_line(message: str, category: str) -> bytes:
-    return _line({"error": message, "category": category})
+    sequences = [wire.StreamedSequence(s.tokens, s.logprobs, s.stop_reason) for s in outcome.sequences]
+    return wire.done_line(wire.StreamDone(sequences, outcome.prompt_logprobs))

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import grpc
 import tinker
+from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
@@ -29,13 +32,19 @@ from tinkerrpc_server.service.validation import check_prompt, check_prompt_token
 MAX_MIN_TOKENS_REJECTIONS = 64
 
 
+# One sampled position's top alternatives: token ids and logprobs, most likely first.
+TopEntry = tuple[list[int], list[float]]
+
+
 @dataclass
-class _Drawn:
+class Drawn:
     """One sampled sequence, however it was drawn."""
 
     tokens: list[int]
     logprobs: list[float]
     stopped: bool  # by a stop token or string (else max_tokens)
+    # Its top alternatives per token, when the sampler gave them with the tokens (a token stream).
+    top: list[TopEntry] | None = None
 
 
 def _request_codec(request: pb.SampleRequest, codec: ChatCodec) -> ChatCodec:
@@ -86,7 +95,7 @@ def _sampling_params(params: types_pb2.SamplingParams, codec: ChatCodec) -> tink
     )
 
 
-def _decode(tokens: list[int], params: types_pb2.SamplingParams, codec: ChatCodec) -> str:
+def decode_text(tokens: list[int], params: types_pb2.SamplingParams, codec: ChatCodec) -> str:
     return codec.decode(
         tokens,
         skip_special_tokens=params.skip_special_tokens if params.HasField("skip_special_tokens") else True,
@@ -97,13 +106,13 @@ def _decode(tokens: list[int], params: types_pb2.SamplingParams, codec: ChatCode
 
 
 def _sampled_sequence(
-    sequence: _Drawn, request: pb.SampleRequest, version: int, codec: ChatCodec, forced: list[int]
+    sequence: Drawn, request: pb.SampleRequest, version: int, codec: ChatCodec, forced: list[int]
 ) -> types_pb2.SampledSequence:
     tokens = sequence.tokens
     sampled = types_pb2.SampledSequence(
         token_ids=tokens,
         logprobs=sequence.logprobs,
-        text=_decode(tokens, request.params, codec),
+        text=decode_text(tokens, request.params, codec),
         stop_reason=types_pb2.STOP_REASON_STOP if sequence.stopped else types_pb2.STOP_REASON_LENGTH,
         policy_version=version,
     )
@@ -116,7 +125,22 @@ def _sampled_sequence(
     if request.params.return_token_texts:
         sampled.token_texts.extend(codec.token_text(t) for t in tokens)
         sampled.token_bytes.extend(codec.token_bytes(t) for t in tokens)
+    for entry in sequence.top or ():
+        add_top(sampled.top_logprobs, entry, request.params, codec)
     return sampled
+
+
+def add_top(
+    tops: RepeatedCompositeFieldContainer[types_pb2.TopLogprobs],
+    entry: TopEntry,
+    params: types_pb2.SamplingParams,
+    codec: ChatCodec,
+) -> None:
+    """One position's top alternatives appended to `tops`, with their texts when asked."""
+    top = tops.add(token_ids=entry[0], logprobs=entry[1])
+    if params.return_token_texts:
+        top.token_texts.extend(codec.token_text(t) for t in entry[0])
+        top.token_bytes.extend(codec.token_bytes(t) for t in entry[0])
 
 
 async def _fill_top_logprobs(
@@ -143,12 +167,12 @@ async def _fill_top_logprobs(
     def add_rows() -> None:
         for position in range(len(prompt), len(prompt) + len(tokens)):
             alternatives = rows[position] if position < len(rows) and rows[position] else []
-            top = sequence.top_logprobs.add(
-                token_ids=[t for t, _ in alternatives], logprobs=[lp for _, lp in alternatives]
+            add_top(
+                sequence.top_logprobs,
+                ([t for t, _ in alternatives], [lp for _, lp in alternatives]),
+                params,
+                codec,
             )
-            if params.return_token_texts:
-                top.token_texts.extend(codec.token_text(t) for t, _ in alternatives)
-                top.token_bytes.extend(codec.token_bytes(t) for t, _ in alternatives)
 
     await off_loop(add_rows)
 
@@ -174,7 +198,7 @@ async def _draw_min_tokens(
     full: tinker.types.SamplingParams,
     stop_tokens: list[int],
     sequence: int,
-) -> _Drawn:
+) -> Drawn:
     """One sequence with no stop before params.min_tokens, over plain Tinker sampling: the first
     min_tokens are drawn with only the stop tokens as stops and no stop strings; a stop token drawn
     there is rejected and its position drawn again (so it is drawn from the policy with the stop tokens
@@ -219,7 +243,7 @@ async def _draw_min_tokens(
             tokens.append(token)
             logprobs.append(logprob)
     if len(tokens) >= params.max_tokens:
-        return _Drawn(tokens, logprobs, stopped=False)
+        return Drawn(tokens, logprobs, stopped=False)
     rest = (
         await client.sample(
             tinker.types.ModelInput.from_ints(prompt + tokens),
@@ -232,7 +256,7 @@ async def _draw_min_tokens(
             ),
         )
     ).sequences[0]
-    return _Drawn(
+    return Drawn(
         tokens + list(rest.tokens), logprobs + list(rest.logprobs or []), rest.stop_reason != "length"
     )
 
@@ -276,6 +300,21 @@ def sampler_path(store: Store, row: ModelRow, version: int) -> str:
     return path
 
 
+@dataclass(frozen=True)
+class PreparedSample:
+    """A Sample request checked and translated, ready to draw from its version's sampler weights."""
+
+    request: pb.SampleRequest
+    model: str
+    version: int
+    path: str  # the version's sampler weights (tinker:// path)
+    codec: ChatCodec  # the model's, or its thinking variant's
+    forced: list[int]  # a forced tool call's opening, the prompt's last tokens
+    prompt: list[int]
+    client: tinker.SamplingClient
+    sampling_params: tinker.types.SamplingParams
+
+
 class Sampler:
     def __init__(
         self, store: Store, models: ModelRegistry, limits: Limits, sample_cache: SampleCache
@@ -286,13 +325,22 @@ class Sampler:
         self._sample_cache = sample_cache
 
     async def sample(self, request: pb.SampleRequest) -> pb.SampleResponse:
+        async with self.pinned(request) as (row, version):
+            prepared = await self.prepare(request, row, version)
+            drawn, prompt_logprobs = await self.draw(prepared)
+            return await self.respond(prepared, drawn, prompt_logprobs)
+
+    @asynccontextmanager
+    async def pinned(self, request: pb.SampleRequest) -> AsyncIterator[tuple[ModelRow, int]]:
+        """The model and the version a request samples, kept sampleable while the block runs; a failure
+        because a restore or DeleteModel discarded the version meanwhile is NOT_FOUND."""
         row = self._models.row(request.model)
         version = request.policy_version if request.HasField("policy_version") else row.policy_version
         # Pinned: retention keeps this version's sampler weights until the call ends.
         with self._models.retention.pinned(row.name, version):
             path = self._store.sampler_path(row.name, version)
             try:
-                return await self._sample(request, row, version)
+                yield row, version
             except Exception as err:
                 # A restore or DeleteModel may discard the version while it is sampled: the backend then
                 # fails on weights that are gone, which is the version's absence, not a bad request.
@@ -305,7 +353,8 @@ class Sampler:
                     "while it was being sampled",
                 ) from err
 
-    async def _sample(self, request: pb.SampleRequest, row: ModelRow, version: int) -> pb.SampleResponse:
+    async def prepare(self, request: pb.SampleRequest, row: ModelRow, version: int) -> PreparedSample:
+        """Every check of a Sample request (Sample and SampleStream alike), and what drawing it needs."""
         path = sampler_path(self._store, row, version)
         model_codec = await self._models.codec(row)
         check_prompt(request, model_codec.max_context_length)
@@ -316,13 +365,19 @@ class Sampler:
         check_sampling_params(params, len(prompt), codec.vocab_size, codec.max_context_length, self._limits)
         client = await self._models.sampling_client(path)
         sampling_params = await off_loop(lambda: _sampling_params(params, codec))
-        prompt_logprobs: list[float | None] | None
+        return PreparedSample(
+            request, row.name, version, path, codec, forced, prompt, client, sampling_params
+        )
+
+    async def draw(self, prepared: PreparedSample) -> tuple[list[Drawn], list[float | None] | None]:
+        """The request's sequences and (when asked) its prompt logprobs, sampled whole."""
+        client, prompt, params = prepared.client, prepared.prompt, prepared.request.params
         if params.min_tokens:
-            stop_tokens = await off_loop(lambda: _stop_token_ids(params, codec))
+            stop_tokens = await off_loop(lambda: _stop_token_ids(params, prepared.codec))
             drawn = list(
                 await asyncio.gather(
                     *(
-                        _draw_min_tokens(client, prompt, params, sampling_params, stop_tokens, i)
+                        _draw_min_tokens(client, prompt, params, prepared.sampling_params, stop_tokens, i)
                         for i in range(params.n or 1)
                     )
                 )
@@ -330,42 +385,54 @@ class Sampler:
             prompt_logprobs = (
                 await _prompt_logprobs(client, prompt) if params.include_prompt_logprobs else None
             )
-        else:
-            result = await client.sample(
-                tinker.types.ModelInput.from_ints(prompt),
-                num_samples=params.n or 1,
-                sampling_params=sampling_params,
-                include_prompt_logprobs=params.include_prompt_logprobs,
-            )
-            drawn = [
-                _Drawn(list(s.tokens), list(s.logprobs or []), s.stop_reason != "length")
-                for s in result.sequences
-            ]
-            prompt_logprobs = result.prompt_logprobs
+            return drawn, prompt_logprobs
+        result = await client.sample(
+            tinker.types.ModelInput.from_ints(prompt),
+            num_samples=params.n or 1,
+            sampling_params=prepared.sampling_params,
+            include_prompt_logprobs=params.include_prompt_logprobs,
+        )
+        drawn = [
+            Drawn(list(s.tokens), list(s.logprobs or []), s.stop_reason != "length") for s in result.sequences
+        ]
+        return drawn, result.prompt_logprobs
+
+    async def respond(
+        self, prepared: PreparedSample, drawn: list[Drawn], prompt_logprobs: list[float | None] | None
+    ) -> pb.SampleResponse:
+        """The SampleResponse of drawn sequences: texts, parsed messages, sample keys, top logprobs."""
+        request, version, codec, prompt = prepared.request, prepared.version, prepared.codec, prepared.prompt
+        params = request.params
         sequences = await off_loop(
-            lambda: [_sampled_sequence(sequence, request, version, codec, forced) for sequence in drawn]
+            lambda: [
+                _sampled_sequence(sequence, request, version, codec, prepared.forced) for sequence in drawn
+            ]
         )
         # Every sequence keeps its sampler logprobs, asked for or not: a trajectory naming the key trains on
         # them without another forward pass.
         for sequence in sequences:
             if len(sequence.logprobs) == len(sequence.token_ids):
                 sequence.sample_key = self._sample_cache.put(
-                    row.name,
+                    prepared.model,
                     version,
                     prompt,
                     list(sequence.token_ids),
                     list(sequence.logprobs),
-                    sampled_from=path,
+                    sampled_from=prepared.path,
                 )
         if params.top_logprobs > 0:
             await asyncio.gather(
-                *(_fill_top_logprobs(client, prompt, seq, params, codec) for seq in sequences)
+                *(
+                    _fill_top_logprobs(prepared.client, prompt, seq, params, codec)
+                    for seq, sampled in zip(sequences, drawn, strict=True)
+                    if sampled.top is None
+                )
             )
         response = pb.SampleResponse(
-            sequences=sequences, prompt_token_ids=prompt, policy_version=version, model=row.name
+            sequences=sequences, prompt_token_ids=prompt, policy_version=version, model=prepared.model
         )
         if params.return_prompt_text:
-            response.prompt_text = await off_loop(lambda: _decode(prompt, params, codec))
+            response.prompt_text = await off_loop(lambda: decode_text(prompt, params, codec))
         if params.include_prompt_logprobs:
             response.prompt_logprobs.extend(
                 math.nan if lp is None else lp for lp in (prompt_logprobs or [None] * len(prompt))

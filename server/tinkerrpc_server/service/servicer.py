@@ -20,9 +20,11 @@ paths, as the engine's data dir persists.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from importlib import metadata
+from typing import cast
 
 import grpc
 
@@ -43,10 +45,22 @@ from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.models import ModelRegistry
 from tinkerrpc_server.service.rendering import ChatCodecs
 from tinkerrpc_server.service.sample_cache import SampleCache
+from tinkerrpc_server.service.sample_stream import SampleStreamer
 from tinkerrpc_server.service.sampling import Sampler
 from tinkerrpc_server.service.store import Store
 from tinkerrpc_server.service.training import StepHooks, Trainer
 from tinkerrpc_server.service.validation import check_create_model
+
+# Responses of a SampleStream made ahead of its reader.
+STREAM_QUEUE_RESPONSES = 64
+
+
+@dataclass(frozen=True)
+class _StreamOrder:
+    """A SampleStream's request and where its responses go."""
+
+    request: pb.SampleStreamRequest
+    made: asyncio.Queue[pb.SampleStreamResponse | None]
 
 
 @dataclass(frozen=True)
@@ -77,6 +91,7 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
         self._trainer = Trainer(store, self._models, checkpoint_every, limits, step_hooks, sample_cache)
         self._checkpoints = Checkpoints(store, backend, self._models)
         self._sampler = Sampler(store, self._models, limits, sample_cache)
+        self._streamer = SampleStreamer(self._sampler, backend)
         self._exporter = Exporter(store, backend, self._models)
         self._history = History(store, self._models)
 
@@ -191,6 +206,42 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
         context: grpc.aio.ServicerContext[pb.SampleRequest, pb.SampleResponse],
     ) -> pb.SampleResponse:
         return await self._sampler.sample(request)
+
+    async def SampleStream(
+        self,
+        request: pb.SampleStreamRequest,
+        context: grpc.aio.ServicerContext[pb.SampleStreamRequest, pb.SampleStreamResponse],
+    ) -> AsyncIterator[pb.SampleStreamResponse]:
+        # Made under `rpc` (statuses, deadline, engine supervision) on a task of its own, handed over
+        # through a small queue: a slow reader slows the sampling's stream down instead of piling it up.
+        made: asyncio.Queue[pb.SampleStreamResponse | None] = asyncio.Queue(STREAM_QUEUE_RESPONSES)
+        # `rpc` reads only the context's deadline and aborts it, whatever the request's type.
+        order_context = cast("grpc.aio.ServicerContext[_StreamOrder, pb.SampleStreamResponse]", context)
+        producer = asyncio.ensure_future(self._make_stream(_StreamOrder(request, made), order_context))
+        try:
+            while True:
+                taken = asyncio.ensure_future(made.get())
+                await asyncio.wait({taken, producer}, return_when=asyncio.FIRST_COMPLETED)
+                if not taken.done():
+                    taken.cancel()
+                    producer.result()  # it ended without its end marker: its status
+                    return
+                response = taken.result()
+                if response is None:
+                    return
+                yield response
+        finally:
+            producer.cancel()
+
+    @rpc
+    async def _make_stream(
+        self,
+        order: _StreamOrder,
+        context: grpc.aio.ServicerContext[_StreamOrder, pb.SampleStreamResponse],
+    ) -> None:
+        async for response in self._streamer.stream(order.request):
+            await order.made.put(response)
+        await order.made.put(None)
 
     # ---- the server
 

@@ -1,6 +1,6 @@
 """The engine's token stream: an extension beside Tinker's HTTP API (Tinker has no streaming). POST a
 `tinker.types.SampleRequest` to SAMPLE_STREAM_PATH, with the X-API-Key every route needs, and read NDJSON
-lines as the tokens are sampled (engine/token_streams.py says what each line holds). The request joins
+lines as the tokens are sampled (token_stream_wire.py says what each line holds). The request joins
 the same continuously batched decode as asample's; a client that disconnects (or reads too slowly)
 frees its rows at the next decode step."""
 
@@ -18,19 +18,12 @@ from tinker import types
 from tinkerrpc_server.engine import protocol
 from tinkerrpc_server.engine.core import Engine
 from tinkerrpc_server.engine.routes.common import EngineDep
-from tinkerrpc_server.engine.token_streams import (
-    NDJSON_MEDIA_TYPE,
-    StreamSlots,
-    TokenStream,
-    error_line,
-    outcome_line,
-    tokens_line,
-)
+from tinkerrpc_server.engine.token_streams import StreamSlots, TokenStream, outcome_line, tokens_line
+from tinkerrpc_server.token_stream_wire import NDJSON_MEDIA_TYPE, SAMPLE_STREAM_PATH, failed_line
 
 log = logging.getLogger("tinkerrpc.engine")
 router = APIRouter()
 
-SAMPLE_STREAM_PATH = "/api/v1/tinkerrpc/sample_stream"
 # A stream lasts as long as its sample; its outcome is awaited in stretches of this many seconds.
 _OUTCOME_WAIT_SECONDS = 3600.0
 
@@ -74,7 +67,7 @@ async def _lines(
             if events:
                 yield tokens_line(events)
             if stream.overflowed:
-                yield error_line(
+                yield failed_line(
                     "the stream's reader fell too far behind (MAX_STREAM_BUFFERED_TOKENS)", "user"
                 )
                 return
