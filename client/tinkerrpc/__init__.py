@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from tinkerrpc._sample_stream import SampleChunk, SampleDelta
     from tinkerrpc._sampling import SamplingOptions
     from tinkerrpc._server_info import ServerInfo, ServerLimits
+    from tinkerrpc._train_terms import Distillation, KLPenalty, PolicyRef
     from tinkerrpc._types import (
         CheckpointInfo,
         ExportedWeights,
@@ -91,6 +92,7 @@ _DEFINED_IN = {
     "tinkerrpc._sample_stream": ("SampleChunk", "SampleDelta"),
     "tinkerrpc._sampling": ("SamplingOptions",),
     "tinkerrpc._server_info": ("ServerInfo", "ServerLimits"),
+    "tinkerrpc._train_terms": ("Distillation", "KLPenalty", "PolicyRef"),
     "tinkerrpc._types": (
         "CheckpointInfo",
         "ExportedWeights",
@@ -134,6 +136,7 @@ __all__ = [
     "AsyncModel",
     "CheckpointInfo",
     "Client",
+    "Distillation",
     "ErrorReason",
     "EventStream",
     "ExportProtocolError",
@@ -141,11 +144,13 @@ __all__ = [
     "FailedPreconditionError",
     "GatherResult",
     "InvalidArgumentError",
+    "KLPenalty",
     "Message",
     "Model",
     "ModelEvent",
     "ModelInfo",
     "NotFoundError",
+    "PolicyRef",
     "RPCError",
     "ResourceExhaustedError",
     "RetryPolicy",

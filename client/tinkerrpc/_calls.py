@@ -22,6 +22,7 @@ from tinkerrpc._export import WeightsWriter, check_export_target
 from tinkerrpc._messages import MessageLike, as_messages
 from tinkerrpc._sampling import Prompt, SamplingOptions, ToolLike
 from tinkerrpc._server_info import ServerInfo, server_info_from_proto
+from tinkerrpc._train_terms import Distillation, KLPenalty, check_importance_ratio_cap
 from tinkerrpc._types import (
     CheckpointInfo,
     CheckpointKind,
@@ -219,6 +220,9 @@ def train(
     clip_low_threshold: float | None = None,
     clip_high_threshold: float | None = None,
     beta: float | None = None,
+    kl_penalty: KLPenalty | None = None,
+    distillation: Distillation | None = None,
+    importance_ratio_cap: float | None = None,
     adam_beta1: float | None = None,
     adam_beta2: float | None = None,
     adam_eps: float | None = None,
@@ -232,7 +236,9 @@ def train(
 
     `advantage_estimator` and `loss_aggregation` are rows of the contract's tables
     (tinkerrpc.contract.estimators); None: the server's defaults (token_sum; group_mean_std with
-    normalize_std, group_mean without)."""
+    normalize_std, group_mean without). `kl_penalty`, `distillation` and `importance_ratio_cap` are rows
+    of tinkerrpc.contract.train_terms."""
+    check_importance_ratio_cap(importance_ratio_cap)
     if advantage_estimator is not None and advantage_estimator not in convert.ESTIMATOR_TO_PB:
         raise ValueError(
             f"advantage_estimator must be one of {tuple(convert.ESTIMATOR_TO_PB)}, got {advantage_estimator!r}"
@@ -274,6 +280,9 @@ def train(
         # Fixed here, once per logical call, so that retries reuse it.
         idempotency_key=idempotency_key or str(uuid.uuid4()),
         expected_policy_version=expected_policy_version,
+        kl_penalty=kl_penalty.to_proto() if kl_penalty else None,
+        distillation=distillation.to_proto() if distillation else None,
+        importance_ratio_cap=importance_ratio_cap,
     )
     for group in trajectory_groups:
         convert.group_to_proto(group, request.groups.add())

@@ -144,6 +144,7 @@ def trajectory_to_proto(traj: Trajectory, out: pb.Trajectory | None = None) -> p
             completion_logprobs=turn.logprobs,
             policy_version=turn.policy_version,
             sample_key=turn.sample_key or None,
+            advantages=turn.advantages,
         )
     msg.reward = traj.reward
     msg.metrics.update(traj.metrics)
@@ -212,6 +213,8 @@ def _mismatch_from_proto(msg: pb.TrainMetrics) -> SamplerMismatch | None:
         max_ratio=m.max_ratio,
         outside_fraction=m.outside_fraction,
         tokens=m.tokens,
+        capped_fraction=m.capped_fraction,
+        ratio_cap=m.ratio_cap or None,
     )
 
 
@@ -233,6 +236,8 @@ def metrics_from_proto(msg: pb.TrainMetrics) -> TrainMetrics:
         learning_rate=msg.learning_rate,
         scored_tokens=msg.scored_tokens,
         sampler_mismatch=_mismatch_from_proto(msg),
+        reference_kl=msg.reference_kl if msg.HasField("reference_kl") else None,
+        teacher_kl=msg.teacher_kl if msg.HasField("teacher_kl") else None,
     )
 
 

@@ -144,8 +144,11 @@ class SampledTurn:
     logprobs: tuple[float, ...]
     policy_version: int
     sample_key: str = field(default="", compare=False)  # an opaque handle, not content
+    # Per-token advantages added to the trajectory's (one per completion token, or none).
+    advantages: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
         object.__setattr__(self, "completion_token_ids", tuple(self.completion_token_ids))
         object.__setattr__(self, "logprobs", tuple(self.logprobs))
+        object.__setattr__(self, "advantages", tuple(self.advantages))

@@ -275,6 +275,9 @@ class SamplerMismatch:
     outside_fraction: float
     # Sampled tokens the figures are over.
     tokens: int
+    # With importance_ratio_cap: the fraction of tokens whose ratio exceeded it, and the cap (None: none).
+    capped_fraction: float = 0.0
+    ratio_cap: float | None = None
 
 
 @dataclass(frozen=True)
@@ -300,6 +303,10 @@ class TrainMetrics:
     # RL steps: the sampler/learner mismatch over the sampled tokens; None for supervised steps (and
     # when the backend returned no per-token logprobs).
     sampler_mismatch: SamplerMismatch | None = None
+    # With a KL penalty: mean of sampler − reference logprob over the sampled tokens (k1 KL estimate).
+    reference_kl: float | None = None
+    # With distillation: mean of sampler − teacher logprob over the sampled tokens (reverse KL estimate).
+    teacher_kl: float | None = None
 
 
 @dataclass(frozen=True)
@@ -372,5 +379,10 @@ def check_trainable(groups: Sequence[TrajectoryGroup]) -> None:
                 if turn.logprobs and len(turn.logprobs) != len(turn.completion_token_ids):
                     raise ValueError(
                         f"{where}.turns[{k}] has {len(turn.logprobs)} logprobs for "
+                        f"{len(turn.completion_token_ids)} completion tokens"
+                    )
+                if turn.advantages and len(turn.advantages) != len(turn.completion_token_ids):
+                    raise ValueError(
+                        f"{where}.turns[{k}] has {len(turn.advantages)} advantages for "
                         f"{len(turn.completion_token_ids)} completion tokens"
                     )

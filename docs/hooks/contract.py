@@ -16,6 +16,7 @@ PLACEHOLDERS = {
     "<!-- contract:limits -->": contract.limits_markdown,
     "<!-- contract:losses -->": contract.losses_markdown,
     "<!-- contract:estimators -->": contract.estimators_markdown,
+    "<!-- contract:train_terms -->": contract.train_terms_markdown,
     "<!-- contract:sampling -->": contract.sampling_options_markdown,
 }
 

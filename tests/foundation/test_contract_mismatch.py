@@ -34,4 +34,6 @@ def test_the_proto_names_the_bounds_and_the_estimator() -> None:
         "max_ratio",
         "outside_fraction",
         "tokens",
+        "capped_fraction",
+        "ratio_cap",
     ]

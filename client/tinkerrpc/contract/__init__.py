@@ -1,9 +1,10 @@
 """The tinkerrpc API's rules in one place: every fixed bound and default (`limits`), the loss table
-(`losses`), the advantage-estimator and loss-aggregation tables (`estimators`) and the sampling-options
-table (`sampling`). The service's validation, the sidecar's request
+(`losses`), the advantage-estimator and loss-aggregation tables (`estimators`), the per-token terms of
+an RL Train (`train_terms`: KL penalty, distillation, per-token advantages, truncated importance
+sampling) and the sampling-options table (`sampling`). The service's validation, the sidecar's request
 models, the engine's loss checks, the SDK's client-side checks and the ART backend read them; the docs'
 tables are generated from them (`limits_markdown()`, `losses_markdown()`, `estimators_markdown()`,
-`sampling_options_markdown()`);
+`sampling_options_markdown()`, `train_terms_markdown()`);
 tests/foundation/test_contract.py fails when any layer's default or bound differs from the table's.
 
 A leaf package: the standard library only, so the light SDK imports it without torch, tinker or fastapi.
@@ -35,5 +36,12 @@ from tinkerrpc.contract.estimators import estimators_markdown
 from tinkerrpc.contract.limits import limits_markdown
 from tinkerrpc.contract.losses import losses_markdown
 from tinkerrpc.contract.sampling import sampling_options_markdown
+from tinkerrpc.contract.train_terms import train_terms_markdown
 
-__all__ = ["estimators_markdown", "limits_markdown", "losses_markdown", "sampling_options_markdown"]
+__all__ = [
+    "estimators_markdown",
+    "limits_markdown",
+    "losses_markdown",
+    "sampling_options_markdown",
+    "train_terms_markdown",
+]

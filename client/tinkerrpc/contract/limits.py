@@ -85,6 +85,16 @@ ADVANTAGE_STD_EPSILON = 1e-6
 # twice as likely as the sampler did is past what PPO-style clipping (0.8 to 1.2 and the like) absorbs.
 MISMATCH_RATIO_MIN = 0.5
 MISMATCH_RATIO_MAX = 2.0
+# The per-token terms of Train (contract/train_terms.py): a KL penalty's or distillation's coefficient
+# weighs a logprob gap of a few nats against group advantages of order 1; past 100 the term alone trains,
+# which is what distillation (default weight 1, tinker-cookbook's) is for.
+MAX_KL_COEFFICIENT = 100.0
+DEFAULT_DISTILLATION_COEFFICIENT = 1.0
+# A given per-token advantage is bounded as rewards are.
+MAX_ABS_TOKEN_ADVANTAGE = 1e6
+# Truncated importance sampling trains as cispo with this lower clip: far below any ratio a sampled token
+# has (a ratio this small is already a zero weight), so only the cap clips.
+TRUNCATED_IS_CLIP_LOW = 1e-30
 # The sample cache, which lets a turn that names its sample key train on the sampler's own logprobs: a
 # key is honoured this long after its Sample, and the server keeps at most this many samples and bytes of
 # them (least recently used out first); a key past these is scored again, never an error.
@@ -201,6 +211,13 @@ LIMITS: tuple[Limit, ...] = (
     _constant(
         "MISMATCH_RATIO_MAX",
         "SamplerMismatch.outside_fraction counts sampled tokens whose importance ratio is above this",
+    ),
+    _most("MAX_KL_COEFFICIENT", "KLPenalty.coefficient and Distillation.coefficient (each > 0)"),
+    _default("DEFAULT_DISTILLATION_COEFFICIENT", "Distillation.coefficient when unset (tinker-cookbook's)"),
+    _most("MAX_ABS_TOKEN_ADVANTAGE", "|SampledTurn.advantages| (each finite)"),
+    _constant(
+        "TRUNCATED_IS_CLIP_LOW",
+        "cispo's clip_low_threshold when TrainRequest.importance_ratio_cap trains importance_sampling",
     ),
     _most("MAX_SAMPLE_KEY_AGE_SECONDS", "seconds a sample key is honoured after its Sample"),
     _most("MAX_CACHED_SAMPLES", "samples the server keeps for their sample keys"),

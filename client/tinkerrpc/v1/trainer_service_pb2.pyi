@@ -301,6 +301,9 @@ class TrainRequest(_message.Message):
     STRICT_STALENESS_FIELD_NUMBER: _builtins.int
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     EXPECTED_POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    KL_PENALTY_FIELD_NUMBER: _builtins.int
+    DISTILLATION_FIELD_NUMBER: _builtins.int
+    IMPORTANCE_RATIO_CAP_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model name."""
     max_staleness: _builtins.int
@@ -320,6 +323,13 @@ class TrainRequest(_message.Message):
     expected_policy_version: _builtins.int
     """When set, the step applies only if the model is at this version (FAILED_PRECONDITION with
     ERROR_REASON_VERSION_MISMATCH otherwise): optimistic concurrency between trainers.
+    """
+    importance_ratio_cap: _builtins.float
+    """RL: truncated importance sampling. Each sampled token's gradient weight is its importance ratio
+    exp(learner - sampler) capped at this value: importance_sampling trains as Tinker's cispo loss with
+    clip [TRUNCATED_IS_CLIP_LOW, cap] (gradient min(ratio, cap) * A * grad logprob), cispo with its
+    clip_high_threshold lowered to the cap; other losses are refused. In [1, MAX_LOSS_PARAMETER];
+    unset = no cap. SamplerMismatch.capped_fraction reports the tokens past it.
     """
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.TrajectoryGroup]:
@@ -341,6 +351,14 @@ class TrainRequest(_message.Message):
     def advantages(self) -> _types_pb2.AdvantageOptions:
         """How rewards become advantages."""
 
+    @_builtins.property
+    def kl_penalty(self) -> _types_pb2.KLPenalty:
+        """RL: a KL penalty against a reference policy, folded into the per-token advantages."""
+
+    @_builtins.property
+    def distillation(self) -> _types_pb2.Distillation:
+        """RL: on-policy distillation from a teacher, folded into the per-token advantages."""
+
     def __init__(
         self,
         *,
@@ -354,17 +372,24 @@ class TrainRequest(_message.Message):
         strict_staleness: _builtins.bool = ...,
         idempotency_key: _builtins.str = ...,
         expected_policy_version: _builtins.int | None = ...,
+        kl_penalty: _types_pb2.KLPenalty | None = ...,
+        distillation: _types_pb2.Distillation | None = ...,
+        importance_ratio_cap: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_expected_policy_version", b"_expected_policy_version", "_max_staleness", b"_max_staleness", "adam", b"adam", "advantages", b"advantages", "expected_policy_version", b"expected_policy_version", "loss", b"loss", "max_staleness", b"max_staleness"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_expected_policy_version", b"_expected_policy_version", "_importance_ratio_cap", b"_importance_ratio_cap", "_max_staleness", b"_max_staleness", "adam", b"adam", "advantages", b"advantages", "distillation", b"distillation", "expected_policy_version", b"expected_policy_version", "importance_ratio_cap", b"importance_ratio_cap", "kl_penalty", b"kl_penalty", "loss", b"loss", "max_staleness", b"max_staleness"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expected_policy_version", b"_expected_policy_version", "_max_staleness", b"_max_staleness", "adam", b"adam", "advantages", b"advantages", "examples", b"examples", "expected_policy_version", b"expected_policy_version", "groups", b"groups", "idempotency_key", b"idempotency_key", "loss", b"loss", "max_staleness", b"max_staleness", "model", b"model", "strict_staleness", b"strict_staleness"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expected_policy_version", b"_expected_policy_version", "_importance_ratio_cap", b"_importance_ratio_cap", "_max_staleness", b"_max_staleness", "adam", b"adam", "advantages", b"advantages", "distillation", b"distillation", "examples", b"examples", "expected_policy_version", b"expected_policy_version", "groups", b"groups", "idempotency_key", b"idempotency_key", "importance_ratio_cap", b"importance_ratio_cap", "kl_penalty", b"kl_penalty", "loss", b"loss", "max_staleness", b"max_staleness", "model", b"model", "strict_staleness", b"strict_staleness"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__expected_policy_version: _TypeAlias = _typing.Literal["expected_policy_version"]  # noqa: Y015
     _WhichOneofArgType__expected_policy_version: _TypeAlias = _typing.Literal["_expected_policy_version", b"_expected_policy_version"]  # noqa: Y015
+    _WhichOneofReturnType__importance_ratio_cap: _TypeAlias = _typing.Literal["importance_ratio_cap"]  # noqa: Y015
+    _WhichOneofArgType__importance_ratio_cap: _TypeAlias = _typing.Literal["_importance_ratio_cap", b"_importance_ratio_cap"]  # noqa: Y015
     _WhichOneofReturnType__max_staleness: _TypeAlias = _typing.Literal["max_staleness"]  # noqa: Y015
     _WhichOneofArgType__max_staleness: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__expected_policy_version) -> _WhichOneofReturnType__expected_policy_version | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__importance_ratio_cap) -> _WhichOneofReturnType__importance_ratio_cap | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_staleness) -> _WhichOneofReturnType__max_staleness | None: ...
 

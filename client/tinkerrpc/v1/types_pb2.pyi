@@ -377,6 +377,7 @@ class SampledTurn(_message.Message):
     COMPLETION_LOGPROBS_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     SAMPLE_KEY_FIELD_NUMBER: _builtins.int
+    ADVANTAGES_FIELD_NUMBER: _builtins.int
     policy_version: _builtins.int
     """The policy version that sampled this turn (returned by Sample and by the sidecar)."""
     sample_key: _builtins.str
@@ -401,6 +402,14 @@ class SampledTurn(_message.Message):
         no sampler emits a token that improbable.
         """
 
+    @_builtins.property
+    def advantages(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Per-token advantages of the completion (process rewards, a critic's, a teacher's): same length as
+        completion_token_ids, or empty. Each token's advantage is this value plus the trajectory's group
+        advantage (0 in a group whose rewards are all equal: such a group then trains instead of being
+        skipped), plus the KL penalty's and distillation's terms; finite, |value| <= MAX_ABS_TOKEN_ADVANTAGE.
+        """
+
     def __init__(
         self,
         *,
@@ -409,10 +418,11 @@ class SampledTurn(_message.Message):
         completion_logprobs: _abc.Iterable[_builtins.float] | None = ...,
         policy_version: _builtins.int = ...,
         sample_key: _builtins.str | None = ...,
+        advantages: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_sample_key", b"_sample_key", "sample_key", b"sample_key"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_sample_key", b"_sample_key", "completion_logprobs", b"completion_logprobs", "completion_token_ids", b"completion_token_ids", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids", "sample_key", b"sample_key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_sample_key", b"_sample_key", "advantages", b"advantages", "completion_logprobs", b"completion_logprobs", "completion_token_ids", b"completion_token_ids", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids", "sample_key", b"sample_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__sample_key: _TypeAlias = _typing.Literal["sample_key"]  # noqa: Y015
     _WhichOneofArgType__sample_key: _TypeAlias = _typing.Literal["_sample_key", b"_sample_key"]  # noqa: Y015
@@ -1294,6 +1304,8 @@ class TrainMetrics(_message.Message):
     LEARNING_RATE_FIELD_NUMBER: _builtins.int
     SCORED_TOKENS_FIELD_NUMBER: _builtins.int
     SAMPLER_MISMATCH_FIELD_NUMBER: _builtins.int
+    REFERENCE_KL_FIELD_NUMBER: _builtins.int
+    TEACHER_KL_FIELD_NUMBER: _builtins.int
     loss: _builtins.float
     """Summed loss over all trained tokens (Tinker's `loss:sum`)."""
     mean_reward: _builtins.float
@@ -1324,6 +1336,14 @@ class TrainMetrics(_message.Message):
     """Completion tokens of turns that came without logprobs and without a usable sample_key, which the
     server scored with an extra prompt-logprobs pass before the step (0 when every turn carried
     logprobs or a valid sample_key).
+    """
+    reference_kl: _builtins.float
+    """With TrainRequest.kl_penalty: mean over the sampled tokens of (sampler logprob - reference
+    logprob), the k1 estimate of KL(policy || reference) that the penalty folds into the advantages.
+    """
+    teacher_kl: _builtins.float
+    """With TrainRequest.distillation: mean over the sampled tokens of (sampler logprob - teacher
+    logprob), the reverse KL(student || teacher) the step distils down.
     """
     @_builtins.property
     def staleness_histogram(self) -> _containers.ScalarMap[_builtins.int, _builtins.int]:
@@ -1358,12 +1378,21 @@ class TrainMetrics(_message.Message):
         learning_rate: _builtins.float = ...,
         scored_tokens: _builtins.int = ...,
         sampler_mismatch: Global___SamplerMismatch | None = ...,
+        reference_kl: _builtins.float | None = ...,
+        teacher_kl: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampler_mismatch", b"sampler_mismatch"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_reference_kl", b"_reference_kl", "_teacher_kl", b"_teacher_kl", "reference_kl", b"reference_kl", "sampler_mismatch", b"sampler_mismatch", "teacher_kl", b"teacher_kl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped_stale", b"dropped_stale", "dropped_zero_variance", b"dropped_zero_variance", "extra", b"extra", "learning_rate", b"learning_rate", "loss", b"loss", "mean_reward", b"mean_reward", "sampler_mismatch", b"sampler_mismatch", "scored_tokens", b"scored_tokens", "staleness_histogram", b"staleness_histogram", "std_reward", b"std_reward", "step_seconds", b"step_seconds", "tokens_per_second", b"tokens_per_second", "total_tokens", b"total_tokens", "trained_tokens", b"trained_tokens", "trajectories_used", b"trajectories_used", "zero_variance_groups", b"zero_variance_groups"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reference_kl", b"_reference_kl", "_teacher_kl", b"_teacher_kl", "dropped_stale", b"dropped_stale", "dropped_zero_variance", b"dropped_zero_variance", "extra", b"extra", "learning_rate", b"learning_rate", "loss", b"loss", "mean_reward", b"mean_reward", "reference_kl", b"reference_kl", "sampler_mismatch", b"sampler_mismatch", "scored_tokens", b"scored_tokens", "staleness_histogram", b"staleness_histogram", "std_reward", b"std_reward", "step_seconds", b"step_seconds", "teacher_kl", b"teacher_kl", "tokens_per_second", b"tokens_per_second", "total_tokens", b"total_tokens", "trained_tokens", b"trained_tokens", "trajectories_used", b"trajectories_used", "zero_variance_groups", b"zero_variance_groups"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__reference_kl: _TypeAlias = _typing.Literal["reference_kl"]  # noqa: Y015
+    _WhichOneofArgType__reference_kl: _TypeAlias = _typing.Literal["_reference_kl", b"_reference_kl"]  # noqa: Y015
+    _WhichOneofReturnType__teacher_kl: _TypeAlias = _typing.Literal["teacher_kl"]  # noqa: Y015
+    _WhichOneofArgType__teacher_kl: _TypeAlias = _typing.Literal["_teacher_kl", b"_teacher_kl"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reference_kl) -> _WhichOneofReturnType__reference_kl | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__teacher_kl) -> _WhichOneofReturnType__teacher_kl | None: ...
 
 Global___TrainMetrics: _TypeAlias = TrainMetrics  # noqa: Y015
 
@@ -1383,6 +1412,8 @@ class SamplerMismatch(_message.Message):
     MAX_RATIO_FIELD_NUMBER: _builtins.int
     OUTSIDE_FRACTION_FIELD_NUMBER: _builtins.int
     TOKENS_FIELD_NUMBER: _builtins.int
+    CAPPED_FRACTION_FIELD_NUMBER: _builtins.int
+    RATIO_CAP_FIELD_NUMBER: _builtins.int
     kl: _builtins.float
     """KL(sampler || learner) by the k3 estimator on the sampled tokens: mean(exp(d) - 1 - d), >= 0."""
     mean_ratio: _builtins.float
@@ -1395,6 +1426,12 @@ class SamplerMismatch(_message.Message):
     """
     tokens: _builtins.int
     """Sampled tokens these figures are over (the step's trained_tokens)."""
+    capped_fraction: _builtins.float
+    """With TrainRequest.importance_ratio_cap: the fraction of tokens whose ratio exp(d) exceeded the cap,
+    whose gradient weight the step truncated to it (0 without a cap).
+    """
+    ratio_cap: _builtins.float
+    """The step's importance_ratio_cap (0: none)."""
     def __init__(
         self,
         *,
@@ -1403,14 +1440,176 @@ class SamplerMismatch(_message.Message):
         max_ratio: _builtins.float = ...,
         outside_fraction: _builtins.float = ...,
         tokens: _builtins.int = ...,
+        capped_fraction: _builtins.float = ...,
+        ratio_cap: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kl", b"kl", "max_ratio", b"max_ratio", "mean_ratio", b"mean_ratio", "outside_fraction", b"outside_fraction", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capped_fraction", b"capped_fraction", "kl", b"kl", "max_ratio", b"max_ratio", "mean_ratio", b"mean_ratio", "outside_fraction", b"outside_fraction", "ratio_cap", b"ratio_cap", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SamplerMismatch: _TypeAlias = SamplerMismatch  # noqa: Y015
+
+@_typing.final
+class PolicyReference(_message.Message):
+    """A policy on this server whose logprobs of the sampled tokens Train reads (KLPenalty.reference,
+    Distillation.teacher), scored through the backend's sampler (Tinker's SamplingClient.compute_logprobs).
+    It must share the trained model's tokenizer (INVALID_ARGUMENT naming the field otherwise).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BASE_MODEL_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    base_model: _builtins.str
+    """A base model the server serves, by the name CreateModel takes: its weights without an adapter."""
+    @_builtins.property
+    def version(self) -> Global___PolicyVersionReference:
+        """A model's policy at a version that is still sampleable."""
+
+    @_builtins.property
+    def checkpoint(self) -> Global___CheckpointReference:
+        """A model's named checkpoint: a sampler checkpoint (v000012) or a state checkpoint (step_000012,
+        or a SaveCheckpoint name), whose weights the embedded engine samples; on Tinker cloud name a
+        sampler checkpoint or a version.
+        """
+
+    def __init__(
+        self,
+        *,
+        base_model: _builtins.str = ...,
+        version: Global___PolicyVersionReference | None = ...,
+        checkpoint: Global___CheckpointReference | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model", "checkpoint", b"checkpoint", "policy", b"policy", "version", b"version"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model", "checkpoint", b"checkpoint", "policy", b"policy", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_policy: _TypeAlias = _typing.Literal["base_model", "version", "checkpoint"]  # noqa: Y015
+    _WhichOneofArgType_policy: _TypeAlias = _typing.Literal["policy", b"policy"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_policy) -> _WhichOneofReturnType_policy | None: ...
+
+Global___PolicyReference: _TypeAlias = PolicyReference  # noqa: Y015
+
+@_typing.final
+class PolicyVersionReference(_message.Message):
+    """A model's policy at one version."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The model; empty = the model being trained."""
+    policy_version: _builtins.int
+    """A version the model can still sample (ModelInfo.sampleable_versions)."""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        policy_version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "policy_version", b"policy_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PolicyVersionReference: _TypeAlias = PolicyVersionReference  # noqa: Y015
+
+@_typing.final
+class CheckpointReference(_message.Message):
+    """A model's checkpoint by name."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The model; empty = the model being trained."""
+    name: _builtins.str
+    """The checkpoint's name (ListCheckpoints)."""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckpointReference: _TypeAlias = CheckpointReference  # noqa: Y015
+
+@_typing.final
+class KLPenalty(_message.Message):
+    """A KL penalty against a reference policy, applied as tinker-cookbook's RL loop and ART's Tinker backend
+    apply it: with d = sampler logprob - reference logprob per sampled token and m its mean over the step's
+    sampled tokens, each token's advantage gains coefficient * (m - d) (before the loss aggregation's
+    weight). TrainMetrics.reference_kl reports m.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COEFFICIENT_FIELD_NUMBER: _builtins.int
+    REFERENCE_FIELD_NUMBER: _builtins.int
+    coefficient: _builtins.float
+    """In (0, MAX_KL_COEFFICIENT]; required."""
+    @_builtins.property
+    def reference(self) -> Global___PolicyReference:
+        """The reference; unset = the trained model's base model."""
+
+    def __init__(
+        self,
+        *,
+        coefficient: _builtins.float = ...,
+        reference: Global___PolicyReference | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["reference", b"reference"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coefficient", b"coefficient", "reference", b"reference"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KLPenalty: _TypeAlias = KLPenalty  # noqa: Y015
+
+@_typing.final
+class Distillation(_message.Message):
+    """On-policy distillation, as tinker-cookbook's: a teacher scores the student's sampled tokens and each
+    token's advantage gains coefficient * (teacher logprob - sampler logprob). Rewards may all be equal (no
+    reward function): groups then train on the teacher's term alone. TrainMetrics.teacher_kl reports the
+    mean of (sampler logprob - teacher logprob).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEACHER_FIELD_NUMBER: _builtins.int
+    COEFFICIENT_FIELD_NUMBER: _builtins.int
+    coefficient: _builtins.float
+    """In (0, MAX_KL_COEFFICIENT]; unset = DEFAULT_DISTILLATION_COEFFICIENT."""
+    @_builtins.property
+    def teacher(self) -> Global___PolicyReference:
+        """The teacher; required."""
+
+    def __init__(
+        self,
+        *,
+        teacher: Global___PolicyReference | None = ...,
+        coefficient: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_coefficient", b"_coefficient", "coefficient", b"coefficient", "teacher", b"teacher"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_coefficient", b"_coefficient", "coefficient", b"coefficient", "teacher", b"teacher"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__coefficient: _TypeAlias = _typing.Literal["coefficient"]  # noqa: Y015
+    _WhichOneofArgType__coefficient: _TypeAlias = _typing.Literal["_coefficient", b"_coefficient"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__coefficient) -> _WhichOneofReturnType__coefficient | None: ...
+
+Global___Distillation: _TypeAlias = Distillation  # noqa: Y015
 
 @_typing.final
 class RunStep(_message.Message):

@@ -36,6 +36,9 @@ class Batch:
     # Per datum, which target positions predict a sampled (completion) token: where the sampler/learner
     # mismatch is measured. All False for supervised datums.
     sampled_masks: list[list[bool]] = field(default_factory=list)
+    # Per datum, the loss aggregation's weight on its advantages (1 for supervised datums): a per-token
+    # term added after the datums are built (service/train_terms.py) is weighted alike.
+    advantage_weights: list[float] = field(default_factory=list)
     trained_tokens: int = 0
     total_tokens: int = 0
     used: int = 0
@@ -129,14 +132,16 @@ class _Sequence:
 def _turn_sequence(
     prompt: list[int], turn: types_pb2.SampledTurn, advantage: float, ratio_mask: bool
 ) -> _Sequence:
-    """Position i predicts token i + 1: the sampler's logprobs and the advantage sit on the completion's
-    targets, zeros on the len(prompt) − 1 prompt positions; with ratio_mask, gspo's sequence_ratio_mask
-    marks the sampled targets, so a datum's sequence ratio is taken over its sampled tokens only."""
+    """Position i predicts token i + 1: the sampler's logprobs and the advantage (plus the turn's own
+    per-token advantages) sit on the completion's targets, zeros on the len(prompt) − 1 prompt positions;
+    with ratio_mask, gspo's sequence_ratio_mask marks the sampled targets, so a datum's sequence ratio is
+    taken over its sampled tokens only."""
     completion = list(turn.completion_token_ids)
     prompt_positions = len(prompt) - 1
+    token_advantages = list(turn.advantages) or [0.0] * len(completion)
     inputs = {
         "logprobs": [0.0] * prompt_positions + list(turn.completion_logprobs),
-        "advantages": [0.0] * prompt_positions + [advantage] * len(completion),
+        "advantages": [0.0] * prompt_positions + [advantage + a for a in token_advantages],
     }
     if ratio_mask:
         inputs["sequence_ratio_mask"] = [0.0] * prompt_positions + [1.0] * len(completion)
@@ -155,9 +160,10 @@ def _merged(sequences: list[_Sequence]) -> list[_Sequence]:
     return merged
 
 
-def _add(batch: Batch, sequences: list[_Sequence], merge: bool) -> None:
+def _add(batch: Batch, sequences: list[_Sequence], merge: bool, weight: float = 1.0) -> None:
     for sequence in _merged(sequences) if merge else sequences:
         batch.datums.append(sequence.datum())
+        batch.advantage_weights.append(weight)
         batch.sampled_masks.append(sequence.sampled or [False] * (len(sequence.tokens) - 1))
         batch.total_tokens += len(sequence.tokens)
 
@@ -196,6 +202,8 @@ def rl_batch(
     batch.env_metrics = {f"env/{name}": metric_sums[name] / metric_counts[name] for name in metric_sums}
 
     estimator = advantage_estimator(request)
+    # A KL penalty or distillation gives every sampled token a signal of its own.
+    per_token_terms = request.HasField("kl_penalty") or request.HasField("distillation")
     # Each trained trajectory's sequences and sampled tokens, weighted once all are known.
     trained: list[tuple[list[_Sequence], int]] = []
     violations = Violations()
@@ -219,9 +227,12 @@ def rl_batch(
             continue
         advantages = group_advantages([tr.reward for _, tr in fresh], estimator)
         if advantages is None:
-            batch.zero_variance_groups += 1
-            batch.dropped_zero_variance += len(fresh)
-            continue
+            # Without a reward signal the group still trains on its per-token terms, if it has any.
+            if not (per_token_terms or any(turn.advantages for _, tr in fresh for turn in tr.turns)):
+                batch.zero_variance_groups += 1
+                batch.dropped_zero_variance += len(fresh)
+                continue
+            advantages = [0.0] * len(fresh)
         for (t, trajectory), advantage in zip(fresh, advantages, strict=True):
             sequences = []
             sampled = 0
@@ -243,7 +254,7 @@ def rl_batch(
         if weight != 1.0:
             for sequence in sequences:
                 sequence.inputs["advantages"] = [a * weight for a in sequence.inputs["advantages"]]
-        _add(batch, sequences, merge)
+        _add(batch, sequences, merge, weight)
         batch.trained_tokens += sampled
         batch.used += 1
     return batch

@@ -19,8 +19,9 @@ from tinkerrpc.v1 import types_pb2
 Floats = npt.NDArray[np.float64]
 
 
-def mismatch_of(log_ratio: Floats) -> types_pb2.SamplerMismatch:
-    """The figures of the sampled tokens' log importance ratios d = learner − sampler (at least one)."""
+def mismatch_of(log_ratio: Floats, ratio_cap: float | None = None) -> types_pb2.SamplerMismatch:
+    """The figures of the sampled tokens' log importance ratios d = learner − sampler (at least one), and
+    with a truncated-importance-sampling cap the fraction of them past it."""
     # A ratio past float64 (d > 709) is reported as infinite: such a logprob is no sampler's.
     with np.errstate(over="ignore"):
         ratio = np.exp(log_ratio)
@@ -30,6 +31,8 @@ def mismatch_of(log_ratio: Floats) -> types_pb2.SamplerMismatch:
         max_ratio=float(np.max(ratio)),
         outside_fraction=float(np.mean((ratio < MISMATCH_RATIO_MIN) | (ratio > MISMATCH_RATIO_MAX))),
         tokens=len(log_ratio),
+        capped_fraction=float(np.mean(ratio > ratio_cap)) if ratio_cap is not None else 0.0,
+        ratio_cap=ratio_cap or 0.0,
     )
 
 
@@ -37,6 +40,7 @@ def sampler_mismatch(
     datums: Sequence[tinker.types.Datum],
     sampled_masks: Sequence[Sequence[bool]],
     loss_fn_outputs: Sequence[Mapping[str, tinker.types.TensorData]],
+    ratio_cap: float | None = None,
 ) -> types_pb2.SamplerMismatch | None:
     """The step's mismatch over its sampled positions; None for a step without any (supervised) or when
     the backend returned no per-token logprobs (or not one array per datum, of the datum's length)."""
@@ -56,4 +60,4 @@ def sampler_mismatch(
         log_ratios.append((learner - sampler)[np.asarray(mask, dtype=bool)])
     if not log_ratios:
         return None
-    return mismatch_of(np.concatenate(log_ratios))
+    return mismatch_of(np.concatenate(log_ratios), ratio_cap)

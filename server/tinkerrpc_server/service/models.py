@@ -151,6 +151,10 @@ class ModelRegistry:
     async def codec(self, row: ModelRow) -> ChatCodec:
         return await off_loop(lambda: self._codecs.get(row.base_model, row.renderer))
 
+    def base_codec(self, base_model: str) -> ChatCodec:
+        """A base model's codec with its recommended renderer (on the rendering thread: off_loop)."""
+        return self._codecs.get(base_model)
+
     def info(self, row: ModelRow) -> types_pb2.ModelInfo:
         keep_samplers, keep_states = self.retention.policy(row)
         return types_pb2.ModelInfo(
@@ -212,19 +216,21 @@ class ModelRegistry:
             except Exception as err:
                 log.warning("could not delete %s from the backend: %s", path, err)
 
-    async def sampling_client(self, path: str) -> tinker.SamplingClient:
-        task = self._sampling_clients.get(path)
+    async def sampling_client(self, path: str | None, base_model: str | None = None) -> tinker.SamplingClient:
+        """The sampler of checkpoint weights at `path`, or (path None) of `base_model` without an adapter."""
+        key = path or f"base_model:{base_model}"
+        task = self._sampling_clients.get(key)
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
 
             async def create() -> tinker.SamplingClient:
                 # The SDK's future declares `__await__` as returning Any.
                 client: tinker.SamplingClient = await self._backend.service.create_sampling_client(
-                    model_path=path
+                    model_path=path, base_model=None if path else base_model
                 )
                 return client
 
             task = asyncio.ensure_future(create())
-            self._sampling_clients[path] = task
+            self._sampling_clients[key] = task
         return await asyncio.shield(task)
 
     def discard_training_client(self, runtime: ModelRuntime) -> None:

@@ -20,7 +20,12 @@ from tinkerrpc.contract.estimators import (
     AdvantageEstimatorName,
     LossAggregationName,
 )
-from tinkerrpc.contract.limits import MAX_LEARNING_RATE, MAX_WEIGHT_DECAY, MIN_ADAM_EPS
+from tinkerrpc.contract.limits import (
+    MAX_LEARNING_RATE,
+    MAX_WEIGHT_DECAY,
+    MIN_ADAM_EPS,
+    TRUNCATED_IS_CLIP_LOW,
+)
 from tinkerrpc.contract.losses import (
     DEFAULT_RL_LOSS,
     DEFAULT_SUPERVISED_LOSS,
@@ -30,6 +35,7 @@ from tinkerrpc.contract.losses import (
     TRAIN_CONFIG_KEYS,
     Loss,
 )
+from tinkerrpc.contract.train_terms import CAPPABLE_LOSSES, IMPORTANCE_RATIO_CAP_RANGE, KL_COEFFICIENT_RANGE
 from tinkerrpc.v1 import trainer_service_pb2, types_pb2
 from tinkerrpc_server.service.errors import Violations
 
@@ -49,19 +55,33 @@ def train_loss(request: trainer_service_pb2.TrainRequest) -> Loss:
     return _LOSS_BY_ENUM[request.loss.function]
 
 
+def _truncates_importance_sampling(request: trainer_service_pb2.TrainRequest) -> bool:
+    return request.HasField("importance_ratio_cap") and train_loss(request).name == "importance_sampling"
+
+
 def loss_name(request: trainer_service_pb2.TrainRequest) -> LossFnType:
-    return train_loss(request).name
+    """The loss Tinker runs: the request's, but cispo for importance_sampling with a ratio cap (cispo's
+    −Σ sg(clip(r))·lp·A has truncated importance sampling's gradient min(r, cap)·A·∇lp)."""
+    return "cispo" if _truncates_importance_sampling(request) else train_loss(request).name
 
 
 def loss_config(request: trainer_service_pb2.TrainRequest) -> dict[str, float] | None:
     """The loss_fn_config a validated request sends: each key of its loss that Train sets, as given or its
-    default; a key only the engine's Tinker API takes is left to the backend, whose default is the same."""
+    default; a key only the engine's Tinker API takes is left to the backend, whose default is the same.
+    A ratio cap is cispo's clip_high_threshold (at most the one given)."""
+    if _truncates_importance_sampling(request):
+        return {
+            "clip_low_threshold": TRUNCATED_IS_CLIP_LOW,
+            "clip_high_threshold": request.importance_ratio_cap,
+        }
     given = {field.name: value for field, value in request.loss.ListFields()}
     config = {
         key.name: float(given.get(key.train_field, key.default))
         for key in train_loss(request).config
         if key.train_field is not None
     }
+    if request.HasField("importance_ratio_cap"):
+        config["clip_high_threshold"] = min(config["clip_high_threshold"], request.importance_ratio_cap)
     return config or None
 
 
@@ -124,6 +144,60 @@ def check_loss(v: Violations, request: trainer_service_pb2.TrainRequest) -> None
         assert key.train_field is not None
         if key.train_field in given and given[key.train_field] not in key.range:
             v.add(f"loss.{key.train_field}", f"must be a finite number {key.range.rule()}")
+
+
+def check_train_terms(v: Violations, request: trainer_service_pb2.TrainRequest) -> None:
+    """The KL penalty, distillation and ratio cap: RL only, coefficients and the cap in the contract's
+    ranges, every reference naming a policy (whether it exists is known once the model's row is read)."""
+    if request.examples:
+        for name in ("kl_penalty", "distillation", "importance_ratio_cap"):
+            if request.HasField(name):
+                v.add(name, "supervised examples have no sampled tokens: an RL option")
+    if request.HasField("kl_penalty"):
+        penalty = request.kl_penalty
+        if penalty.coefficient not in KL_COEFFICIENT_RANGE:
+            v.add(
+                "kl_penalty.coefficient",
+                f"must be a finite number {KL_COEFFICIENT_RANGE.rule()} (it is required), got {penalty.coefficient}",
+            )
+        if penalty.HasField("reference"):
+            _check_reference(v, "kl_penalty.reference", penalty.reference)
+    if request.HasField("distillation"):
+        distillation = request.distillation
+        if not distillation.HasField("teacher"):
+            v.add("distillation.teacher", "required: the policy that scores the sampled tokens")
+        else:
+            _check_reference(v, "distillation.teacher", distillation.teacher)
+        if distillation.HasField("coefficient") and distillation.coefficient not in KL_COEFFICIENT_RANGE:
+            v.add(
+                "distillation.coefficient",
+                f"must be a finite number {KL_COEFFICIENT_RANGE.rule()}, got {distillation.coefficient}",
+            )
+    if request.HasField("importance_ratio_cap"):
+        cap = request.importance_ratio_cap
+        if cap not in IMPORTANCE_RATIO_CAP_RANGE:
+            v.add(
+                "importance_ratio_cap",
+                f"must be a finite number {IMPORTANCE_RATIO_CAP_RANGE.rule()}, got {cap}",
+            )
+        if request.loss.function in _LOSS_BY_ENUM and train_loss(request).name not in CAPPABLE_LOSSES:
+            v.add(
+                "importance_ratio_cap",
+                f"applies to {' and '.join(CAPPABLE_LOSSES)} only ({train_loss(request).name} has its own clip "
+                "or drift term)",
+            )
+
+
+def _check_reference(v: Violations, field: str, reference: types_pb2.PolicyReference) -> None:
+    kind = reference.WhichOneof("policy")
+    if kind is None:
+        v.add(field, "give base_model, version or checkpoint")
+    elif kind == "base_model" and not reference.base_model:
+        v.add(f"{field}.base_model", "must not be empty")
+    elif kind == "version" and reference.version.policy_version < 0:
+        v.add(f"{field}.version.policy_version", f"must be >= 0, got {reference.version.policy_version}")
+    elif kind == "checkpoint" and not reference.checkpoint.name:
+        v.add(f"{field}.checkpoint.name", "must not be empty")
 
 
 def check_adam(v: Violations, adam: types_pb2.AdamParams) -> None:

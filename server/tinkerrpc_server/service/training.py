@@ -46,6 +46,7 @@ from tinkerrpc_server.service.sampling import sampler_path
 from tinkerrpc_server.service.step_loss import loss_from_logprobs
 from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE, CheckpointRow, ModelRow, Store
 from tinkerrpc_server.service.train_options import adam_params, loss_config, loss_name
+from tinkerrpc_server.service.train_terms import TermFigures, TrainTerms
 from tinkerrpc_server.service.validation import (
     check_expected_version,
     check_train_request,
@@ -119,6 +120,7 @@ class Trainer:
         self._limits = limits
         self._hooks = hooks
         self._sample_cache = sample_cache
+        self._terms = TrainTerms(store, models)
 
     async def train(self, request: pb.TrainRequest) -> pb.TrainResponse:
         runtime = self._models.runtime(request.model)
@@ -158,6 +160,7 @@ class Trainer:
             # A malformed request (a negative expected version among them) is INVALID_ARGUMENT first.
             check_train_request(request, row.policy_version, codec.vocab_size, codec.max_context_length)
             check_expected_version(row, request)
+            scorers = await self._terms.scorers(request, row, codec)
             request, scored_tokens = await self._with_sampler_logprobs(request, row, codec)
             batch = await (early_batch or build_batch(request, row.policy_version, codec))
             if not batch.datums:
@@ -176,11 +179,12 @@ class Trainer:
                     },
                 )
             check_train_tokens(batch.total_tokens, self._limits)
+            figures = await self._terms.fold(scorers, batch)
             client = await self._models.training_client(request.model, runtime)
             runtime.dirty = True
             try:
                 response = await self._step(
-                    request, hashed, row, runtime, client, batch, scored_tokens, started
+                    request, hashed, row, runtime, client, batch, (scored_tokens, figures), started
                 )
             except (asyncio.CancelledError, errors.ServiceError) as ended:
                 if (
@@ -279,10 +283,12 @@ class Trainer:
         runtime: ModelRuntime,
         client: tinker.TrainingClient,
         batch: Batch,
-        scored_tokens: int,
+        scored: tuple[int, TermFigures],
         started: float,
     ) -> pb.TrainResponse:
+        """`scored`: the tokens scored for missing sampler logprobs, and the per-token terms' figures."""
         version = row.policy_version + 1
+        scored_tokens, figures = scored
         loss = loss_name(request)
         save_state = version % self._checkpoint_every == 0
         adam = adam_params(request.adam)
@@ -337,8 +343,13 @@ class Trainer:
                 tokens_per_second=batch.total_tokens / step_seconds if step_seconds > 0 else 0.0,
                 extra={**{k: float(v) for k, v in trainer_metrics.items()}, **batch.env_metrics},
                 sampler_mismatch=sampler_mismatch(
-                    batch.datums, batch.sampled_masks, fb_output.loss_fn_outputs
+                    batch.datums,
+                    batch.sampled_masks,
+                    fb_output.loss_fn_outputs,
+                    request.importance_ratio_cap if request.HasField("importance_ratio_cap") else None,
                 ),
+                reference_kl=figures.reference_kl,
+                teacher_kl=figures.teacher_kl,
             )
             now = time.time()
             sampler_row = CheckpointRow(

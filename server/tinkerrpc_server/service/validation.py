@@ -12,6 +12,7 @@ from typing import Literal
 
 from tinkerrpc.contract.limits import (
     MAX_ABS_REWARD,
+    MAX_ABS_TOKEN_ADVANTAGE,
     MAX_HISTORY_PAGE_SIZE,
     MAX_IDEMPOTENCY_KEY_BYTES,
     MAX_LORA_RANK,
@@ -36,7 +37,7 @@ from tinkerrpc_server.service.errors import Violations
 from tinkerrpc_server.service.limits import Limits, flag_of
 from tinkerrpc_server.service.rendering import ROLE_NAMES
 from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE, ModelRow
-from tinkerrpc_server.service.train_options import check_adam, check_advantages, check_loss
+from tinkerrpc_server.service.train_options import check_adam, check_advantages, check_loss, check_train_terms
 
 NAME_PATTERN = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_NAME_CHARS - 1}}}")
 NAME_RULE = f"1-{MAX_NAME_CHARS} characters of [A-Za-z0-9._-], starting with a letter or digit"
@@ -69,6 +70,7 @@ def check_train_request(
         v.add("groups", "empty batch: give trajectory groups (RL) or supervised examples")
     check_loss(v, request)
     check_advantages(v, request)
+    check_train_terms(v, request)
     check_adam(v, request.adam)
     if request.HasField("max_staleness") and request.max_staleness < 0:
         v.add("max_staleness", "must be >= 0")
@@ -152,6 +154,16 @@ def _check_trajectory(
                     f"must be finite numbers in [{MIN_LOGPROB:g}, 0] (log-probabilities a sampler returned), "
                     f"got {bad_logprob}",
                 )
+        if turn.advantages and len(turn.advantages) != len(turn.completion_token_ids):
+            v.add(
+                f"{turn_field}.advantages",
+                f"{len(turn.advantages)} advantages for {len(turn.completion_token_ids)} completion tokens",
+            )
+        elif not all(_finite(a) and abs(a) <= MAX_ABS_TOKEN_ADVANTAGE for a in turn.advantages):
+            v.add(
+                f"{turn_field}.advantages",
+                f"must be finite numbers in [-{MAX_ABS_TOKEN_ADVANTAGE:g}, {MAX_ABS_TOKEN_ADVANTAGE:g}]",
+            )
         _check_tokens(v, f"{turn_field}.completion_token_ids", list(turn.completion_token_ids), vocab_size)
         _check_tokens(v, f"{turn_field}.prompt_token_ids", list(turn.prompt_token_ids), vocab_size)
         if not turn.prompt_token_ids and k >= assistant_messages:
