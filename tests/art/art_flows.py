@@ -277,8 +277,8 @@ async def reregister_and_score(art_path: str, target: str) -> dict[str, Any]:
     with_logprobs = [art.Trajectory(messages_and_choices=[*messages, c]) for c in completion.choices]
     stripped = [c.model_copy(update={"logprobs": None}) for c in completion.choices]
     without = [art.Trajectory(messages_and_choices=[*messages, c]) for c in stripped]
-    (sampled,) = convert_groups([art.TrajectoryGroup(with_logprobs)])
-    (keyed,) = convert_groups([art.TrajectoryGroup(without)])
+    (sampled,) = convert_groups([art.TrajectoryGroup(with_logprobs)], model.name)
+    (keyed,) = convert_groups([art.TrajectoryGroup(without)], model.name)
     for as_sampled, as_keyed, choice in zip(
         sampled.trajectories, keyed.trajectories, completion.choices, strict=True
     ):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from typing import Any, cast
 
 import art
@@ -15,7 +17,8 @@ from tinkerrpc._channel import TlsOption
 from tinkerrpc._errors import FailedPreconditionError
 from tinkerrpc._openai_client import sidecar_connection
 from tinkerrpc._types import CheckpointInfo, SupervisedExample, TrainResult
-from tinkerrpc.art._trajectories import convert_groups, sft_conversation
+from tinkerrpc.art._train_options import resolve_train_options
+from tinkerrpc.art._trajectories import TrajectoryGroupLike, convert_groups, sft_conversation
 from tinkerrpc.contract.losses import TRAIN_CONFIG_KEYS, RLLossName
 from tinkerrpc.v1.errors_pb2 import ErrorReason
 
@@ -24,11 +27,18 @@ from tinkerrpc.v1.errors_pb2 import ErrorReason
 DEFAULT_ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
 # The loss_fn_config keys a Train sets (clip thresholds for ppo/cispo/gspo, beta for dro).
 LOSS_CONFIG_KEYS = tuple(key.name for key in TRAIN_CONFIG_KEYS)
+# The full training state train() saves (save_checkpoint, optimizer_save_interval), named per version.
+ART_CHECKPOINT_NAME = "art-step-{version:06d}"
 # SFT conversations per optimizer step when TrainSFTConfig.batch_size is "auto".
 AUTO_SFT_BATCH_SIZE = 32
 
 Model = art.Model[Any, Any]
 TrainableModel = art.TrainableModel[Any, Any]
+
+# The policy version each model's inference is pinned to in this context (adapter leases), by model name.
+_pinned_versions: ContextVar[Mapping[str, int] | None] = ContextVar(
+    "tinkerrpc_art_pinned_versions", default=None
+)
 
 
 class TinkerRPCBackend(art.Backend):
@@ -109,8 +119,36 @@ class TinkerRPCBackend(art.Backend):
         return sidecar_connection(info, self._sidecar_url, self._sidecar_api_key)
 
     def _model_inference_name(self, model: Model, step: int | None = None) -> str:
-        """`name@step`, the sidecar's id of that policy version (the latest seen when step is None)."""
-        return f"{model.name}@{self._steps.get(model.name, 0) if step is None else step}"
+        """`name@step`, the sidecar's id of that policy version; when step is None, the version an adapter
+        lease pins in this context, else the latest seen."""
+        if step is None:
+            step = (_pinned_versions.get() or {}).get(model.name, self._steps.get(model.name, 0))
+        return f"{model.name}@{step}"
+
+    @asynccontextmanager
+    async def adapter_lease(self, model: TrainableModel, step: int) -> AsyncIterator[None]:
+        """Within the context (and the tasks it starts), `model.get_inference_name()` is `name@step`: the
+        sidecar samples policy version `step`, whatever trains meanwhile (ART's PipelineTrainer pins its
+        rollouts to the version they started from). The version stays sampleable while ART keeps it
+        (PipelineTrainer passes leased steps to `_delete_checkpoint_files` as steps to keep)."""
+        token = _pinned_versions.set({**(_pinned_versions.get() or {}), model.name: step})
+        try:
+            yield
+        finally:
+            _pinned_versions.reset(token)
+
+    @asynccontextmanager
+    async def exact_adapter_lease(self, model: TrainableModel, step: int) -> AsyncIterator[None]:
+        """`adapter_lease` after checking that the server can sample version `step` now (PipelineTrainer's
+        eval of a step): a version whose sampler weights are gone is a ValueError naming it."""
+        info = await (await self._handle(model)).info()
+        if step != info.policy_version and step not in info.sampleable_versions:
+            raise ValueError(
+                f"exact_adapter_lease: {model.name} cannot sample policy version {step} (its sampleable "
+                f"versions: {sorted({*info.sampleable_versions, info.policy_version})})"
+            )
+        async with self.adapter_lease(model, step):
+            yield
 
     async def _get_step(self, model: TrainableModel) -> int:
         step = (await (await self._handle(model)).info()).policy_version
@@ -120,7 +158,7 @@ class TinkerRPCBackend(art.Backend):
     async def train(
         self,
         model: TrainableModel,
-        trajectory_groups: Iterable[art.TrajectoryGroup],
+        trajectory_groups: Iterable[TrajectoryGroupLike],
         *,
         learning_rate: float = 1e-5,
         loss_fn: RLLossName = "cispo",
@@ -128,18 +166,37 @@ class TinkerRPCBackend(art.Backend):
         save_checkpoint: bool = False,
         loss_fn_config: Mapping[str, float] | None = None,
         adam_params: Any = None,
-        **unsupported: Any,
+        optimizer_save_interval: int | None = None,
+        grad_accumulation_sequences: int | None = None,
+        scale_rewards: bool = True,
+        kl_penalty_coef: float = 0.0,
+        kl_penalty_reference_step: int | None = None,
+        kl_penalty_source: str = "sample",
+        **art_options: Any,
     ) -> art.TrainResult:
-        """One Train step on the groups' sampled turns (every Choice, token-exact). `adam_params` (a
-        tinker.AdamParams) overrides `learning_rate`; with `normalize_advantages` the advantages are
-        divided by the group's reward std; groups whose rewards are all equal are skipped."""
-        if unsupported:
-            raise TypeError(f"TinkerRPCBackend.train() does not take {sorted(unsupported)}")
+        """One Train step on the groups' sampled turns (every Choice or captured exchange of this model,
+        token-exact). `adam_params` (a tinker.AdamParams) overrides `learning_rate`; with
+        `normalize_advantages` and `scale_rewards` the advantages are divided by the group's reward std;
+        groups whose rewards are all equal are skipped. `save_checkpoint` saves the full training state
+        after the step, and so does every version that is a multiple of `optimizer_save_interval`.
+        The other arguments ART's backends take are checked by `_train_options` (implemented, or
+        refused naming them)."""
         unknown = set(loss_fn_config or {}) - set(LOSS_CONFIG_KEYS)
         if unknown:
             raise ValueError(f"loss_fn_config keys must be among {LOSS_CONFIG_KEYS}, got {sorted(unknown)}")
+        groups = convert_groups(trajectory_groups, model.name)
+        options = resolve_train_options(
+            trajectories=sum(len(g.trajectories) for g in groups),
+            normalize_advantages=normalize_advantages,
+            scale_rewards=scale_rewards,
+            optimizer_save_interval=optimizer_save_interval,
+            grad_accumulation_sequences=grad_accumulation_sequences,
+            kl_penalty_coef=kl_penalty_coef,
+            kl_penalty_reference_step=kl_penalty_reference_step,
+            kl_penalty_source=kl_penalty_source,
+            others=art_options,
+        )
         handle = await self._handle(model)
-        groups = convert_groups(trajectory_groups)
         metrics = {"data/step_num_groups_submitted": float(len(groups))}
         if not groups:
             return art.TrainResult(step=await self._get_step(model), metrics=metrics)
@@ -156,7 +213,7 @@ class TinkerRPCBackend(art.Backend):
                 adam_eps=adam["eps"],
                 weight_decay=float(getattr(adam_params, "weight_decay", 0.0) or 0.0),
                 grad_clip_norm=float(getattr(adam_params, "grad_clip_norm", 0.0) or 0.0),
-                normalize_std=normalize_advantages,
+                normalize_std=options.normalize_std,
                 clip_low_threshold=(loss_fn_config or {}).get("clip_low_threshold"),
                 clip_high_threshold=(loss_fn_config or {}).get("clip_high_threshold"),
                 beta=(loss_fn_config or {}).get("beta"),
@@ -166,8 +223,9 @@ class TinkerRPCBackend(art.Backend):
                 raise
             metrics["data/step_num_groups_trainable"] = 0.0
             return art.TrainResult(step=await self._get_step(model), metrics=metrics)
-        if save_checkpoint:
-            await handle.save_checkpoint()
+        if save_checkpoint or options.saves_state_at(result.policy_version):
+            # Named, so the server's retention of its automatic per-step states keeps it until ART deletes it.
+            await handle.save_checkpoint(ART_CHECKPOINT_NAME.format(version=result.policy_version))
         self._steps[model.name] = result.policy_version
         trainable = len(groups) - result.metrics.zero_variance_groups
         metrics["data/step_num_groups_trainable"] = float(trainable)
