@@ -176,7 +176,19 @@ def encode_sample_output(result: SampleOutput) -> bytes:
             _encode_topk(response.topk_prompt_logprobs, ids, lps)
     if result.target_prompt_logprobs is not None:
         _encode_target_logprobs(response.target_prompt_logprobs, result.target_prompt_logprobs)
+    if result.prompt_alt_tokens is not None:
+        _encode_dense(response.prompt_alt_tokens.tokens, pb.DTYPE_INT64, result.prompt_alt_tokens.tokens)
+        _encode_dense(
+            response.prompt_alt_tokens.logprobs, pb.DTYPE_FLOAT32, result.prompt_alt_tokens.logprobs
+        )
+    response.prompt_cache_hit_tokens = result.prompt_cache_hit_tokens
     return bytes(response.SerializeToString())
+
+
+def _encode_dense(message: pb.Tensor, dtype: int, values: np.ndarray) -> None:
+    message.dtype = dtype  # type: ignore[assignment]
+    message.shape.extend(values.shape)
+    message.dense = np.ascontiguousarray(values, dtype=_NUMPY_DTYPES[dtype]).tobytes()
 
 
 def _encode_target_logprobs(message: pb.Tensor, answer: PromptTargetLogprobs) -> None:
@@ -218,11 +230,10 @@ def sample_job(request: types.SampleRequest) -> SampleJob:
     for name, k in (
         ("topk_sample_logprobs", request.topk_sample_logprobs),
         ("topk_prompt_logprobs", request.topk_prompt_logprobs),
+        ("prompt_alt_tokens_k", request.prompt_alt_tokens_k),
     ):
         if not 0 <= k <= MAX_ENGINE_TOPK_LOGPROBS:
             raise BadRequest(f"{name} must be in [0, {MAX_ENGINE_TOPK_LOGPROBS}], got {k}")
-    if request.prompt_alt_tokens_k:
-        raise BadRequest("prompt_alt_tokens_k is not supported by this engine")
     params = request.sampling_params
     tokens = prompt_tokens(request.prompt)
     targets = request.target_prompt_logprobs
@@ -245,6 +256,7 @@ def sample_job(request: types.SampleRequest) -> SampleJob:
         topk_prompt_logprobs=request.topk_prompt_logprobs,
         topk_sample_logprobs=request.topk_sample_logprobs,
         target_prompt_logprobs=None if targets is None else _prompt_targets(targets, len(tokens)),
+        prompt_alt_tokens_k=request.prompt_alt_tokens_k,
         prompt_logprobs_last_n=request.prompt_logprobs_last_n,
     )
 

@@ -8,6 +8,7 @@ import torch
 from tinkerrpc_server.engine.compute.feed import DecodeStats
 from tinkerrpc_server.engine.compute.forward_call import ForwardCall
 from tinkerrpc_server.engine.compute.kv_cache import DecodingRows, new_cache
+from tinkerrpc_server.engine.compute.prompt_alt_tokens import PromptAltDraws
 from tinkerrpc_server.engine.compute.prompt_targets import NO_TARGET
 from tinkerrpc_server.engine.compute.rows import DecodingJob, Row
 
@@ -30,9 +31,13 @@ class Prefill:
         prompt_of_row: list[int] = []
         prompts: list[list[int]] = []
         index_of_prompt: dict[tuple[int, ...], int] = {}
+        # Requests whose prompt an earlier request of this prefill computed: its KV is reused for them.
+        self.reused_prompt: set[int] = set()
         for owner in jobs:
+            key = tuple(owner.job.prompt_tokens)
+            if share_prompts and key in index_of_prompt:
+                self.reused_prompt.add(owner.key)
             for _ in range(owner.job.num_samples):
-                key = tuple(owner.job.prompt_tokens)
                 if not share_prompts or key not in index_of_prompt:
                     index_of_prompt[key] = len(prompts)
                     prompts.append(owner.job.prompt_tokens)
@@ -52,8 +57,23 @@ class Prefill:
         self.columns_per_chunk = max(1, chunk_tokens // len(prompts))
         self.top_k = max(o.job.topk_prompt_logprobs for o in jobs)
         self._gather_targets(prompts, width)
+        self.alt_draws = {
+            o.key: PromptAltDraws(
+                o.job.prompt_alt_tokens_k,
+                o.job.temperature,
+                o.job.seed,
+                len(o.job.prompt_tokens),
+                width,
+                device,
+            )
+            for o in jobs
+            if o.job.prompt_alt_tokens_k
+        }
         self.wants_logprobs = (
-            any(o.job.include_prompt_logprobs for o in jobs) or self.top_k > 0 or self.asked_ids is not None
+            any(o.job.include_prompt_logprobs for o in jobs)
+            or self.top_k > 0
+            or self.asked_ids is not None
+            or bool(self.alt_draws)
         )
         if self.wants_logprobs:
             # Per prompt column j: logprob of the token at j + 1 (and the top-k there).
@@ -131,6 +151,12 @@ class Prefill:
         if self.asked_ids is not None:
             asked = self.asked_ids[:, start:stop].clamp(min=0)
             self.asked_logprobs[:, start:stop] = logprobs.gather(-1, asked)
+        row = 0
+        for owner in self.jobs:
+            draws = self.alt_draws.get(owner.key)
+            if draws is not None:
+                draws.record(logits[self.prompt_of_row[row], : stop - start], start, stop)
+            row += owner.job.num_samples
 
     def rows(self, stats: DecodeStats) -> DecodingRows[Row] | None:
         """The prefilled rows of the requests still wanted, their prompt KV copied to each of their
@@ -173,6 +199,10 @@ class Prefill:
 
     def _set_prompt_logprobs(self, owner: DecodingJob, prompt: int, width: int) -> None:
         job = owner.job
+        owner.prompt_cache_hit_tokens = len(job.prompt_tokens) if owner.key in self.reused_prompt else 0
+        draws = self.alt_draws.get(owner.key)
+        if draws is not None:
+            owner.prompt_alt_tokens = draws.answer()
         targets = job.target_prompt_logprobs
         if targets is not None:
             first = self.asked_columns[owner.key]

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from tinkerrpc_server.engine.compute.prompt_alt_tokens import PromptAltTokens
 from tinkerrpc_server.engine.compute.prompt_targets import PromptTargetLogprobs
 from tinkerrpc_server.engine.compute.samples import SampledSeq, SampleJob, SampleOutput, StopReason
 from tinkerrpc_server.engine.compute.token_choice import StopCheck
@@ -25,6 +26,8 @@ class DecodingJob:
     prompt_logprobs: list[float | None] | None = None
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
     target_prompt_logprobs: PromptTargetLogprobs | None = None
+    prompt_alt_tokens: PromptAltTokens | None = None
+    prompt_cache_hit_tokens: int = 0
     dropped: bool = False
 
     @classmethod
@@ -61,6 +64,8 @@ class DecodingJob:
             prompt_logprobs=prompt_logprobs,
             topk_prompt_logprobs=self.topk_prompt_logprobs if job.topk_prompt_logprobs else None,
             target_prompt_logprobs=self.target_prompt_logprobs,
+            prompt_alt_tokens=self.prompt_alt_tokens,
+            prompt_cache_hit_tokens=self.prompt_cache_hit_tokens,
         )
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tinkerrpc_server.engine.compute.prompt_alt_tokens import PromptAltTokens
 from tinkerrpc_server.engine.compute.prompt_targets import PromptTargetLogprobs, PromptTargets
 from tinkerrpc_server.engine.compute.topk import TopkRows
 
@@ -45,6 +46,8 @@ class SampleJob:
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
     target_prompt_logprobs: PromptTargets | None = None
+    # K draws per prompt position after the first (prompt_alt_tokens.py); 0: none.
+    prompt_alt_tokens_k: int = 0
     # Only the last N prompt positions get a logprob (the others are None); None: all of them.
     prompt_logprobs_last_n: int | None = None
     # Told each token as it is sampled, on the compute thread (a token stream, engine/token_streams.py);
@@ -66,3 +69,7 @@ class SampleOutput:
     prompt_logprobs: list[float | None] | None
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None
     target_prompt_logprobs: PromptTargetLogprobs | None = None
+    prompt_alt_tokens: PromptAltTokens | None = None
+    # Prompt tokens whose KV this request reused instead of computing: its prompt was prefilled for an
+    # earlier request of the same prefill (not counted per sample: a request's n samples share one).
+    prompt_cache_hit_tokens: int = 0

@@ -145,6 +145,8 @@ class Sampling(StateIO):
             raise EngineUserError(f"{where}: top_k must be 0 (off) or positive, got {job.top_k}")
         if job.topk_prompt_logprobs < 0:
             raise EngineUserError(f"{where}: topk_prompt_logprobs must be >= 0")
+        if job.prompt_alt_tokens_k < 0:
+            raise EngineUserError(f"{where}: prompt_alt_tokens_k must be >= 0")
         if not 0 <= job.topk_sample_logprobs <= self.vocab_size:
             raise EngineUserError(
                 f"{where}: topk_sample_logprobs must be in [0, {self.vocab_size}] (the vocabulary), "
