@@ -211,6 +211,10 @@ async def replay_train_calls(
             result.metrics,
             completion_tokens,
         )
+        # ART's metric of the KL penalty (the mean sampler − reference logprob), reported when one is asked.
+        assert ("loss/kl_policy_ref" in result.metrics) == bool(call["kwargs"].get("kl_penalty_coef")), call[
+            "label"
+        ]
         interval = call["kwargs"].get("optimizer_save_interval")
         saves = call["kwargs"].get("save_checkpoint", False) or (
             interval is not None and result.step % interval == 0

@@ -41,8 +41,9 @@ PIPELINE: dict[str, Any] = {
 
 
 def resolve(trajectories: int = 8, **changes: Any) -> Any:
-    named = {k: changes.pop(k) for k in list(changes) if k in PIPELINE or k == "scale_rewards"}
-    arguments = {**PIPELINE, "scale_rewards": True, **named}
+    own = ("scale_rewards", "truncated_importance_sampling")
+    named = {k: changes.pop(k) for k in list(changes) if k in PIPELINE or k in own}
+    arguments = {**PIPELINE, "scale_rewards": True, "truncated_importance_sampling": None, **named}
     return OPTIONS.resolve_train_options(
         trajectories=trajectories, normalize_advantages=True, others=changes, **arguments
     )
@@ -57,6 +58,16 @@ def test_pipeline_trainers_arguments_are_taken_and_implemented() -> None:
     assert not resolve(scale_rewards=False).normalize_std
     # One optimizer step per call: an accumulation covering the batch changes nothing.
     assert resolve(8, grad_accumulation_sequences=8).optimizer_save_interval == 5
+    assert options.kl_penalty is None and options.importance_ratio_cap is None
+
+
+def test_kl_penalty_and_truncated_importance_sampling_become_the_sdks_options() -> None:
+    # PipelineTrainer: the reference is the version kl_penalty_step_lag behind (0 without a lag).
+    lagged = resolve(kl_penalty_coef=0.1, kl_penalty_reference_step=3).kl_penalty
+    assert lagged == tinkerrpc.KLPenalty(0.1, tinkerrpc.PolicyRef.version(3))
+    # ART's Tinker backend without a reference step: the base model (KLPenalty's default).
+    assert resolve(kl_penalty_coef=0.1).kl_penalty == tinkerrpc.KLPenalty(0.1)
+    assert resolve(truncated_importance_sampling=2.0).importance_ratio_cap == 2.0
 
 
 @pytest.mark.parametrize(
@@ -66,9 +77,9 @@ def test_pipeline_trainers_arguments_are_taken_and_implemented() -> None:
         ({"grad_accumulation_sequences": True}, "grad_accumulation_sequences"),
         ({"optimizer_save_interval": 0}, "optimizer_save_interval"),
         ({"optimizer_save_interval": 2.5}, "optimizer_save_interval"),
-        ({"kl_penalty_coef": 0.05}, "kl_penalty_coef=0.05"),
-        ({"kl_penalty_coef": -1.0}, "kl_penalty_coef"),
-        ({"kl_penalty_source": "reference"}, "kl_penalty_source"),
+        ({"kl_penalty_coef": -1.0}, "coefficient"),
+        ({"kl_penalty_coef": True}, "kl_penalty_coef"),
+        ({"kl_penalty_source": "current_learner"}, "kl_penalty_source='current_learner'"),
         ({"kl_penalty_reference_step": -1}, "kl_penalty_reference_step"),
     ],
 )

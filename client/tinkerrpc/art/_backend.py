@@ -172,6 +172,7 @@ class TinkerRPCBackend(art.Backend):
         kl_penalty_coef: float = 0.0,
         kl_penalty_reference_step: int | None = None,
         kl_penalty_source: str = "sample",
+        truncated_importance_sampling: float | None = None,
         **art_options: Any,
     ) -> art.TrainResult:
         """One Train step on the groups' sampled turns (every Choice or captured exchange of this model,
@@ -194,6 +195,7 @@ class TinkerRPCBackend(art.Backend):
             kl_penalty_coef=kl_penalty_coef,
             kl_penalty_reference_step=kl_penalty_reference_step,
             kl_penalty_source=kl_penalty_source,
+            truncated_importance_sampling=truncated_importance_sampling,
             others=art_options,
         )
         handle = await self._handle(model)
@@ -217,6 +219,8 @@ class TinkerRPCBackend(art.Backend):
                 clip_low_threshold=(loss_fn_config or {}).get("clip_low_threshold"),
                 clip_high_threshold=(loss_fn_config or {}).get("clip_high_threshold"),
                 beta=(loss_fn_config or {}).get("beta"),
+                kl_penalty=options.kl_penalty,
+                importance_ratio_cap=options.importance_ratio_cap,
             )
         except FailedPreconditionError as err:
             if err.reason != ErrorReason.ERROR_REASON_NOTHING_TO_TRAIN:
@@ -322,7 +326,7 @@ async def _supervised_step(
 def _art_metrics(result: TrainResult) -> dict[str, float]:
     """A Train step's figures under ART's metric names."""
     m = result.metrics
-    return {
+    figures = {
         "loss/train": m.loss,
         "loss/learning_rate": m.learning_rate,
         "data/step_num_trajectories": float(m.trajectories_used),
@@ -330,3 +334,6 @@ def _art_metrics(result: TrainResult) -> dict[str, float]:
         "data/step_scored_tokens": float(m.scored_tokens),
         "time/step_trainer_s": m.step_seconds,
     }
+    if m.reference_kl is not None:  # ART's name for the KL penalty's mean sampler − reference logprob
+        figures["loss/kl_policy_ref"] = m.reference_kl
+    return figures

@@ -15,9 +15,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# KL penalty sources ART names: the rollout's logprobs ("sample", all PipelineTrainer sends) or the
-# learner's ("current_learner", LocalBackend's default).
-KL_PENALTY_SOURCES = ("sample", "current_learner")
+from tinkerrpc._train_terms import KLPenalty, PolicyRef
+
+# The KL penalty source ART names that tinkerrpc's KLPenalty is: d = sampler − reference logprob per
+# sampled token ("sample", all PipelineTrainer sends); LocalBackend's default "current_learner" (the
+# learner's logprobs) is another.
+KL_PENALTY_SOURCE = "sample"
 
 # Arguments of LocalBackend.train() that change nothing tinkerrpc trains, whatever their value.
 NO_EFFECT: Mapping[str, str] = {
@@ -51,10 +54,6 @@ NEUTRAL_ONLY: Mapping[str, tuple[object, str]] = {
     "max_negative_advantage_importance_sampling_weight": (None, "no cap on negative-advantage ratios"),
     "mask_prob_ratio": (False, "ratios are clipped by the loss, never masked"),
     "kimi_k2_tau": (None, "no Kimi K2 loss"),
-    "truncated_importance_sampling": (
-        None,
-        "no truncated importance-sampling correction in this backend yet",
-    ),
     "scale_learning_rate_by_reward_std_dev": (False, "the learning rate is the one given"),
     "num_trajectories_learning_rate_multiplier_power": (0.0, "the learning rate is the one given"),
 }
@@ -62,15 +61,22 @@ NEUTRAL_ONLY: Mapping[str, tuple[object, str]] = {
 
 @dataclass(frozen=True)
 class ArtTrainOptions:
-    """What the backend does with ART's arguments: divide advantages by the group's reward std, and
-    save the full training state at every version that is a multiple of `optimizer_save_interval`."""
+    """What the backend does with ART's arguments: divide advantages by the group's reward std, save the
+    full training state at every version that is a multiple of `optimizer_save_interval`, penalise the
+    KL to a reference (ART's kl_penalty_*) and cap importance ratios (truncated_importance_sampling)."""
 
     normalize_std: bool
     optimizer_save_interval: int | None
+    kl_penalty: KLPenalty | None
+    importance_ratio_cap: float | None
 
     def saves_state_at(self, version: int) -> bool:
         interval = self.optimizer_save_interval
         return interval is not None and version % interval == 0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def resolve_train_options(
@@ -83,6 +89,7 @@ def resolve_train_options(
     kl_penalty_coef: float,
     kl_penalty_reference_step: int | None,
     kl_penalty_source: str,
+    truncated_importance_sampling: float | None,
     others: Mapping[str, Any],
 ) -> ArtTrainOptions:
     """ART's train() arguments checked; `trajectories` is the step's count (one optimizer step over them)."""
@@ -97,14 +104,12 @@ def resolve_train_options(
             raise ValueError(
                 f"TinkerRPCBackend.train(): {name}={value!r} is not supported ({why}); leave it at {neutral!r}"
             )
-    if optimizer_save_interval is not None and (
-        isinstance(optimizer_save_interval, bool)
-        or not isinstance(optimizer_save_interval, int)
-        or optimizer_save_interval < 1
+    if optimizer_save_interval is not None and not (
+        _is_int(optimizer_save_interval) and optimizer_save_interval >= 1
     ):
         raise ValueError(f"optimizer_save_interval must be an integer >= 1, got {optimizer_save_interval!r}")
     if grad_accumulation_sequences is not None:
-        if isinstance(grad_accumulation_sequences, bool) or not isinstance(grad_accumulation_sequences, int):
+        if not _is_int(grad_accumulation_sequences):
             raise ValueError(
                 f"grad_accumulation_sequences must be an integer >= 1, got {grad_accumulation_sequences!r}"
             )
@@ -114,23 +119,30 @@ def resolve_train_options(
                 f"{grad_accumulation_sequences} sequences; TinkerRPCBackend takes one optimizer step per train() "
                 f"call, over all {trajectories} trajectories: leave it None or set it >= {trajectories}"
             )
-    _check_kl(kl_penalty_coef, kl_penalty_reference_step, kl_penalty_source)
-    return ArtTrainOptions(normalize_advantages and scale_rewards, optimizer_save_interval)
+    return ArtTrainOptions(
+        normalize_advantages and scale_rewards,
+        optimizer_save_interval,
+        _kl_penalty(kl_penalty_coef, kl_penalty_reference_step, kl_penalty_source),
+        # ART's truncation threshold of importance weights is tinkerrpc's importance_ratio_cap (checked there).
+        truncated_importance_sampling,
+    )
 
 
-def _check_kl(coef: float, reference_step: int | None, source: str) -> None:
-    if source not in KL_PENALTY_SOURCES:
-        raise ValueError(f"kl_penalty_source must be one of {KL_PENALTY_SOURCES}, got {source!r}")
-    if reference_step is not None and (
-        isinstance(reference_step, bool) or not isinstance(reference_step, int) or reference_step < 0
-    ):
+def _kl_penalty(coef: float, reference_step: int | None, source: str) -> KLPenalty | None:
+    """ART's KL arguments as tinkerrpc's KLPenalty (its coefficient range checked there): the reference is
+    the model's `reference_step` version (PipelineTrainer's kl_penalty_step_lag; 0 without one), else its
+    base model (ART's Tinker backend's default)."""
+    if source != KL_PENALTY_SOURCE:
+        raise ValueError(
+            f"kl_penalty_source={source!r} is not supported: tinkerrpc's KL penalty compares the sampler's "
+            f"logprobs with the reference's ({KL_PENALTY_SOURCE!r})"
+        )
+    if reference_step is not None and not (_is_int(reference_step) and reference_step >= 0):
         raise ValueError(
             f"kl_penalty_reference_step must be a policy version (an integer >= 0), got {reference_step!r}"
         )
-    if isinstance(coef, bool) or not isinstance(coef, int | float) or coef < 0:
-        raise ValueError(f"kl_penalty_coef must be a number >= 0, got {coef!r}")
-    if coef > 0:
-        raise ValueError(
-            f"kl_penalty_coef={coef}: TinkerRPCBackend has no KL penalty yet (the tinkerrpc SDK's Train takes no "
-            "reference policy); leave kl_penalty_coef at 0"
-        )
+    if isinstance(coef, bool) or not isinstance(coef, int | float):
+        raise ValueError(f"kl_penalty_coef must be a number, got {coef!r}")
+    if coef == 0:
+        return None
+    return KLPenalty(float(coef), PolicyRef.version(reference_step) if reference_step is not None else None)
