@@ -18,6 +18,8 @@ import torch
 
 from bench import (
     art_seed,
+    fair_share,
+    floor,
     machine,
     memory,
     multiturn,
@@ -98,6 +100,16 @@ def _real_model(ctx: Context) -> list[report.Figure]:
     return real_model.measure(ctx.settings.mode, ctx.engine, ctx.model_dir, ctx.measure_peak_matmul)
 
 
+def _fair_share(ctx: Context) -> list[report.Figure]:
+    return fair_share.measure(ctx.settings.mode, ctx.engine, ctx.model_dir)
+
+
+def _floor(ctx: Context) -> list[report.Figure]:
+    return floor.measure(
+        ctx.settings.mode, ctx.engine, ctx.model_dir, ctx.measure_peak_matmul, ctx.device, ctx.dtype
+    )
+
+
 def _overhead(ctx: Context) -> list[report.Figure]:
     return overhead.measure(ctx.settings, ctx.work_dir, ctx.model_dir)
 
@@ -145,6 +157,8 @@ COMPARISONS: dict[str, Callable[[Context], list[report.Figure]]] = {
     # Last: the engine holds these models (~0.5 GB, ~0.9 GB) from then on.
     "real_model": _real_model,
     "qwen3_width": _qwen3_width,
+    "fair_share": _fair_share,
+    "floor": _floor,
     "vllm": _vllm,
 }
 

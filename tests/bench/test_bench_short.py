@@ -52,6 +52,9 @@ EXPECTED_FIGURES = {
     "engine sampling throughput (SmolLM2-135M)",
     "sampling, staggered arrivals: throughput (SmolLM2-135M)",
     "sampling, staggered arrivals: p50 latency (SmolLM2-135M)",
+    "fair share: tiny-chat p50 latency while SmolLM2 samples",
+    "sampling at the machine's floor, 1 row (SmolLM2-135M)",
+    "sampling at the machine's floor, 2 rows (SmolLM2-135M)",
 }
 
 

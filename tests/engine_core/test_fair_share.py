@@ -16,24 +16,34 @@ from tinkerrpc_server.engine.worker import ComputeWorker
 pytestmark = pytest.mark.unit
 
 
-def test_the_least_served_goes_next_and_a_newcomer_gets_about_one_turn_of_the_others() -> None:
+def test_the_least_served_goes_next_and_a_newcomer_starts_one_pass_ahead() -> None:
     share = FairShare()
     assert share.next_turn(["big"]) == "big"
     share.charge("big", 0.5)
-    # A newcomer starts level with the least served, with no turn behind it: it runs until its time
-    # reaches big's with big's last turn (0.5 s) added, then big's next turn comes.
-    for _ in range(3):
+    # A newcomer starts one pass (big's last, 0.5 s) ahead of the least served, with no turn behind it:
+    # it runs until its time reaches big's with big's last turn added (1.0 s), then big's turn comes.
+    for _ in range(7):
         assert share.next_turn(["big", "small"]) == "small"
         share.charge("small", 0.125)
     assert share.next_turn(["big", "small"]) == "big"  # a tie at 1.0 s: big waited longer
     share.charge("big", 0.5)
     assert share.next_turn(["big", "small"]) == "small"
-    # Idle time earns no credit: back after a pause, a participant starts level with the others.
+    # Idle time earns no more credit than that: back after a pause, a participant starts one pass ahead
+    # of the others again (big's 2.0 s pass), not with the seconds it was away.
     assert share.next_turn(["big"]) == "big"
     share.charge("big", 2.0)
     assert share.next_turn(["big", "small"]) == "small"
     share.charge("small", 3.0)
     assert share.next_turn(["big", "small"]) == "big"
+
+
+def test_a_turn_of_many_passes_credits_a_newcomer_with_one_pass() -> None:
+    share = FairShare()
+    assert share.next_turn(["big"]) == "big"
+    share.charge("big", 10.0, passes=100)  # decoding alone: 100 steps of 0.1 s in one turn
+    assert share.next_turn(["big", "small"]) == "small"  # starts at 10.0 - 0.1 s
+    share.charge("small", 0.15)
+    assert share.next_turn(["big", "small"]) == "big"  # 10.0 + 0.1 < 10.05 + 0.15
 
 
 def test_a_lane_s_request_runs_between_the_steps_of_another_lane_s_long_batch() -> None:

@@ -255,14 +255,20 @@ class ComputeWorker(Generic[JobT, AnswerT]):
                 turn = self._wait_for_turn()
             if turn is None:
                 return
-            started = time.perf_counter()
+            started, forwards = time.perf_counter(), self._forward_passes()
             if isinstance(turn, _RunningBatch):
                 self._step_batch(turn)
                 participant = turn.group.lane
             else:
                 self._run_training_op(turn)
                 participant = _TRAINING
-            self._fair_share.charge(participant, time.perf_counter() - started)
+            passes = self._forward_passes() - forwards
+            self._fair_share.charge(participant, time.perf_counter() - started, passes)
+
+    def _forward_passes(self) -> int:
+        """Sampling's forward passes so far: a decode step and a prefill chunk run together are one."""
+        stats = self.stats
+        return stats.decode_steps + stats.prefill_chunks - stats.prefill_chunks_in_decode_steps
 
     def _wait_for_turn(self) -> _RunningBatch[JobT, AnswerT] | _TrainingOp[AnswerT] | None:
         """The next turn (with the lock held): a lane's running batch or a training op, chosen by the
