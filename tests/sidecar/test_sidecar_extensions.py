@@ -48,6 +48,11 @@ def test_unknown_chat_fields_are_ignored_and_named(api: openai.OpenAI, stack: St
     # Ignored means ignored: the same prompt and the same seeded draw.
     assert extra(with_extras, "prompt_token_ids") == extra(plain, "prompt_token_ids")
     assert extra(with_extras.choices[0], "token_ids") == extra(plain.choices[0], "token_ids")
+    # A stream names them too, on its response headers.
+    streamed = api.chat.completions.with_raw_response.create(**request, stream=True, extra_body=ART_EXTRAS)
+    assert streamed.headers[IGNORED_FIELDS_HEADER] == "nvext, chat_template_kwargs.preserve_thinking"
+    text = "".join(c.choices[0].delta.content or "" for c in streamed.parse() if c.choices)
+    assert text == with_extras.choices[0].message.content
     # vLLM's return_tokens_as_token_ids, which ART sends beside them, is honoured.
     logprobs = api.chat.completions.create(**request, logprobs=True, extra_body=ART_EXTRAS)
     assert logprobs.choices[0].logprobs is not None
@@ -95,6 +100,13 @@ def test_known_but_unsupported_fields_keep_their_400(api: openai.OpenAI) -> None
             {"extra_body": {"nvext": {}, "chat_template_kwargs": {"enable_thinking": "no"}}},
             "chat_template_kwargs.enable_thinking",
         ),
+        # vLLM's own extensions that would change what is sampled or rendered are refused, not ignored.
+        ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
+        ({"extra_body": {"min_p": 0.1}}, "min_p"),
+        (
+            {"extra_body": {"chat_template_kwargs": {"continue_final_message": True}}},
+            "chat_template_kwargs.continue_final_message",
+        ),
         # Nested objects stay strict: only the request's own top level takes extensions.
         ({"messages": [{"role": "user", "content": "hi", "nvext": {}}]}, "messages[0].nvext"),
     ]
@@ -106,3 +118,14 @@ def test_known_but_unsupported_fields_keep_their_400(api: openai.OpenAI) -> None
     with pytest.raises(openai.BadRequestError) as caught:
         api.responses.create(model="extensions", input="hi", extra_body={"nvext": {}, "background": True})
     assert caught.value.body["param"] == "background"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.completions.create(model="extensions", prompt="x", extra_body={"use_beam_search": True})
+    assert caught.value.body["param"] == "use_beam_search"  # type: ignore[index]
+    # At their neutral values they change nothing, and are ignored like any extension.
+    neutral = api.chat.completions.with_raw_response.create(
+        model="extensions",
+        messages=USER,
+        max_tokens=1,
+        extra_body={"min_p": 0.0, "add_generation_prompt": True},
+    )
+    assert neutral.headers[IGNORED_FIELDS_HEADER] == "min_p, add_generation_prompt"

@@ -13,6 +13,9 @@ Each ignored name is logged at WARNING the first time this process sees it (then
 sends the same extension with every rollout) and named on the response, in IGNORED_FIELDS_HEADER,
 comma-separated. Nested objects (messages, tools, stream_options) stay strict, and fields the sidecar
 declares but cannot honour (`audio`, `logit_bias`, `previous_response_id`...) keep their 400 naming them.
+So do vLLM's own extensions that would change what is rendered or sampled (UNSUPPORTED_VLLM_FIELDS,
+UNSUPPORTED_TEMPLATE_KWARGS: guided decoding, beam search, a template of the caller's...): ignoring them
+would hand back something other than what was asked for, so any value but their neutral one is a 400.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from typing import Any
 from fastapi import Request, Response
 from pydantic import BaseModel, ModelWrapValidatorHandler, model_validator
 
+from tinkerrpc_server.sidecar.errors import bad_request
+
 log = logging.getLogger("tinkerrpc.sidecar")
 
 # The response header naming what a request sent that was ignored, e.g. `nvext, chat_template_kwargs.preserve_thinking`.
@@ -33,6 +38,35 @@ IGNORED_FIELDS_HEADER = "x-tinkerrpc-ignored-fields"
 
 # chat_template_kwargs keys that mean something here: each maps to a renderer option.
 CHAT_TEMPLATE_KWARGS = ("enable_thinking",)
+
+# vLLM's request extensions the sampler or the renderer cannot honour, with the value at which each
+# changes nothing (accepted); any other value is refused by name.
+UNSUPPORTED_VLLM_FIELDS: dict[str, object] = {
+    "add_generation_prompt": True,
+    "continue_final_message": False,
+    "chat_template": None,
+    "documents": None,
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "structured_outputs": None,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "logits_processors": None,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "min_p": 0.0,
+    "prompt_logprobs": None,
+    "truncate_prompt_tokens": None,
+}
+# Chat template variables a renderer has no option for, whose other values would change the prompt.
+UNSUPPORTED_TEMPLATE_KWARGS: dict[str, object] = {
+    "add_generation_prompt": True,
+    "continue_final_message": False,
+    "documents": None,
+    "tools": None,
+}
 
 # The names ignored while the current request is parsed (set per request by `noting_ignored_fields`).
 _ignored: ContextVar[list[str] | None] = ContextVar("sidecar_ignored_fields", default=None)
@@ -46,6 +80,16 @@ def _note(names: list[str]) -> None:
         collected.extend(names)
 
 
+def _refuse_unsupported(values: dict[str, Any], unsupported: dict[str, object], prefix: str) -> None:
+    for name, neutral in unsupported.items():
+        if name in values and values[name] != neutral:
+            raise bad_request(
+                f"{prefix}{name} is not supported by the tinkerrpc sidecar (a vLLM extension Tinker's sampler "
+                f"and the model's renderer cannot honour); leave it out or at {neutral!r}",
+                f"{prefix}{name}",
+            )
+
+
 class ExtensibleRequest(BaseModel):
     """A top-level request: unknown fields are dropped (and noted) before strict validation."""
 
@@ -53,6 +97,7 @@ class ExtensibleRequest(BaseModel):
     @classmethod
     def _drop_unknown_fields(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
         if isinstance(data, dict):
+            _refuse_unsupported(data, UNSUPPORTED_VLLM_FIELDS, "")
             unknown = [key for key in data if key not in cls.model_fields]
             if unknown:
                 _note(unknown)
@@ -64,6 +109,7 @@ def known_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | Non
     """chat_template_kwargs with only the keys a renderer option reads; the others are noted."""
     if kwargs is None:
         return None
+    _refuse_unsupported(kwargs, UNSUPPORTED_TEMPLATE_KWARGS, "chat_template_kwargs.")
     unknown = [key for key in kwargs if key not in CHAT_TEMPLATE_KWARGS]
     _note([f"chat_template_kwargs.{key}" for key in unknown])
     return {key: value for key, value in kwargs.items() if key in CHAT_TEMPLATE_KWARGS}
