@@ -71,7 +71,13 @@ async def send(api: openai.AsyncOpenAI, kind: str, body: dict[str, Any]) -> tupl
     fixed = {k: body[k] for k in ("model", "messages", "prompt", "input") if k in body}
     extra = {k: v for k, v in body.items() if k not in fixed}
     raw = await endpoint.with_raw_response.create(**fixed, extra_body=extra, timeout=TIMEOUT)  # type: ignore[attr-defined]
-    return json.loads(raw.text), raw.headers.get(IGNORED_FIELDS_HEADER)
+    response = json.loads(raw.text)
+    if kind == "chat_completions":
+        # ART 0.5.20+'s client raises unless the choices' token counts add up to the usage
+        # (preprocessing/vllm_tokens.py, attach_completion_token_metadata).
+        counts = [len(choice["token_ids"]) for choice in response["choices"]]
+        assert sum(counts) == response["usage"]["completion_tokens"], (counts, response["usage"])
+    return response, raw.headers.get(IGNORED_FIELDS_HEADER)
 
 
 async def exchange(api: openai.AsyncOpenAI, kind: str, body: dict[str, Any]) -> dict[str, Any]:
