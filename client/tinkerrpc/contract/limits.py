@@ -24,6 +24,9 @@ MAX_TOP_LOGPROBS = 20
 # The engine's cap on K of the tinker SDK's topk_sample_logprobs and topk_prompt_logprobs (the cookbook's
 # distillation recipes ask for 20); each position's K entries are kept until the answer is read.
 MAX_ENGINE_TOPK_LOGPROBS = 256
+# Sampled sequences the engine remembers by sequence_id (provenance spans and stable_reinforce name
+# them): the most recently answered ones, each with its prompt and tokens; naming an older one is refused.
+MAX_ENGINE_SAMPLED_SEQUENCES = 16384
 # Token streams (the engine's sample stream, SampleStream): streams open at once on the engine, and the
 # tokens one stream may hold unread; a reader that far behind loses its stream and its rows stop decoding.
 MAX_ENGINE_TOKEN_STREAMS = 256
@@ -165,6 +168,11 @@ LIMITS: tuple[Limit, ...] = (
     _most(
         "MAX_ENGINE_TOPK_LOGPROBS",
         "the engine's topk_sample_logprobs and topk_prompt_logprobs (tinker SDK; also at most the vocabulary)",
+    ),
+    _most(
+        "MAX_ENGINE_SAMPLED_SEQUENCES",
+        "sampled sequences the engine keeps for provenance spans and stable_reinforce (the most recent; "
+        "an older sequence_id is refused as expired)",
     ),
     _most("MAX_ENGINE_TOKEN_STREAMS", "token streams open at once on the engine (SampleStream)"),
     _most(

@@ -43,6 +43,7 @@ from tinkerrpc_server.engine.config import EngineConfig
 from tinkerrpc_server.engine.futures import FailedResult, FutureTable, Outcome
 from tinkerrpc_server.engine.runtime import BaseModelRuntime, EngineUserError, LoraSpec
 from tinkerrpc_server.engine.runtimes import RuntimeRegistry
+from tinkerrpc_server.engine.sampled import SampledSequences
 from tinkerrpc_server.engine.sequenced import SequencedRequests
 from tinkerrpc_server.engine.sessions import (
     Sessions,
@@ -99,6 +100,7 @@ class Engine:
         self._sessions = Sessions(config.session_timeout)
         self._sequenced = SequencedRequests()
         self._ledger = SamplerLedger(config.snapshot_grace)
+        self.sampled = SampledSequences()  # what it sampled, by sequence id
         self._runtimes = RuntimeRegistry(
             config.model_dir,
             config.device,
@@ -350,6 +352,7 @@ class Engine:
         sampling_session_seq_id: int | None,
         metadata: dict[str, str],
         ttl_seconds: int | None,
+        kind: types.SamplingClientKind = "snapshot",
     ) -> tuple[CheckpointRecord, str | None]:
         """save_weights_for_sampler (compute thread): with a name, a sampler checkpoint; without, an
         unnamed snapshot and a new sampling session over it (its id second)."""
@@ -359,7 +362,10 @@ class Engine:
         record = self.save_unnamed_snapshot(model_id, unnamed, metadata, ttl_seconds)
         session = sampling_session_prefix(session_of(model_id))
         sampler_id = f"{session}{sampling_session_seq_id}:{secrets.token_hex(3)}"
-        self._ledger.add_sampler(replace(self._weights(record.tinker_path, None), sampler_id=sampler_id))
+        sampler = replace(self._weights(record.tinker_path, None), sampler_id=sampler_id)
+        self._ledger.add_sampler(
+            self._ledger.publish_inflight(model_id, sampler) if kind == "inflight" else sampler
+        )
         return record, sampler_id
 
     def run(self, model_id: str) -> RunRecord:
@@ -445,7 +451,7 @@ class Engine:
             raise EngineUserError(f"the weights of {sampler.model_path} were deleted")
 
         def job_of(key: int, job: SampleJob) -> SampleJob:
-            return fill_max_tokens(job, runtime)
+            return job.with_max_tokens_filled(runtime.max_context_length)
 
         def outcome_of(key: int, result: SampleOutput | EngineUserError) -> Outcome[Answer]:
             if isinstance(result, EngineUserError):
@@ -458,6 +464,7 @@ class Engine:
         """Queue one sample job, its request id; jobs for the same weights run in one continuously
         batched decode, which shares the compute thread with other base models' (worker.py)."""
         request_id, future = self._futures.create()
+        future.add_done_callback(lambda done: self.sampled.record(request_id, sampler, job, done.result()))
 
         def run_batch(feed: RequestFeed[SampleJob, Outcome[Answer]]) -> Iterator[None]:
             return self.run_sample_batch(sampler, feed)
@@ -491,9 +498,3 @@ def expiry(ttl_seconds: int | None) -> float | None:
         raise protocol.BadRequest(f"ttl_seconds must be at least 1, got {ttl_seconds}")
     return time.time() + ttl_seconds
 
-
-def fill_max_tokens(job: SampleJob, runtime: BaseModelRuntime) -> SampleJob:
-    """An unset max_tokens (-1) samples until the context is full (the runtime rejects a too-long prompt)."""
-    if job.max_tokens >= 0:
-        return job
-    return replace(job, max_tokens=max(1, runtime.max_context_length - len(job.prompt_tokens)))

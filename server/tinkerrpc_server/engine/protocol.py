@@ -8,7 +8,7 @@ other body is JSON and parses into `tinker.types` in the routes.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,7 @@ from tinkerrpc_server.engine.compute.prompt_targets import (
     PromptTargets,
 )
 from tinkerrpc_server.engine.compute.samples import SampleJob, SampleOutput
+from tinkerrpc_server.engine.provenance import DatumProvenance, parse_provenance
 from tinkerrpc_server.engine.runtime import DatumArrays, ForwardResult
 
 PROTOBUF_CONTENT_TYPE = "application/x-protobuf"
@@ -51,6 +52,8 @@ class ForwardBackwardCall:
     loss_fn_config: dict[str, float] | None
     forward_only: bool
     data: list[DatumArrays]
+    # Each datum's provenance spans (None: it has none), checked in the model's turn (provenance.py).
+    provenance: list[DatumProvenance | None] = field(default_factory=list)
 
 
 def decode_body(body: bytes, content_encoding: str | None) -> bytes:
@@ -127,6 +130,7 @@ def parse_forward_backward(raw: bytes) -> ForwardBackwardCall:
         loss_fn_config=config or None,
         forward_only=request.forward_only,
         data=data,
+        provenance=[parse_provenance(datum) for datum in request.data],
     )
 
 
@@ -257,6 +261,7 @@ def sample_job(request: types.SampleRequest) -> SampleJob:
         topk_sample_logprobs=request.topk_sample_logprobs,
         target_prompt_logprobs=None if targets is None else _prompt_targets(targets, len(tokens)),
         prompt_alt_tokens_k=request.prompt_alt_tokens_k,
+        record_stability_info=bool(request.record_stability_info),
         prompt_logprobs_last_n=request.prompt_logprobs_last_n,
     )
 

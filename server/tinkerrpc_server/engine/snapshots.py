@@ -7,6 +7,12 @@ no sample request in flight refers to it and the snapshot grace has passed since
 an off-policy rollout still sampling from an older client finishes; at most
 UNNAMED_SNAPSHOTS_KEPT_PER_MODEL stay per training client (past it the oldest go, unused ones first).
 The ledger decides which snapshots go; the engine deletes them from storage.
+
+Inflight sampling sessions (`save_weights_for_sampler(kind="inflight")`) follow their training client's
+weights: each inflight save publishes its snapshot as the client's inflight target, numbered from 1 (its
+weights version), and moves every inflight sampling session of that client onto it. A sample request
+runs, from its first token to its last, on the target its session had when the request arrived: the
+newest published by then, never older than the one its session was made with.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 # Unnamed sampler snapshots kept per training client, its newest included: disk stays bounded however
@@ -30,6 +36,9 @@ class Sampler:
     base_model: str
     model_path: str | None
     weights_dir: Path | None
+    # Inflight sessions: the training client whose inflight target they follow, and that target's version.
+    inflight_of: str | None = None
+    weights_version: int | None = None
 
 
 @dataclass
@@ -57,12 +66,29 @@ class SamplerLedger:
         # model_id -> tinker path -> its unnamed sampler snapshots on disk, oldest first.
         self._snapshots: dict[str, OrderedDict[str, UnnamedSnapshot]] = {}
         self._samples_in_flight: Counter[str] = Counter()  # model path -> sample requests not answered
+        self._inflight_versions: Counter[str] = Counter()  # model_id -> its inflight saves so far
 
     # ---- sampling sessions and requests ----
 
     def add_sampler(self, sampler: Sampler) -> None:
         with self._lock:
             self._samplers[sampler.sampler_id] = sampler
+
+    def publish_inflight(self, model_id: str, target: Sampler) -> Sampler:
+        """`target` (a new snapshot of `model_id`) becomes its inflight target, with the next weights
+        version; every inflight sampling session of `model_id` moves onto it. The session to add for it."""
+        with self._lock:
+            self._inflight_versions[model_id] += 1
+            published = replace(
+                target, inflight_of=model_id, weights_version=self._inflight_versions[model_id]
+            )
+            moved = [s for s in self._samplers.values() if s.inflight_of == model_id]
+            for session in moved:
+                self._samplers[session.sampler_id] = replace(published, sampler_id=session.sampler_id)
+        for session in moved:
+            if session.model_path is not None:
+                self.let_go(session.model_path)
+        return published
 
     def sampler(self, sampler_id: str) -> Sampler | None:
         with self._lock:

@@ -7,7 +7,7 @@ checks it, the scheduler decodes it and answers with a `SampleOutput`, which the
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from tinkerrpc_server.engine.compute.prompt_alt_tokens import PromptAltTokens
@@ -50,9 +50,18 @@ class SampleJob:
     prompt_alt_tokens_k: int = 0
     # Only the last N prompt positions get a logprob (the others are None); None: all of them.
     prompt_logprobs_last_n: int | None = None
+    # Keep each sequence's stability information (engine/sampled.py) for stable_reinforce.
+    record_stability_info: bool = False
     # Told each token as it is sampled, on the compute thread (a token stream, engine/token_streams.py);
     # it must not block.
     on_token: Callable[[TokenEvent], None] | None = None
+
+    def with_max_tokens_filled(self, max_context_length: int) -> SampleJob:
+        """An unset max_tokens (-1) samples until the context is full (the runtime rejects a too-long
+        prompt)."""
+        if self.max_tokens >= 0:
+            return self
+        return replace(self, max_tokens=max(1, max_context_length - len(self.prompt_tokens)))
 
 
 @dataclass

@@ -12,6 +12,7 @@ from tinker import types
 from tinkerrpc_server.engine import protocol
 from tinkerrpc_server.engine.answers import Answer
 from tinkerrpc_server.engine.optimizers import adam_params
+from tinkerrpc_server.engine.provenance import check_provenance
 from tinkerrpc_server.engine.routes.common import EngineDep, model_operation
 
 router = APIRouter(prefix="/api/v1")
@@ -23,6 +24,7 @@ async def forward_backward(request: Request, engine: EngineDep) -> types.Untyped
     call = protocol.parse_forward_backward(raw)
 
     def work() -> Answer:
+        check_provenance(call.data, call.provenance, engine.sampled, call.loss_fn)
         return engine.live_runtime(call.model_id).forward_backward(
             call.model_id, call.data, call.loss_fn, call.loss_fn_config, backward=not call.forward_only
         )

@@ -66,6 +66,8 @@ async def save_weights_for_sampler(
 
     def work() -> Answer:
         # The no-name variant hands back a sampling session over the weights just saved.
+        if request.path and request.kind == "inflight":
+            raise EngineUserError("kind 'inflight' saves have no name: an inflight target is unnamed")
         record, sampling_session_id = engine.save_for_sampler(
             model_id,
             request.path,
@@ -73,6 +75,7 @@ async def save_weights_for_sampler(
             request.sampling_session_seq_id,
             str_metadata(request.user_metadata),
             request.ttl_seconds,
+            request.kind,
         )
         return types.SaveWeightsForSamplerResponseInternal(
             path=record.tinker_path, sampling_session_id=sampling_session_id, type="save_weights_for_sampler"
