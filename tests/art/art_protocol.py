@@ -152,6 +152,34 @@ async def rollout_group(api: openai.AsyncOpenAI, model: str) -> list[dict[str, A
     return group
 
 
+def check_other_models_and_forms(group: list[dict[str, Any]], model: str) -> None:
+    """Exchanges with another model (a judge) are not trained, a rollout with none of this model's is
+    refused naming what it has, Anthropic Messages (no sidecar route) are refused, and a Choice without
+    prompt ids (ART 0.5.18's) leaves the prompt to the server's re-rendering."""
+    tool_rollout = group[4]["exchanges"]["chat_completions"]
+    judge_request = {"model": "gpt-4.1-judge", "messages": [{"role": "user", "content": "Grade it."}]}
+    judge = {
+        **tool_rollout[0],
+        "request": judge_request,
+        "response": {"choices": [{"message": {"content": "8"}}]},
+    }
+    with_judge = exchange_trajectory(0.75, chat_completions=[tool_rollout[0], judge, tool_rollout[1]])
+    (converted,) = convert_groups([{"trajectories": [with_judge]}], model)
+    assert len(converted.trajectories[0].turns) == 2, "the judge's exchange is not a turn"
+    with pytest.raises(ValueError, match=r"no exchanges with model .*gpt-4\.1-judge"):
+        convert_groups([{"trajectories": [exchange_trajectory(0.0, chat_completions=[judge])]}], model)
+    anthropic = {**tool_rollout[0], "request": {**tool_rollout[0]["request"], "model": f"{model}@0"}}
+    with pytest.raises(ValueError, match="Anthropic Messages"):
+        convert_groups([{"trajectories": [exchange_trajectory(0.0, messages=[anthropic])]}], model)
+    legacy = dict(group[0])
+    legacy["messages_and_choices"] = [
+        *legacy["messages_and_choices"][:-1],
+        {k: v for k, v in legacy["messages_and_choices"][-1].items() if k != "prompt_token_ids"},
+    ]
+    (old_form,) = convert_groups([{"trajectories": [legacy]}], model)
+    assert old_form.trajectories[0].turns[0].prompt_token_ids == ()
+
+
 def check_token_exact(group: list[dict[str, Any]], model: str) -> int:
     """Every converted turn is the sampler's tokens exactly: the prompt ids the sidecar answered and the
     ids it drew, per choice and per exchange, in order; returns the completion tokens."""
@@ -200,6 +228,7 @@ async def replay_train_calls(
         before = await model.get_step()
         group = await rollout_group(api, model.get_inference_name())
         completion_tokens = check_token_exact(group, model.name)
+        check_other_models_and_forms(group, model.name)
         expect = call["expect"]
         if expect != "trains":
             error = {"ValueError": ValueError, "TypeError": TypeError}[expect["error"]]
