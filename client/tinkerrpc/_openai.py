@@ -28,12 +28,18 @@ def _as_dict(chat_completion: ChatCompletionLike) -> Mapping[str, Any]:
     return result
 
 
+# The RL fields a sidecar stream sends on its deltas: openai's stream helper joins them on the message.
+_STREAMED_FIELDS = ("token_ids", "sample_key")
+
+
 def _with_provider_specific_fields(choice: Mapping[str, Any]) -> Mapping[str, Any]:
     """The choice with the RL fields litellm moves into `provider_specific_fields` (on the choice
-    and/or its message) put back beside the standard ones; a field the choice itself has wins."""
+    and/or its message), and those a stream accumulated on the message, put back beside the standard
+    ones; a field the choice itself has wins."""
     message = choice.get("message") or {}
+    streamed = {key: message[key] for key in _STREAMED_FIELDS if message.get(key) is not None}
     moved: dict[str, Any] = {}
-    for source in (message.get("provider_specific_fields"), choice.get("provider_specific_fields")):
+    for source in (streamed, message.get("provider_specific_fields"), choice.get("provider_specific_fields")):
         if isinstance(source, Mapping):
             moved.update(source)
     return {**moved, **{key: value for key, value in choice.items() if value is not None}}

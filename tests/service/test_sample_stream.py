@@ -14,7 +14,7 @@ from svc import TINY, Server, poll_until
 
 import tinkerrpc
 from tinkerrpc import SampleChunk, SamplingOptions
-from tinkerrpc_server.service.sample_stream import held_back_from
+from tinkerrpc_server.stream_text import held_back_from
 
 pytestmark = pytest.mark.process
 

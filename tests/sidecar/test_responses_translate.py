@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from stream_replay import collected, replayed
 
 from tinkerrpc import Message, Sample, ToolCall, Trajectory, messages_from_response_input
 from tinkerrpc_server.sidecar import models, responses, responses_protocol
@@ -98,7 +99,7 @@ def test_a_tool_call_streams_as_function_call_events_and_trains_as_one_turn() ->
         [11, 12, 13, 14],
         [-0.1, -0.2, -0.3, -0.4],
     )
-    events = list(responses.stream_events(final, sample))
+    events = collected(responses.stream_events(asked, models.parse_model_id("run"), replayed([sample]), 0))
     assert [e["type"] for e in events] == [
         "response.created",
         "response.in_progress",

@@ -125,9 +125,12 @@ def test_completions_stream_carries_the_rl_fields_when_asked(api: openai.OpenAI,
     plain = api.completions.create(**request)
     chunks = list(api.completions.create(**request, stream=True, extra_body={"return_token_ids": True}))
     (first,) = chunks[0].choices
-    assert extra(first, "token_ids") == extra(plain.choices[0], "token_ids")
+    # Each chunk carries its tokens' ids (vLLM's shape), the first the version and prompt, the last the key.
+    streamed_ids = [t for c in chunks if c.choices for t in extra(c.choices[0], "token_ids") or []]
+    assert streamed_ids == extra(plain.choices[0], "token_ids")
     assert extra(chunks[0], "prompt_token_ids") == extra(plain, "prompt_token_ids")
     assert extra(first, "policy_version") == extra(chunks[0], "policy_version") == 0
+    assert extra(chunks[-1].choices[0], "sample_key")
     assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
     bare = list(api.completions.create(**request, stream=True))
     assert all(extra(c, "policy_version") is None and not c.choices[0].model_extra for c in bare)

@@ -135,8 +135,8 @@ def test_stream_reassembles_to_the_same_completion(stack: Stack, chat_model: str
         for choice in chunk.choices:
             order.append(choice.index)
             content[choice.index] += choice.delta.content or ""
-            # With logprobs asked, the first chunk of each choice carries all its token ids.
-            token_ids[choice.index] += (choice.model_extra or {}).get("token_ids", [])
+            # With logprobs asked, each delta carries the token ids it was made of.
+            token_ids[choice.index] += (choice.delta.model_extra or {}).get("token_ids", [])
             if choice.logprobs and choice.logprobs.content:
                 logprobs[choice.index] += [e.logprob for e in choice.logprobs.content]
             if choice.finish_reason:

@@ -9,6 +9,7 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from pydantic import ValidationError
+from stream_replay import collected, replayed
 
 from tinkerrpc import (
     InvalidArgumentError,
@@ -306,16 +307,6 @@ def test_completion_prompts_accept_one_text_or_token_prompt() -> None:
     assert (args.max_tokens, args.top_logprobs, args.tools) == (16, 2, None)
 
 
-def test_split_by_tokens_aligns_content_with_token_texts() -> None:
-    texts = ["<think>", "\n\n", "</think>", "\n\n", "Hel", "lo", "<|im_end|>"]
-    sample = make_sample(texts)
-    pieces = sample_output.split_by_tokens("Hello", sample)
-    assert pieces == ["", "", "", "", "Hel", "lo", ""]
-    # Content that is not a substring of the tokens' texts still joins back exactly.
-    assert "".join(sample_output.split_by_tokens("other", sample)) == "other"
-    assert sample_output.split_by_tokens("", sample) == [""] * len(texts)
-
-
 def test_chat_completion_carries_rl_fields_and_openai_logprobs() -> None:
     request = chat_request(model="run", n=2, logprobs=True, top_logprobs=2, stop=["!"])
     ref = models.parse_model_id(request.model)
@@ -376,22 +367,27 @@ def test_stream_chunks_interleave_choices_and_reassemble_the_completion() -> Non
     samples = [make_sample(["He", "llo", "."]), make_sample(["Hi"], content="Hi", tool_calls=(call,))]
     chunks = [
         c.model_dump(mode="json", exclude_none=True)
-        for c in chat.chat_stream_chunks(request, ref, args, samples, 5)
+        for c in collected(chat.chat_stream_chunks(request, ref, args, replayed(samples), 5))
     ]
     assert len({c["id"] for c in chunks}) == 1 and all(c["model"] == "run@3" for c in chunks)
     assert chunks[0]["prompt_token_ids"] == [1, 2, 3]
     assert [c["choices"][0]["delta"].get("role") for c in chunks[:2]] == ["assistant", "assistant"]
+    assert [c["choices"][0].get("policy_version") for c in chunks[:2]] == [3, 3]
     indexes = [
-        c["choices"][0]["index"] for c in chunks if c["choices"] and "content" in c["choices"][0]["delta"]
+        c["choices"][0]["index"]
+        for c in chunks[2:]
+        if c["choices"] and "token_ids" in c["choices"][0]["delta"]
     ]
-    assert indexes == [0, 1, 0, 1, 0, 0]  # role chunks, then tokens interleaved by position
+    assert indexes == [0, 1, 0, 0]  # tokens interleaved by position as they come
     text = {0: "", 1: ""}
     token_ids: dict[int, list[int]] = {0: [], 1: []}
+    keys: dict[int, str] = {}
     finish: dict[int, str] = {}
     for c in chunks:
         for choice in c["choices"]:
             text[choice["index"]] += choice["delta"].get("content", "")
-            token_ids[choice["index"]] += choice.get("token_ids", [])
+            token_ids[choice["index"]] += choice["delta"].get("token_ids", [])
+            keys[choice["index"]] = choice["delta"].get("sample_key", keys.get(choice["index"]))
             if "finish_reason" in choice:
                 finish[choice["index"]] = choice["finish_reason"]
     assert text == {0: "Hello.", 1: "Hi"}
@@ -416,7 +412,7 @@ def test_completion_uses_the_legacy_logprobs_shape() -> None:
     assert logprobs["token_logprobs"] == [-0.5, -1.0, -1.5]
     assert logprobs["text_offset"] == [0, 2, 3]
     assert logprobs["top_logprobs"][0] == {"alt100": -0.1, "seven": -2.0}
-    chunks = list(completions.completion_stream_chunks(request, ref, args, [sample], 9))
+    chunks = collected(completions.completion_stream_chunks(request, ref, args, replayed([sample]), 9))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == "abcde"
     assert [c.choices[0].logprobs.text_offset for c in chunks if c.choices and c.choices[0].logprobs] == [
         [0],

@@ -26,24 +26,11 @@ from tinkerrpc_server import token_stream_wire as wire
 from tinkerrpc_server.service.backend import Backend
 from tinkerrpc_server.service.rendering import off_loop
 from tinkerrpc_server.service.sampling import Drawn, PreparedSample, Sampler, TopEntry, add_top, decode_text
+from tinkerrpc_server.stream_text import held_back_from
 
 _STOP_REASONS = {"stop": types_pb2.STOP_REASON_STOP, "length": types_pb2.STOP_REASON_LENGTH}
 # Connecting to the engine's stream; once it streams, each read may wait as long as a backend call.
 _CONNECT_SECONDS = 10.0
-
-
-def held_back_from(text: str, stops: Sequence[str]) -> int:
-    """Where the part of `text` that may still change starts: an unfinished character at its end (U+FFFD
-    until its bytes complete), or a tail that could be the start of a stop string."""
-    end = len(text)
-    while end > 0 and text[end - 1] == "\ufffd":
-        end -= 1
-    for stop in stops:
-        for length in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:length]):
-                end = min(end, len(text) - length)
-                break
-    return end
 
 
 class _SequenceText:
@@ -97,6 +84,9 @@ class SampleStreamer:
     def __init__(self, sampler: Sampler, backend: Backend) -> None:
         self._sampler = sampler
         self._backend = backend
+        # One client for every stream: making one costs tens of milliseconds (its TLS context), which a
+        # stream's first token would wait for.
+        self._http: httpx.AsyncClient | None = None
 
     async def stream(self, request: pb.SampleStreamRequest) -> AsyncIterator[pb.SampleStreamResponse]:
         inner = request.request
@@ -161,21 +151,22 @@ class SampleStreamer:
         )
         backend = self._backend
         url = backend.base_url.rstrip("/") + wire.SAMPLE_STREAM_PATH
-        timeout = httpx.Timeout(None, connect=_CONNECT_SECONDS)
-        async with httpx.AsyncClient(timeout=timeout) as http:
-            try:
-                async with http.stream(
-                    "POST", url, json=body.model_dump(mode="json"), headers={"X-API-Key": backend.api_key}
-                ) as answer:
-                    if answer.status_code != 200:
-                        await answer.aread()
-                        detail = answer.json().get("detail", answer.text) if answer.text else ""
-                        raise tinker.APIStatusError(str(detail), response=answer, body=None)
-                    async for text in answer.aiter_lines():
-                        if text:
-                            yield wire.parse_line(text)
-            except httpx.TransportError as err:
-                raise tinker.APIConnectionError(err.request, f"the engine's token stream: {err}") from err
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=_CONNECT_SECONDS))
+        http = self._http
+        try:
+            async with http.stream(
+                "POST", url, json=body.model_dump(mode="json"), headers={"X-API-Key": backend.api_key}
+            ) as answer:
+                if answer.status_code != 200:
+                    await answer.aread()
+                    detail = answer.json().get("detail", answer.text) if answer.text else ""
+                    raise tinker.APIStatusError(str(detail), response=answer, body=None)
+                async for text in answer.aiter_lines():
+                    if text:
+                        yield wire.parse_line(text)
+        except httpx.TransportError as err:
+            raise tinker.APIConnectionError(err.request, f"the engine's token stream: {err}") from err
 
 
 def _deltas_of(tokens: list[wire.StreamedToken], texts: list[_SequenceText]) -> list[pb.SequenceDelta]:

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import BaseRoute, Match
 
-from tinkerrpc import AsyncClient, ModelInfo, RetryPolicy, RPCError, Sample, SamplingOptions
+from tinkerrpc import AsyncClient, ModelInfo, RetryPolicy, RPCError, Sample, SampleChunk, SamplingOptions
 from tinkerrpc_server.processes.http_serving import (
     SHARED,
     bound_port,
@@ -39,6 +39,7 @@ from tinkerrpc_server.sidecar.errors import OpenAIError, from_rpc_error, param_f
 from tinkerrpc_server.sidecar.metrics import SidecarMetrics
 from tinkerrpc_server.sidecar.runs import routes as run_view
 from tinkerrpc_server.sidecar.sample_output import usage_of
+from tinkerrpc_server.sidecar.sample_streams import OpenedStream
 from tinkerrpc_server.sidecar.sampling_args import Prompt
 
 log = logging.getLogger("tinkerrpc.sidecar")
@@ -225,6 +226,27 @@ def create_app(upstream: GrpcUpstream, api_key: str | None) -> FastAPI:
         metrics.prompt_tokens.labels(route).inc(usage.prompt_tokens)
         return samples
 
+    async def stream(route: str, ref: models.ModelRef, prompt: Prompt, args: SamplingOptions) -> OpenedStream:
+        events = client().model(ref.name).sample_stream(prompt, args)
+        try:
+            head = await anext(events)
+        except RPCError as error:
+            await events.close()
+            raise from_rpc_error(error, ref.requested) from error
+        except ValueError as error:
+            await events.close()
+            raise OpenAIError(400, str(error)) from error
+
+        async def counted() -> AsyncIterator[SampleChunk]:
+            async for chunk in events:
+                if chunk.samples is not None:
+                    usage = usage_of(chunk.samples)
+                    metrics.generated_tokens.labels(route).inc(usage.completion_tokens)
+                    metrics.prompt_tokens.labels(route).inc(usage.prompt_tokens)
+                yield chunk
+
+        return OpenedStream(head, counted(), events.close)
+
     async def fetch_models() -> list[ModelInfo]:
         try:
             return await client().list_models()
@@ -251,9 +273,9 @@ def create_app(upstream: GrpcUpstream, api_key: str | None) -> FastAPI:
 
     routers = (
         models.create_router(fetch_models),
-        chat.create_router(sample),
-        completions.create_router(sample),
-        responses.create_router(sample),
+        chat.create_router(sample, stream),
+        completions.create_router(sample, stream),
+        responses.create_router(sample, stream),
         generate.create_router(sample),
         run_view.create_router(client, api_key),
     )

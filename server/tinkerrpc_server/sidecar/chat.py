@@ -7,7 +7,7 @@ enable_thinking) are honoured here; the sampling knobs are shared with the other
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Response
@@ -33,10 +33,17 @@ from tinkerrpc_server.sidecar.openai_shapes import ChoiceLogprobs
 from tinkerrpc_server.sidecar.sample_output import (
     ReplyHead,
     chat_logprob_entry,
+    new_id,
     parse_chat_choice,
     rl_fields_asked,
-    split_by_tokens,
     usage_of,
+)
+from tinkerrpc_server.sidecar.sample_streams import (
+    ChoiceContent,
+    OpenedStream,
+    StreamSampler,
+    delta_sample,
+    deltas_then_samples,
 )
 from tinkerrpc_server.sidecar.sampling_args import (
     Sampler,
@@ -221,70 +228,63 @@ def build_chat_completion(
     return ChatCompletion(**head.body_fields(samples), choices=choices)
 
 
-def chat_stream_chunks(
-    request: ChatCompletionRequest,
-    ref: ModelRef,
-    args: SamplingOptions,
-    samples: Sequence[Sample],
-    created: int,
-) -> Iterator[ChatCompletionChunk]:
-    """The chunks OpenAI would stream for these samples, interleaved by choice index.
+async def chat_stream_chunks(
+    request: ChatCompletionRequest, ref: ModelRef, args: SamplingOptions, opened: OpenedStream, created: int
+) -> AsyncIterator[ChatCompletionChunk]:
+    """The chunks of a streamed chat completion, each choice's as its tokens arrive (OpenAI interleaves
+    choices by index the same way), its content as sample_streams.ChoiceContent lets it go.
 
-    When asked (`rl_fields_asked`), the first chunk carries `prompt_token_ids` and each
-    choice's first chunk its complete `token_ids` and `policy_version`: openai's stream
-    accumulator (`.stream()`'s `get_final_completion()`) keeps a choice's extra fields from its
-    first chunk only, so that is where they survive into the accumulated completion.
-    """
-    head = ReplyHead.of("chatcmpl", ref, samples, created)
+    When asked (`rl_fields_asked`), the first chunk carries `prompt_token_ids` and each choice's first
+    chunk its `policy_version` (openai's stream helper keeps a choice's fields from its first chunk);
+    each delta carries its `token_ids` and the last its `sample_key` (the helper joins the deltas' lists
+    on the message, where `Trajectory.from_openai` finds them)."""
+    head = ReplyHead(new_id("chatcmpl"), created, ref.served_id(opened.policy_version), opened.policy_version)
     rl_fields = rl_fields_asked(request.return_token_ids, request.logprobs)
 
     def chunk(choices: list[ChatChunkChoice], **extra: Any) -> ChatCompletionChunk:
         return ChatCompletionChunk(**head.fields(), choices=choices, **extra)
 
     echo = chat_echo(request)
-    parsed = [parse_chat_choice(s, args.stop, request, echo) for s in samples]
-    pieces = [
-        split_by_tokens((p.content or "")[len(echo) :], s) for p, s in zip(parsed, samples, strict=True)
-    ]
-    for index, sample in enumerate(samples):
+    contents = [ChoiceContent(chat=True, stops=args.stop) for _ in range(args.n)]
+    for index in range(args.n):
         first = ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=echo))
         if not rl_fields:
             yield chunk([first])
             continue
-        first.token_ids, first.policy_version = list(sample.tokens), sample.policy_version
-        first.sample_key = sample.sample_key or None
-        yield chunk(
-            [first],
-            prompt_token_ids=list(sample.prompt_token_ids) if index == 0 else None,
-            policy_version=head.policy_version,
-        )
-    for position in range(max((len(p) for p in pieces), default=0)):
-        for index, sample in enumerate(samples):
-            if position >= len(pieces[index]):
-                continue
-            logprobs = (
-                ChoiceLogprobs(
-                    content=[chat_logprob_entry(sample, position, request.return_tokens_as_token_ids)]
-                )
-                if request.logprobs and position < len(sample.tokens)
-                else None
-            )
-            yield chunk(
-                [
-                    ChatChunkChoice(
-                        index=index, delta=ChatDelta(content=pieces[index][position]), logprobs=logprobs
-                    )
-                ]
-            )
+        first.policy_version = opened.policy_version
+        prompt_ids = list(opened.head.prompt_token_ids) if index == 0 else None
+        yield chunk([first], prompt_token_ids=prompt_ids, policy_version=head.policy_version)
+    samples: tuple[Sample, ...] = ()
+    async for item in deltas_then_samples(opened):
+        if isinstance(item, tuple):
+            samples = item
+            break
+        text = contents[item.index].take(item)
+        logprobs = None
+        if request.logprobs:
+            part = delta_sample(item, opened.policy_version)
+            entries = [
+                chat_logprob_entry(part, p, request.return_tokens_as_token_ids)
+                for p in range(len(item.tokens))
+            ]
+            logprobs = ChoiceLogprobs(content=entries)
+        if text or logprobs is not None or rl_fields:
+            delta = ChatDelta(content=text, token_ids=list(item.tokens) if rl_fields else None)
+            yield chunk([ChatChunkChoice(index=item.index, delta=delta, logprobs=logprobs)])
+    parsed = [parse_chat_choice(s, args.stop, request, echo) for s in samples]
     for index, choice in enumerate(parsed):
+        rest = contents[index].finish((choice.content or "")[len(echo) :])
+        if rest:
+            yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=rest))])
         if choice.tool_calls:
             deltas = [
                 ToolCallDelta(index=k, id=call.id, function=call.function)
                 for k, call in enumerate(choice.tool_calls)
             ]
             yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=deltas))])
-    for index, choice in enumerate(parsed):
-        yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=choice.finish_reason)])
+    for index, (choice, sample) in enumerate(zip(parsed, samples, strict=True)):
+        last = ChatDelta(sample_key=(sample.sample_key or None) if rl_fields else None)
+        yield chunk([ChatChunkChoice(index=index, delta=last, finish_reason=choice.finish_reason)])
     if request.stream_options is not None and request.stream_options.include_usage:
         yield chunk([], usage=usage_of(samples))
 
@@ -292,13 +292,13 @@ def chat_stream_chunks(
 CHAT = CompletionFamily(ROUTE, chat_sample_args, chat_messages, build_chat_completion, chat_stream_chunks)
 
 
-def create_router(sample: Sampler) -> APIRouter:
+def create_router(sample: Sampler, stream: StreamSampler) -> APIRouter:
     router = APIRouter(route_class=BoundedJSONRoute)
 
     @router.post(ROUTE, response_model=None)
     async def chat_completions(request: ChatCompletionRequest) -> Response:
         try:
-            return await answer(CHAT, request, sample)
+            return await answer(CHAT, request, sample, stream)
         except OpenAIError as error:
             name_as_sent(error, request)
             raise

@@ -171,6 +171,10 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    # RL fields of a stream, on the delta: openai's stream helper joins the deltas' token_ids into the
+    # accumulated message's (and keeps the sample_key of the last one), where Trajectory.from_openai reads them.
+    token_ids: list[int] | None = None
+    sample_key: str | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -178,9 +182,8 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChoiceLogprobs | None = None
     finish_reason: FinishReason | None = None
-    token_ids: list[int] | None = None
+    # On a choice's first chunk (the stream helper keeps the first chunk's choice fields).
     policy_version: int | None = None
-    sample_key: str | None = None
 
 
 class ChatCompletionChunk(BaseModel):

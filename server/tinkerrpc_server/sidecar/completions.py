@@ -6,7 +6,7 @@ prompt's text before the sampled one.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal
 
 from fastapi import APIRouter, Response
@@ -20,12 +20,19 @@ from tinkerrpc_server.sidecar.models import ModelRef
 from tinkerrpc_server.sidecar.openai_shapes import Logprobs
 from tinkerrpc_server.sidecar.sample_output import (
     ReplyHead,
+    new_id,
     rl_fields_asked,
-    split_by_tokens,
     stop_truncated,
     token_label,
     token_text,
     usage_of,
+)
+from tinkerrpc_server.sidecar.sample_streams import (
+    ChoiceContent,
+    OpenedStream,
+    StreamSampler,
+    delta_sample,
+    deltas_then_samples,
 )
 from tinkerrpc_server.sidecar.sampling_args import (
     Sampler,
@@ -126,52 +133,71 @@ def build_completion(
     return Completion(**head.body_fields(samples), choices=choices)
 
 
-def completion_stream_chunks(
-    request: CompletionRequest, ref: ModelRef, args: SamplingOptions, samples: Sequence[Sample], created: int
-) -> Iterator[Completion]:
-    """Legacy completion chunks, one per sampled token, interleaved by index.
+async def completion_stream_chunks(
+    request: CompletionRequest, ref: ModelRef, args: SamplingOptions, opened: OpenedStream, created: int
+) -> AsyncIterator[Completion]:
+    """Legacy completion chunks, each choice's as its tokens arrive, interleaved by index.
 
-    When asked, each choice's first chunk carries its complete `token_ids`, `policy_version` and
-    the `prompt_token_ids`, as in a chat stream.
+    When asked, each chunk carries its tokens' `token_ids` (vLLM's shape), each choice's first chunk its
+    `policy_version` and the `prompt_token_ids`, and its last chunk its `sample_key`. An echoed prompt
+    given as token ids has its text only once the samples are there: such a stream sends its text then.
     """
-    head = ReplyHead.of("cmpl", ref, samples, created)
+    head = ReplyHead(new_id("cmpl"), created, ref.served_id(opened.policy_version), opened.policy_version)
     rl_fields = rl_fields_asked(request.return_token_ids, request.logprobs is not None)
 
     def chunk(choices: list[CompletionChoice], **extra: Any) -> Completion:
         return Completion(**head.fields(), choices=choices, **extra)
 
-    texts = [completion_text(s, args.stop, request) for s in samples]
-    pieces = [split_by_tokens(t, s) for t, s in zip(texts, samples, strict=True)]
-    echoes = [completion_echo(request, s) for s in samples]
-    for index, echo in enumerate(echoes):
-        if echo:
-            yield chunk([CompletionChoice(index=index, text=echo, finish_reason=None, logprobs=None)])
-    offsets = [len(echo) for echo in echoes]
-    for position in range(max((len(p) for p in pieces), default=0)):
-        for index, sample in enumerate(samples):
-            if position >= len(pieces[index]):
-                continue
-            logprobs = (
-                _legacy_logprobs(
-                    sample, range(position, position + 1), offsets[index], request.return_tokens_as_token_ids
-                )
-                if request.logprobs is not None and position < len(sample.tokens)
-                else None
-            )
-            offsets[index] += len(token_text(sample, position))
-            choice = CompletionChoice(
-                index=index, text=pieces[index][position], finish_reason=None, logprobs=logprobs
-            )
-            if not (rl_fields and position == 0):
-                yield chunk([choice])
-                continue
-            choice.token_ids, choice.policy_version = list(sample.tokens), sample.policy_version
-            choice.sample_key = sample.sample_key or None
+    echo_first = request.echo and isinstance(request.prompt, str)
+    contents = [ChoiceContent(chat=False, held=request.echo and not echo_first) for _ in range(args.n)]
+    offsets = [0] * args.n
+    started = [False] * args.n
+    if echo_first:
+        assert isinstance(request.prompt, str)
+        offsets = [len(request.prompt)] * args.n
+        for index in range(args.n):
             yield chunk(
-                [choice], prompt_token_ids=list(sample.prompt_token_ids), policy_version=head.policy_version
+                [CompletionChoice(index=index, text=request.prompt, finish_reason=None, logprobs=None)]
             )
+    samples: tuple[Sample, ...] = ()
+    async for item in deltas_then_samples(opened):
+        if isinstance(item, tuple):
+            samples = item
+            break
+        index = item.index
+        text = contents[index].take(item)
+        part = delta_sample(item, opened.policy_version)
+        logprobs = (
+            _legacy_logprobs(
+                part, range(len(item.tokens)), offsets[index], request.return_tokens_as_token_ids
+            )
+            if request.logprobs is not None
+            else None
+        )
+        offsets[index] += sum(len(token_text(part, p)) for p in range(len(item.tokens)))
+        choice = CompletionChoice(index=index, text=text, finish_reason=None, logprobs=logprobs)
+        if not rl_fields:
+            if text or logprobs is not None:
+                yield chunk([choice])
+            continue
+        choice.token_ids = list(item.tokens)
+        if started[index]:
+            yield chunk([choice])
+            continue
+        started[index] = True
+        choice.policy_version = opened.policy_version
+        yield chunk(
+            [choice], prompt_token_ids=list(opened.head.prompt_token_ids), policy_version=head.policy_version
+        )
     for index, sample in enumerate(samples):
-        yield chunk([CompletionChoice(index=index, text="", finish_reason=_finish(sample), logprobs=None)])
+        echo = completion_echo(request, sample) if not echo_first else ""
+        rest = echo + contents[index].finish(completion_text(sample, args.stop, request))
+        if rest:
+            yield chunk([CompletionChoice(index=index, text=rest, finish_reason=None, logprobs=None)])
+    for index, sample in enumerate(samples):
+        last = CompletionChoice(index=index, text="", finish_reason=_finish(sample), logprobs=None)
+        last.sample_key = (sample.sample_key or None) if rl_fields else None
+        yield chunk([last])
     if request.stream_options is not None and request.stream_options.include_usage:
         yield chunk([], usage=usage_of(samples))
 
@@ -181,11 +207,11 @@ COMPLETIONS = CompletionFamily(
 )
 
 
-def create_router(sample: Sampler) -> APIRouter:
+def create_router(sample: Sampler, stream: StreamSampler) -> APIRouter:
     router = APIRouter(route_class=BoundedJSONRoute)
 
     @router.post(ROUTE, response_model=None)
     async def completions(request: CompletionRequest) -> Response:
-        return await answer(COMPLETIONS, request, sample)
+        return await answer(COMPLETIONS, request, sample, stream)
 
     return router

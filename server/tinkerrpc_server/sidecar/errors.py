@@ -63,8 +63,8 @@ class OpenAIError(Exception):
         self.error_type = error_type
         self.should_retry = should_retry
 
-    def to_response(self) -> JSONResponse:
-        body = {
+    def body(self) -> dict[str, dict[str, str | None]]:
+        return {
             "error": {
                 "message": self.message,
                 "type": self.error_type,
@@ -72,6 +72,9 @@ class OpenAIError(Exception):
                 "code": self.code,
             }
         }
+
+    def to_response(self) -> JSONResponse:
+        body = self.body()
         headers = {SHOULD_RETRY_HEADER: "true" if self.should_retry else "false"}
         if self.status == 401:
             headers["www-authenticate"] = "Bearer"

@@ -10,7 +10,7 @@ when logprobs are asked, `token_logprobs` (one per token id) — on plain respon
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Response
@@ -33,12 +33,22 @@ from tinkerrpc_server.sidecar.responses_protocol import (
     ResponseRequest,
     ResponseUsage,
 )
+from tinkerrpc_server.sidecar.sample_streams import (
+    ChoiceContent,
+    OpenedStream,
+    StreamSampler,
+    delta_sample,
+    deltas_then_samples,
+)
 from tinkerrpc_server.sidecar.sampling_args import (
     Sampler,
     base_sample_args,
     tool_options,
 )
 from tinkerrpc_server.sidecar.streaming import typed_event_stream
+
+# The turn's RL fields, left off an output item until it is done.
+_TURN_FIELDS = ("token_ids", "prompt_token_ids", "policy_version", "token_logprobs", "sample_key")
 
 ROUTE = "/v1/responses"
 
@@ -130,6 +140,26 @@ def sample_args(request: ResponseRequest, ref: ModelRef) -> SamplingOptions:
     )
 
 
+def response_shell(request: ResponseRequest, ref: ModelRef, version: int, created: int) -> ResponseObject:
+    """The response before anything is sampled: in progress, no output yet."""
+    return ResponseObject(
+        id=sample_output.new_id("resp"),
+        created_at=created,
+        status="in_progress",
+        model=ref.served_id(version),
+        instructions=request.instructions,
+        output=[],
+        parallel_tool_calls=request.parallel_tool_calls is not False,
+        tool_choice=request.tool_choice or "auto",
+        tools=function_tools(request),
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_logprobs=request.top_logprobs,
+        max_output_tokens=request.max_output_tokens,
+        metadata=request.metadata or {},
+    )
+
+
 def build_response(
     request: ResponseRequest, ref: ModelRef, sample: Sample, created: int, *, rl_fields: bool
 ) -> ResponseObject:
@@ -166,28 +196,18 @@ def build_response(
         for call in parsed.tool_calls
     )
     usage = sample_output.usage_of([sample])
-    return ResponseObject(
-        id=sample_output.new_id("resp"),
-        created_at=created,
-        completed_at=int(time.time()),
-        status=status,
-        incomplete_details={"reason": "max_output_tokens"} if status == "incomplete" else None,
-        model=ref.served_id(sample.policy_version),
-        instructions=request.instructions,
-        output=output,
-        parallel_tool_calls=request.parallel_tool_calls is not False,
-        tool_choice=request.tool_choice or "auto",
-        tools=function_tools(request),
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_logprobs=request.top_logprobs,
-        max_output_tokens=request.max_output_tokens,
-        metadata=request.metadata or {},
-        usage=ResponseUsage(
-            input_tokens=usage.prompt_tokens,
-            output_tokens=usage.completion_tokens,
-            total_tokens=usage.total_tokens,
-        ),
+    return response_shell(request, ref, sample.policy_version, created).model_copy(
+        update={
+            "completed_at": int(time.time()),
+            "status": status,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "output": output,
+            "usage": ResponseUsage(
+                input_tokens=usage.prompt_tokens,
+                output_tokens=usage.completion_tokens,
+                total_tokens=usage.total_tokens,
+            ),
+        }
     )
 
 
@@ -195,78 +215,108 @@ def _dump(model: BaseModel) -> dict[str, Any]:
     return model.model_dump(exclude_none=True)
 
 
-def stream_events(final: ResponseObject, sample: Sample) -> Iterator[dict[str, Any]]:
-    """The documented event sequence for `final`, replayed (the Sample call is unary).
-
-    A truncated answer ends with `response.incomplete` instead of `response.completed`, as OpenAI's does.
-    """
+async def stream_events(
+    request: ResponseRequest, ref: ModelRef, opened: OpenedStream, created: int
+) -> AsyncIterator[dict[str, Any]]:
+    """The documented event sequence, the message's text deltas as its tokens arrive (as
+    sample_streams.ChoiceContent lets them go, with their tokens' logprobs), the function calls and the
+    final response once the sample is there. A truncated answer ends with `response.incomplete` instead
+    of `response.completed`, as OpenAI's does."""
     sequence = iter(range(1 << 62))
 
     def event(kind: str, **fields: Any) -> dict[str, Any]:
         return {"type": kind, "sequence_number": next(sequence), **fields}
 
-    started = final.model_copy(
-        update={
-            "status": "in_progress",
-            "output": [],
-            "usage": None,
-            "completed_at": None,
-            "incomplete_details": None,
-        }
+    shell = response_shell(request, ref, opened.policy_version, created)
+    yield event("response.created", response=_dump(shell))
+    yield event("response.in_progress", response=_dump(shell))
+    message_id = sample_output.new_id("msg")
+    opened_message = False
+    content = ChoiceContent(chat=True)  # a Responses request has no stop strings
+    pending: list[dict[str, Any]] = []  # logprob entries of tokens whose text is not sent yet
+    where = {"item_id": message_id, "output_index": 0}
+
+    def open_message() -> Iterator[dict[str, Any]]:
+        item = OutputMessage(id=message_id, status="in_progress", content=[])
+        yield event("response.output_item.added", output_index=0, item=_dump(item))
+        yield event("response.content_part.added", **where, content_index=0, part=_dump(OutputText(text="")))
+
+    sample: Sample | None = None
+    async for item in deltas_then_samples(opened):
+        if isinstance(item, tuple):
+            (sample,) = item
+            break
+        text = content.take(item)
+        if request.logprobs_asked:
+            part = delta_sample(item, opened.policy_version)
+            pending += [
+                _dump(sample_output.chat_logprob_entry(part, p, False)) for p in range(len(item.tokens))
+            ]
+        if text:
+            if not opened_message:
+                opened_message = True
+                for opening in open_message():
+                    yield opening
+            yield event("response.output_text.delta", **where, content_index=0, delta=text, logprobs=pending)
+            pending = []
+    assert sample is not None
+    rl_fields = sample_output.rl_fields_asked(request.return_token_ids, request.logprobs_asked)
+    final = build_response(request, ref, sample, created, rl_fields=rl_fields).model_copy(
+        update={"id": shell.id}
     )
-    yield event("response.created", response=_dump(started))
-    yield event("response.in_progress", response=_dump(started))
-    for index, item in enumerate(final.output):
-        rl_fields = dict.fromkeys(("token_ids", "prompt_token_ids", "policy_version", "token_logprobs"))
-        empty: dict[str, Any] = {"content": []} if isinstance(item, OutputMessage) else {"arguments": ""}
-        opened = item.model_copy(update={"status": "in_progress", **rl_fields, **empty})
-        yield event("response.output_item.added", output_index=index, item=_dump(opened))
-        where = {"item_id": item.id, "output_index": index}
-        if isinstance(item, OutputMessage):
-            (part,) = item.content
+    for index, output in enumerate(final.output):
+        if isinstance(output, OutputMessage):
+            output = output.model_copy(update={"id": message_id})
+            final.output[index] = output
+            if not opened_message:
+                for opening in open_message():
+                    yield opening
+            (text_part,) = output.content
+            rest = content.finish(text_part.text)
+            if rest:
+                yield event(
+                    "response.output_text.delta", **where, content_index=0, delta=rest, logprobs=pending
+                )
+            all_logprobs = [_dump(e) for e in text_part.logprobs or ()]
             yield event(
-                "response.content_part.added", **where, content_index=0, part=_dump(OutputText(text=""))
+                "response.output_text.done",
+                **where,
+                content_index=0,
+                text=text_part.text,
+                logprobs=all_logprobs,
             )
-            pieces = sample_output.split_by_tokens(part.text, sample)
-            for position, piece in enumerate(pieces):
-                if piece:
-                    entries = part.logprobs[position : position + 1] if part.logprobs else []
-                    yield event(
-                        "response.output_text.delta",
-                        **where,
-                        content_index=0,
-                        delta=piece,
-                        logprobs=[_dump(e) for e in entries],
-                    )
-            all_logprobs = [_dump(e) for e in part.logprobs or ()]
-            yield event(
-                "response.output_text.done", **where, content_index=0, text=part.text, logprobs=all_logprobs
-            )
-            yield event("response.content_part.done", **where, content_index=0, part=_dump(part))
+            yield event("response.content_part.done", **where, content_index=0, part=_dump(text_part))
         else:
-            yield event("response.function_call_arguments.delta", **where, delta=item.arguments)
-            yield event(
-                "response.function_call_arguments.done", **where, name=item.name, arguments=item.arguments
+            call_where = {"item_id": output.id, "output_index": index}
+            opened_call = output.model_copy(
+                update={"status": "in_progress", "arguments": "", **dict.fromkeys(_TURN_FIELDS)}
             )
-        yield event("response.output_item.done", output_index=index, item=_dump(item))
+            yield event("response.output_item.added", output_index=index, item=_dump(opened_call))
+            yield event("response.function_call_arguments.delta", **call_where, delta=output.arguments)
+            yield event(
+                "response.function_call_arguments.done",
+                **call_where,
+                name=output.name,
+                arguments=output.arguments,
+            )
+        yield event("response.output_item.done", output_index=index, item=_dump(output))
     ending = "response.completed" if final.status == "completed" else "response.incomplete"
     yield event(ending, response=_dump(final))
 
 
-def create_router(sample: Sampler) -> APIRouter:
+def create_router(sample: Sampler, stream: StreamSampler) -> APIRouter:
     router = APIRouter(route_class=BoundedJSONRoute)
 
     @router.post(ROUTE, response_model=None)
     async def create_response(request: ResponseRequest) -> Response:
         ref = parse_model_id(request.model)
         args = sample_args(request, ref)
-        samples = await sample(ROUTE, ref, prompt_messages(request), args)
-        (sampled,) = samples
-        created = int(time.time())
         if request.stream:
-            rl_fields = sample_output.rl_fields_asked(request.return_token_ids, request.logprobs_asked)
-            final = build_response(request, ref, sampled, created, rl_fields=rl_fields)
-            return typed_event_stream(stream_events(final, sampled))
+            opened = await stream(ROUTE, ref, prompt_messages(request), args)
+            events = stream_events(request, ref, opened, int(time.time()))
+            return typed_event_stream(events, opened.close, ref.requested)
+        (sampled,) = await sample(ROUTE, ref, prompt_messages(request), args)
+        created = int(time.time())
         body = build_response(request, ref, sampled, created, rl_fields=request.return_token_ids is not False)
         return Response(body.model_dump_json(exclude_none=True), media_type="application/json")
 

@@ -1,13 +1,11 @@
-"""What a sampled `Sample` becomes in any endpoint's answer: its text cut at stop strings, split into
-one piece per token for streams, OpenAI logprob entries, the parsed chat reply, usage, and the fields
-every response of one reply shares.
+"""What a sampled `Sample` becomes in any endpoint's answer: its text cut at stop strings, OpenAI logprob
+entries, the parsed chat reply, usage, and the fields every response of one reply shares.
 
 Pure functions: no I/O, so every mapping is testable without a server.
 """
 
 from __future__ import annotations
 
-import codecs
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,65 +44,6 @@ def stop_truncated(text: str, sample: Sample, stops: Sequence[str], request: Sam
         return text
     start = stop_search_start(text, sample, request.min_tokens)
     return truncate_at_stop(text, stops, request.include_stop_str_in_output, start)
-
-
-def token_pieces(sample: Sample) -> list[str]:
-    """Each sampled token's share of the decoded text: the characters its bytes complete (a token
-    holding the first bytes of a character carries "", the token that completes it the character),
-    so the pieces join to the text of all the tokens. Token texts stand in where a server sends no
-    bytes."""
-    if len(sample.token_bytes) != len(sample.tokens):
-        return list(sample.token_texts) if len(sample.token_texts) == len(sample.tokens) else []
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    pieces = [decoder.decode(exact) for exact in sample.token_bytes]
-    if pieces:
-        pieces[-1] += decoder.decode(b"", final=True)
-    return pieces
-
-
-def _aligned(content: str, texts: Sequence[str]) -> list[str] | None:
-    """`content` shared out over `texts` in order, each text giving what it has in common with the
-    content still to place (markup the parse dropped gives nothing, a newline it stripped is left);
-    None when the content is not all placed."""
-    pieces: list[str] = []
-    placed = 0
-    for text in texts:
-        common = 0
-        limit = min(len(text), len(content) - placed)
-        while common < limit and text[common] == content[placed + common]:
-            common += 1
-        pieces.append(content[placed : placed + common])
-        placed += common
-    return pieces if placed == len(content) else None
-
-
-def split_by_tokens(content: str, sample: Sample) -> list[str]:
-    """One piece of `content` per sampled token, in order; the pieces always join to `content`.
-
-    Each token carries the part of the content it produced, as soon as its bytes complete a
-    character; tokens outside the content (a think block, tool-call markup, the end-of-turn token)
-    carry "". The content is found inside the tokens' text, or else placed token by token (a parsed
-    reply drops markup and framing between its parts); when neither places it, it all goes on the
-    first token.
-    """
-    token_count = len(sample.tokens)
-    if token_count == 0:
-        return [content] if content else []
-    texts = token_pieces(sample)
-    raw = "".join(texts)
-    start = raw.find(content) if content and len(texts) == token_count else -1
-    if start < 0:
-        aligned = _aligned(content, texts) if len(texts) == token_count else None
-        return aligned if aligned is not None else [content] + [""] * (token_count - 1)
-    pieces = [""] * token_count
-    end = start + len(content)
-    offset = 0
-    for i, text in enumerate(texts):
-        low, high = max(offset, start), min(offset + len(text), end)
-        if low < high:
-            pieces[i] = raw[low:high]
-        offset += len(text)
-    return pieces
 
 
 def token_label(token_id: int, text: str, as_token_ids: bool) -> str:

@@ -1,17 +1,22 @@
 """Server-sent events, the one framing of every stream the sidecar answers.
 
-The Sample RPC is unary, so an endpoint's stream replays a finished result: the first token arrives
-only after the whole sample, and the chunks exist for client compatibility, not latency.
+The chunks come as the SampleStream RPC brings the tokens (sample_streams.py). A failure once the
+stream has started (the server went away, the sampling failed) ends it with one `data:` frame holding
+OpenAI's error object, as OpenAI's own streams do; closing the stream (the client left) closes the RPC,
+and the engine stops decoding for it.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+
+from tinkerrpc import RPCError
+from tinkerrpc_server.sidecar.errors import from_rpc_error
 
 SSE_MEDIA_TYPE = "text/event-stream"
 
@@ -22,22 +27,40 @@ def sse_frame(data: str, event: str | None = None, event_id: int | None = None) 
     return f"{head}{kind}data: {data}\n\n"
 
 
-def _openai_frames(chunks: Iterable[BaseModel]) -> Iterator[str]:
-    for chunk in chunks:
+async def _guarded(
+    frames: AsyncIterator[str], close: Callable[[], Awaitable[None]], model: str, end: str | None
+) -> AsyncIterator[str]:
+    try:
+        async for frame in frames:
+            yield frame
+        if end is not None:
+            yield end
+    except RPCError as error:
+        yield sse_frame(json.dumps(from_rpc_error(error, model).body()))
+    finally:
+        await close()
+
+
+async def _openai_frames(chunks: AsyncIterable[BaseModel]) -> AsyncIterator[str]:
+    async for chunk in chunks:
         yield sse_frame(chunk.model_dump_json(exclude_none=True))
-    yield sse_frame("[DONE]")
 
 
-def _typed_frames(events: Iterable[dict[str, Any]]) -> Iterator[str]:
-    for payload in events:
+async def _typed_frames(events: AsyncIterable[dict[str, Any]]) -> AsyncIterator[str]:
+    async for payload in events:
         yield sse_frame(json.dumps(payload), event=payload["type"])
 
 
-def chunk_stream(chunks: Iterable[BaseModel]) -> StreamingResponse:
+def chunk_stream(
+    chunks: AsyncIterable[BaseModel], close: Callable[[], Awaitable[None]], model: str
+) -> StreamingResponse:
     """Chat and legacy completion chunks, unnamed events ended by `data: [DONE]` as OpenAI sends them."""
-    return StreamingResponse(_openai_frames(chunks), media_type=SSE_MEDIA_TYPE)
+    frames = _guarded(_openai_frames(chunks), close, model, sse_frame("[DONE]"))
+    return StreamingResponse(frames, media_type=SSE_MEDIA_TYPE)
 
 
-def typed_event_stream(events: Iterable[dict[str, Any]]) -> StreamingResponse:
+def typed_event_stream(
+    events: AsyncIterable[dict[str, Any]], close: Callable[[], Awaitable[None]], model: str
+) -> StreamingResponse:
     """Responses API events: each named by its `type`, with no end marker (the last event says so)."""
-    return StreamingResponse(_typed_frames(events), media_type=SSE_MEDIA_TYPE)
+    return StreamingResponse(_guarded(_typed_frames(events), close, model, None), media_type=SSE_MEDIA_TYPE)
