@@ -27,6 +27,9 @@ MAX_ENGINE_TOPK_LOGPROBS = 256
 # Sampled sequences the engine remembers by sequence_id (provenance spans and stable_reinforce name
 # them): the most recently answered ones, each with its prompt and tokens; naming an older one is refused.
 MAX_ENGINE_SAMPLED_SEQUENCES = 16384
+# The engine's cap on K of `[N, K]` soft target_tokens in forward_backward (a teacher's top-K: the
+# cookbook's distillation sends 20); each datum's logprobs and loss inputs hold N·K values.
+MAX_ENGINE_SOFT_TARGETS = 1024
 # Token streams (the engine's sample stream, SampleStream): streams open at once on the engine, and the
 # tokens one stream may hold unread; a reader that far behind loses its stream and its rows stop decoding.
 MAX_ENGINE_TOKEN_STREAMS = 256
@@ -120,6 +123,21 @@ MAX_LORA_RANK = 512
 DEFAULT_HISTORY_PAGE_SIZE = 100
 MAX_HISTORY_PAGE_SIZE = 1000
 
+# --- The engine's REST listings and records (tinker SDK: RestClient, AdminClient)
+# Page size of list_sessions, list_training_runs and list_user_checkpoints (search_sessions: the SDK's 200).
+MAX_ENGINE_PAGE_SIZE = 1000
+# Entries of a user_metadata (session, training run, checkpoint) and tags of a session: labels, not data.
+MAX_ENGINE_LABELS = 64
+# Characters of one tag, display name, user_metadata key or value, and of a session's finish detail.
+MAX_ENGINE_LABEL_CHARS = 1024
+# A checkpoint's ttl_seconds (a save's, a copy's, set_checkpoint_ttl's): Tinker's 10 years. The engine's
+# least is 1 s, not Tinker's hour.
+MAX_CHECKPOINT_TTL_SECONDS = 10 * 365 * 86400
+# age recipients of an encrypted export (save_weights_external), and characters of one (an SSH RSA
+# public key of 8192 bits is about 1400).
+MAX_AGE_RECIPIENTS = 16
+MAX_AGE_RECIPIENT_CHARS = 4096
+
 # --- WatchModel
 # Events a watcher may fall behind by before its stream ends with ABORTED (it resumes from a version):
 # a reader that slow would otherwise hold the server's memory without bound.
@@ -173,6 +191,11 @@ LIMITS: tuple[Limit, ...] = (
         "MAX_ENGINE_SAMPLED_SEQUENCES",
         "sampled sequences the engine keeps for provenance spans and stable_reinforce (the most recent; "
         "an older sequence_id is refused as expired)",
+    ),
+    _most(
+        "MAX_ENGINE_SOFT_TARGETS",
+        "K of the engine's [N, K] soft target_tokens in forward_backward (tinker SDK; losses whose "
+        "contract row has soft_targets)",
     ),
     _most("MAX_ENGINE_TOKEN_STREAMS", "token streams open at once on the engine (SampleStream)"),
     _most(
@@ -239,6 +262,18 @@ LIMITS: tuple[Limit, ...] = (
     _most("MAX_LORA_RANK", "LoraConfig.rank (also at most the base model's hidden size)"),
     _default("DEFAULT_HISTORY_PAGE_SIZE", "GetRunHistoryRequest.page_size when 0"),
     _most("MAX_HISTORY_PAGE_SIZE", "GetRunHistoryRequest.page_size"),
+    _most(
+        "MAX_ENGINE_PAGE_SIZE",
+        "the engine's page size (limit) of list_sessions, list_training_runs and list_user_checkpoints",
+    ),
+    _most("MAX_ENGINE_LABELS", "the engine's entries of one user_metadata, and a session's tags"),
+    _most(
+        "MAX_ENGINE_LABEL_CHARS",
+        "the engine's characters of a tag, display name, user_metadata key or value, or finish detail",
+    ),
+    _most("MAX_CHECKPOINT_TTL_SECONDS", "the engine's ttl_seconds of a checkpoint (save, copy, set ttl)"),
+    _most("MAX_AGE_RECIPIENTS", "age_encryption_recipients of save_weights_external (at least 1 if given)"),
+    _most("MAX_AGE_RECIPIENT_CHARS", "characters of one age recipient (age1... key or SSH public key)"),
     _most("MAX_WATCH_BACKLOG_EVENTS", "events a WatchModel stream falls behind by before it ends (ABORTED)"),
     _most("MAX_JSON_DEPTH", "nesting of JSON in a request (sidecar bodies, parameters_json, arguments_json)"),
     _most("MAX_JSON_ENTRIES", "entries of one JSON object or array in a request"),

@@ -71,13 +71,17 @@ class Loss:
     """One loss. `inputs`: the float `loss_fn_inputs` besides `target_tokens`; `rl`: trains trajectory
     groups (policy gradient) rather than supervised examples; `objective`: its per-datum value, summed
     over tokens (lp the learner's logprob of the target, q the sampler's, A the advantage,
-    r = exp(lp - q), sg a stop-gradient)."""
+    r = exp(lp - q), sg a stop-gradient); `soft_targets`: the engine takes `[N, K]` target_tokens (K
+    per position, its inputs of the same shape, at most limits.MAX_ENGINE_SOFT_TARGETS), the sum then
+    running over every target of every position; the tinker SDK sparsifies only target_tokens and
+    weights, and its custom losses and the cookbook's distillation send [N, K] to cross_entropy."""
 
     name: LossName
     inputs: tuple[str, ...]
     config: tuple[ConfigKey, ...]
     rl: bool
     objective: str
+    soft_targets: bool = False
 
     @property
     def proto_enum(self) -> str:
@@ -100,7 +104,7 @@ KL_COEFF = ConfigKey("kl_coeff", 0.0, Range(0.0), None)
 _POLICY = ("logprobs", "advantages")
 
 LOSSES: tuple[Loss, ...] = (
-    Loss("cross_entropy", ("weights",), (), False, "-Σ lp·w"),
+    Loss("cross_entropy", ("weights",), (), False, "-Σ lp·w", soft_targets=True),
     Loss("importance_sampling", _POLICY, (), True, "-Σ r·A"),
     Loss("ppo", _POLICY, (CLIP_LOW, CLIP_HIGH), True, "-Σ min(r·A, clip(r, low, high)·A)"),
     Loss("cispo", _POLICY, (CLIP_LOW, CLIP_HIGH), True, "-Σ sg(clip(r, low, high))·lp·A"),

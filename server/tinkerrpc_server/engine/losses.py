@@ -1,9 +1,11 @@
 """Tinker's loss functions as pure tensor math: per token, summed over tokens (never averaged).
 
 Each loss takes the learner's logprobs of the target tokens `lp` (N,), the datum's loss inputs
-as float tensors (N,), and the loss config, and returns a scalar tensor. Which losses exist, the inputs
-each takes and its config keys' defaults and ranges are the contract's loss table
-(`tinkerrpc.contract.losses`); here is only their math, keyed by the table's names.
+as float tensors (N,), and the loss config, and returns a scalar tensor. A loss whose contract row takes
+soft targets gets `[N, K]` logprobs and inputs when a datum has K targets per position: the same
+elementwise formula, summed over both axes (cross_entropy: -Σ_{n,k} w[n,k]·log p(t[n,k] | prefix n)).
+Which losses exist, the inputs each takes and its config keys' defaults and ranges are the contract's
+loss table (`tinkerrpc.contract.losses`); here is only their math, keyed by the table's names.
 """
 
 from __future__ import annotations
@@ -99,10 +101,13 @@ class LossSpec:
     float_inputs: tuple[str, ...]  # required beside target_tokens
     config: tuple[contract.ConfigKey, ...]
     check_inputs: InputCheck | None
+    soft_targets: bool  # takes [N, K] target_tokens
 
 
 LOSSES: dict[str, LossSpec] = {
-    loss.name: LossSpec(LOSS_FUNCTIONS[loss.name], loss.inputs, loss.config, _INPUT_CHECKS.get(loss.name))
+    loss.name: LossSpec(
+        LOSS_FUNCTIONS[loss.name], loss.inputs, loss.config, _INPUT_CHECKS.get(loss.name), loss.soft_targets
+    )
     for loss in contract.LOSSES
 }
 

@@ -18,7 +18,7 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 from tinker.types.topk_logprobs import MASK_LOGPROB
 
-from tinkerrpc.contract.limits import MAX_ENGINE_TOPK_LOGPROBS
+from tinkerrpc.contract.limits import MAX_ENGINE_SOFT_TARGETS, MAX_ENGINE_TOPK_LOGPROBS
 from tinkerrpc_server.engine.compute.prompt_targets import (
     NO_TARGET,
     CsrLayout,
@@ -52,6 +52,9 @@ class ForwardBackwardCall:
     loss_fn_config: dict[str, float] | None
     forward_only: bool
     data: list[DatumArrays]
+    # Why the datums or config cannot be read, for the user; the request then fails in its model's turn,
+    # so the model's later requests do not wait for its seq_id.
+    problem: str | None = None
     # Each datum's provenance spans (None: it has none), checked in the model's turn (provenance.py).
     provenance: list[DatumProvenance | None] = field(default_factory=list)
 
@@ -68,22 +71,44 @@ def decode_body(body: bytes, content_encoding: str | None) -> bytes:
         raise BadRequest(f"body is not valid zstd: {exc}") from exc
 
 
+def _whole_array(field: str, what: str, data: bytes, dtype: np.dtype[Any]) -> np.ndarray:
+    if len(data) % dtype.itemsize:
+        raise BadRequest(f"{field}: {len(data)} bytes of {what} is not a whole {dtype} array")
+    return np.frombuffer(data, dtype=dtype)
+
+
 def _tensor_to_numpy(name: str, tensor: pb.Tensor) -> np.ndarray:
+    """A loss input as a dense array; a sparse CSR one is densified with 0 in every unlisted cell, as the
+    SDK's `TensorData.to_numpy()` does."""
+    field = f"loss_fn_inputs[{name!r}]"
     dtype = _NUMPY_DTYPES.get(tensor.dtype)
     if dtype is None:
-        raise BadRequest(f"loss_fn_inputs[{name!r}]: unsupported dtype {tensor.dtype}")
+        raise BadRequest(f"{field}: unsupported dtype {tensor.dtype}")
     if tensor.HasField("sparse_csr"):
-        raise BadRequest(f"loss_fn_inputs[{name!r}]: sparse tensors are not supported by this engine")
-    if len(tensor.dense) % dtype.itemsize:
-        raise BadRequest(f"loss_fn_inputs[{name!r}]: {len(tensor.dense)} bytes is not a whole {dtype} array")
-    array = np.frombuffer(tensor.dense, dtype=dtype)
-    if tensor.shape:
-        shape = tuple(tensor.shape)
-        if math.prod(shape) != array.size:
+        shape = list(tensor.shape)
+        # Its rows are bounded by the row pointers sent (csr_layout), its columns here: it is densified.
+        if len(shape) != 2 or not 1 <= shape[1] <= MAX_ENGINE_SOFT_TARGETS:
             raise BadRequest(
-                f"loss_fn_inputs[{name!r}]: shape {list(shape)} does not match {array.size} values"
+                f"{field}: a sparse CSR tensor must have shape [N, K] with K in [1, {MAX_ENGINE_SOFT_TARGETS}], "
+                f"got {shape}"
             )
-        array = array.reshape(shape)
+        csr = tensor.sparse_csr
+        values = _whole_array(field, "values", csr.values, dtype)
+        layout = csr_layout(
+            field,
+            shape,
+            _whole_array(field, "row pointers", csr.crow_indices, np.dtype(np.int64)),
+            _whole_array(field, "column indices", csr.col_indices, np.dtype(np.int64)),
+            values.size,
+        )
+        dense = np.zeros(shape, dtype=np.int64 if dtype == np.int32 else dtype)
+        dense[layout.rows(), layout.col_indices] = values
+        return dense
+    array = _whole_array(field, "data", tensor.dense, dtype)
+    if tensor.shape:
+        if math.prod(tensor.shape) != array.size:
+            raise BadRequest(f"{field}: shape {list(tensor.shape)} does not match {array.size} values")
+        array = array.reshape(tuple(tensor.shape))
     # int32 widens to the runtime's int64 token convention; float stays float32.
     return array.astype(np.int64) if dtype == np.int32 else array.copy()
 
@@ -108,43 +133,58 @@ def parse_forward_backward(raw: bytes) -> ForwardBackwardCall:
         raise BadRequest(f"body is not a ForwardBackwardRequest protobuf: {exc}") from exc
     if not request.model_id:
         raise BadRequest("model_id is required")
-    config: dict[str, float] = {}
-    for key, value in request.loss_fn_config_v2.items():
-        if value.WhichOneof("value") == "text":
-            raise BadRequest(f"loss_fn_config[{key!r}]: text values are not supported, give a number")
-        config[key] = float(value.number)
-    for key, number in request.loss_fn_config.items():
-        config.setdefault(key, float(number))
-    data = [
-        DatumArrays(
-            input_tokens=_datum_tokens(i, datum),
-            loss_fn_inputs={name: _tensor_to_numpy(name, t) for name, t in datum.loss_fn_inputs.items()},
-        )
-        for i, datum in enumerate(request.data)
-    ]
-    return ForwardBackwardCall(
+    call = ForwardBackwardCall(
         model_id=request.model_id,
         # The SDK numbers a model's requests from 1; 0 means "not given".
         seq_id=request.seq_id or None,
         loss_fn=request.loss_fn,
-        loss_fn_config=config or None,
+        loss_fn_config=None,
         forward_only=request.forward_only,
-        data=data,
+        data=[],
         provenance=[parse_provenance(datum) for datum in request.data],
     )
+    try:
+        config: dict[str, float] = {}
+        for key, value in request.loss_fn_config_v2.items():
+            if value.WhichOneof("value") == "text":
+                raise BadRequest(f"loss_fn_config[{key!r}]: text values are not supported, give a number")
+            config[key] = float(value.number)
+        for key, number in request.loss_fn_config.items():
+            config.setdefault(key, float(number))
+        call.loss_fn_config = config or None
+        call.data = [
+            DatumArrays(
+                input_tokens=_datum_tokens(i, datum),
+                loss_fn_inputs={name: _tensor_to_numpy(name, t) for name, t in datum.loss_fn_inputs.items()},
+            )
+            for i, datum in enumerate(request.data)
+        ]
+    except BadRequest as problem:
+        call.problem = str(problem)
+    return call
 
 
 def encode_forward_result(result: ForwardResult) -> bytes:
-    """ForwardBackwardOutput with one ArrayRecord whose `logprobs` field holds every datum's array."""
-    arrays = [np.asarray(lp, dtype=np.float32).reshape(-1) for lp in result.logprobs]
-    sizes = [a.nbytes for a in arrays]
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64) if arrays else np.zeros(1, np.int64)
-    record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(arrays))
-    field = record.fields["logprobs"]
-    field.data = b"".join(a.tobytes() for a in arrays)
-    field.offsets = offsets.tobytes()
-    field.dtype = pb.DTYPE_FLOAT32
-    output = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record])
+    """ForwardBackwardOutput whose ArrayRecords' `logprobs` field holds every datum's array, in order: one
+    record per run of datums with the same trailing shape (`[K]` for `[N, K]` soft targets, none for
+    `[N]`), since the SDK reads a record's datums as rectangular."""
+    arrays = [np.asarray(lp, dtype=np.float32) for lp in result.logprobs]
+    runs: list[list[np.ndarray]] = []
+    for array in arrays:
+        if runs and runs[-1][0].shape[1:] == array.shape[1:]:
+            runs[-1].append(array)
+        else:
+            runs.append([array])
+    output = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    for run in runs or [[]]:
+        sizes = [a.nbytes for a in run]
+        record = output.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(run))
+        field = record.fields["logprobs"]
+        field.data = b"".join(a.tobytes() for a in run)
+        field.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tobytes()
+        field.dtype = pb.DTYPE_FLOAT32
+        if run:
+            field.trailing_shape.extend(run[0].shape[1:])
     for key, value in result.metrics.items():
         output.metrics[key] = float(value)
     return bytes(output.SerializeToString())
@@ -284,29 +324,40 @@ def _prompt_targets(tensor: Any, prompt_length: int) -> PromptTargets:
         if values.size != rows * k:
             raise BadRequest(f"{field}: {values.size} values do not fill shape {shape}")
         return PromptTargets(values.reshape(rows, k))
-    layout = CsrLayout(
+    layout = csr_layout(
+        field,
+        shape,
         np.asarray(tensor.sparse_crow_indices or [], dtype=np.int64),
         np.asarray(tensor.sparse_col_indices or [], dtype=np.int64),
+        values.size,
     )
-    crow, col = layout.crow_indices, layout.col_indices
+    ids = np.full((rows, k), NO_TARGET, dtype=np.int64)
+    ids[layout.rows(), layout.col_indices] = values
+    return PromptTargets(ids, layout)
+
+
+def csr_layout(field: str, shape: list[int], crow: np.ndarray, col: np.ndarray, listed: int) -> CsrLayout:
+    """The layout of a sparse CSR tensor of 2-D `shape` with `listed` values, checked as torch's
+    `check_invariants` would; raises BadRequest naming `field`."""
+    rows, k = shape
     if (
-        len(crow) != rows + 1
+        rows < 0
+        or len(crow) != rows + 1
         or crow[0] != 0
         or np.any(np.diff(crow) < 0)
         or crow[-1] != len(col)
-        or len(col) != values.size
+        or len(col) != listed
     ):
         raise BadRequest(
             f"{field}: not a valid sparse CSR tensor of shape {shape} (row pointers: {rows + 1}, "
             "from 0, non-decreasing, ending at the number of column indices and values)"
         )
+    layout = CsrLayout(crow, col)
     row_of_cell = layout.rows()
     same_row = row_of_cell[1:] == row_of_cell[:-1]
     if np.any((col < 0) | (col >= k)) or np.any(same_row & (np.diff(col) <= 0)):
         raise BadRequest(f"{field}: sparse column indices must be in [0, {k}) and increasing within a row")
-    ids = np.full((rows, k), NO_TARGET, dtype=np.int64)
-    ids[row_of_cell, col] = values
-    return PromptTargets(ids, layout)
+    return layout
 
 
 class WeightsInfoRequest(pydantic.BaseModel):

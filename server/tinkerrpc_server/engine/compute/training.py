@@ -1,5 +1,9 @@
 """Training passes: a batch of datums through the active adapter in micro-batches of similar length,
-their per-token learner logprobs and the loss's gradients accumulated into the adapter."""
+their per-token learner logprobs and the loss's gradients accumulated into the adapter.
+
+A datum's `target_tokens` are one per position (`[N]`), or K per position (`[N, K]`, soft targets) for a
+loss that takes them (the contract's `Loss.soft_targets`); its other loss inputs have the same shape, and
+so do the logprobs it gets back."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tinkerrpc.contract.limits import MAX_ENGINE_SOFT_TARGETS
 from tinkerrpc_server.engine.compute.adapters import AdaptedModel
 from tinkerrpc_server.engine.compute.decoder import FusedTrainingForward
 from tinkerrpc_server.engine.compute.errors import EngineUserError
@@ -77,22 +82,27 @@ class Training(AdaptedModel):
         self, model: torch.nn.Module, forward: FusedTrainingForward | None, batch: list[PreparedDatum]
     ) -> list[torch.Tensor]:
         """Right-padded forward of one micro-batch (through `forward` when the model has one, else
-        transformers); the learner logprob of every target token (the logits of padding positions are
-        never computed)."""
+        transformers); the learner logprob of every target token, in its datum's target shape (the logits
+        of padding positions are never computed). Datums with fewer targets per position than the batch's
+        most are padded with token 0, whose logprobs are dropped and so get no gradient."""
         width = max(len(item.tokens) for item in batch)
+        most_targets = max(item.targets_per_position for item in batch)
         tokens = torch.zeros((len(batch), width), dtype=torch.long, device=self.device)
-        targets = torch.zeros_like(tokens)
+        targets = torch.zeros((len(batch), width, most_targets), dtype=torch.long, device=self.device)
         mask = torch.zeros_like(tokens)
         for row, item in enumerate(batch):
             n = len(item.tokens)
             tokens[row, :n] = item.tokens
-            targets[row, :n] = item.targets
+            targets[row, :n, : item.targets_per_position] = item.targets.reshape(n, -1)
             mask[row, :n] = 1
         lp = target_logprobs(
             model, tokens, mask, targets[mask.bool()], forward.hidden_states if forward is not None else None
         )
         ends = np.cumsum([len(item.tokens) for item in batch]).tolist()
-        return [lp[end - len(item.tokens) : end] for item, end in zip(batch, ends, strict=True)]
+        return [
+            lp[end - len(item.tokens) : end, : item.targets_per_position].reshape(item.targets.shape)
+            for item, end in zip(batch, ends, strict=True)
+        ]
 
     def _validate_batch(
         self, data: list[DatumArrays], loss_fn: str, loss_fn_config: dict[str, float] | None
@@ -105,7 +115,8 @@ class Training(AdaptedModel):
             raise EngineUserError(str(error)) from None
         if not data:
             raise EngineUserError("data is empty: forward_backward needs at least one datum")
-        required = {"target_tokens", *LOSSES[loss_fn].float_inputs}
+        spec = LOSSES[loss_fn]
+        required = {"target_tokens", *spec.float_inputs}
         prepared = []
         for index, datum in enumerate(data):
             where = f"datum {index}"
@@ -123,20 +134,24 @@ class Training(AdaptedModel):
             unexpected = sorted(set(datum.loss_fn_inputs) - required)
             if unexpected:
                 raise EngineUserError(f"{where}: loss_fn_inputs {unexpected} are not used by {loss_fn}")
+            target_shape = np.asarray(datum.loss_fn_inputs["target_tokens"]).shape
+            self._check_target_shape(target_shape, len(tokens), loss_fn, spec.soft_targets, where)
             for key, values in datum.loss_fn_inputs.items():
-                if np.asarray(values).shape != tokens.shape:
+                if np.asarray(values).shape != target_shape:
                     raise EngineUserError(
-                        f"{where}: loss_fn_inputs[{key!r}] has shape {np.asarray(values).shape}, "
-                        f"model_input has {len(tokens)} tokens"
+                        f"{where}: loss_fn_inputs[{key!r}] has shape {list(np.asarray(values).shape)}, "
+                        f"target_tokens has {list(target_shape)}"
                     )
-            targets = self._check_tokens(np.asarray(datum.loss_fn_inputs["target_tokens"]), f"{where} target")
+            targets = self._check_tokens(
+                np.asarray(datum.loss_fn_inputs["target_tokens"]).reshape(-1), f"{where} target"
+            ).reshape(target_shape)
             inputs = {}
-            for key in LOSSES[loss_fn].float_inputs:
+            for key in spec.float_inputs:
                 values = np.asarray(datum.loss_fn_inputs[key], dtype=np.float64)
                 if not np.all(np.isfinite(values)):
                     raise EngineUserError(f"{where}: loss_fn_inputs[{key!r}] has non-finite values")
                 inputs[key] = torch.tensor(values, dtype=torch.float32, device=self.device)
-            check = LOSSES[loss_fn].check_inputs
+            check = spec.check_inputs
             if check is not None and (problem := check(datum.loss_fn_inputs)):
                 raise EngineUserError(f"{where}: {problem}")
             prepared.append(
@@ -148,12 +163,41 @@ class Training(AdaptedModel):
             )
         return config, prepared
 
+    @staticmethod
+    def _check_target_shape(
+        shape: tuple[int, ...], positions: int, loss_fn: str, soft_targets: bool, where: str
+    ) -> None:
+        """`[N]`, or `[N, K]` with K in [1, MAX_ENGINE_SOFT_TARGETS] for a loss that takes soft targets."""
+        if len(shape) == 2 and soft_targets:
+            if shape[0] == positions and 1 <= shape[1] <= MAX_ENGINE_SOFT_TARGETS:
+                return
+            raise EngineUserError(
+                f"{where}: loss_fn_inputs['target_tokens'] has shape {list(shape)}; soft targets are "
+                f"[N, K] with N = {positions} (the model_input's tokens) and K in [1, {MAX_ENGINE_SOFT_TARGETS}]"
+            )
+        if shape == (positions,):
+            return
+        soft = [name for name, loss in LOSSES.items() if loss.soft_targets]
+        raise EngineUserError(
+            f"{where}: loss_fn_inputs['target_tokens'] has shape {list(shape)}, model_input has {positions} "
+            f"tokens: give [{positions}]"
+            + (
+                f" ({loss_fn} takes one target per position; [N, K] soft targets are for {', '.join(soft)})"
+                if len(shape) == 2
+                else ""
+            )
+        )
+
 
 @dataclass
 class PreparedDatum:
     tokens: torch.Tensor
-    targets: torch.Tensor
+    targets: torch.Tensor  # [N], or [N, K] soft targets
     inputs: dict[str, torch.Tensor]
+
+    @property
+    def targets_per_position(self) -> int:
+        return 1 if self.targets.dim() == 1 else int(self.targets.shape[1])
 
 
 def bucket_by_length(lengths: list[int], max_tokens: int = MICRO_BATCH_TOKENS) -> list[list[int]]:

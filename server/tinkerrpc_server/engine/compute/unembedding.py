@@ -7,7 +7,8 @@ log-softmax, the dense gradient of the gather). Here the logits of padding posit
 computed, each chunk of real positions is one matmul (plus the LoRA term added in place), only the
 logits and their log-sum-exp are kept for backward, and backward turns each chunk into its gradient
 in place. The numbers are the plain computation's: logit[target] − logsumexp(logits), with the
-gradient onehot(target) − softmax(logits) per unit of upstream gradient.
+gradient onehot(target) − softmax(logits) per unit of upstream gradient. A position may have K targets
+(soft targets, `[positions, K]`): each is scored from the same logits, and their gradients add up.
 """
 
 from __future__ import annotations
@@ -57,16 +58,18 @@ def target_logprobs(
     targets: torch.Tensor,
     hidden_states: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Logprobs of `targets` (one per real position of the right-padded batch, row by row) under
-    `model` (a causal LM, or a PeftModel around one) as fp32, differentiable. `hidden_states(input_ids,
+    """Logprobs of `targets` (one per real position of the right-padded batch, row by row, or K per
+    position as `[positions, K]`; the result has their shape) under `model` (a causal LM, or a PeftModel
+    around one) as fp32, differentiable. `hidden_states(input_ids,
     attention_mask)`, when given, computes the decoder's last hidden states in its place (the engine's
     own forward, engine/compute/decoder.py), those of the real positions only, row by row."""
     real = attention_mask.bool()
+    per_position = targets.reshape(targets.shape[0], -1)  # [positions, K]; K = 1 for one target each
     causal_lm: Any = model.get_base_model() if isinstance(model, PeftModel) else model
     unembedding = _plain_unembedding(causal_lm)
     if unembedding is None:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        return torch.log_softmax(logits[real].float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return torch.log_softmax(logits[real].float(), dim=-1).gather(-1, per_position).reshape(targets.shape)
     if hidden_states is not None:
         hidden = hidden_states(input_ids, attention_mask)
     else:
@@ -77,17 +80,17 @@ def target_logprobs(
     lora = unembedding.lora
     args = (
         hidden,
-        targets,
+        per_position,
         unembedding.weight,
         None if lora is None else lora.a,
         None if lora is None else lora.b,
         0.0 if lora is None else lora.scale,
     )
     if not torch.is_grad_enabled():
-        return _chunked_forward(*args, keep_logits=False).logprobs
+        return _chunked_forward(*args, keep_logits=False).logprobs.reshape(targets.shape)
     # torch leaves Function.apply untyped.
     logprobs: torch.Tensor = _TargetLogprobs.apply(*args)  # type: ignore[no-untyped-call]
-    return logprobs
+    return logprobs.reshape(targets.shape)
 
 
 def _plain_unembedding(causal_lm: Any) -> _Unembedding | None:
@@ -168,14 +171,15 @@ def _chunked_forward(
     keep_logits: bool,
 ) -> _Forward:
     positions = hidden.shape[0]
-    logprobs = torch.empty(positions, dtype=torch.float32, device=hidden.device)
-    result = _Forward(logprobs, torch.empty_like(logprobs), [], [])
+    logprobs = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
+    log_normalizers = torch.empty(positions, dtype=torch.float32, device=hidden.device)
+    result = _Forward(logprobs, log_normalizers, [], [])
     for start, end in _chunks(positions, weight.shape[0]):
         logits, down = _logits(hidden[start:end], weight, lora_a, lora_b, scale)
-        log_normalizers = torch.logsumexp(logits, dim=-1)
-        picked = logits.gather(-1, targets[start:end].unsqueeze(-1)).squeeze(-1)
-        logprobs[start:end] = picked - log_normalizers
-        result.log_normalizers[start:end] = log_normalizers
+        chunk_normalizers = torch.logsumexp(logits, dim=-1)
+        picked = logits.gather(-1, targets[start:end])
+        logprobs[start:end] = picked - chunk_normalizers.unsqueeze(-1)
+        result.log_normalizers[start:end] = chunk_normalizers
         result.logits.append(logits if keep_logits else None)
         result.downs.append(down)
     return result
@@ -217,12 +221,12 @@ class _TargetLogprobs(torch.autograd.Function):
             ctx.kept_logits[index] = None
             if logits is None:
                 logits, _ = _logits(chunk, weight, lora_a, lora_b, scale)
-            upstream = grad_logprobs[start:end].float()
-            # d logprob / d logits = onehot(target) − softmax, in place of the logits.
+            upstream = grad_logprobs[start:end].float()  # [chunk, K]
+            # d logprob / d logits = onehot(target) − softmax, in place of the logits; a position's K
+            # targets add their upstream gradients (a repeated target gets each of its shares).
             grad_logits = logits.sub_(log_normalizers[start:end].unsqueeze(-1)).exp_()
-            grad_logits.mul_(-upstream.unsqueeze(-1))
-            rows = torch.arange(end - start, device=grad_logits.device)
-            grad_logits.index_put_((rows, targets[start:end]), upstream, accumulate=True)
+            grad_logits.mul_(-upstream.sum(-1, keepdim=True))
+            grad_logits.scatter_add_(-1, targets[start:end], upstream)
             if grad_hidden is not None:
                 grad_hidden[start:end] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
             if grad_weight is not None:

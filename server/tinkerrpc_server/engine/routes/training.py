@@ -1,7 +1,8 @@
 """Training steps: forward_backward (and forward, its forward_only variant) and optim_step.
 
-forward_backward arrives as protobuf (see protocol); its data, loss and Adam values are checked by the
-runtime, on the compute thread, so a rejected request still takes its turn in the model's queue.
+forward_backward arrives as protobuf (see protocol); its data, loss and optimizer values are checked on
+the compute thread (a body whose datums cannot be read fails there too), so a rejected request still
+takes its turn in the model's queue.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from tinker import types
 
 from tinkerrpc_server.engine import protocol
 from tinkerrpc_server.engine.answers import Answer
+from tinkerrpc_server.engine.compute.errors import EngineUserError
 from tinkerrpc_server.engine.optimizers import adam_params
 from tinkerrpc_server.engine.provenance import check_provenance
 from tinkerrpc_server.engine.routes.common import EngineDep, model_operation
@@ -24,6 +26,8 @@ async def forward_backward(request: Request, engine: EngineDep) -> types.Untyped
     call = protocol.parse_forward_backward(raw)
 
     def work() -> Answer:
+        if call.problem is not None:
+            raise EngineUserError(call.problem)
         check_provenance(call.data, call.provenance, engine.sampled, call.loss_fn)
         return engine.live_runtime(call.model_id).forward_backward(
             call.model_id, call.data, call.loss_fn, call.loss_fn_config, backward=not call.forward_only

@@ -1,0 +1,211 @@
+"""Tinker 0.38's training additions through the unmodified SDK against a real engine: `[N, K]` soft
+targets (a teacher's top-K, as off-policy distillation sends them), dense and sparse, in forward,
+forward_backward and forward_backward_custom; and their refusals, which leave the client usable."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import tinker
+import torch
+from engine_proc import TINY, seq_gaps
+from tinker import types
+
+from tinkerrpc.contract.limits import MAX_ENGINE_SOFT_TARGETS
+from tinkerrpc_server.local.stack import LocalEngine
+
+pytestmark = pytest.mark.process
+
+ADAM = types.AdamParams(learning_rate=5e-3)
+SEQUENCE = [11, 42, 17, 99, 23, 5, 8, 61, 7, 30]
+K = 4
+
+
+def teacher_top_k(service: tinker.ServiceClient) -> tuple[np.ndarray, np.ndarray]:
+    """The base model's top-K (ids, logprobs) at each position of SEQUENCE after the first: position n's
+    row is the distribution of the token after SEQUENCE[: n + 1]."""
+    teacher = service.create_sampling_client(base_model=TINY).result()
+    scored = teacher.sample(
+        types.ModelInput.from_ints(SEQUENCE), 1, types.SamplingParams(max_tokens=1), topk_prompt_logprobs=K
+    ).result()
+    top = scored.topk_prompt_logprobs_np
+    assert top is not None
+    return top.token_ids[1:].astype(np.int64), top.logprobs[1:]
+
+
+def soft_datum(ids: np.ndarray, weights: np.ndarray, *, sparse: bool) -> types.Datum:
+    """A datum predicting SEQUENCE[1:] from SEQUENCE[:-1] with [N, K] targets; sparse through the SDK's
+    own CSR encoding (TensorData.from_torch_sparse: cells equal to 0 are left out)."""
+    if sparse:
+        targets = types.TensorData.from_torch_sparse(torch.from_numpy(ids))
+        weighting = types.TensorData.from_torch_sparse(torch.from_numpy(weights))
+        assert targets.sparse_crow_indices is not None and weighting.sparse_crow_indices is not None
+    else:
+        targets, weighting = types.TensorData.from_numpy(ids), types.TensorData.from_numpy(weights)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(SEQUENCE[:-1]),
+        loss_fn_inputs={"target_tokens": targets, "weights": weighting},
+    )
+
+
+def distillation_grid(ids: np.ndarray, logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The cookbook's soft targets: the top-K renormalised to weights, here on the last two positions
+    only (the rest masked to id 0 and weight 0, which the sparse encoding leaves out)."""
+    weights = np.exp(logprobs - np.logaddexp.reduce(logprobs, axis=-1, keepdims=True)).astype(np.float32)
+    trained = np.zeros(len(ids), dtype=bool)
+    trained[-2:] = True
+    return np.where(trained[:, None], ids, 0), np.where(trained[:, None], weights, 0.0).astype(np.float32)
+
+
+def logprobs_of(output: types.ForwardBackwardOutput) -> np.ndarray:
+    (only,) = output.loss_fn_outputs
+    return only["logprobs"].to_numpy()
+
+
+def test_soft_targets_dense_and_sparse_score_and_train_a_teacher_s_top_k(
+    service: tinker.ServiceClient, engine: LocalEngine
+) -> None:
+    ids, teacher_logprobs = teacher_top_k(service)
+    n = len(SEQUENCE) - 1
+    assert ids.shape == (n, K)
+    student = service.create_lora_training_client(TINY, rank=4, seed=9).result()
+
+    # The student is the base model until it trains (LoRA B = 0): its logprobs of the teacher's top-K
+    # are the teacher's, each column the one a [N] target of the same ids gets.
+    dense = student.forward([soft_datum(ids, np.ones((n, K), np.float32), sparse=False)], "cross_entropy")
+    scored = logprobs_of(dense.result())
+    assert scored.shape == (n, K)
+    np.testing.assert_allclose(scored, teacher_logprobs, atol=1e-4)
+    for column in range(K):
+        hard = types.Datum(
+            model_input=types.ModelInput.from_ints(SEQUENCE[:-1]),
+            loss_fn_inputs={"target_tokens": ids[:, column], "weights": np.ones(n, np.float32)},
+        )
+        np.testing.assert_allclose(
+            logprobs_of(student.forward([hard], "cross_entropy").result()), scored[:, column], atol=1e-6
+        )
+
+    masked_ids, weights = distillation_grid(ids, teacher_logprobs)
+    outputs = {
+        sparse: student.forward([soft_datum(masked_ids, weights, sparse=sparse)], "cross_entropy").result()
+        for sparse in (False, True)
+    }
+    np.testing.assert_array_equal(logprobs_of(outputs[True]), logprobs_of(outputs[False]))
+    loss = outputs[True].metrics["loss:sum"]
+    assert loss == outputs[False].metrics["loss:sum"]
+    assert loss == pytest.approx(float(-(weights * logprobs_of(outputs[True])).sum()), rel=1e-5)
+
+    # Training on the sparse grid lowers its cross-entropy, step after step.
+    losses = [loss]
+    for _ in range(3):
+        step = student.forward_backward([soft_datum(masked_ids, weights, sparse=True)], "cross_entropy")
+        student.optim_step(ADAM).result()
+        assert step.result().metrics["loss:sum"] == pytest.approx(losses[-1], rel=1e-5)
+        after = student.forward([soft_datum(masked_ids, weights, sparse=True)], "cross_entropy").result()
+        losses.append(after.metrics["loss:sum"])
+    assert all(later < earlier for earlier, later in itertools.pairwise(losses)), losses
+    assert seq_gaps(engine, student.model_id) == []
+
+
+def test_a_custom_loss_over_a_target_distribution_gets_and_trains_n_by_k_logprobs(
+    service: tinker.ServiceClient,
+) -> None:
+    """The SDK's own forward_backward_custom example: `target_tokens` [[2, 3]] with a 0.25/0.75 target
+    distribution, the loss -Σ q·logprobs."""
+    client = service.create_lora_training_client(TINY, rank=4, seed=2).result()
+    distribution = types.TensorData(data=[0.25, 0.75], dtype="float32", shape=[1, 2])
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints([1]),
+            loss_fn_inputs={"target_tokens": [[2, 3]], "target_distribution": distribution},
+        )
+    ]
+    seen: list[tuple[int, ...]] = []
+
+    def custom_loss(
+        data: list[types.Datum], logprobs_list: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        seen.extend(tuple(lp.shape) for lp in logprobs_list)
+        loss = sum(
+            -(datum.loss_fn_inputs["target_distribution"].to_torch() * logprobs).sum()
+            for datum, logprobs in zip(data, logprobs_list, strict=True)
+        )
+        return loss, {}  # type: ignore[return-value]
+
+    before = client.forward_backward_custom(data, custom_loss).result().metrics["loss:sum"]
+    client.optim_step(ADAM).result()
+    after = client.forward_backward_custom(data, custom_loss).result().metrics["loss:sum"]
+    assert seen == [(1, 2), (1, 2)]
+    assert after < before
+
+
+def expect_failure(call: object, *fragments: str) -> None:
+    with pytest.raises(tinker.RequestFailedError) as info:
+        call.result()  # type: ignore[attr-defined]
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+
+
+def test_bad_soft_targets_fail_in_turn_naming_the_problem_and_the_client_goes_on(
+    service: tinker.ServiceClient, engine: LocalEngine
+) -> None:
+    client = service.create_lora_training_client(TINY, rank=4, seed=4).result()
+    n = len(SEQUENCE) - 1
+    prompt = types.ModelInput.from_ints(SEQUENCE[:-1])
+
+    def grid(k: int, rows: int = n) -> dict[str, types.TensorData]:
+        return {
+            "target_tokens": types.TensorData.from_numpy(np.ones((rows, k), np.int64)),
+            "weights": types.TensorData.from_numpy(np.ones((rows, k), np.float32)),
+        }
+
+    too_wide = grid(MAX_ENGINE_SOFT_TARGETS + 1)
+    expect_failure(
+        client.forward_backward([types.Datum(model_input=prompt, loss_fn_inputs=too_wide)], "cross_entropy"),
+        "target_tokens",
+        str(MAX_ENGINE_SOFT_TARGETS),
+    )
+    expect_failure(
+        client.forward_backward(
+            [types.Datum(model_input=prompt, loss_fn_inputs=grid(2, n + 1))], "cross_entropy"
+        ),
+        "target_tokens",
+        f"N = {n}",
+    )
+    rl = {
+        "target_tokens": np.ones((n, 2), np.int64),
+        "logprobs": np.full((n, 2), -1.0, np.float32),
+        "advantages": np.ones((n, 2), np.float32),
+    }
+    expect_failure(
+        client.forward_backward([types.Datum(model_input=prompt, loss_fn_inputs=rl)], "ppo"),
+        "ppo takes one target per position",
+    )
+    # A sparse grid whose column indices fall outside its K: read on arrival, failed in its turn.
+    broken = types.TensorData(
+        data=[5],
+        dtype="int64",
+        shape=[n, 2],
+        sparse_crow_indices=[0, 1] + [1] * (n - 1),
+        sparse_col_indices=[2],
+    )
+    weights = types.TensorData.from_numpy(np.ones((n, 2), np.float32))
+    expect_failure(
+        client.forward_backward(
+            [types.Datum(model_input=prompt, loss_fn_inputs={"target_tokens": broken, "weights": weights})],
+            "cross_entropy",
+        ),
+        "loss_fn_inputs['target_tokens']",
+        "[0, 2)",
+    )
+    # Nothing above trained: a step now has no gradients (decay only, which is 0), and the client goes on.
+    probe = [types.Datum(model_input=prompt, loss_fn_inputs=grid(2))]
+    before = logprobs_of(client.forward(probe, "cross_entropy").result())
+    client.optim_step(ADAM).result()
+    np.testing.assert_array_equal(logprobs_of(client.forward(probe, "cross_entropy").result()), before)
+    client.forward_backward(probe, "cross_entropy").result()
+    client.optim_step(ADAM).result()
+    assert not np.allclose(logprobs_of(client.forward(probe, "cross_entropy").result()), before)
+    assert seq_gaps(engine, client.model_id) == []
