@@ -393,7 +393,8 @@ def test_gspo_and_stable_reinforce_train_through_the_tinker_sdk(engine: LocalEng
 def test_stable_reinforce_takes_datums_with_provenance_from_a_recording_sampler(engine: LocalEngine) -> None:
     """Tinker's stable_reinforce flow (cookbook 0.6 rl_loop.py): a sampling client made with
     record_stability_info, a datum naming its sampled sequence_id through provenance spans. The engine
-    records nothing (docs/tinker_parity.md) but takes both, and trains."""
+    checks the spans against what it sampled, takes q from the recorded logprobs (docs/tinker_parity.md),
+    and trains."""
     with engine.service_client() as service:
         client = service.create_lora_training_client(TINY_CHAT, rank=4, seed=9).result()
         sampler = client.save_weights_and_get_sampling_client(record_stability_info=True).result()
@@ -406,7 +407,7 @@ def test_stable_reinforce_takes_datums_with_provenance_from_a_recording_sampler(
             model_input=prompt.append(types.EncodedTextChunk(tokens=sequence.tokens[:-1])),
             loss_fn_inputs={
                 "target_tokens": types.TensorData.from_numpy(
-                    np.array([0] * prompt_positions + sequence.tokens)
+                    np.array(prompt.to_ints()[1:] + sequence.tokens)
                 ),
                 "logprobs": types.TensorData.from_numpy(
                     np.array([0.0] * prompt_positions + sequence.logprobs, np.float32)
