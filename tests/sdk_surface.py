@@ -200,7 +200,7 @@ def surface() -> list[str]:
     names = _namespace()
     rows: list[str] = []
     roots: set[type] = set()
-    for method, parameters in sorted(_method_rows()):
+    for method, parameters in sorted(_method_rows(), key=lambda m: (CLIENTS.index(m[0].split(".")[0]), m[0])):
         rows.append(method)
         for parameter in parameters:
             annotation = _resolve(parameter.annotation, names)
