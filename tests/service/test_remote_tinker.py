@@ -102,3 +102,29 @@ def test_serve_on_a_remote_tinker_trains_exports_and_recovers(
         assert server.stub.Train(rl_step, timeout=CALL_TIMEOUT).policy_version == TINKER_CHECKPOINT_EVERY + 2
     finally:
         assert server.close() == 0, server.proc.log()[-3000:]
+
+
+def test_sample_stream_on_a_tinker_without_streaming_replays_the_sample(
+    tmp_path: Path, service_model_dir: Path, engine: LocalEngine
+) -> None:
+    """Tinker has no token stream: SampleStream samples whole and replays it, one token per delta."""
+    server = _serve(tmp_path, service_model_dir, engine, "stream")
+    try:
+        with tinkerrpc.Client(server.proc.target) as client:
+            client.create_model("streamed", base_model="tinkerrpc/tiny-chat", lora_rank=8)
+            model = client.model("streamed")
+            options = tinkerrpc.SamplingOptions(
+                n=2, max_tokens=12, seed=4, ignore_default_stops=True, top_logprobs=2, return_token_texts=True
+            )
+            with model.sample_stream("Hello", options) as stream:
+                head, *middle, last = list(stream)
+            unary = model.sample("Hello", options=options)
+        assert head.prompt_token_ids and last.samples is not None
+        assert all(len(d.tokens) == 1 for c in middle for d in c.deltas)
+        for index, sample in enumerate(last.samples):
+            deltas = [d for c in middle for d in c.deltas if d.index == index]
+            assert tuple(t for d in deltas for t in d.tokens) == sample.tokens == unary[index].tokens
+            assert "".join(d.text for d in deltas) == sample.text
+            assert [d.top_logprobs[0] for d in deltas] == list(sample.top_logprobs)
+    finally:
+        assert server.close() == 0
