@@ -6,8 +6,9 @@ its tokens (the weights version, see snapshots.py), and, when the request asked 
 (`record_stability_info`), its stability information: the sampler's own logprob of each token and the
 temperature they were drawn at, which stable_reinforce uses in place of the datum's `logprobs`.
 
-Bounded: the MAX_ENGINE_SAMPLED_SEQUENCES most recently answered sequences are kept; an older one's id
-is remembered (as many again) so naming it says that it expired rather than that it was never sampled.
+Bounded: the MAX_ENGINE_SAMPLED_SEQUENCES most recently answered sequences are kept (tokens as int32, 4
+bytes each, a request's prompt once for all its sequences); an older one's id is remembered (as many
+again) so naming it says that it expired rather than that it was never sampled.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ class StabilityInfo:
 @dataclass(frozen=True)
 class SampledRecord:
     sequence_id: str
-    prompt: np.ndarray  # int64, the request's prompt (shared by its sequences)
-    tokens: np.ndarray  # int64, the sampled tokens
+    prompt: np.ndarray  # int32, the request's prompt (shared by its sequences)
+    tokens: np.ndarray  # int32, the sampled tokens
     weights: tuple[WeightsSpan, ...]
     stability: StabilityInfo | None
 
@@ -70,7 +71,7 @@ class SampledSequences:
         if not isinstance(outcome, SampleOutput):
             return
         output = outcome
-        prompt = np.asarray(job.prompt_tokens, dtype=np.int64)
+        prompt = np.asarray(job.prompt_tokens, dtype=np.int32)
         records = []
         for index, seq in enumerate(output.sequences):
             span = WeightsSpan(0, len(seq.tokens), sampler.model_path, sampler.weights_version)
@@ -80,7 +81,7 @@ class SampledSequences:
                 else None
             )
             sequence_id = f"{request_id}:{index}"
-            tokens = np.asarray(seq.tokens, dtype=np.int64)
+            tokens = np.asarray(seq.tokens, dtype=np.int32)
             records.append(SampledRecord(sequence_id, prompt, tokens, (span,), stability))
         with self._lock:
             for record in records:
