@@ -3,8 +3,8 @@
 A sample request's sequences get the ids `<request id>:<index>` (the SDK's `sample_sequence_ids`); once
 it is answered each is recorded with its request's prompt, its tokens, which weights produced which of
 its tokens (the weights version, see snapshots.py), and, when the request asked for it
-(`record_stability_info`), its stability information: the sampler's own logprob of each token and the
-temperature they were drawn at, which stable_reinforce uses in place of the datum's `logprobs`.
+(`record_stability_info`), its stability information: the sampler's own logprob of each token, which
+stable_reinforce uses in place of the datum's `logprobs`.
 
 Bounded: the MAX_ENGINE_SAMPLED_SEQUENCES most recently answered sequences are kept (tokens as int32, 4
 bytes each, a request's prompt once for all its sequences); an older one's id is remembered (as many
@@ -37,10 +37,9 @@ class WeightsSpan:
 @dataclass(frozen=True)
 class StabilityInfo:
     """What the sampler recorded for stable_reinforce: each sampled token's logprob as it was drawn
-    (log-softmax(logits / T), the number the sampler answered) and T."""
+    (log-softmax(logits / T), the number the sampler answered)."""
 
     logprobs: np.ndarray  # float32, one per sampled token
-    temperature: float
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,7 @@ class SampledSequences:
         for index, seq in enumerate(output.sequences):
             span = WeightsSpan(0, len(seq.tokens), sampler.model_path, sampler.weights_version)
             stability = (
-                StabilityInfo(np.asarray(seq.logprobs, dtype=np.float32), job.temperature)
+                StabilityInfo(np.asarray(seq.logprobs, dtype=np.float32))
                 if job.record_stability_info
                 else None
             )
