@@ -9,8 +9,9 @@ prints a line per step, writes a curve PNG and a JSON summary, and exits non-zer
 target.
 
 `--recipe arithmetic` (the default) trains the pretrained SmolLM2-135M-Instruct with RL alone on
-addition problems, judged on held-out ones; `--recipe yes-no-maybe` teaches the random tiny model by SFT
-then RL.
+addition problems, judged on held-out ones; `--recipe distillation` then distils that model into a fresh
+SmolLM2 LoRA with no reward function (Train's distillation option); `--recipe yes-no-maybe` teaches the
+random tiny model by SFT then RL.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 from tinkerrpc_server.recipes.arithmetic.recipe import ArithmeticRecipe
 from tinkerrpc_server.recipes.arithmetic.task import BASE_MODEL
 from tinkerrpc_server.recipes.base import Recipe, run_recipe
+from tinkerrpc_server.recipes.distillation.recipe import DistillationRecipe
 from tinkerrpc_server.recipes.yes_no_maybe.recipe import YesNoMaybeRecipe
 
 
@@ -48,10 +50,21 @@ def _arithmetic(args: argparse.Namespace) -> ArithmeticRecipe:
     )
 
 
+def _distillation(args: argparse.Namespace) -> DistillationRecipe:
+    return DistillationRecipe(
+        out_dir=args.out,
+        target_gain=args.target_gain,
+        steps=args.rl_max_steps or DistillationRecipe.steps,
+        seed=args.seed,
+        data_dir=args.data_dir,
+    )
+
+
 # Each recipe by its --recipe name, made from the command line.
 RECIPES: dict[str, Callable[[argparse.Namespace], Recipe[Any]]] = {
     "yes-no-maybe": _yes_no_maybe,
     "arithmetic": _arithmetic,
+    "distillation": _distillation,
 }
 
 
@@ -68,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=list(RECIPES),
         default="arithmetic",
         help=f"arithmetic (the default): RL on the pretrained {BASE_MODEL}, judged on held-out "
-        "addition problems; yes-no-maybe: SFT then RL on the random tiny model",
+        "addition problems; distillation: that arithmetic-trained model distilled into a fresh one with no "
+        "reward; yes-no-maybe: SFT then RL on the random tiny model",
     )
     parser.add_argument("--out", type=Path, default=Path("demo-out"), help="where the PNG and JSON go")
     parser.add_argument(
@@ -81,14 +95,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--target-gain",
         type=float,
         default=ArithmeticRecipe.target_gain,
-        help="arithmetic: held-out accuracy to gain over step 0 (absolute, 0.2 = 20 points)",
+        help="arithmetic, distillation: held-out accuracy to gain over step 0 (absolute, 0.2 = 20 points)",
     )
     parser.add_argument(
         "--rl-max-steps",
         type=_positive_int,
         default=None,
         help=f"RL steps (default: yes-no-maybe {YesNoMaybeRecipe.rl_max_steps} at most, "
-        f"arithmetic {ArithmeticRecipe.steps})",
+        f"arithmetic {ArithmeticRecipe.steps}; distillation: its steps, {DistillationRecipe.steps})",
     )
     parser.add_argument("--seed", type=int, default=YesNoMaybeRecipe.seed)
     parser.add_argument(

@@ -108,7 +108,7 @@ class ArithmeticRecipe:
         ) as session:
 
             async def measure(step: int, version: int) -> None:
-                accuracy = await _held_out_accuracy(session, split.held_out, self.max_tokens)
+                accuracy = await held_out_accuracy(session, split.held_out, self.max_tokens)
                 held_out.append(HeldOutRecord(step, version, accuracy, time.monotonic() - session.created))
                 print(f"held-out after step {step:3d} (v{version}): accuracy {accuracy:6.1%}", flush=True)
 
@@ -151,7 +151,7 @@ class ArithmeticRecipe:
         groups = []
         in_format = 0
         for problem, (messages, completion) in zip(problems, rollouts, strict=True):
-            answers = _choice_texts(completion)
+            answers = choice_texts(completion)
             in_format += sum(problem.is_in_format(a) for a in answers)
             groups.append(
                 tinkerrpc.TrajectoryGroup(
@@ -225,18 +225,18 @@ class ArithmeticRecipe:
         )
 
 
-async def _held_out_accuracy(session: Session, problems: Sequence[Problem], max_tokens: int) -> float:
+async def held_out_accuracy(session: Session, problems: Sequence[Problem], max_tokens: int) -> float:
     """Greedy (temperature 0) exact-match accuracy: one deterministic reply per problem."""
     rollouts = await session.rollouts([p.prompt for p in problems], 1, max_tokens, seed=0, temperature=0.0)
     correct = [
         problem.is_correct(answer)
         for problem, (_, completion) in zip(problems, rollouts, strict=True)
-        for answer in _choice_texts(completion)
+        for answer in choice_texts(completion)
     ]
     return sum(correct) / len(correct)
 
 
-def _choice_texts(completion: ChatCompletion) -> list[str]:
+def choice_texts(completion: ChatCompletion) -> list[str]:
     """Each choice's reply, empty when it ran out of tokens: a cut-off reply is not an answer."""
     return [
         (choice.message.content or "") if choice.finish_reason == "stop" else ""

@@ -1,0 +1,1 @@
+"""`tinkerrpc demo --recipe distillation`: the arithmetic teacher distilled into a fresh student."""
