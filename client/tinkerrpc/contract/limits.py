@@ -22,7 +22,8 @@ MAX_INT64 = 2**63 - 1
 # OpenAI's top_logprobs cap.
 MAX_TOP_LOGPROBS = 20
 # The engine's cap on K of the tinker SDK's topk_sample_logprobs and topk_prompt_logprobs (the cookbook's
-# distillation recipes ask for 20); each position's K entries are kept until the answer is read.
+# distillation recipes ask for 20), target_prompt_logprobs and prompt_alt_tokens_k; each position's K
+# entries are kept until the answer is read.
 MAX_ENGINE_TOPK_LOGPROBS = 256
 # Sampled sequences the engine remembers by sequence_id (provenance spans and stable_reinforce name
 # them): the most recently answered ones, each with its prompt and tokens; naming an older one is refused.
@@ -185,7 +186,8 @@ LIMITS: tuple[Limit, ...] = (
     _most("MAX_TOP_LOGPROBS", "SamplingParams.top_logprobs (the sidecar's top_logprobs, logprobs)"),
     _most(
         "MAX_ENGINE_TOPK_LOGPROBS",
-        "the engine's topk_sample_logprobs and topk_prompt_logprobs (tinker SDK; also at most the vocabulary)",
+        "K of the engine's topk_sample_logprobs and topk_prompt_logprobs (also at most the vocabulary), "
+        "target_prompt_logprobs and prompt_alt_tokens_k (tinker SDK)",
     ),
     _most(
         "MAX_ENGINE_SAMPLED_SEQUENCES",
