@@ -46,8 +46,8 @@ options(
 add(works(probe("create_lora_metadata")), "ServiceClient.create_lora_training_client(user_metadata)")
 add(
     works(
-        S038 + "test_a_dimuon_model_is_refused_at_creation_and_nothing_runs_adam_in_its_place",
-        probe("create_adam"),
+        LOSSES + "test_a_dimuon_client_steps_along_the_momentum_s_matrix_sign_and_refuses_adam_steps",
+        probe("create_adam", "create_dimuon"),
     ),
     "ServiceClient.create_lora_training_client(optimizer)",
 )
@@ -76,8 +76,7 @@ options(
 )
 add(
     works(
-        S038 + "test_a_dimuon_model_is_refused_at_creation_and_nothing_runs_adam_in_its_place",
-        probe("from_state_adam"),
+        LOSSES + "test_dimuon_state_resumes_through_the_sdk_and_keeps_its_family", probe("from_state_adam")
     ),
     "ServiceClient.create_training_client_from_state(optimizer)",
 )
@@ -167,6 +166,7 @@ method(
     "data loss_fn loss_type_input",
     works(
         LOSSES + "test_a_custom_loss_over_a_target_distribution_gets_and_trains_n_by_k_logprobs",
+        COOKBOOK + "test_decision_model_scores_with_target_prompt_logprobs_and_trains_on_soft_labels",
         probe("custom_callable"),
     ),
 )
@@ -268,14 +268,22 @@ add(
         S038 + "test_topk_sample_logprobs_are_the_sampled_positions_distribution",
         S038 + "test_topk_logprobs_out_of_range_are_refused_naming_the_field",
     ),
-    "SamplingClient.sample(topk_prompt_logprobs)",
     "SamplingClient.sample(topk_sample_logprobs)",
+)
+add(
+    works(
+        S038 + "test_topk_sample_logprobs_are_the_sampled_positions_distribution",
+        S038 + "test_topk_logprobs_out_of_range_are_refused_naming_the_field",
+        COOKBOOK + "test_off_policy_distillation_learns_a_teacher_s_top_k",
+    ),
+    "SamplingClient.sample(topk_prompt_logprobs)",
 )
 add(
     works(
         S038 + "test_target_prompt_logprobs_are_the_prompts_logprobs_of_those_ids",
         S038 + "test_sparse_target_prompt_logprobs_answer_the_listed_cells_in_the_same_layout",
         S038 + "test_bad_target_prompt_logprobs_are_refused_naming_the_field",
+        COOKBOOK + "test_decision_model_scores_with_target_prompt_logprobs_and_trains_on_soft_labels",
     ),
     "SamplingClient.sample(target_prompt_logprobs)",
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from sdk_registry import (
+    COOKBOOK,
     LOSSES,
     PARITY,
     REST,
@@ -43,12 +44,12 @@ method(
     "learning_rate beta1 beta2 eps weight_decay grad_clip_norm",
     works(SDK + "test_train_save_sample_and_resume_with_optimizer", probe("adam_fields")),
 )
-DIMUON = refused(
-    "the SDK names Dimuon but does not define its update; the engine runs AdamW only, so a Dimuon model "
-    "is a 400 naming optimizer_config at creation and a Dimuon step on an AdamW model fails naming "
-    "optim_params, changing nothing",
-    S038 + "test_a_dimuon_model_is_refused_at_creation_and_nothing_runs_adam_in_its_place",
+DIMUON = works(
+    LOSSES + "test_a_dimuon_client_steps_along_the_momentum_s_matrix_sign_and_refuses_adam_steps",
+    LOSSES + "test_dimuon_state_resumes_through_the_sdk_and_keeps_its_family",
     probe("create_dimuon"),
+    note="the update as the Tinker parity page's Dimuon section infers it; an Adam step on a Dimuon "
+    "model, or a Dimuon step on an AdamW one, fails naming the families and changes nothing",
 )
 add(DIMUON, "DimuonOptimizerConfig")
 method("DimuonParams", "learning_rate grad_clip_norm beta1", DIMUON)
@@ -58,6 +59,7 @@ method(
     works(
         SDK + "test_losses_match_plain_torch",
         LOSSES + "test_soft_targets_dense_and_sparse_score_and_train_a_teacher_s_top_k",
+        COOKBOOK + "test_off_policy_distillation_learns_a_teacher_s_top_k",
     ),
 )
 PROVENANCE = works(

@@ -1,8 +1,9 @@
 """tinker-cookbook's own training loops, run as a user would run them against `tinkerrpc engine`.
 
-`python cookbook_runs.py sft|rl LOG_PATH --steps N` builds the cookbook's `Config` and calls its
-`main`, unmodified; `rl-loop` runs the cookbook's own recipes/rl_loop.py (0.6 and later) with
-stable_reinforce. This file writes only what a recipe author writes: a config, an in-memory
+`python cookbook_runs.py sft|rl|distill LOG_PATH --steps N` builds the cookbook's `Config` and calls its
+`main`, unmodified (`distill`: distillation/train_off_policy.py, from a teacher's top-K); `rl-loop`
+runs the cookbook's own recipes/rl_loop.py (0.6 and later) with stable_reinforce; `decisions` runs
+recipes/decisions as its README does (it has no `main`). This file writes only what a recipe author writes: a config, an in-memory
 dataset and a tiny `Env`, in the cookbook's interfaces. The engine comes from the environment, as
 for any cookbook user: TINKER_BASE_URL and TINKER_API_KEY; the tokenizer is loaded by model name
 (offline, from the Hugging Face cache the engine lays out).
@@ -14,6 +15,7 @@ import argparse
 import asyncio
 import random
 from collections.abc import Sequence
+from typing import Any
 
 import chz
 import tinker
@@ -238,17 +240,98 @@ def run_rl_loop_recipe(log_path: str, steps: int, save_every: int) -> None:
     )
 
 
+# ---- distillation/train_off_policy.py: a student learns the teacher's top-K next-token distribution ----
+
+
+def distill_config(log_path: str, steps: int, save_every: int, teacher: str) -> Any:
+    """The off-policy distillation loop's Config: the supervised answers above, the teacher's top-4 at
+    every position as [N, 4] soft targets (topk_prompt_logprobs, then cross_entropy over [N, K])."""
+    from tinker_cookbook.distillation import train_off_policy
+    from tinker_cookbook.distillation.datasets import TeacherConfig
+
+    return train_off_policy.Config(
+        log_path=log_path,
+        model_name=MODEL,
+        recipe_name="tinkerrpc_cookbook_distill",
+        renderer_name=RENDERER,
+        dataset_configs=[
+            train_off_policy.DatasetWithTeacher(
+                dataset_builder=AnswerDatasetBuilder(steps=steps),
+                teacher_config=TeacherConfig(base_model=MODEL, load_checkpoint_path=teacher),
+            )
+        ],
+        learning_rate=5e-3,
+        lora_rank=LORA_RANK,
+        n_teacher_targets=4,
+        batch_size=8,
+        save_every=save_every,
+        eval_every=0,
+        max_steps=steps,
+    )
+
+
+# ---- recipes/decisions: a decision model trained on soft labels, scored by target_prompt_logprobs ----
+
+DECISION_CHOICES = [("yes", "Agree"), ("no", "Disagree"), ("maybe", "Not sure")]
+DECISION_TARGET = {"yes": 0.1, "no": 0.2, "maybe": 0.7}
+
+
+async def run_decisions(log_path: str, steps: int) -> None:
+    """The recipe's README loop: score a decision with `sample_decision` (target_prompt_logprobs at the
+    answer position), train on its soft labels with `probability_loss` through forward_backward_custom
+    ([N, K] target tokens), score again. Writes the probabilities before and after to LOG_PATH."""
+    import json
+    from pathlib import Path
+
+    from tinker_cookbook.recipes.decisions import (
+        Decision,
+        DecisionRenderer,
+        decision_dist_datums,
+        probability_loss,
+        sample_decision,
+    )
+
+    renderer = DecisionRenderer(_renderer())
+    rng = random.Random(0)
+    decisions = [Decision(answer_format_prompt(rng), DECISION_CHOICES) for _ in range(4)]
+    service = tinker.ServiceClient()
+    training = await service.create_lora_training_client_async(MODEL, rank=LORA_RANK, seed=0)
+
+    async def scores() -> list[dict[str, float]]:
+        sampler = await training.save_weights_and_get_sampling_client_async()
+        return list(await asyncio.gather(*(sample_decision(sampler, renderer.render(d)) for d in decisions)))
+
+    before = await scores()
+    datums = decision_dist_datums(renderer, [(d, DECISION_TARGET) for d in decisions])
+    loss = probability_loss(lambda probs, target: ((probs - target) ** 2).sum())
+    losses = []
+    for _ in range(steps):
+        result = await (await training.forward_backward_custom_async(datums, loss)).result_async()
+        await (await training.optim_step_async(tinker.AdamParams(learning_rate=2e-2))).result_async()
+        losses.append(result.metrics["loss"])
+    Path(log_path).write_text(json.dumps({"before": before, "after": await scores(), "losses": losses}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("loop", choices=["sft", "rl", "rl-loop"])
+    parser.add_argument("loop", choices=["sft", "rl", "rl-loop", "distill", "decisions"])
     parser.add_argument("log_path")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--save-every", type=int, default=2)
     parser.add_argument("--eval-every", type=int, default=2)
     parser.add_argument("--off-policy", type=int, default=0, help="rl: run the async loop (AsyncConfig)")
     parser.add_argument("--loss-fn", default="importance_sampling", help="rl: the loop's loss")
+    parser.add_argument("--teacher", help="distill: the teacher's sampler checkpoint")
     args = parser.parse_args()
-    if args.loop == "sft":
+    if args.loop == "distill":
+        from tinker_cookbook.distillation import train_off_policy
+
+        asyncio.run(
+            train_off_policy.main(distill_config(args.log_path, args.steps, args.save_every, args.teacher))
+        )
+    elif args.loop == "decisions":
+        asyncio.run(run_decisions(args.log_path, args.steps))
+    elif args.loop == "sft":
         asyncio.run(sl_train.main(sft_config(args.log_path, args.steps, args.save_every, args.eval_every)))
     elif args.loop == "rl-loop":
         run_rl_loop_recipe(args.log_path, args.steps, args.save_every)
