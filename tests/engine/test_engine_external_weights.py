@@ -172,7 +172,7 @@ def test_export_errors_listing_and_deletion(service: tinker.ServiceClient, engin
         client.save_weights_external("exp1").result()
     with pytest.raises(tinker.RequestFailedError) as info:
         client.save_weights_external("sealed", age_encryption_recipients=["age1examplerecipient"]).result()
-    assert "encrypting exported weights is not supported by the local engine" in str(info.value)
+    assert "age_encryption_recipients[0] 'age1examplerecipient' is no age recipient" in str(info.value)
     # The refused requests kept their turn in the model's queue: the next save runs at once.
     kept = client.save_weights_external("exp2", ttl_seconds=7200).result().path
     assert seq_gaps(engine, client.model_id) == [], "a refused save must not leave a gap in the seq_id order"

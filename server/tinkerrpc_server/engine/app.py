@@ -24,15 +24,27 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from tinkerrpc_server.engine import protocol
-from tinkerrpc_server.engine.auth import ApiKeyMiddleware
+from tinkerrpc_server.engine.auth import API_KEY_HEADER, ApiKeyMiddleware
 from tinkerrpc_server.engine.compute.execution_plan import choose_execution_plan
 from tinkerrpc_server.engine.config import EngineConfig
 from tinkerrpc_server.engine.core import Engine, NotFound
-from tinkerrpc_server.engine.routes import models, sampling, streaming, training, weights
+from tinkerrpc_server.engine.request_log import RequestLog, RequestLogMiddleware
+from tinkerrpc_server.engine.routes import (
+    admin,
+    auth_token,
+    models,
+    sampling,
+    sessions,
+    sharing,
+    streaming,
+    training,
+    weights,
+)
 from tinkerrpc_server.engine.routes.common import future
 from tinkerrpc_server.engine.signed_urls import Forbidden
-from tinkerrpc_server.engine.storage import InvalidNameError, UnknownPathError
+from tinkerrpc_server.engine.storage import ConflictError, InvalidNameError, UnknownPathError
 from tinkerrpc_server.engine.token_streams import StreamSlots
+from tinkerrpc_server.engine.tokens import TokenIssuer
 from tinkerrpc_server.engine.worker import in_passing_thread
 from tinkerrpc_server.model_store import UnknownBaseModelError, prepare_builtin_models
 from tinkerrpc_server.processes.http_serving import OWNER_ONLY, bound_port, serve_until_signalled
@@ -43,6 +55,7 @@ _STATUS_OF_ERROR: dict[type[Exception], int] = {
     NotFound: 404,
     Forbidden: 403,
     UnknownPathError: 404,
+    ConflictError: 409,
     InvalidNameError: 400,
     protocol.BadRequest: 400,
     UnknownBaseModelError: 400,
@@ -71,8 +84,12 @@ def create_app(config: EngineConfig) -> FastAPI:
     app = FastAPI(title="tinkerrpc embedded engine", lifespan=lifespan)
     app.state.engine = engine
     app.state.token_streams = StreamSlots()
+    app.state.request_log = RequestLog()
+    app.state.tokens = TokenIssuer()
     if config.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, tokens=app.state.tokens)
+    # Added last, so outermost: the requests refused for their key are logged too.
+    app.add_middleware(RequestLogMiddleware, log=app.state.request_log, credential_header=API_KEY_HEADER)
 
     async def known_error(_: Request, exc: Exception) -> JSONResponse:
         status = next(code for error, code in _STATUS_OF_ERROR.items() if isinstance(exc, error))
@@ -95,7 +112,8 @@ def create_app(config: EngineConfig) -> FastAPI:
                 return JSONResponse(future(request_id, model_id).model_dump(mode="json"))
         return JSONResponse({"detail": message}, status_code=400)
 
-    for family in (models, training, sampling, streaming, weights):
+    # sharing before weights: its publish routes must match before weights' `{checkpoint_id:path}` ones.
+    for family in (sharing, sessions, auth_token, admin, models, training, sampling, streaming, weights):
         app.include_router(family.router)
     return app
 

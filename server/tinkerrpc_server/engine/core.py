@@ -34,6 +34,7 @@ from typing import Any
 
 from tinker import types
 
+from tinkerrpc.contract.limits import MAX_CHECKPOINT_TTL_SECONDS
 from tinkerrpc_server.engine import protocol
 from tinkerrpc_server.engine.answers import Answer, answer_size
 from tinkerrpc_server.engine.compute.execution_plan import choose_execution_plan
@@ -41,6 +42,7 @@ from tinkerrpc_server.engine.compute.feed import MappedFeed, RequestFeed
 from tinkerrpc_server.engine.compute.samples import SampleJob, SampleOutput
 from tinkerrpc_server.engine.config import EngineConfig
 from tinkerrpc_server.engine.futures import FailedResult, FutureTable, Outcome
+from tinkerrpc_server.engine.records import Records
 from tinkerrpc_server.engine.runtime import BaseModelRuntime, EngineUserError, LoraSpec
 from tinkerrpc_server.engine.runtimes import RuntimeRegistry
 from tinkerrpc_server.engine.sampled import SampledSequences
@@ -97,9 +99,10 @@ class Engine:
         self._futures = FutureTable[Answer](answer_size)
         self._worker = ComputeWorker[SampleJob, Answer](classify_error, torch_threads=config.torch_threads)
         self.url_secret = secrets.token_bytes(32)  # signs external-weights file URLs
-        self._sessions = Sessions(config.session_timeout)
+        self._sessions = Sessions(config.session_timeout, self._storage)
         self._sequenced = SequencedRequests()
         self._ledger = SamplerLedger(config.snapshot_grace)
+        self.records = Records(self._storage, self._sessions, self._ledger)  # sessions, copies, usage
         self.sampled = SampledSequences()  # what it sampled, by sequence id
         self._runtimes = RuntimeRegistry(
             config.model_dir,
@@ -162,9 +165,6 @@ class Engine:
 
     # ---- sessions ----
 
-    def open_session(self) -> str:
-        return self._sessions.open()
-
     def session_alive(self, session_id: str) -> bool:
         """Record a sign of life of a session; False if it has finished (see Sessions.alive)."""
         return self._sessions.alive(session_id)
@@ -172,10 +172,10 @@ class Engine:
     def require_open_session(self, session_id: str) -> None:
         self._sessions.require_open(session_id)
 
-    def finish_session(self, session_id: str) -> None:
+    def finish_session(self, session_id: str, finish: dict[str, Any] | None = None) -> None:
         """Unload the session's training clients (after the work they have queued) and forget its
-        sampling sessions: nothing it made stays in memory."""
-        self._sessions.mark_finished(session_id)
+        sampling sessions: nothing it made stays in memory. `finish`: its client's reason, if it said."""
+        self._sessions.mark_finished(session_id, finish)
         for model_id in self._runtimes.live_with_prefix(training_client_prefix(session_id)):
             self.queue_unload(model_id)
         self._ledger.forget_samplers(sampling_session_prefix(session_id))
@@ -494,7 +494,7 @@ def expiry(ttl_seconds: int | None) -> float | None:
     """When a checkpoint given `ttl_seconds` expires (POSIX seconds), None for never."""
     if ttl_seconds is None:
         return None
-    if ttl_seconds < 1:
-        raise protocol.BadRequest(f"ttl_seconds must be at least 1, got {ttl_seconds}")
+    if not 1 <= ttl_seconds <= MAX_CHECKPOINT_TTL_SECONDS:
+        raise protocol.BadRequest(f"ttl_seconds must be 1 to {MAX_CHECKPOINT_TTL_SECONDS}, got {ttl_seconds}")
     return time.time() + ttl_seconds
 

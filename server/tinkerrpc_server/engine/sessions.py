@@ -1,15 +1,24 @@
 """The engine's tinker sessions: which are alive, when each last showed a sign of life, which have
 finished. What a session made (training clients `<session>:train:<n>`, sampling sessions
-`<session>:sample:<n>`) is freed by the engine when it finishes (core.Engine.finish_session)."""
+`<session>:sample:<n>`) is freed by the engine when it finishes (core.Engine.finish_session).
+
+Each session the engine opens is recorded in its index (storage.Storage.put_session) as its client
+described it (tags, user_metadata, project, display name, SDK version) with how it finished, so the
+SDK's session listing and search answer from the engine's own records, across restarts.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
 
 from tinkerrpc_server.engine import protocol
+from tinkerrpc_server.engine.storage import Storage, now_iso
 
 # Finished session ids remembered so their heartbeats answer 410 (the SDK then stops its loop).
 FINISHED_SESSIONS_REMEMBERED = 4096
@@ -30,20 +39,59 @@ def session_of(model_id: str) -> str:
     return model_id.split(":train:")[0]
 
 
+@dataclass
+class SessionRecord:
+    """A session as its client created it; `finish` is how its client finished it (the body of the SDK's
+    finish request: {"reason": {"type": ...}, "detail": ...}), None until then, and for ever when it
+    stopped without finishing (the engine finished it after its heartbeats stopped)."""
+
+    session_id: str
+    created_at: str
+    tags: list[str] = field(default_factory=list)
+    user_metadata: dict[str, str] = field(default_factory=dict)
+    project_id: str | None = None
+    display_name: str | None = None
+    sdk_version: str | None = None
+    finish: dict[str, Any] | None = None
+
+
 class Sessions:
     """Thread-safe: routes, the compute thread and the sweep all record and finish sessions."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, storage: Storage) -> None:
         """`timeout`: seconds without a sign of life after which a session counts as silent."""
         self.timeout = timeout
+        self._storage = storage
         self._lock = threading.Lock()
         self._last_seen: dict[str, float] = {}  # session id -> time.monotonic() of its last sign
         self._finished: OrderedDict[str, None] = OrderedDict()
 
-    def open(self) -> str:
+    def open(self, record: SessionRecord | None = None) -> str:
+        """A new session, described by `record` (whose id and creation time are set here)."""
         session_id = f"s{secrets.token_hex(6)}"
+        described = record or SessionRecord("", "")
+        self._storage.put_session(
+            dataclasses.asdict(dataclasses.replace(described, session_id=session_id, created_at=now_iso()))
+        )
         self.alive(session_id)
         return session_id
+
+    def records(self) -> list[SessionRecord]:
+        """Every recorded session, newest first."""
+        found = [SessionRecord(**r) for r in self._storage.list_sessions()]
+        return sorted(found, key=lambda r: (r.created_at, r.session_id), reverse=True)
+
+    def record(self, session_id: str) -> SessionRecord | None:
+        return next((r for r in self.records() if r.session_id == session_id), None)
+
+    def update(self, record: SessionRecord) -> None:
+        self._storage.put_session(dataclasses.asdict(record))
+
+    def is_running(self, session_id: str) -> bool:
+        """Whether the session showed a sign of life within the timeout and has not finished."""
+        with self._lock:
+            seen = self._last_seen.get(session_id)
+        return seen is not None and time.monotonic() - seen <= self.timeout
 
     def alive(self, session_id: str) -> bool:
         """Record a sign of life of a session; False if it has finished. A session this engine never
@@ -65,7 +113,11 @@ class Sessions:
         with self._lock:
             return [s for s, seen in self._last_seen.items() if now - seen > self.timeout]
 
-    def mark_finished(self, session_id: str) -> None:
+    def mark_finished(self, session_id: str, finish: dict[str, Any] | None = None) -> None:
+        """The session is over; `finish`, its client's reason, is recorded unless one was (first wins)."""
+        record = self.record(session_id) if finish is not None else None
+        if record is not None and record.finish is None:
+            self.update(dataclasses.replace(record, finish=finish))
         with self._lock:
             self._last_seen.pop(session_id, None)
             self._finished[session_id] = None

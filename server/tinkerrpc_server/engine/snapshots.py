@@ -94,6 +94,11 @@ class SamplerLedger:
         with self._lock:
             return self._samplers.get(sampler_id)
 
+    def sampler_ids(self, prefix: str) -> list[str]:
+        """The ids of the sampling sessions held whose ids start with `prefix`."""
+        with self._lock:
+            return sorted(s for s in self._samplers if s.startswith(prefix))
+
     def forget_samplers(self, prefix: str) -> None:
         """Forget the sampling sessions whose ids start with `prefix`; their snapshots' grace starts."""
         with self._lock:

@@ -70,6 +70,11 @@ class InvalidNameError(ValueError):
     """A name or id that could not be a path segment under the data dir: HTTP 400."""
 
 
+class ConflictError(ValueError):
+    """A change the record's state contradicts (publishing a public checkpoint, making a run that
+    exists): HTTP 409."""
+
+
 def _shown(name: str) -> str:
     return repr(name if len(name) <= _SHOWN_NAME_CHARS else f"{name[:_SHOWN_NAME_CHARS]}...")
 
@@ -115,6 +120,8 @@ class CheckpointRecord:
     # An unnamed sampler snapshot: its training client and sampling sessions die with the engine, so a
     # new engine deletes it at start.
     ephemeral: bool = False
+    # Published (the SDK's publish_checkpoint_from_tinker_path): listed as public until unpublished.
+    public: bool = False
 
     @property
     def checkpoint_id(self) -> str:
@@ -155,13 +162,18 @@ def fsync_directory(directory: Path) -> None:
         os.close(dir_fd)
 
 
-def _replay(index_path: Path) -> tuple[dict[str, RunRecord], dict[str, CheckpointRecord]]:
-    """The runs and checkpoints a journal describes; a line that does not parse (the torn last write
-    of a killed engine) is skipped."""
+# Sessions are kept as the JSON objects engine/sessions.py makes of its records.
+_Index = tuple[dict[str, RunRecord], dict[str, CheckpointRecord], dict[str, dict[str, Any]]]
+
+
+def _replay(index_path: Path) -> _Index:
+    """The runs, checkpoints and sessions a journal describes; a line that does not parse (the torn last
+    write of a killed engine) is skipped."""
     runs: dict[str, RunRecord] = {}
     checkpoints: dict[str, CheckpointRecord] = {}
+    sessions: dict[str, dict[str, Any]] = {}
     if not index_path.exists():
-        return runs, checkpoints
+        return runs, checkpoints, sessions
     with index_path.open() as journal:
         for line in journal:
             try:
@@ -175,12 +187,14 @@ def _replay(index_path: Path) -> tuple[dict[str, RunRecord], dict[str, Checkpoin
                 checkpoints[record.tinker_path] = record
             elif "deleted" in entry:
                 checkpoints.pop(entry["deleted"], None)
-    return runs, checkpoints
+            elif "session" in entry:
+                sessions[entry["session"]["session_id"]] = entry["session"]
+    return runs, checkpoints, sessions
 
 
 def read_index(data_dir: Path) -> tuple[list[RunRecord], list[CheckpointRecord]]:
     """The runs and checkpoints recorded under an engine's data dir, read without changing anything."""
-    runs, checkpoints = _replay(data_dir / _INDEX_FILE)
+    runs, checkpoints, _ = _replay(data_dir / _INDEX_FILE)
     return list(runs.values()), list(checkpoints.values())
 
 
@@ -230,7 +244,7 @@ class Storage:
         self._root = data_dir.resolve()
         self._lock = threading.Lock()
         index_path = self.inside(_INDEX_FILE)
-        self._runs, self._checkpoints = _replay(index_path)
+        self._runs, self._checkpoints, self._sessions = _replay(index_path)
         legacy_index = self.inside(_LEGACY_INDEX_FILE)
         if legacy_index.exists():
             self._read_legacy_index(legacy_index)
@@ -283,6 +297,8 @@ class Storage:
                     handle.write(json.dumps({"run": asdict(run)}) + "\n")
                 for checkpoint in self._checkpoints.values():
                     handle.write(json.dumps({"checkpoint": asdict(checkpoint)}) + "\n")
+                for session in self._sessions.values():
+                    handle.write(json.dumps({"session": session}) + "\n")
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(tmp_name, index_path)
@@ -302,7 +318,7 @@ class Storage:
         self._journal.flush()
         os.fsync(self._journal.fileno())
         self._appended += 1
-        live = len(self._runs) + len(self._checkpoints)
+        live = len(self._runs) + len(self._checkpoints) + len(self._sessions)
         if self._appended > max(_MIN_LINES_BEFORE_COMPACTING, COMPACT_FACTOR * live):
             self._compact()
 
@@ -401,6 +417,56 @@ class Storage:
             record.expires_at = expires_at
             self._append({"checkpoint": asdict(record)})
         return record
+
+    def set_public(self, tinker_path: str, public: bool) -> CheckpointRecord:
+        """Publish or unpublish a checkpoint; ConflictError when it already is what was asked."""
+        self.resolve(tinker_path)
+        with self._lock:
+            record = self._checkpoints.get(tinker_path)
+            if record is None:
+                raise UnknownPathError(f"no checkpoint at {tinker_path}")
+            if record.public == public:
+                raise ConflictError(f"{tinker_path} is already {'public' if public else 'private'}")
+            record.public = public
+            self._append({"checkpoint": asdict(record)})
+        return record
+
+    def link_checkpoint(self, source_path: str, run: RunRecord, expires_at: float | None) -> CheckpointRecord:
+        """A copy of the checkpoint at `source_path` in the new run `run` (recorded here), under the same
+        kind and name: its files are hard links to the source's, so no bytes are duplicated and either
+        one can be deleted without the other (ConflictError: `run` exists already)."""
+        source, source_dir = self.resolve(source_path)
+        copy = CheckpointRecord(
+            run.model_id, source.kind, source.name, now_iso(), source.size_bytes, {}, expires_at
+        )
+        target = self.checkpoint_dir(run.model_id, copy.kind, copy.name)
+        with self._lock:
+            if run.model_id in self._runs:
+                raise ConflictError(f"training run {run.model_id} already exists")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{copy.name}{_STAGING_MARK}", dir=target.parent))
+        try:
+            for relative in regular_files(source_dir):
+                destination = staging / relative
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                os.link(source_dir / relative, destination)
+            staging.rename(target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        self.put_run(run)
+        self.add_checkpoint(copy)
+        return copy
+
+    def put_session(self, record: dict[str, Any]) -> None:
+        """Record a session (a JSON object with its "session_id"), replacing what was recorded of it."""
+        with self._lock:
+            self._sessions[record["session_id"]] = record
+            self._append({"session": record})
+
+    def list_sessions(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._sessions.values())
 
     def delete_expired(self, now: float) -> list[CheckpointRecord]:
         """Delete every checkpoint whose expiry has passed; the deleted records."""

@@ -12,6 +12,12 @@ from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, Response
 from tinker import types
 
+from tinkerrpc.contract.limits import (
+    MAX_ENGINE_LABEL_CHARS,
+    MAX_ENGINE_LABELS,
+    MAX_ENGINE_PAGE_SIZE,
+    MAX_INT32,
+)
 from tinkerrpc_server.engine import protocol
 from tinkerrpc_server.engine.answers import Answer
 from tinkerrpc_server.engine.compute.samples import SampleOutput
@@ -66,8 +72,33 @@ def outcome_response(outcome: Outcome[Answer]) -> Response:
         return _failed(message, types.RequestErrorCategory("server"))
 
 
-def str_metadata(value: Mapping[str, Any] | None) -> dict[str, str]:
-    return {str(k): str(v) for k, v in (value or {}).items()}
+def str_metadata(value: Mapping[str, Any] | None, field: str = "user_metadata") -> dict[str, str]:
+    """A user_metadata as strings, refused (naming `field`) past MAX_ENGINE_LABELS entries or with a key
+    or value past MAX_ENGINE_LABEL_CHARS."""
+    metadata = {str(k): str(v) for k, v in (value or {}).items()}
+    if len(metadata) > MAX_ENGINE_LABELS:
+        raise protocol.BadRequest(f"{field}: at most {MAX_ENGINE_LABELS} entries, got {len(metadata)}")
+    for key, text in metadata.items():
+        check_label(f"{field}[{key[:40]!r}]", key)
+        check_label(f"{field}[{key[:40]!r}]", text)
+    return metadata
+
+
+def check_label(field: str, text: str) -> str:
+    """`text` unless it is longer than MAX_ENGINE_LABEL_CHARS (protocol.BadRequest naming `field`)."""
+    if len(text) > MAX_ENGINE_LABEL_CHARS:
+        raise protocol.BadRequest(f"{field}: at most {MAX_ENGINE_LABEL_CHARS} characters, got {len(text)}")
+    return text
+
+
+def page_bounds(limit: int, offset: int) -> slice:
+    """The slice a listing's `limit` and `offset` select, refused outside 1..MAX_ENGINE_PAGE_SIZE and
+    0..MAX_INT32."""
+    if not 1 <= limit <= MAX_ENGINE_PAGE_SIZE:
+        raise protocol.BadRequest(f"limit must be 1 to {MAX_ENGINE_PAGE_SIZE}, got {limit}")
+    if not 0 <= offset <= MAX_INT32:
+        raise protocol.BadRequest(f"offset must be 0 to {MAX_INT32}, got {offset}")
+    return slice(offset, offset + limit)
 
 
 def sdk_checkpoint(record: CheckpointRecord) -> types.Checkpoint:
@@ -77,7 +108,7 @@ def sdk_checkpoint(record: CheckpointRecord) -> types.Checkpoint:
         time=datetime.fromisoformat(record.created_at),
         tinker_path=record.tinker_path,
         size_bytes=record.size_bytes,
-        public=False,
+        public=record.public,
         user_metadata=record.user_metadata or None,
         expires_at=None
         if record.expires_at is None

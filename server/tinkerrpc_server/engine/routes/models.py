@@ -1,6 +1,7 @@
-"""Sessions, service configuration, futures, and training models: creating them and reading their runs.
+"""Service configuration, session heartbeats, futures, and training models: creating them and reading
+their runs (sessions themselves: routes/sessions.py).
 
-Bodies the engine does not read (session creation, telemetry, client config) are not parsed.
+Bodies the engine does not read (telemetry, client config) are not parsed.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from tinkerrpc_server.engine.routes.common import (
     EngineDep,
     future,
     outcome_response,
+    page_bounds,
     sdk_checkpoint,
     str_metadata,
 )
 from tinkerrpc_server.engine.runtime import LoraSpec
 from tinkerrpc_server.engine.storage import CheckpointRecord, RunRecord, check_id
+from tinkerrpc_server.engine.tokens import LOCAL_USER_URN
 
 log = logging.getLogger("tinkerrpc.engine")
 router = APIRouter(prefix="/api/v1")
@@ -44,25 +47,21 @@ async def healthz() -> types.HealthResponse:
 
 
 @router.post("/client/config")
-async def client_config() -> types.ClientConfigResponse:
+async def client_config(engine: EngineDep) -> types.ClientConfigResponse:
     # The SDK's reqwest-based transport (pyqwest): httpx's pool polls every idle connection on each
     # request, which at dozens of concurrent samples cost the SDK's caller more CPU than the engine's
-    # decoding; zstd-compressed forward_backward bodies (decoded by the training route).
+    # decoding; zstd-compressed forward_backward bodies (decoded by the training route); with a key, the
+    # SDK's JWT exchange (routes/auth_token.py), which whoami needs.
     return types.ClientConfigResponse(
-        use_pyqwest_transport=True, proto_compress_fwdbwd=True, pjwt_auth_enabled=False
+        use_pyqwest_transport=True,
+        proto_compress_fwdbwd=True,
+        pjwt_auth_enabled=engine.config.api_key is not None,
     )
 
 
 @router.post("/client/dynamic_config")
 async def client_dynamic_config() -> types.ClientDynamicConfigResponse:
     return types.ClientDynamicConfigResponse(refresh_interval_sec=3600)
-
-
-@router.post("/create_session")
-async def create_session(engine: EngineDep) -> types.CreateSessionResponse:
-    session_id = engine.open_session()
-    log.info("session %s created", session_id)
-    return types.CreateSessionResponse(session_id=session_id)
 
 
 @router.post("/session_heartbeat", response_model=None)
@@ -74,13 +73,6 @@ async def session_heartbeat(
     if not engine.session_alive(request.session_id):
         return JSONResponse({"detail": f"session {request.session_id} has finished"}, status_code=410)
     return types.SessionHeartbeatResponse()
-
-
-@router.post("/sessions/{session_id}/finish")
-async def finish_session(session_id: str, engine: EngineDep) -> dict[str, str]:
-    check_id("session_id", session_id)
-    engine.finish_session(session_id)
-    return {}
 
 
 @router.post("/telemetry")
@@ -191,7 +183,7 @@ def _training_run(run: RunRecord, checkpoints: list[CheckpointRecord]) -> types.
     return types.TrainingRun(
         training_run_id=run.model_id,
         base_model=run.base_model,
-        model_owner="local",
+        model_owner=LOCAL_USER_URN,
         is_lora=True,
         lora_rank=run.lora_rank,
         last_request_time=datetime.fromisoformat(run.last_request_time),
@@ -205,11 +197,10 @@ def _training_run(run: RunRecord, checkpoints: list[CheckpointRecord]) -> types.
 async def list_training_runs(
     engine: EngineDep, limit: int = 20, offset: int = 0
 ) -> types.TrainingRunsResponse:
+    selected = page_bounds(limit, offset)
     runs = engine.runs()
     return types.TrainingRunsResponse(
-        training_runs=[
-            _training_run(r, engine.checkpoints(r.model_id)) for r in runs[offset : offset + limit]
-        ],
+        training_runs=[_training_run(r, engine.checkpoints(r.model_id)) for r in runs[selected]],
         cursor=types.Cursor(offset=offset, limit=limit, total_count=len(runs)),
     )
 

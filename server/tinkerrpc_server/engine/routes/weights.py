@@ -20,15 +20,18 @@ from starlette.concurrency import run_in_threadpool
 from tinker import types
 
 from tinkerrpc_server.engine import protocol
+from tinkerrpc_server.engine.age_export import parse_recipients
 from tinkerrpc_server.engine.answers import Answer
 from tinkerrpc_server.engine.optimizers import check_optimizer_config
 from tinkerrpc_server.engine.routes.common import (
     EngineDep,
     future,
     model_operation,
+    page_bounds,
     sdk_checkpoint,
     str_metadata,
 )
+from tinkerrpc_server.engine.routes.sharing import model_seq_target, refuse_access_token
 from tinkerrpc_server.engine.runtime import EngineUserError
 from tinkerrpc_server.engine.signed_urls import EXTERNAL_URL_TTL_SECONDS, check_file_signature, sign_file
 from tinkerrpc_server.engine.storage import check_id, check_relative_path, file_inside, regular_files
@@ -92,12 +95,12 @@ async def save_weights_external(
 
     def work() -> Answer:
         # Checked here, in seq order, so a rejected request still takes its turn in the model's queue.
-        if request.age_encryption_recipients:
-            raise EngineUserError(
-                "age_encryption_recipients: encrypting exported weights is not supported by the local "
-                "engine (its exports never leave this machine); export without recipients"
-            )
+        recipients = None
+        if request.age_encryption_recipients is not None:
+            recipients = parse_recipients(request.age_encryption_recipients)
         record = engine.save_checkpoint(model_id, "external", request.path, False, {}, request.ttl_seconds)
+        if recipients is not None:
+            record = engine.records.encrypt_external(record.tinker_path, recipients)
         return types.SaveWeightsExternalResponseInternal(
             path=record.tinker_path, size_bytes=record.size_bytes, type="save_weights_external"
         )
@@ -109,25 +112,40 @@ async def save_weights_external(
 async def load_weights(request: types.LoadWeightsRequest, engine: EngineDep) -> types.UntypedAPIFuture:
     check_optimizer_config(request.optimizer_config)
 
+    refuse_access_token(request.weights_access_token)
+
     def load_into(model_id: str) -> Callable[[], Answer]:
         def work() -> Answer:
             metadata = str_metadata(request.user_metadata)
+            trained_on = engine.run_of_checkpoint(request.path).base_model
+            if request.base_model not in (None, trained_on):
+                raise EngineUserError(
+                    f"base_model {request.base_model!r} is not {trained_on!r}, which {request.path} was "
+                    "trained on (the engine has no compatible variants of a base model to load it into)"
+                )
             engine.load_weights(model_id, request.path, request.base_model, request.optimizer, metadata)
             return types.LoadWeightsResponse(path=request.path, model_id=model_id, type="load_weights")
 
         return work
 
     if request.model_id is not None:
+        if request.session_id is not None or request.model_seq_id is not None:
+            raise protocol.BadRequest("load_weights takes model_id, or session_id and model_seq_id, not both")
         return model_operation(
             engine, request.model_id, request.seq_id, "load_weights", load_into(request.model_id)
         )
-    if request.session_id is None or request.model_seq_id is None:
+    target = model_seq_target(request.session_id, request.model_seq_id)
+    if target is None:
         raise protocol.BadRequest("load_weights needs model_id, or session_id and model_seq_id")
     # Create-via-load: the load is the new model's first request, made in an open session like
-    # create_model (a finished session's models are never freed).
-    check_id("session_id", request.session_id)
-    engine.require_open_session(request.session_id)
-    model_id = check_id("model_id", f"{request.session_id}:train:{request.model_seq_id}")
+    # create_model (a finished session's models are never freed), of a model that does not exist yet.
+    engine.require_open_session(target[0])
+    model_id = check_id("model_id", f"{target[0]}:train:{target[1]}")
+    resent = engine.resent_request(model_id, 0, "load_weights")
+    if resent is not None:
+        return future(resent, model_id)
+    if engine.is_live(model_id) or model_id in {run.model_id for run in engine.runs()}:
+        return future(engine.failed_request(f"model {model_id} already exists"), model_id)
     return future(engine.submit_training(model_id, 0, "load_weights", load_into(model_id)), model_id)
 
 
@@ -174,9 +192,10 @@ async def set_checkpoint_ttl(
 async def list_all_checkpoints(
     engine: EngineDep, limit: int = 100, offset: int = 0
 ) -> types.CheckpointsListResponse:
+    selected = page_bounds(limit, offset)
     everything = [c for r in engine.runs() for c in engine.checkpoints(r.model_id)]
     return types.CheckpointsListResponse(
-        checkpoints=[sdk_checkpoint(c) for c in everything[offset : offset + limit]],
+        checkpoints=[sdk_checkpoint(c) for c in everything[selected]],
         cursor=types.Cursor(offset=offset, limit=limit, total_count=len(everything)),
     )
 
