@@ -806,6 +806,7 @@ class SampleResponse(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     PROMPT_TEXT_FIELD_NUMBER: _builtins.int
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     policy_version: _builtins.int
     """The policy version that produced every sequence."""
     model: _builtins.str
@@ -824,6 +825,12 @@ class SampleResponse(_message.Message):
     def prompt_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Log-probability of each prompt token (position 0 has none and is NaN), when requested."""
 
+    @_builtins.property
+    def prompt_top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.TopLogprobs]:
+        """The k most likely alternatives at each prompt position, when params.prompt_top_logprobs
+        (position 0 has none and is empty, as prompt_logprobs' NaN).
+        """
+
     def __init__(
         self,
         *,
@@ -833,10 +840,11 @@ class SampleResponse(_message.Message):
         policy_version: _builtins.int = ...,
         model: _builtins.str = ...,
         prompt_text: _builtins.str = ...,
+        prompt_top_logprobs: _abc.Iterable[_types_pb2.TopLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "policy_version", b"policy_version", "prompt_logprobs", b"prompt_logprobs", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "sequences", b"sequences"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "policy_version", b"policy_version", "prompt_logprobs", b"prompt_logprobs", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "prompt_top_logprobs", b"prompt_top_logprobs", "sequences", b"sequences"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -747,6 +747,7 @@ class SamplingParams(_message.Message):
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     SPACES_BETWEEN_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     RETURN_PROMPT_TEXT_FIELD_NUMBER: _builtins.int
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     n: _builtins.int
     """Number of completions for the prompt (default 1)."""
     temperature: _builtins.float
@@ -792,6 +793,10 @@ class SamplingParams(_message.Message):
     """
     return_prompt_text: _builtins.bool
     """Also return the prompt decoded as text (SampleResponse.prompt_text), for echoing it."""
+    prompt_top_logprobs: _builtins.int
+    """Return the k most likely alternatives (with logprobs) at each prompt position
+    (SampleResponse.prompt_top_logprobs); 0 = off, at most MAX_TOP_LOGPROBS.
+    """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Stop strings; generation ends when one appears (it is included in the tokens). At most
@@ -823,10 +828,11 @@ class SamplingParams(_message.Message):
         skip_special_tokens: _builtins.bool | None = ...,
         spaces_between_special_tokens: _builtins.bool | None = ...,
         return_prompt_text: _builtins.bool = ...,
+        prompt_top_logprobs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "_temperature", b"_temperature", "_top_p", b"_top_p", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "_temperature", b"_temperature", "_top_p", b"_top_p", "ignore_default_stops", b"ignore_default_stops", "include_prompt_logprobs", b"include_prompt_logprobs", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "n", b"n", "return_prompt_text", b"return_prompt_text", "return_token_texts", b"return_token_texts", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "_temperature", b"_temperature", "_top_p", b"_top_p", "ignore_default_stops", b"ignore_default_stops", "include_prompt_logprobs", b"include_prompt_logprobs", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "n", b"n", "prompt_top_logprobs", b"prompt_top_logprobs", "return_prompt_text", b"return_prompt_text", "return_token_texts", b"return_token_texts", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
