@@ -1,17 +1,21 @@
 """Tinker 0.38's training additions through the unmodified SDK against a real engine: `[N, K]` soft
 targets (a teacher's top-K, as off-policy distillation sends them), dense and sparse, in forward,
-forward_backward and forward_backward_custom; and their refusals, which leave the client usable."""
+forward_backward and forward_backward_custom; the Dimuon optimizer (its steps, its family fixed at
+creation, its state through checkpoints); and their refusals, which leave the client usable."""
 
 from __future__ import annotations
 
 import itertools
+import json
 
 import numpy as np
 import pytest
 import tinker
 import torch
 from engine_proc import TINY, seq_gaps
+from safetensors.torch import load_file
 from tinker import types
+from tinker.types.optimizer import OptimizerConfigBase
 
 from tinkerrpc.contract.limits import MAX_ENGINE_SOFT_TARGETS
 from tinkerrpc_server.local.stack import LocalEngine
@@ -209,3 +213,91 @@ def test_bad_soft_targets_fail_in_turn_naming_the_problem_and_the_client_goes_on
     client.optim_step(ADAM).result()
     assert not np.allclose(logprobs_of(client.forward(probe, "cross_entropy").result()), before)
     assert seq_gaps(engine, client.model_id) == []
+
+
+# ---- the Dimuon optimizer ----
+
+BATCH = [
+    types.Datum(
+        model_input=types.ModelInput.from_ints(SEQUENCE[:-1]),
+        loss_fn_inputs={"target_tokens": np.asarray(SEQUENCE[1:]), "weights": np.ones(len(SEQUENCE) - 1)},
+    )
+]
+DIMUON_RANK = 4
+
+
+def saved(engine: LocalEngine, model_id: str, name: str) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    """A save_state checkpoint's LoRA weights and optimizer meta, as the engine wrote them."""
+    directory = engine.data_dir / "runs" / model_id / "weights" / name
+    meta = json.loads((directory / "optimizer.json").read_text())
+    return load_file(str(directory / "adapter_model.safetensors")), meta
+
+
+def test_a_dimuon_client_steps_along_the_momentum_s_matrix_sign_and_refuses_adam_steps(
+    service: tinker.ServiceClient, engine: LocalEngine
+) -> None:
+    client = service.create_lora_training_client(
+        TINY, rank=DIMUON_RANK, seed=3, optimizer=types.DimuonOptimizerConfig()
+    ).result()
+    client.save_state("before").result()
+    client.forward_backward(BATCH, "cross_entropy").result()
+    # An Adam step on a Dimuon model fails in its turn, changes nothing, and the client goes on.
+    expect_failure(client.optim_step(ADAM), "optim_params: type 'adamw'", "optimizer 'dimuon'")
+    lr = 0.05
+    metrics = client.optim_step(types.DimuonParams(learning_rate=lr, beta1=0.9)).result().metrics
+    assert metrics is not None and metrics["learning_rate:mean"] == lr
+    client.save_state("after").result()
+
+    before, _ = saved(engine, client.model_id, "before")
+    after, meta = saved(engine, client.model_id, "after")
+    assert meta["optimizer"] == "dimuon"
+    moved = 0
+    for name, weight in after.items():
+        delta = (weight - before[name]).double()
+        if "lora_A" in name:  # B = 0 before the first step: A had no gradient, so no momentum
+            assert torch.count_nonzero(delta) == 0, name
+            continue
+        # The first step moves B by lr along msign(G): Frobenius norm lr·sqrt(rank), singular values equal.
+        singular = torch.linalg.svdvals(delta)
+        assert float(torch.linalg.matrix_norm(delta)) == pytest.approx(lr * DIMUON_RANK**0.5, rel=1e-4), name
+        torch.testing.assert_close(singular, torch.full_like(singular, lr), rtol=1e-3, atol=0)
+        moved += 1
+    assert moved > 0
+    assert seq_gaps(engine, client.model_id) == []
+
+
+def test_dimuon_state_resumes_through_the_sdk_and_keeps_its_family(
+    service: tinker.ServiceClient, engine: LocalEngine
+) -> None:
+    dimuon = types.DimuonParams(learning_rate=0.02, beta1=0.8)
+    straight = service.create_lora_training_client(
+        TINY, rank=DIMUON_RANK, seed=5, optimizer=types.DimuonOptimizerConfig()
+    ).result()
+    for _ in range(2):
+        straight.forward_backward(BATCH, "cross_entropy").result()
+        straight.optim_step(dimuon).result()
+    state = straight.save_state("two-steps").result().path
+
+    resumed = service.create_training_client_from_state_with_optimizer(state).result()
+    # A Dimuon version this engine does not run is refused at creation (the SDK's type allows only 1).
+    other_version = OptimizerConfigBase(type="dimuon", version=2)
+    with pytest.raises(tinker.BadRequestError, match="Dimuon version 2"):
+        service.create_lora_training_client(TINY, rank=4, optimizer=other_version).result()
+    for client in (straight, resumed):
+        client.forward_backward(BATCH, "cross_entropy").result()
+        client.optim_step(dimuon).result()
+    expect_failure(resumed.optim_step(ADAM), "optimizer 'dimuon'")
+    probe = BATCH
+    np.testing.assert_allclose(
+        logprobs_of(resumed.forward(probe, "cross_entropy").result()),
+        logprobs_of(straight.forward(probe, "cross_entropy").result()),
+        atol=1e-6,
+    )
+    # Weights only: a fresh optimizer of the family asked for (the SDK's default, AdamW, when none is).
+    as_adam = service.create_training_client_from_state(state).result()
+    expect_failure(as_adam.optim_step(dimuon), "optimizer 'adamw'")
+    as_dimuon = service.create_training_client_from_state(
+        state, optimizer=types.DimuonOptimizerConfig()
+    ).result()
+    as_dimuon.forward_backward(BATCH, "cross_entropy").result()
+    as_dimuon.optim_step(dimuon).result()

@@ -230,8 +230,10 @@ class Engine:
         base_model: str | None,
         with_optimizer: bool,
         metadata: dict[str, str],
+        optimizer: str | None = None,
     ) -> None:
-        """Load a checkpoint into `model_id`, creating it unless it is live (compute thread)."""
+        """Load a checkpoint into `model_id`, creating it unless it is live (compute thread); `optimizer`: the
+        family its optimizer_config asks for, None if it gave none (runtime load_state)."""
         try:
             record, directory = self._storage.resolve(path)
         except UnknownPathError as exc:
@@ -241,10 +243,8 @@ class Engine:
         if live_base is not None and live_base != base_model:
             raise EngineUserError(f"{path} was trained on {base_model}, model {model_id} is on {live_base}")
         if with_optimizer and record.kind != "training":
-            raise EngineUserError(
-                f"{path} holds adapter weights only; optimizer state needs a save_state path"
-            )
-        spec = self.runtime(base_model).load_state(model_id, directory, include_optimizer=with_optimizer)
+            raise EngineUserError(f"{path} holds adapter weights only, no optimizer state (save_state's)")
+        spec = self.runtime(base_model).load_state(model_id, directory, with_optimizer, optimizer)
         self._record_live_run(model_id, base_model, spec, spec.seed, metadata)
 
     def _record_live_run(

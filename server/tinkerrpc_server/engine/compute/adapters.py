@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tinkerrpc_server.engine.compute.errors import EngineUserError
 from tinkerrpc_server.engine.compute.fused_weights import fuse_base_weights
+from tinkerrpc_server.engine.compute.optimizer_families import ADAMW, new_optimizer
 from tinkerrpc_server.engine.compute.placement import resolve_placement
 
 log = logging.getLogger("tinkerrpc.engine")
@@ -39,6 +40,8 @@ class LoraSpec:
     train_mlp: bool = True
     train_attn: bool = True
     train_unembed: bool = True
+    # The optimizer family it trains with (optimizer_families), fixed for its life as in Tinker.
+    optimizer: str = ADAMW
 
 
 @dataclass
@@ -46,14 +49,14 @@ class Adapter:
     peft_name: str
     spec: LoraSpec
     params: dict[str, torch.nn.Parameter]  # canonical (adapter-free) name -> parameter
-    optimizer: torch.optim.AdamW
+    optimizer: torch.optim.Optimizer  # of spec.optimizer's family
     # A forward_backward since the last optimizer step had a non-finite loss: the next step is refused.
     non_finite_loss: bool = False
 
 
 class AdaptedModel:
     """A base model on `device` with its base weights in `dtype` (as in resolve_placement), and its
-    adapters by model id. Whatever the base dtype, LoRA weights, their gradients and AdamW state are
+    adapters by model id. Whatever the base dtype, LoRA weights, their gradients and optimizer state are
     float32: PEFT runs each LoRA branch in its weights' dtype (it casts the activations in, and the sum
     back to the base layer's dtype), and logprobs and losses are taken from float32 logits."""
 
@@ -147,8 +150,7 @@ class AdaptedModel:
             for name, param in self._peft.named_parameters()
             if marker in name
         }
-        optimizer = torch.optim.AdamW(list(params.values()), lr=0.0)
-        return Adapter(peft_name, spec, params, optimizer)
+        return Adapter(peft_name, spec, params, new_optimizer(spec.optimizer, list(params.values())))
 
     def _require_adapter(self, model_id: str) -> Adapter:
         adapter = self._adapters.get(model_id)

@@ -1,5 +1,7 @@
-"""The optimizer step: AdamW on one adapter's LoRA weights, refused when the loss, the gradients, or what
-the step would leave are not finite; a refused step leaves the weights and optimizer state as before."""
+"""The optimizer step of one adapter's LoRA weights, by its optimizer family (AdamW or Dimuon,
+optimizer_families.py): refused when the step's parameters are out of range or of another family, and
+when the loss, the gradients, or what the step would leave are not finite; a refused step leaves the
+weights and optimizer state as before."""
 
 from __future__ import annotations
 
@@ -9,10 +11,11 @@ import torch
 
 from tinkerrpc_server.engine.compute.adapters import AdaptedModel, Adapter
 from tinkerrpc_server.engine.compute.errors import EngineUserError, NonFiniteUpdateError
+from tinkerrpc_server.engine.compute.optimizer_families import ADAMW, DIMUON
 
 
 class OptimizerSteps(AdaptedModel):
-    """AdamW steps of an adapter, refused (and undone) when not finite."""
+    """Optimizer steps of an adapter, refused (and undone) when not finite."""
 
     def optim_step(
         self,
@@ -44,9 +47,40 @@ class OptimizerSteps(AdaptedModel):
         for name, ok in checks.items():
             if not (ok and math.isfinite(values[name])):
                 raise EngineUserError(f"invalid AdamParams.{name}: {values[name]}")
+        self._require_family(adapter, ADAMW, "AdamParams")
+        return self._step(
+            adapter, grad_clip_norm, learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay
+        )
+
+    def dimuon_step(
+        self, model_id: str, learning_rate: float, beta1: float, grad_clip_norm: float
+    ) -> dict[str, float]:
+        """A Dimuon step; `grad_clip_norm` <= 0 leaves the gradients unclipped (DimuonParams')."""
+        adapter = self._require_adapter(model_id)
+        values = {"learning_rate": learning_rate, "beta1": beta1, "grad_clip_norm": grad_clip_norm}
+        checks = {"learning_rate": learning_rate >= 0, "beta1": 0 <= beta1 < 1, "grad_clip_norm": True}
+        for name, ok in checks.items():
+            if not (ok and math.isfinite(values[name])):
+                raise EngineUserError(f"invalid DimuonParams.{name}: {values[name]}")
+        self._require_family(adapter, DIMUON, "DimuonParams")
+        return self._step(adapter, max(grad_clip_norm, 0.0), learning_rate, beta1=beta1)
+
+    @staticmethod
+    def _require_family(adapter: Adapter, family: str, params_type: str) -> None:
+        if adapter.spec.optimizer != family:
+            raise EngineUserError(
+                f"optim_params: type {family!r} ({params_type}) does not match this model's optimizer "
+                f"{adapter.spec.optimizer!r}, chosen at its creation; give its parameters"
+            )
+
+    def _step(
+        self, adapter: Adapter, grad_clip_norm: float, learning_rate: float, **settings: object
+    ) -> dict[str, float]:
+        """A step at `learning_rate` under the family's other per-step `settings`, the gradients
+        clipped to a global norm of `grad_clip_norm` when it is > 0."""
         params = list(adapter.params.values())
         for param in params:
-            # No forward_backward since the last step still makes a (decay-only) step.
+            # No forward_backward since the last step still makes a step (of decay, or momentum, alone).
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
         grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
@@ -59,7 +93,7 @@ class OptimizerSteps(AdaptedModel):
         if grad_clip_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, grad_clip_norm, torch.tensor(grad_norm))
         for group in adapter.optimizer.param_groups:
-            group.update(lr=learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+            group.update(lr=learning_rate, **settings)
         try:
             adapter.optimizer.step()
             finite = _all_finite(adapter)
@@ -83,7 +117,7 @@ class OptimizerSteps(AdaptedModel):
         adapter.non_finite_loss = False
 
 
-# What an optimizer step changes, per parameter: its value and its AdamW state (None before its first step).
+# What an optimizer step changes, per parameter: its value and its optimizer state (None before its first step).
 _Snapshot = list[tuple[torch.nn.Parameter, torch.Tensor, dict[str, torch.Tensor] | None]]
 
 

@@ -1,5 +1,6 @@
-"""An adapter's state on disk: its PEFT config and LoRA weights, its LoRA spec, and optionally its AdamW
-state, written to a staging directory and published in one rename; and adapters loaded back from one."""
+"""An adapter's state on disk: its PEFT config and LoRA weights, its LoRA spec (with its optimizer family),
+and optionally its optimizer state, written to a staging directory and published in one rename; and
+adapters loaded back from one."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from tinkerrpc_server.engine.compute.adapters import (
     LoraSpec,
 )
 from tinkerrpc_server.engine.compute.errors import EngineUserError
+from tinkerrpc_server.engine.compute.optimizer_families import ADAMW
 from tinkerrpc_server.engine.storage import fsync_directory
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -61,19 +63,28 @@ class StateIO(AdaptedModel):
                 shutil.rmtree(staging, ignore_errors=True)
 
     def _save_optimizer(self, adapter: Adapter, directory: Path) -> None:
+        """Every state tensor of every parameter ("<name>.<key>": AdamW's exp_avg and exp_avg_sq,
+        Dimuon's momentum_buffer), each parameter's step count, and the family that wrote them."""
         tensors: dict[str, torch.Tensor] = {}
         steps: dict[str, float] = {}
         for name, param in adapter.params.items():
             state = adapter.optimizer.state.get(param)
             if not state:
                 continue
-            tensors[f"{name}.exp_avg"] = state["exp_avg"].detach().cpu().contiguous()
-            tensors[f"{name}.exp_avg_sq"] = state["exp_avg_sq"].detach().cpu().contiguous()
+            for key, value in state.items():
+                if key != "step":
+                    tensors[f"{name}.{key}"] = value.detach().cpu().contiguous()
             steps[name] = float(state["step"])
         save_file(tensors, str(directory / OPTIMIZER_FILE))
-        (directory / OPTIMIZER_META_FILE).write_text(json.dumps({"steps": steps}))
+        meta = {"optimizer": adapter.spec.optimizer, "steps": steps}
+        (directory / OPTIMIZER_META_FILE).write_text(json.dumps(meta))
 
-    def load_state(self, model_id: str, directory: Path, include_optimizer: bool) -> LoraSpec:
+    def load_state(
+        self, model_id: str, directory: Path, include_optimizer: bool, optimizer: str | None = None
+    ) -> LoraSpec:
+        """Load the adapter at `directory` as `model_id` (replacing it if live). It trains with the optimizer
+        family of its optimizer state if loaded, else of the live model, else `optimizer` (None: AdamW, the
+        SDK's default), from a fresh state; an `optimizer` that is not that family is refused."""
         directory = Path(directory)
         if (
             not (directory / ADAPTER_CONFIG_FILE).is_file()
@@ -84,6 +95,23 @@ class StateIO(AdaptedModel):
             raise EngineUserError(f"checkpoint {directory} has no optimizer state (saved for sampling only)")
         config = LoraConfig.from_pretrained(str(directory))
         spec = self._read_lora_spec(directory, config)
+        live = self._adapters.get(model_id)
+        fixed = live.spec.optimizer if live is not None else None
+        if include_optimizer:
+            saved = _saved_family(directory)
+            if fixed not in (None, saved) or optimizer not in (None, saved):
+                raise EngineUserError(
+                    f"optimizer_config: the optimizer state of {directory.name} is {saved!r}; it cannot be "
+                    f"loaded as {fixed or optimizer!r}"
+                )
+            optimizer = saved
+        elif fixed is not None:
+            if optimizer not in (None, fixed):
+                raise EngineUserError(
+                    f"optimizer_config: model {model_id} trains with {fixed!r}; a load keeps it"
+                )
+            optimizer = fixed
+        spec = replace(spec, optimizer=optimizer or ADAMW)
         peft_name = self._load_peft_adapter(directory, config)
         try:
             adapter = self._register(peft_name, spec)
@@ -139,11 +167,19 @@ class StateIO(AdaptedModel):
         for name, param in adapter.params.items():
             if name not in steps:
                 continue
-            adapter.optimizer.state[param] = {
-                "step": torch.tensor(float(steps[name]), dtype=torch.float32),
-                "exp_avg": tensors[f"{name}.exp_avg"].to(param.dtype),
-                "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].to(param.dtype),
-            }
+            state: dict[str, torch.Tensor] = {"step": torch.tensor(float(steps[name]), dtype=torch.float32)}
+            prefix = f"{name}."
+            for key, value in tensors.items():
+                if key.startswith(prefix) and "." not in key[len(prefix) :]:
+                    state[key[len(prefix) :]] = value.to(param.dtype)
+            adapter.optimizer.state[param] = state
+
+
+def _saved_family(directory: Path) -> str:
+    """The optimizer family of a checkpoint's optimizer state (AdamW for one saved before families)."""
+    meta = json.loads((directory / OPTIMIZER_META_FILE).read_text())
+    family: str = meta.get("optimizer", ADAMW)
+    return family
 
 
 def _publish_directory(staging: Path, final: Path) -> None:

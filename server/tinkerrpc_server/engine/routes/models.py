@@ -18,8 +18,9 @@ from tinker.types.try_again_response import TryAgainResponse
 
 from tinkerrpc.contract.limits import DEFAULT_LORA_RANK
 from tinkerrpc_server.engine.answers import Answer
+from tinkerrpc_server.engine.compute.optimizer_families import ADAMW
 from tinkerrpc_server.engine.core import NotFound
-from tinkerrpc_server.engine.optimizers import check_optimizer_config
+from tinkerrpc_server.engine.optimizers import optimizer_family
 from tinkerrpc_server.engine.routes.common import (
     EngineDep,
     future,
@@ -123,7 +124,7 @@ async def retrieve_future(
 async def create_model(request: types.CreateModelRequest, engine: EngineDep) -> types.UntypedAPIFuture:
     check_id("session_id", request.session_id)
     engine.require_open_session(request.session_id)
-    check_optimizer_config(request.optimizer_config)
+    optimizer = optimizer_family(request.optimizer_config) or ADAMW
     model_id = check_id("model_id", f"{request.session_id}:train:{request.model_seq_id}")
     base_model = request.base_model
     lora = request.lora_config or types.LoraConfig(rank=DEFAULT_LORA_RANK)
@@ -133,6 +134,7 @@ async def create_model(request: types.CreateModelRequest, engine: EngineDep) -> 
         train_mlp=lora.train_mlp,
         train_attn=lora.train_attn,
         train_unembed=lora.train_unembed,
+        optimizer=optimizer,
     )
     metadata = str_metadata(request.user_metadata)
     resent = engine.resent_request(model_id, 0, "create_model")

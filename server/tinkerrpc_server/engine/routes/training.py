@@ -13,7 +13,7 @@ from tinker import types
 from tinkerrpc_server.engine import protocol
 from tinkerrpc_server.engine.answers import Answer
 from tinkerrpc_server.engine.compute.errors import EngineUserError
-from tinkerrpc_server.engine.optimizers import adam_params
+from tinkerrpc_server.engine.optimizers import optim_step as run_optim_step
 from tinkerrpc_server.engine.provenance import check_provenance
 from tinkerrpc_server.engine.routes.common import EngineDep, model_operation
 
@@ -43,16 +43,8 @@ async def optim_step(request: types.OptimStepRequest, engine: EngineDep) -> type
     params = request.optim_params
 
     def work() -> Answer:
-        adam = adam_params(params)
-        metrics = engine.live_runtime(model_id).optim_step(
-            model_id,
-            learning_rate=adam.learning_rate,
-            beta1=adam.beta1,
-            beta2=adam.beta2,
-            eps=adam.eps,
-            weight_decay=adam.weight_decay,
-            grad_clip_norm=adam.grad_clip_norm,
+        return types.OptimStepResponse(
+            metrics=run_optim_step(engine.live_runtime(model_id), model_id, params)
         )
-        return types.OptimStepResponse(metrics=metrics)
 
     return model_operation(engine, model_id, request.seq_id, "optim_step", work)

@@ -22,7 +22,7 @@ from tinker import types
 from tinkerrpc_server.engine import protocol
 from tinkerrpc_server.engine.age_export import parse_recipients
 from tinkerrpc_server.engine.answers import Answer
-from tinkerrpc_server.engine.optimizers import check_optimizer_config
+from tinkerrpc_server.engine.optimizers import optimizer_family
 from tinkerrpc_server.engine.routes.common import (
     EngineDep,
     future,
@@ -110,7 +110,7 @@ async def save_weights_external(
 
 @router.post("/load_weights")
 async def load_weights(request: types.LoadWeightsRequest, engine: EngineDep) -> types.UntypedAPIFuture:
-    check_optimizer_config(request.optimizer_config)
+    optimizer = optimizer_family(request.optimizer_config)
 
     refuse_access_token(request.weights_access_token)
 
@@ -123,7 +123,9 @@ async def load_weights(request: types.LoadWeightsRequest, engine: EngineDep) -> 
                     f"base_model {request.base_model!r} is not {trained_on!r}, which {request.path} was "
                     "trained on (the engine has no compatible variants of a base model to load it into)"
                 )
-            engine.load_weights(model_id, request.path, request.base_model, request.optimizer, metadata)
+            engine.load_weights(
+                model_id, request.path, request.base_model, request.optimizer, metadata, optimizer
+            )
             return types.LoadWeightsResponse(path=request.path, model_id=model_id, type="load_weights")
 
         return work
