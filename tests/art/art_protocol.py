@@ -72,7 +72,7 @@ async def send(api: openai.AsyncOpenAI, kind: str, body: dict[str, Any]) -> tupl
     extra = {k: v for k, v in body.items() if k not in fixed}
     raw = await endpoint.with_raw_response.create(**fixed, extra_body=extra, timeout=TIMEOUT)  # type: ignore[attr-defined]
     response = json.loads(raw.text)
-    if kind == "chat_completions":
+    if kind == "chat_completions" and body.get("return_token_ids") is not False:
         # ART 0.5.20+'s client raises unless the choices' token counts add up to the usage
         # (preprocessing/vllm_tokens.py, attach_completion_token_metadata).
         counts = [len(choice["token_ids"]) for choice in response["choices"]]
@@ -259,11 +259,35 @@ async def replay_train_calls(
     return outcomes
 
 
+def span_versions(choice: dict[str, Any]) -> set[int]:
+    """The versions a choice's policy_token_spans name, checked as ART 0.5.20+'s PipelineTrainer checks an
+    eval's Choices (_validated_policy_spans): a non-empty, contiguous partition of its tokens."""
+    spans = choice["policy_token_spans"]
+    assert spans, "PipelineTrainer's eval requires policy_token_spans"
+    cursor = 0
+    for span in spans:
+        assert set(span) == {
+            "start_token",
+            "end_token",
+            "generation_id",
+            "policy_version",
+            "lora_slot",
+            "update_seq",
+        }
+        assert span["start_token"] == cursor < span["end_token"] and span["generation_id"], span
+        cursor = span["end_token"]
+    assert cursor == len(choice["token_ids"])
+    return {span["policy_version"] for span in spans}
+
+
 async def pinned_versions(api: openai.AsyncOpenAI, model: art.TrainableModel) -> list[int]:
-    """The versions that sample ART's rollouts made with model.get_inference_name(), two tasks at once."""
+    """The versions that sample ART's rollouts made with model.get_inference_name(), two tasks at once
+    (each choice's stamp and its policy spans agree)."""
     body = art_chat_body(with_model(CORPUS["chat_requests"][1]["body"], model.get_inference_name()))
     answers = await asyncio.gather(*(send(api, "chat_completions", body) for _ in range(2)))
-    return [choice["policy_version"] for response, _ in answers for choice in response["choices"]]
+    choices = [choice for response, _ in answers for choice in response["choices"]]
+    assert all(span_versions(c) == {c["policy_version"]} for c in choices)
+    return [choice["policy_version"] for choice in choices]
 
 
 async def replay_leases(
@@ -312,6 +336,13 @@ async def replay(art_path: str, target: str) -> dict[str, Any]:
             assert response["prompt_token_ids"] and all(c["token_ids"] for c in response["choices"]), entry[
                 "label"
             ]
+        # Without the RL fields, no spans either.
+        plain_body = {
+            **with_model(CORPUS["chat_requests"][1]["body"], model.get_inference_name()),
+            "return_token_ids": False,
+        }
+        plain, _ = await send(api, "chat_completions", plain_body)
+        assert not {"token_ids", "policy_token_spans"} & set(plain["choices"][0])
         train_calls = await replay_train_calls(backend, model, api, target)
         leases = await replay_leases(backend, model, api)
     finally:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator
 
 from tinkerrpc.contract.limits import MAX_INT32, MAX_TOP_LOGPROBS
 from tinkerrpc_server.sidecar.extensions import known_template_kwargs
@@ -135,6 +135,18 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
+class PolicyTokenSpan(BaseModel):
+    """ART 0.5.20+'s provenance of sampled tokens: the half-open token interval one policy state drew
+    (art/preprocessing/policy_spans.py); its PipelineTrainer's eval requires them on every Choice."""
+
+    start_token: int
+    end_token: int
+    generation_id: str
+    policy_version: int
+    lora_slot: str
+    update_seq: int
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
@@ -145,6 +157,24 @@ class ChatChoice(BaseModel):
     policy_version: int
     # RL extension: the server's key for the sampler's logprobs of these tokens (SampledTurn.sample_key).
     sample_key: str | None = None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def policy_token_spans(self) -> list[PolicyTokenSpan]:
+        """ART's provenance: every token of the choice was drawn by `policy_version`, an immutable version
+        (its slot is the version, which no later update changes)."""
+        if not self.token_ids:
+            return []
+        slot = f"policy-version-{self.policy_version}"
+        span = PolicyTokenSpan(
+            start_token=0,
+            end_token=len(self.token_ids),
+            generation_id=self.sample_key or slot,
+            policy_version=self.policy_version,
+            lora_slot=slot,
+            update_seq=self.policy_version,
+        )
+        return [span]
 
 
 class ChatCompletion(BaseModel):

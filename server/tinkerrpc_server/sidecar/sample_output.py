@@ -170,7 +170,9 @@ def rl_fields_asked(return_token_ids: bool | None, asked_logprobs: bool) -> bool
 _RL_FIELDS: dict[str, Any] = {
     "prompt_token_ids": True,
     "policy_version": True,
-    "choices": {"__all__": {"token_ids": True, "policy_version": True, "sample_key": True}},
+    "choices": {
+        "__all__": {"token_ids": True, "policy_version": True, "sample_key": True, "policy_token_spans": True}
+    },
 }
 
 
