@@ -2,7 +2,10 @@
 Tinker-compatible engines may not): the same sum the engine computes for the loss in use
 (engine/losses.py), here as plain numpy over the per-token logprobs the backend returned in
 forward_backward's `loss_fn_outputs` and the datums' loss inputs. Summed over tokens and datums, never
-averaged; values only (no gradient), so a detached factor is just its value."""
+averaged; values only (no gradient), so a detached factor is just its value. `[N, K]` soft targets need
+no formula of their own: their logprobs and inputs are flattened alike (sparse inputs densified as the
+SDK does), and the elementwise sum is the engine's. The formulas are written twice (torch there, numpy
+here) because the service never imports the engine; tests/engine/test_step_loss_parity.py keeps them equal."""
 
 from __future__ import annotations
 
