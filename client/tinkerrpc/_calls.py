@@ -155,6 +155,7 @@ def sample(
     tools: Sequence[ToolLike] | None = None,
     top_logprobs: int = 0,
     include_prompt_logprobs: bool = False,
+    prompt_top_logprobs: int = 0,
     return_token_texts: bool = False,
     ignore_default_stops: bool = False,
     min_tokens: int = 0,
@@ -169,6 +170,7 @@ def sample(
 ) -> Call[list[Sample]]:
     """Sample `n` completions of a chat prompt (messages), token ids or raw text.
 
+    `top_logprobs` / `prompt_top_logprobs`: the k most likely tokens at each sampled / prompt position.
     `min_tokens`: no stop before that many tokens. `skip_special_tokens` / `spaces_between_special_tokens`:
     how `text` is decoded. `return_prompt_text`: `Sample.prompt_text` holds the prompt as text. Chat
     prompts only: `enable_thinking` renders with the renderer's thinking (True) or thinking-disabled
@@ -188,6 +190,7 @@ def sample(
         tools=tools,
         top_logprobs=top_logprobs,
         include_prompt_logprobs=include_prompt_logprobs,
+        prompt_top_logprobs=prompt_top_logprobs,
         return_token_texts=return_token_texts,
         ignore_default_stops=ignore_default_stops,
         min_tokens=min_tokens,

@@ -310,6 +310,7 @@ def samples_from_proto(msg: service_pb.SampleResponse) -> list[Sample]:
     """Every sequence of a Sample response; the response's prompt ids and logprobs go on each."""
     prompt_ids = tuple(msg.prompt_token_ids)
     prompt_logprobs = tuple(msg.prompt_logprobs)
+    prompt_top_logprobs = tuple(top_logprobs_from_proto(top) for top in msg.prompt_top_logprobs)
     return [
         Sample(
             tokens=tuple(seq.token_ids),
@@ -323,6 +324,7 @@ def samples_from_proto(msg: service_pb.SampleResponse) -> list[Sample]:
             token_texts=tuple(seq.token_texts),
             token_bytes=tuple(seq.token_bytes),
             prompt_logprobs=prompt_logprobs,
+            prompt_top_logprobs=prompt_top_logprobs,
             prompt_text=msg.prompt_text,
             sample_key=seq.sample_key,
         )

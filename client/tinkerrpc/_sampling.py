@@ -41,6 +41,7 @@ class SamplingOptions:
     tools: Sequence[ToolLike] | None = None
     top_logprobs: int = 0
     include_prompt_logprobs: bool = False
+    prompt_top_logprobs: int = 0
     return_token_texts: bool = False
     ignore_default_stops: bool = False
     min_tokens: int = 0
@@ -82,6 +83,7 @@ class SamplingOptions:
             seed=self.seed,
             include_prompt_logprobs=self.include_prompt_logprobs,
             top_logprobs=self.top_logprobs,
+            prompt_top_logprobs=self.prompt_top_logprobs,
             return_token_texts=self.return_token_texts,
             ignore_default_stops=self.ignore_default_stops,
             min_tokens=self.min_tokens,

@@ -27,7 +27,7 @@ TrainOn = Literal["all", "last"]
 
 @dataclass(frozen=True)
 class TopLogprob:
-    """One candidate token at a sampled position."""
+    """One candidate token at a sampled or prompt position."""
 
     token_id: int
     logprob: float
@@ -53,6 +53,8 @@ class Sample:
     # U+FFFD in its text, and its bytes joined with its neighbours' rebuild the character.
     token_bytes: tuple[bytes, ...] = ()
     prompt_logprobs: tuple[float, ...] = ()
+    # The k most likely tokens at each prompt position, with prompt_top_logprobs (position 0: none).
+    prompt_top_logprobs: tuple[tuple[TopLogprob, ...], ...] = ()
     # The prompt as text, when asked with return_prompt_text.
     prompt_text: str = ""
     # The server's key for this sample's tokens and logprobs (SampledTurn.sample_key).

@@ -295,6 +295,11 @@ SAMPLING_BOUNDS = [
         {"top_logprobs": limits.MAX_TOP_LOGPROBS},
         {"top_logprobs": limits.MAX_TOP_LOGPROBS + 1},
     ),
+    (
+        "prompt_top_logprobs",
+        {"prompt_top_logprobs": limits.MAX_TOP_LOGPROBS},
+        {"prompt_top_logprobs": limits.MAX_TOP_LOGPROBS + 1},
+    ),
     ("stop", {"stop": ["x"] * limits.MAX_STOP_STRINGS}, {"stop": ["x"] * (limits.MAX_STOP_STRINGS + 1)}),
     (
         "stop",

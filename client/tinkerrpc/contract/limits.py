@@ -183,7 +183,11 @@ def _constant(name: str, bounds: str) -> Limit:
 
 
 LIMITS: tuple[Limit, ...] = (
-    _most("MAX_TOP_LOGPROBS", "SamplingParams.top_logprobs (the sidecar's top_logprobs, logprobs)"),
+    _most(
+        "MAX_TOP_LOGPROBS",
+        "SamplingParams.top_logprobs and prompt_top_logprobs (the sidecar's top_logprobs, logprobs, "
+        "prompt_logprobs)",
+    ),
     _most(
         "MAX_ENGINE_TOPK_LOGPROBS",
         "K of the engine's topk_sample_logprobs and topk_prompt_logprobs (also at most the vocabulary), "

@@ -154,6 +154,18 @@ SAMPLING_OPTIONS: tuple[SamplingOption, ...] = (
         ("generate.sampling_params.prompt_logprobs",),
     ),
     SamplingOption(
+        "prompt_top_logprobs",
+        "int",
+        0,
+        f"[0, {MAX_TOP_LOGPROBS}], 0 is off: the k most likely tokens at each prompt position",
+        "SamplingParams.prompt_top_logprobs",
+        (
+            "chat.prompt_logprobs",
+            "completions.prompt_logprobs",
+            "generate.sampling_params.prompt_logprobs",
+        ),
+    ),
+    SamplingOption(
         "return_token_texts",
         "bool",
         False,

@@ -81,6 +81,13 @@ class Backend:
     def embedded(self) -> bool:
         return self.engine is not None
 
+    @property
+    def samples_topk(self) -> bool:
+        """Whether the sample call answers the SDK's topk_sample_logprobs (the sampled tokens' top-k, from
+        the distribution each token was drawn from): the embedded engine does; another Tinker's top-k comes
+        from a second pass that scores prompt + completion (at temperature 1)."""
+        return self.embedded
+
     async def restart_engine(self) -> None:
         """After the engine child died: start a new one and point fresh SDK clients at it. Its data dir
         persists, so every tinker:// path stays valid."""

@@ -25,7 +25,15 @@ from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server import token_stream_wire as wire
 from tinkerrpc_server.service.backend import Backend
 from tinkerrpc_server.service.rendering import off_loop
-from tinkerrpc_server.service.sampling import Drawn, PreparedSample, Sampler, TopEntry, add_top, decode_text
+from tinkerrpc_server.service.sampling import (
+    Drawn,
+    PreparedSample,
+    PromptScores,
+    Sampler,
+    TopEntry,
+    add_top,
+    decode_text,
+)
 from tinkerrpc_server.stream_text import held_back_from
 
 _STOP_REASONS = {"stop": types_pb2.STOP_REASON_STOP, "length": types_pb2.STOP_REASON_LENGTH}
@@ -119,7 +127,7 @@ class SampleStreamer:
                     Drawn(s.tokens, s.logprobs, s.stop_reason == "stop", text.top or None)
                     for s, text in zip(line.sequences, texts, strict=True)
                 ]
-                done = await self._sampler.respond(prepared, drawn, line.prompt_logprobs)
+                done = await self._sampler.respond(prepared, drawn, PromptScores(line.prompt_logprobs))
                 yield pb.SampleStreamResponse(done=done)
                 return
             deltas = await off_loop(partial(_deltas_of, line, texts))
@@ -132,8 +140,8 @@ class SampleStreamer:
         self, prepared: PreparedSample, texts: list[_SequenceText]
     ) -> AsyncIterator[pb.SampleStreamResponse]:
         """Sampled whole, then sent as one delta per token position, then the response."""
-        drawn, prompt_logprobs = await self._sampler.draw(prepared)
-        done = await self._sampler.respond(prepared, drawn, prompt_logprobs)
+        drawn, prompt_scores = await self._sampler.draw(prepared)
+        done = await self._sampler.respond(prepared, drawn, prompt_scores)
         for position in range(max((len(s.token_ids) for s in done.sequences), default=0)):
             deltas = await off_loop(partial(_replayed_deltas, done, position, texts))
             yield pb.SampleStreamResponse(deltas=pb.SampleStreamDeltas(sequences=deltas))

@@ -20,6 +20,7 @@ from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server.service import errors
+from tinkerrpc_server.service.backend import Backend
 from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.models import VERSION_RESOURCE, ModelRegistry
 from tinkerrpc_server.service.rendering import ChatCodec, RendererVariantError, off_loop, thinking_variant
@@ -43,8 +44,23 @@ class Drawn:
     tokens: list[int]
     logprobs: list[float]
     stopped: bool  # by a stop token or string (else max_tokens)
-    # Its top alternatives per token, when the sampler gave them with the tokens (a token stream).
+    # Its top alternatives per token, when the sampler gave them with the tokens (the sample call's
+    # topk_sample_logprobs, or a token stream); None leaves them to a second pass (`_fill_top_logprobs`).
     top: list[TopEntry] | None = None
+
+
+@dataclass
+class PromptScores:
+    """What the sampler said of the prompt: each token's logprob and its top alternatives per position
+    (None at position 0; each None when not asked, or not given, as by a token stream's end)."""
+
+    logprobs: list[float | None] | None = None
+    top: list[TopEntry | None] | None = None
+
+
+def top_entries(rows: list[list[tuple[int, float]] | None] | None) -> list[TopEntry | None]:
+    """The SDK's top-k rows ((token, logprob) pairs, None where it has none) as TopEntries."""
+    return [None if row is None else ([t for t, _ in row], [lp for _, lp in row]) for row in rows or ()]
 
 
 def _request_codec(request: pb.SampleRequest, codec: ChatCodec) -> ChatCodec:
@@ -150,8 +166,8 @@ async def _fill_top_logprobs(
     params: types_pb2.SamplingParams,
     codec: ChatCodec,
 ) -> None:
-    """Top-k alternatives at each sampled position, from a prompt-logprobs pass over prompt + completion
-    (a plain SDK call, so it works on Tinker itself too)."""
+    """Top-k alternatives at each sampled position, from a prompt-logprobs pass over prompt + completion:
+    for a backend whose sample call does not answer topk_sample_logprobs (Backend.samples_topk)."""
     tokens = list(sequence.token_ids)
     if not tokens:
         return
@@ -162,17 +178,12 @@ async def _fill_top_logprobs(
         include_prompt_logprobs=True,
         topk_prompt_logprobs=params.top_logprobs,
     )
-    rows = scored.topk_prompt_logprobs or []
+    rows = top_entries(scored.topk_prompt_logprobs)
 
     def add_rows() -> None:
         for position in range(len(prompt), len(prompt) + len(tokens)):
-            alternatives = rows[position] if position < len(rows) and rows[position] else []
-            add_top(
-                sequence.top_logprobs,
-                ([t for t, _ in alternatives], [lp for _, lp in alternatives]),
-                params,
-                codec,
-            )
+            entry = rows[position] if position < len(rows) else None
+            add_top(sequence.top_logprobs, entry or ([], []), params, codec)
 
     await off_loop(add_rows)
 
@@ -261,15 +272,20 @@ async def _draw_min_tokens(
     )
 
 
-async def _prompt_logprobs(client: tinker.SamplingClient, prompt: list[int]) -> list[float | None] | None:
+async def _score_prompt(client: tinker.SamplingClient, prompt: list[int], top_k: int) -> PromptScores:
+    """The prompt's logprobs (and top_k alternatives per position) from a pass of their own."""
     scored = await client.sample(
         tinker.types.ModelInput.from_ints(prompt),
         num_samples=1,
         sampling_params=tinker.types.SamplingParams(max_tokens=1),
         include_prompt_logprobs=True,
+        topk_prompt_logprobs=top_k,
     )
-    logprobs: list[float | None] | None = scored.prompt_logprobs
-    return logprobs
+    return _prompt_scores(scored, top_k)
+
+
+def _prompt_scores(result: tinker.types.SampleResponse, top_k: int) -> PromptScores:
+    return PromptScores(result.prompt_logprobs, top_entries(result.topk_prompt_logprobs) if top_k else None)
 
 
 async def _best_non_stop(
@@ -317,9 +333,10 @@ class PreparedSample:
 
 class Sampler:
     def __init__(
-        self, store: Store, models: ModelRegistry, limits: Limits, sample_cache: SampleCache
+        self, store: Store, models: ModelRegistry, limits: Limits, sample_cache: SampleCache, backend: Backend
     ) -> None:
         self._store = store
+        self._backend = backend
         self._models = models
         self._limits = limits
         self._sample_cache = sample_cache
@@ -327,8 +344,8 @@ class Sampler:
     async def sample(self, request: pb.SampleRequest) -> pb.SampleResponse:
         async with self.pinned(request) as (row, version):
             prepared = await self.prepare(request, row, version)
-            drawn, prompt_logprobs = await self.draw(prepared)
-            return await self.respond(prepared, drawn, prompt_logprobs)
+            drawn, prompt_scores = await self.draw(prepared)
+            return await self.respond(prepared, drawn, prompt_scores)
 
     @asynccontextmanager
     async def pinned(self, request: pb.SampleRequest) -> AsyncIterator[tuple[ModelRow, int]]:
@@ -369,9 +386,10 @@ class Sampler:
             request, row.name, version, path, codec, forced, prompt, client, sampling_params
         )
 
-    async def draw(self, prepared: PreparedSample) -> tuple[list[Drawn], list[float | None] | None]:
-        """The request's sequences and (when asked) its prompt logprobs, sampled whole."""
+    async def draw(self, prepared: PreparedSample) -> tuple[list[Drawn], PromptScores]:
+        """The request's sequences and (when asked) its prompt's scores, sampled whole."""
         client, prompt, params = prepared.client, prepared.prompt, prepared.request.params
+        prompt_asked = params.include_prompt_logprobs or params.prompt_top_logprobs > 0
         if params.min_tokens:
             stop_tokens = await off_loop(lambda: _stop_token_ids(params, prepared.codec))
             drawn = list(
@@ -382,23 +400,35 @@ class Sampler:
                     )
                 )
             )
-            prompt_logprobs = (
-                await _prompt_logprobs(client, prompt) if params.include_prompt_logprobs else None
+            scores = (
+                await _score_prompt(client, prompt, params.prompt_top_logprobs)
+                if prompt_asked
+                else PromptScores()
             )
-            return drawn, prompt_logprobs
+            return drawn, scores
+        # The sampled tokens' top-k come with them where the backend answers it, else by a second pass.
+        sample_top_k = params.top_logprobs if self._backend.samples_topk else 0
         result = await client.sample(
             tinker.types.ModelInput.from_ints(prompt),
             num_samples=params.n or 1,
             sampling_params=prepared.sampling_params,
-            include_prompt_logprobs=params.include_prompt_logprobs,
+            include_prompt_logprobs=prompt_asked,
+            topk_prompt_logprobs=params.prompt_top_logprobs,
+            topk_sample_logprobs=sample_top_k,
         )
         drawn = [
-            Drawn(list(s.tokens), list(s.logprobs or []), s.stop_reason != "length") for s in result.sequences
+            Drawn(
+                list(s.tokens),
+                list(s.logprobs or []),
+                s.stop_reason != "length",
+                [entry or ([], []) for entry in top_entries(s.topk_logprobs)] if sample_top_k else None,
+            )
+            for s in result.sequences
         ]
-        return drawn, result.prompt_logprobs
+        return drawn, _prompt_scores(result, params.prompt_top_logprobs)
 
     async def respond(
-        self, prepared: PreparedSample, drawn: list[Drawn], prompt_logprobs: list[float | None] | None
+        self, prepared: PreparedSample, drawn: list[Drawn], prompt_scores: PromptScores
     ) -> pb.SampleResponse:
         """The SampleResponse of drawn sequences: texts, parsed messages, sample keys, top logprobs."""
         request, version, codec, prompt = prepared.request, prepared.version, prepared.codec, prepared.prompt
@@ -435,6 +465,18 @@ class Sampler:
             response.prompt_text = await off_loop(lambda: decode_text(prompt, params, codec))
         if params.include_prompt_logprobs:
             response.prompt_logprobs.extend(
-                math.nan if lp is None else lp for lp in (prompt_logprobs or [None] * len(prompt))
+                math.nan if lp is None else lp for lp in (prompt_scores.logprobs or [None] * len(prompt))
             )
+        if params.prompt_top_logprobs:
+            scores = prompt_scores
+            if scores.top is None:  # a token stream's end carries no prompt top-k
+                scores = await _score_prompt(prepared.client, prompt, params.prompt_top_logprobs)
+            rows = scores.top or []
+
+            def add_rows() -> None:
+                for position in range(len(prompt)):
+                    entry = rows[position] if position < len(rows) else None
+                    add_top(response.prompt_top_logprobs, entry or ([], []), params, codec)
+
+            await off_loop(add_rows)
         return response

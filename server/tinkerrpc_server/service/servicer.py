@@ -90,7 +90,7 @@ class TrainerService(trainer_service_pb2_grpc.TrainerServiceServicer):
         self._supervisor = EngineSupervisor(backend, self._models, limits.backend_timeout)
         self._trainer = Trainer(store, self._models, checkpoint_every, limits, step_hooks, sample_cache)
         self._checkpoints = Checkpoints(store, backend, self._models)
-        self._sampler = Sampler(store, self._models, limits, sample_cache)
+        self._sampler = Sampler(store, self._models, limits, sample_cache, backend)
         self._streamer = SampleStreamer(self._sampler, backend)
         self._exporter = Exporter(store, backend, self._models)
         self._history = History(store, self._models)

@@ -405,8 +405,12 @@ def check_sampling_params(
         v.add("params.top_p", "must be in (0, 1]")
     if params.top_k < 0:
         v.add("params.top_k", "must be >= 0 (0 = off)")
-    if not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
-        v.add("params.top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {params.top_logprobs}")
+    for name, k in (
+        ("top_logprobs", params.top_logprobs),
+        ("prompt_top_logprobs", params.prompt_top_logprobs),
+    ):
+        if not 0 <= k <= MAX_TOP_LOGPROBS:
+            v.add(f"params.{name}", f"must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
     if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         v.add("params.stop_token_ids", f"{len(params.stop_token_ids)} ids: at most {MAX_STOP_TOKEN_IDS}")
     else:
