@@ -255,6 +255,10 @@ def test_sessions_are_listed_searched_moved_and_traced_from_the_engines_records(
         rest.get_session("s-never").result()
     with pytest.raises(tinker.BadRequestError, match="project_id"):
         rest.assign_session_project(session_id, "../x").result()
+    with pytest.raises(tinker.BadRequestError, match="display_name"):
+        rest.search_sessions(types.SessionSearchRequest(display_name="n" * 5000)).result()
+    with pytest.raises(tinker.BadRequestError, match="project_ids"):
+        rest.search_sessions(types.SessionSearchRequest(project_ids=[f"p{i}" for i in range(65)])).result()
     assert (
         post(
             engine, "create_session", {"tags": ["t"] * 65, "user_metadata": {}, "sdk_version": "x"}

@@ -69,22 +69,32 @@ class Records:
     def open_session(self, record: SessionRecord) -> str:
         return self._sessions.open(record)
 
+    def session_ids(self) -> list[str]:
+        """Every recorded session's id, newest first."""
+        return [record.session_id for record in self._sessions.records()]
+
     def sessions(self) -> list[SessionView]:
         """Every recorded session, newest first."""
-        return [self._view(record) for record in self._sessions.records()]
+        runs = self._runs_by_session()
+        return [self._view(record, runs) for record in self._sessions.records()]
 
     def session(self, session_id: str) -> SessionView:
         record = self._sessions.record(session_id)
         if record is None:
             raise UnknownPathError(f"unknown session {session_id!r}")
-        return self._view(record)
+        return self._view(record, self._runs_by_session())
 
     def set_project(self, session_id: str, project_id: str) -> None:
         self._sessions.update(dataclasses.replace(self.session(session_id).record, project_id=project_id))
 
-    def _view(self, record: SessionRecord) -> SessionView:
-        prefix = training_client_prefix(record.session_id)
-        runs = sorted(r.model_id for r in self._storage.list_runs() if r.model_id.startswith(prefix))
+    def _runs_by_session(self) -> dict[str, list[str]]:
+        runs: dict[str, list[str]] = {}
+        for run in self._storage.list_runs():
+            runs.setdefault(session_of(run.model_id), []).append(run.model_id)
+        return runs
+
+    def _view(self, record: SessionRecord, runs_by_session: dict[str, list[str]]) -> SessionView:
+        runs = sorted(runs_by_session.get(record.session_id, []))
         checkpoints = [c for run in runs for c in self._storage.list_checkpoints(run)]
         return SessionView(
             record,
@@ -113,7 +123,9 @@ class Records:
         source_run = self._storage.get_run(source.model_id)
         if target is None:
             session_id = self.open_session(SessionRecord("", "", project_id=project_id))
-            self._sessions.mark_finished(session_id, {"reason": {"type": "success"}, "detail": "copy_weights"})
+            self._sessions.mark_finished(
+                session_id, {"reason": {"type": "success"}, "detail": "copy_weights"}
+            )
             model_id = f"{training_client_prefix(session_id)}0"
         else:
             session_id, model_seq_id = target

@@ -247,9 +247,11 @@ class RequestLogMiddleware:
         headers = dict(scope["headers"])
         body: list[bytes] = []
         answer: list[bytes] = []
+        declared = headers.get(b"content-length", b"")
         parse_body = (
             b"json" in headers.get(b"content-type", b"")
-            and int(headers.get(b"content-length", b"0") or 0) <= _PARSED_BODY_BYTES
+            and declared.isdigit()
+            and int(declared) <= _PARSED_BODY_BYTES
         )
         status = 500
 

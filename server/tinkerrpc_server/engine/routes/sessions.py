@@ -121,9 +121,7 @@ async def list_sessions(
     engine: EngineDep, limit: int = 20, offset: int = 0, access_scope: AccessScope = "owned"
 ) -> types.ListSessionsResponse:
     selected = page_bounds(limit, offset)
-    return types.ListSessionsResponse(
-        sessions=[v.record.session_id for v in engine.records.sessions()][selected]
-    )
+    return types.ListSessionsResponse(sessions=engine.records.session_ids()[selected])
 
 
 @router.get("/sessions/{session_id}")
@@ -171,8 +169,15 @@ async def search_sessions(
     request: types.SessionSearchRequest, engine: EngineDep
 ) -> types.SessionSearchResponse:
     """Newest first, `limit` per page; a page's cursor is its last session (created_at, session_id)."""
+    if request.session_id is not None:
+        check_id("session_id", request.session_id)
+    if request.display_name is not None:
+        check_label("display_name", request.display_name)
+    if len(request.project_ids or ()) > MAX_ENGINE_LABELS:
+        raise protocol.BadRequest(f"project_ids: at most {MAX_ENGINE_LABELS}")
     for project_id in request.project_ids or ():
         check_project(project_id)
+    str_metadata(request.user_metadata)  # its bounds
     found = [v for v in engine.records.sessions() if _matches(v, request)]
     cursor = request.cursor
     if cursor is not None:
