@@ -168,9 +168,10 @@ def test_soft_targets_are_refused_where_they_do_not_fit_and_nothing_changes(
     runtime.delete_adapter(model_id)
 
 
-def _request(inputs: dict[str, types.TensorData]) -> pb.ForwardBackwardRequest:
-    """The protobuf body the SDK sends for one datum with these loss inputs."""
-    datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3, 4]), loss_fn_inputs=inputs)
+def _request(inputs: dict[str, types.TensorData], positions: int) -> pb.ForwardBackwardRequest:
+    """The protobuf body the SDK sends for one datum of `positions` input tokens with these loss inputs."""
+    tokens = types.ModelInput.from_ints(list(range(1, positions + 1)))
+    datum = types.Datum(model_input=tokens, loss_fn_inputs=inputs)
     fwd = types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy")
     return forward_backward_request_to_proto(
         types.ForwardBackwardRequest(forward_backward_input=fwd, model_id="m", seq_id=1)
@@ -194,7 +195,7 @@ def test_sparse_loss_inputs_decode_to_the_sdk_s_dense_tensor() -> None:
         "weights": types.TensorData.from_torch_sparse(weights),
     }
     assert all(tensor.sparse_crow_indices is not None for tensor in inputs.values())  # sparse on the wire
-    request = _request(inputs)
+    request = _request(inputs, positions=6)
     decoded = protocol.parse_forward_backward(request.SerializeToString()).data[0].loss_fn_inputs
     for name, tensor in inputs.items():
         np.testing.assert_array_equal(decoded[name], tensor.to_numpy())
@@ -207,7 +208,8 @@ def test_sparse_loss_inputs_decode_to_the_sdk_s_dense_tensor() -> None:
         ([0, 1, 3], [0, 1], [1, 2], [2, 3], "not a valid sparse CSR tensor"),  # ends past the columns
         ([0, 2, 2], [1, 0], [1, 2], [2, 3], "increasing within a row"),
         ([0, 1, 1], [3], [1], [2, 3], "must be in [0, 3)"),
-        ([0, 1], [0], [1], [1, MAX_ENGINE_SOFT_TARGETS + 1], "K in [1,"),
+        ([0, 1], [0], [1], [2, MAX_ENGINE_SOFT_TARGETS + 1], "K in [1,"),
+        ([0, 1], [0], [1], [3, 2], "N = 2"),  # more rows than input tokens: refused before densifying
         ([0, 1], [0], [1], [3], "shape [N, K]"),
     ],
 )
@@ -218,7 +220,7 @@ def test_bad_sparse_loss_inputs_are_a_problem_naming_the_field(
     tensor.sparse_csr.values = np.asarray(values, np.int64).tobytes()
     tensor.sparse_csr.crow_indices = np.asarray(crow, np.int64).tobytes()
     tensor.sparse_csr.col_indices = np.asarray(col, np.int64).tobytes()
-    request = _request({})
+    request = _request({}, positions=2)
     request.data[0].loss_fn_inputs["target_tokens"].CopyFrom(tensor)
     # Not raised: the request fails in its model's turn, so later requests do not wait for its seq_id.
     call = protocol.parse_forward_backward(request.SerializeToString())

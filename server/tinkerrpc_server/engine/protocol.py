@@ -77,20 +77,20 @@ def _whole_array(field: str, what: str, data: bytes, dtype: np.dtype[Any]) -> np
     return np.frombuffer(data, dtype=dtype)
 
 
-def _tensor_to_numpy(name: str, tensor: pb.Tensor) -> np.ndarray:
-    """A loss input as a dense array; a sparse CSR one is densified with 0 in every unlisted cell, as the
-    SDK's `TensorData.to_numpy()` does."""
+def _tensor_to_numpy(name: str, tensor: pb.Tensor, positions: int) -> np.ndarray:
+    """A loss input of a datum of `positions` input tokens as a dense array; a sparse CSR one (`[N, K]`
+    soft targets) is densified with 0 in every unlisted cell, as the SDK's `TensorData.to_numpy()` does."""
     field = f"loss_fn_inputs[{name!r}]"
     dtype = _NUMPY_DTYPES.get(tensor.dtype)
     if dtype is None:
         raise BadRequest(f"{field}: unsupported dtype {tensor.dtype}")
     if tensor.HasField("sparse_csr"):
         shape = list(tensor.shape)
-        # Its rows are bounded by the row pointers sent (csr_layout), its columns here: it is densified.
-        if len(shape) != 2 or not 1 <= shape[1] <= MAX_ENGINE_SOFT_TARGETS:
+        # Checked before it is densified: what it may take is N·K cells, whatever the body's size.
+        if len(shape) != 2 or shape[0] != positions or not 1 <= shape[1] <= MAX_ENGINE_SOFT_TARGETS:
             raise BadRequest(
-                f"{field}: a sparse CSR tensor must have shape [N, K] with K in [1, {MAX_ENGINE_SOFT_TARGETS}], "
-                f"got {shape}"
+                f"{field}: a sparse CSR tensor must have shape [N, K] with N = {positions} (the model_input's "
+                f"tokens) and K in [1, {MAX_ENGINE_SOFT_TARGETS}], got {shape}"
             )
         csr = tensor.sparse_csr
         values = _whole_array(field, "values", csr.values, dtype)
@@ -152,13 +152,12 @@ def parse_forward_backward(raw: bytes) -> ForwardBackwardCall:
         for key, number in request.loss_fn_config.items():
             config.setdefault(key, float(number))
         call.loss_fn_config = config or None
-        call.data = [
-            DatumArrays(
-                input_tokens=_datum_tokens(i, datum),
-                loss_fn_inputs={name: _tensor_to_numpy(name, t) for name, t in datum.loss_fn_inputs.items()},
-            )
-            for i, datum in enumerate(request.data)
-        ]
+        for i, datum in enumerate(request.data):
+            tokens = _datum_tokens(i, datum)
+            inputs = {
+                name: _tensor_to_numpy(name, t, len(tokens)) for name, t in datum.loss_fn_inputs.items()
+            }
+            call.data.append(DatumArrays(input_tokens=tokens, loss_fn_inputs=inputs))
     except BadRequest as problem:
         call.problem = str(problem)
     return call
