@@ -3,7 +3,7 @@ options, against a fresh `tinkerrpc engine` on tiny-chat, made as a user makes i
 
 Prints one line per call that does not work, then the counts: works / refused (documented, a clear error
 naming what it refuses) / fails / silently wrong (answered, but not with Tinker's semantics). Exits 1 when
-a call fails or is silently wrong. The calls live in sdk_probe_{training,sampling,rest}.py; what a verdict
+a call fails or is silently wrong. The calls live in sdk_probe_{training,sampling,rest,async}.py; what a verdict
 means in sdk_probe_core.py.
 """
 
@@ -11,16 +11,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import tempfile
 import time
+import warnings
 from collections import Counter
 from pathlib import Path
 
 import tinker
 
-from bench import sdk_probe_rest, sdk_probe_sampling, sdk_probe_training  # noqa: F401 - they register the calls
+from bench import (  # noqa: F401 - they register the calls
+    sdk_probe_async,
+    sdk_probe_rest,
+    sdk_probe_sampling,
+    sdk_probe_training,
+)
 from bench.sdk_probe_core import CALLS, VERDICTS, Call, Probe, run_all
 from tinkerrpc_server.local.stack import LocalEngine
 
@@ -51,6 +58,10 @@ def main() -> int:
     args = parser.parse_args()
     calls = [c for c in CALLS if args.k in c.name]
     os.environ.setdefault("TINKER_TELEMETRY", "0")
+    # The probe calls the SDK's deprecated and experimental methods on purpose, and makes requests the
+    # engine must refuse: the SDK's warnings and its log line per refused request are expected here.
+    warnings.simplefilter("ignore")
+    logging.getLogger("tinker").setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="sdk-probe-") as work:
         # The engine lays tiny-chat out in this hub cache; the SDK's get_tokenizer reads it from there.
         os.environ["HF_HUB_CACHE"] = str(Path(work) / "hf-hub")

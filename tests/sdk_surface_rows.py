@@ -333,14 +333,14 @@ for _owner in ("RestClient", "AdminClient"):
     )
     ADMIN = works(REST + "test_admin_calls_answer_from_the_engines_own_records", probe(f"{_owner}_audit_log"))
     method(f"{_owner}.get_audit_log", "event_type day", ADMIN)
-    values(f"{_owner}.get_audit_log(event_type", "all checkpoints teams", ADMIN)
+    values(f"{_owner}.get_audit_log(event_type", "all checkpoints projects", ADMIN)
     values(
         f"{_owner}.get_audit_log(event_type",
-        "projects organizations",
+        "teams organizations",
         works(
             REST + "test_admin_calls_answer_from_the_engines_own_records",
             probe(f"{_owner}_audit_log"),
-            note="a local engine has no project or organisation events: an empty log",
+            note="a local engine has no team or organisation events: an empty log",
         ),
     )
     method(
