@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,7 @@ class Records:
         self._sessions = sessions
         self._ledger = ledger
         self._copies: OrderedDict[str, str] = OrderedDict()  # idempotency key -> the copy's tinker path
+        self._copying = threading.Lock()  # a retry waits for its first copy instead of making a second
 
     # ---- sessions ----
 
@@ -117,8 +119,23 @@ class Records:
         """Copy a checkpoint into a new training run (which no client trains) and answer its path. The run
         is `<session>:train:<model_seq_id>` of the open session `target`, else run 0 of a new session
         in `project_id`, finished at once. A key seen before answers the earlier copy's path."""
-        if idempotency_key is not None and idempotency_key in self._copies:
-            return self._copies[idempotency_key]
+        with self._copying:
+            if idempotency_key is not None and idempotency_key in self._copies:
+                return self._copies[idempotency_key]
+            path = self._copy(source_path, target, project_id, expires_at)
+            if idempotency_key is not None:
+                self._copies[idempotency_key] = path
+                while len(self._copies) > COPIES_REMEMBERED:
+                    self._copies.popitem(last=False)
+            return path
+
+    def _copy(
+        self,
+        source_path: str,
+        target: tuple[str, int] | None,
+        project_id: str | None,
+        expires_at: float | None,
+    ) -> str:
         source, _ = self._storage.resolve(source_path)
         source_run = self._storage.get_run(source.model_id)
         if target is None:
@@ -135,12 +152,7 @@ class Records:
         run = dataclasses.replace(
             source_run, model_id=model_id, created_at=stamp, last_request_time=stamp, user_metadata={}
         )
-        copy = self._storage.link_checkpoint(source_path, run, expires_at)
-        if idempotency_key is not None:
-            self._copies[idempotency_key] = copy.tinker_path
-            while len(self._copies) > COPIES_REMEMBERED:
-                self._copies.popitem(last=False)
-        return copy.tinker_path
+        return self._storage.link_checkpoint(source_path, run, expires_at).tinker_path
 
     def encrypt_external(self, tinker_path: str, recipients: list[object]) -> CheckpointRecord:
         """Encrypt an external-weights checkpoint's files to age `recipients` (age_export), and record

@@ -42,7 +42,7 @@ _UNLOGGED = frozenset(
         "client/dynamic_config",
     }
 )
-_STEPS = frozenset({"forward_backward", "optim_step", "asample"})
+_STEPS = frozenset({"forward_backward", "optim_step", "asample", "tinkerrpc/sample_stream"})
 # (method, path pattern after /api/v1/) -> event: `<resource>_<action>`, as Tinker names audit events.
 _EVENTS: tuple[tuple[str, re.Pattern[str], str], ...] = tuple(
     (method, re.compile(pattern), event)
@@ -72,6 +72,7 @@ _EVENTS: tuple[tuple[str, re.Pattern[str], str], ...] = tuple(
         ("GET", r"training_runs(/[^/]+)?", "training_run_read"),
         ("POST", r"create_sampling_session", "sampler_create"),
         ("POST", r"asample", "sampler_sample"),
+        ("POST", r"tinkerrpc/sample_stream", "sampler_sample_stream"),
         ("POST", r"auth/token", "auth_token_issue"),
         ("GET", r"(audit|billing/.+)", "admin_read"),
     )
