@@ -227,10 +227,11 @@ DIMUON_RANK = 4
 
 
 def saved(engine: LocalEngine, model_id: str, name: str) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
-    """A save_state checkpoint's LoRA weights and optimizer meta, as the engine wrote them."""
+    """A save_state checkpoint's LoRA weights and LoRA spec (with its optimizer family), as the engine
+    wrote them."""
     directory = engine.data_dir / "runs" / model_id / "weights" / name
-    meta = json.loads((directory / "optimizer.json").read_text())
-    return load_file(str(directory / "adapter_model.safetensors")), meta
+    spec = json.loads((directory / "tinkerrpc_lora.json").read_text())
+    return load_file(str(directory / "adapter_model.safetensors")), spec
 
 
 def test_a_dimuon_client_steps_along_the_momentum_s_matrix_sign_and_refuses_adam_steps(
@@ -249,8 +250,8 @@ def test_a_dimuon_client_steps_along_the_momentum_s_matrix_sign_and_refuses_adam
     client.save_state("after").result()
 
     before, _ = saved(engine, client.model_id, "before")
-    after, meta = saved(engine, client.model_id, "after")
-    assert meta["optimizer"] == "dimuon"
+    after, spec = saved(engine, client.model_id, "after")
+    assert spec["optimizer"] == "dimuon"
     moved = 0
     for name, weight in after.items():
         delta = (weight - before[name]).double()
@@ -277,6 +278,13 @@ def test_dimuon_state_resumes_through_the_sdk_and_keeps_its_family(
         straight.forward_backward(BATCH, "cross_entropy").result()
         straight.optim_step(dimuon).result()
     state = straight.save_state("two-steps").result().path
+    rest = engine.rest_client()
+    # weights_info names the run's optimizer (the SDK reads a Dimuon config as its OptimizerConfigBase).
+    dimuon_info = rest.get_weights_info_by_tinker_path(state).result().optimizer_config
+    assert (dimuon_info.type, dimuon_info.model_dump().get("version")) == ("dimuon", 1)
+    adam_client = service.create_lora_training_client(TINY, rank=4, seed=5).result()
+    adam_state = adam_client.save_weights_for_sampler("adam").result().path
+    assert rest.get_weights_info_by_tinker_path(adam_state).result().optimizer_config.type == "adamw"
 
     resumed = service.create_training_client_from_state_with_optimizer(state).result()
     # A Dimuon version this engine does not run is refused at creation (the SDK's type allows only 1).

@@ -10,11 +10,14 @@ step of another family's parameters is refused in its turn and changes nothing.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pydantic
 from tinker import types
 from tinker.types.optimizer import OptimizerConfigBase, OptimParamsBase
 
 from tinkerrpc_server.engine.compute.optimizer_families import ADAMW, DIMUON
+from tinkerrpc_server.engine.compute.state_io import saved_optimizer
 from tinkerrpc_server.engine.protocol import BadRequest
 from tinkerrpc_server.engine.runtime import BaseModelRuntime
 
@@ -39,6 +42,13 @@ def optimizer_family(config: OptimizerConfigBase | None) -> str | None:
         f"optimizer_config: type {config.type!r} is not supported by this engine, which runs "
         f"{ADAMW!r} (AdamOptimizerConfig) and {DIMUON!r} (DimuonOptimizerConfig)"
     )
+
+
+def saved_optimizer_config(directory: Path) -> types.OptimizerConfig:
+    """The optimizer_config of the run that saved the checkpoint at `directory` (weights_info's)."""
+    if saved_optimizer(directory) == DIMUON:
+        return types.DimuonOptimizerConfig()
+    return types.AdamOptimizerConfig()
 
 
 def optim_step(runtime: BaseModelRuntime, model_id: str, params: types.OptimParams) -> dict[str, float]:

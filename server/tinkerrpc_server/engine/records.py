@@ -108,6 +108,10 @@ class Records:
 
     # ---- checkpoints ----
 
+    def checkpoint_dir(self, tinker_path: str) -> Path:
+        """The directory of the checkpoint at `tinker_path` (UnknownPathError: none there)."""
+        return self._storage.resolve(tinker_path)[1]
+
     def copy_checkpoint(
         self,
         source_path: str,

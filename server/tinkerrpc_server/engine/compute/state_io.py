@@ -64,7 +64,8 @@ class StateIO(AdaptedModel):
 
     def _save_optimizer(self, adapter: Adapter, directory: Path) -> None:
         """Every state tensor of every parameter ("<name>.<key>": AdamW's exp_avg and exp_avg_sq,
-        Dimuon's momentum_buffer), each parameter's step count, and the family that wrote them."""
+        Dimuon's momentum_buffer) and each parameter's step count; the family that wrote them is the LoRA
+        spec's (LORA_SPEC_FILE)."""
         tensors: dict[str, torch.Tensor] = {}
         steps: dict[str, float] = {}
         for name, param in adapter.params.items():
@@ -76,8 +77,7 @@ class StateIO(AdaptedModel):
                     tensors[f"{name}.{key}"] = value.detach().cpu().contiguous()
             steps[name] = float(state["step"])
         save_file(tensors, str(directory / OPTIMIZER_FILE))
-        meta = {"optimizer": adapter.spec.optimizer, "steps": steps}
-        (directory / OPTIMIZER_META_FILE).write_text(json.dumps(meta))
+        (directory / OPTIMIZER_META_FILE).write_text(json.dumps({"steps": steps}))
 
     def load_state(
         self, model_id: str, directory: Path, include_optimizer: bool, optimizer: str | None = None
@@ -98,7 +98,7 @@ class StateIO(AdaptedModel):
         live = self._adapters.get(model_id)
         fixed = live.spec.optimizer if live is not None else None
         if include_optimizer:
-            saved = _saved_family(directory)
+            saved = spec.optimizer
             if fixed not in (None, saved) or optimizer not in (None, saved):
                 raise EngineUserError(
                     f"optimizer_config: the optimizer state of {directory.name} is {saved!r}; it cannot be "
@@ -175,10 +175,11 @@ class StateIO(AdaptedModel):
             adapter.optimizer.state[param] = state
 
 
-def _saved_family(directory: Path) -> str:
-    """The optimizer family of a checkpoint's optimizer state (AdamW for one saved before families)."""
-    meta = json.loads((directory / OPTIMIZER_META_FILE).read_text())
-    family: str = meta.get("optimizer", ADAMW)
+def saved_optimizer(directory: Path) -> str:
+    """The optimizer family of the run that saved the checkpoint at `directory` (AdamW where its LoRA spec
+    names none: saved before families, or a plain PEFT adapter)."""
+    spec_file = directory / LORA_SPEC_FILE
+    family: str = json.loads(spec_file.read_text()).get("optimizer", ADAMW) if spec_file.is_file() else ADAMW
     return family
 
 

@@ -22,7 +22,7 @@ from tinker import types
 from tinkerrpc_server.engine import protocol
 from tinkerrpc_server.engine.age_export import parse_recipients
 from tinkerrpc_server.engine.answers import Answer
-from tinkerrpc_server.engine.optimizers import optimizer_family
+from tinkerrpc_server.engine.optimizers import optimizer_family, saved_optimizer_config
 from tinkerrpc_server.engine.routes.common import (
     EngineDep,
     future,
@@ -154,8 +154,12 @@ async def load_weights(request: types.LoadWeightsRequest, engine: EngineDep) -> 
 @router.post("/weights_info")
 async def weights_info(request: protocol.WeightsInfoRequest, engine: EngineDep) -> types.WeightsInfoResponse:
     run = engine.run_of_checkpoint(request.tinker_path)
+    optimizer = await run_in_threadpool(
+        saved_optimizer_config, engine.records.checkpoint_dir(request.tinker_path)
+    )
     return types.WeightsInfoResponse(
         base_model=run.base_model,
+        optimizer_config=optimizer,
         is_lora=True,
         lora_rank=run.lora_rank,
         train_unembed=run.train_unembed,
