@@ -105,7 +105,7 @@ def test_prompt_top_k_are_the_engines_topk_prompt_logprobs(
     (remote_sample,) = remote.sample(PROMPT, options=options)
     prompt = list(sample.prompt_token_ids)
     assert remote_sample.prompt_token_ids == sample.prompt_token_ids
-    sampler = engine.service_client().create_sampling_client(base_model=BASE)
+    sampler = engine.service_client().create_sampling_client(base_model=BASE).result(timeout=CALL_TIMEOUT)
     sdk = sampler.sample(
         tinker.types.ModelInput.from_ints(prompt),
         num_samples=1,

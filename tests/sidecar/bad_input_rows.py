@@ -114,9 +114,9 @@ GENERATE_ROWS: list[Row] = [
     Row("generate-logprobs-true", GENERATE, generate({"logprobs": True}), 400, "sampling_params.logprobs"),
     Row("generate-logprobs-21", GENERATE, generate({"logprobs": 21}), 400, "sampling_params.logprobs"),
     Row(
-        "generate-prompt-logprobs-1",
+        "generate-prompt-logprobs-21",
         GENERATE,
-        generate({"prompt_logprobs": 1}),
+        generate({"prompt_logprobs": 21}),
         400,
         "sampling_params.prompt_logprobs",
     ),

@@ -139,6 +139,8 @@ ROWS: list[Row] = [
     Row("top-logprobs-true", CHAT, chat(logprobs=True, top_logprobs=True), 400, "top_logprobs"),
     Row("top-logprobs-21", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     Row("logprobs-one", CHAT, chat(logprobs=1), 400, "logprobs"),
+    Row("prompt-logprobs-21", CHAT, chat(prompt_logprobs=21), 400, "prompt_logprobs"),
+    Row("prompt-logprobs-stream", CHAT, chat(prompt_logprobs=1, stream=True), 400, "prompt_logprobs"),
     Row("stream-one", CHAT, chat(stream=1), 400, "stream"),
     Row("min-tokens-negative", CHAT, chat(min_tokens=-1), 400, "min_tokens"),
     Row("min-tokens-true", CHAT, chat(min_tokens=True), 400, "min_tokens"),
@@ -151,6 +153,13 @@ ROWS: list[Row] = [
     Row("legacy-prompt-token-negative", COMPLETIONS, legacy(prompt=[-1]), 400, "prompt…"),
     Row("legacy-prompt-token-beyond-int32", COMPLETIONS, legacy(prompt=[2**31]), 400, "prompt…"),
     Row("legacy-logprobs-true", COMPLETIONS, legacy(logprobs=True), 400, "logprobs"),
+    Row(
+        "legacy-prompt-logprobs-stream",
+        COMPLETIONS,
+        legacy(prompt_logprobs=0, stream=True),
+        400,
+        "prompt_logprobs",
+    ),
     Row("legacy-best-of-true", COMPLETIONS, legacy(best_of=True), 400, "best_of"),
     Row("legacy-echo-one", COMPLETIONS, legacy(echo=1), 400, "echo"),
     Row(

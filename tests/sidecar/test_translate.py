@@ -114,6 +114,7 @@ def test_chat_parameters_map_onto_sample_arguments() -> None:
         "tools": None,
         "top_logprobs": 2,
         "include_prompt_logprobs": False,
+        "prompt_top_logprobs": 0,
         "return_token_texts": True,
         "ignore_default_stops": True,
         "min_tokens": 0,

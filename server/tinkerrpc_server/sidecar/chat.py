@@ -30,6 +30,7 @@ from tinkerrpc_server.sidecar.errors import THINKING_FIELD, THINKING_PARAM, Open
 from tinkerrpc_server.sidecar.json_bounds import BoundedJSONRoute, check_json_text
 from tinkerrpc_server.sidecar.models import ModelRef
 from tinkerrpc_server.sidecar.openai_shapes import ChoiceLogprobs
+from tinkerrpc_server.sidecar.prompt_logprobs import vllm_prompt_logprobs
 from tinkerrpc_server.sidecar.sample_output import (
     ReplyHead,
     chat_logprob_entry,
@@ -225,7 +226,9 @@ def build_chat_completion(
                 sample_key=sample.sample_key or None,
             )
         )
-    return ChatCompletion(**head.body_fields(samples), choices=choices)
+    return ChatCompletion(
+        **head.body_fields(samples), choices=choices, prompt_logprobs=vllm_prompt_logprobs(samples)
+    )
 
 
 async def chat_stream_chunks(

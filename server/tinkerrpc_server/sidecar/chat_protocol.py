@@ -20,6 +20,7 @@ from tinkerrpc_server.sidecar.openai_shapes import (
     ChoiceLogprobs,
     Function,
 )
+from tinkerrpc_server.sidecar.prompt_logprobs import PromptLogprobs
 from tinkerrpc_server.sidecar.protocol import (
     FinishReason,
     OutputFormatType,
@@ -185,6 +186,8 @@ class ChatCompletion(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    # vLLM's prompt_logprobs, when asked (prompt_logprobs.py).
+    prompt_logprobs: PromptLogprobs | None = None
     # RL extensions (vLLM names).
     prompt_token_ids: list[int]
     policy_version: int

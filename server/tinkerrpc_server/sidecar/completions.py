@@ -18,6 +18,7 @@ from tinkerrpc_server.sidecar.errors import bad_request
 from tinkerrpc_server.sidecar.json_bounds import BoundedJSONRoute
 from tinkerrpc_server.sidecar.models import ModelRef
 from tinkerrpc_server.sidecar.openai_shapes import Logprobs
+from tinkerrpc_server.sidecar.prompt_logprobs import vllm_prompt_logprobs
 from tinkerrpc_server.sidecar.sample_output import (
     ReplyHead,
     new_id,
@@ -114,6 +115,7 @@ def build_completion(
     request: CompletionRequest, ref: ModelRef, args: SamplingOptions, samples: Sequence[Sample], created: int
 ) -> Completion:
     head = ReplyHead.of("cmpl", ref, samples, created)
+    prompt_logprobs = vllm_prompt_logprobs(samples)
     choices = [
         CompletionChoice(
             index=index,
@@ -127,6 +129,7 @@ def build_completion(
             token_ids=list(sample.tokens),
             policy_version=sample.policy_version,
             sample_key=sample.sample_key or None,
+            prompt_logprobs=prompt_logprobs,
         )
         for index, sample in enumerate(samples)
     ]

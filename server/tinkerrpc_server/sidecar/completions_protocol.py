@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 from tinkerrpc.contract.limits import MAX_INT32, MAX_TOP_LOGPROBS, SIDECAR_MAX_N
 from tinkerrpc.contract.sampling import SIDECAR_COMPLETION_MAX_TOKENS
 from tinkerrpc_server.sidecar.openai_shapes import Logprobs
+from tinkerrpc_server.sidecar.prompt_logprobs import PromptLogprobs
 from tinkerrpc_server.sidecar.protocol import SamplingFields, TokenId, Usage
 
 
@@ -35,6 +36,8 @@ class CompletionChoice(BaseModel):
     token_ids: list[int] | None = None
     policy_version: int | None = None
     sample_key: str | None = None
+    # vLLM's prompt_logprobs, when asked (prompt_logprobs.py); never in stream chunks.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Completion(BaseModel):

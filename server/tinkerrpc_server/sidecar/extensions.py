@@ -57,7 +57,6 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, object] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
     "min_p": 0.0,
-    "prompt_logprobs": None,
     "truncate_prompt_tokens": None,
 }
 # Chat template variables a renderer has no option for, whose other values would change the prompt.

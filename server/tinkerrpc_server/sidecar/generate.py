@@ -9,7 +9,6 @@ logprob entries labelled `token_id:N` (what that client checks), and the RL fiel
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from collections.abc import Sequence
@@ -24,11 +23,11 @@ from tinkerrpc_server.sidecar.generate_protocol import (
     GenerateRequest,
     GenerateResponse,
     GenerateSamplingParams,
-    PromptTokenLogprob,
 )
 from tinkerrpc_server.sidecar.json_bounds import BoundedJSONRoute
 from tinkerrpc_server.sidecar.models import ModelRef, parse_model_id
 from tinkerrpc_server.sidecar.openai_shapes import ChoiceLogprobs
+from tinkerrpc_server.sidecar.prompt_logprobs import prompt_logprob_options, vllm_prompt_logprobs
 from tinkerrpc_server.sidecar.sample_output import ReplyHead, chat_logprob_entry, usage_of
 from tinkerrpc_server.sidecar.sampling_args import (
     Sampler,
@@ -56,11 +55,6 @@ def _check_served(request: GenerateRequest) -> None:
             raise bad_request(
                 f"{PARAMS}{name} is not supported: Tinker's sampler cannot mask tokens", PARAMS + name
             )
-    if params.prompt_logprobs:
-        raise bad_request(
-            "only prompt_logprobs 0 (each prompt token's own logprob) is served, not its top alternatives",
-            PARAMS + "prompt_logprobs",
-        )
     if request.stream:
         raise bad_request("stream is not served on /inference/v1/generate: send stream false", "stream")
     if request.priority != 0:
@@ -82,7 +76,7 @@ def generate_sample_args(request: GenerateRequest, ref: ModelRef) -> SamplingOpt
         n=params.n,
         max_tokens=max_tokens,
         top_logprobs=params.logprobs or 0,
-        include_prompt_logprobs=params.prompt_logprobs is not None,
+        **prompt_logprob_options(params.prompt_logprobs),
         stop=stop_list(params.stop, PARAMS + "stop"),
         stop_token_ids=list(params.stop_token_ids or ()),
         ignore_default_stops=params.ignore_eos,
@@ -108,17 +102,6 @@ def generate_param(param: str | None) -> str | None:
     if root in GenerateSamplingParams.model_fields:
         return PARAMS + param
     return param
-
-
-def _prompt_logprobs(samples: Sequence[Sample]) -> list[dict[str, PromptTokenLogprob] | None] | None:
-    if not samples or not samples[0].prompt_logprobs:
-        return None
-    first = samples[0]
-    entries: list[dict[str, PromptTokenLogprob] | None] = []
-    for token_id, logprob in zip(first.prompt_token_ids, first.prompt_logprobs, strict=True):
-        # Position 0 has no logprob (the server sends NaN); vLLM sends None there.
-        entries.append(None if math.isnan(logprob) else {str(token_id): PromptTokenLogprob(logprob=logprob)})
-    return entries
 
 
 def build_generate_response(
@@ -147,7 +130,7 @@ def build_generate_response(
         created=created,
         choices=choices,
         usage=usage_of(samples),
-        prompt_logprobs=_prompt_logprobs(samples),
+        prompt_logprobs=vllm_prompt_logprobs(samples),
         prompt_token_ids=list(samples[0].prompt_token_ids) if samples else list(request.token_ids),
         policy_version=head.policy_version,
     )

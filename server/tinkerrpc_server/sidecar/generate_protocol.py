@@ -21,6 +21,7 @@ from tinkerrpc.contract.limits import (
     SIDECAR_MAX_TEMPERATURE,
 )
 from tinkerrpc_server.sidecar.openai_shapes import ChoiceLogprobs
+from tinkerrpc_server.sidecar.prompt_logprobs import PromptLogprobs
 from tinkerrpc_server.sidecar.protocol import StrictRequest, TokenId, Usage
 
 
@@ -41,7 +42,7 @@ class GenerateSamplingParams(StrictRequest):
     ignore_eos: bool = False
     # Top alternatives per sampled token (the sampled token's own logprob always comes with them).
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    # Only 0 (each prompt token's own logprob) is served.
+    # Each prompt token's own logprob and its top k alternatives (vLLM's shape, prompt_logprobs.py).
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -74,12 +75,6 @@ class GenerateRequest(StrictRequest):
     priority: int = Field(0, ge=MIN_INT64, le=MAX_INT64)
 
 
-class PromptTokenLogprob(BaseModel):
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
 class GenerateChoice(BaseModel):
     index: int
     logprobs: ChoiceLogprobs | None
@@ -96,8 +91,8 @@ class GenerateResponse(BaseModel):
     created: int
     choices: list[GenerateChoice]
     usage: Usage
-    # vLLM's shape: None at position 0, then {token id: its logprob} per prompt token.
-    prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = None
+    # vLLM's shape (prompt_logprobs.py).
+    prompt_logprobs: PromptLogprobs | None = None
     # RL extensions (vLLM names), as on the other routes.
     prompt_token_ids: list[int]
     policy_version: int

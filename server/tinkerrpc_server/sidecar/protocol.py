@@ -17,7 +17,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # The bounds are the contract's (tinkerrpc.contract.limits): token counts and ids are int32 on the wire,
 # seeds int64; n and temperature keep one request from monopolising the sampler.
-from tinkerrpc.contract.limits import MAX_INT32, MAX_INT64, MIN_INT64, SIDECAR_MAX_N, SIDECAR_MAX_TEMPERATURE
+from tinkerrpc.contract.limits import (
+    MAX_INT32,
+    MAX_INT64,
+    MAX_TOP_LOGPROBS,
+    MIN_INT64,
+    SIDECAR_MAX_N,
+    SIDECAR_MAX_TEMPERATURE,
+)
 from tinkerrpc_server.sidecar.extensions import ExtensibleRequest
 
 
@@ -71,6 +78,8 @@ class SamplingFields(ExtensibleRequest, StrictRequest):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM: each prompt token's logprob and its top k alternatives (prompt_logprobs.py); not in streams.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # Accepted and ignored: they do not change what is sampled.
     user: str | None = None
 

@@ -17,6 +17,7 @@ from tinkerrpc.contract.limits import MAX_STOP_STRINGS
 from tinkerrpc_server.sidecar.errors import bad_request
 from tinkerrpc_server.sidecar.generate_protocol import GenerateSamplingParams
 from tinkerrpc_server.sidecar.models import ModelRef
+from tinkerrpc_server.sidecar.prompt_logprobs import prompt_logprob_options
 from tinkerrpc_server.sidecar.protocol import SamplingFields
 from tinkerrpc_server.sidecar.responses_protocol import ResponseRequest
 
@@ -113,6 +114,7 @@ def sampling_fields_args(
         min_tokens=request.min_tokens,
         skip_special_tokens=request.skip_special_tokens,
         spaces_between_special_tokens=request.spaces_between_special_tokens,
+        **prompt_logprob_options(request.prompt_logprobs, request.stream),
         **options,
     )
 
