@@ -30,6 +30,7 @@ from bench import (
     retention,
     sampling,
     serialization,
+    streaming,
     training,
     vllm_cpu,
 )
@@ -145,6 +146,12 @@ def _vllm(ctx: Context) -> list[report.Figure]:
         raise Skipped(str(reason)) from None
 
 
+def _streaming(ctx: Context) -> list[report.Figure]:
+    if ctx.settings.mode == "short":
+        raise Skipped("full runs only (SmolLM2-135M, and vLLM's start)")
+    return streaming.measure(ctx.engine, ctx.model_dir, ctx.threads, ctx.work_dir)
+
+
 COMPARISONS: dict[str, Callable[[Context], list[report.Figure]]] = {
     "training": _training,
     "sampling": _sampling,
@@ -160,6 +167,7 @@ COMPARISONS: dict[str, Callable[[Context], list[report.Figure]]] = {
     "fair_share": _fair_share,
     "floor": _floor,
     "vllm": _vllm,
+    "streaming": _streaming,
 }
 
 

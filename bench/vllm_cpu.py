@@ -168,7 +168,9 @@ class VllmServer(contextlib.AbstractContextManager["VllmServer"]):
     """`python -m vllm.entrypoints.openai.api_server` for one model, on 127.0.0.1 with a fresh API key,
     bound to the first `threads` cores of this process; ready once its /health answers."""
 
-    def __init__(self, python: Path, model_path: Path, threads: int, log_path: Path) -> None:
+    def __init__(
+        self, python: Path, model_path: Path, threads: int, log_path: Path, kv_cache_gib: int = KV_CACHE_GIB
+    ) -> None:
         self.api_key = secrets.token_urlsafe(24)
         self.port = _free_port()
         self.served_name = "bench"
@@ -176,7 +178,7 @@ class VllmServer(contextlib.AbstractContextManager["VllmServer"]):
         env = {
             **os.environ,
             "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(core) for core in cores),
-            "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
             "OMP_NUM_THREADS": str(threads),
             "HF_HUB_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
