@@ -37,10 +37,11 @@ AccessScope = Literal["owned", "accessible"]
 
 
 class FinishRequest(BaseModel):
-    """The SDK's finish body (ServiceClient.close): how its client ended the session."""
+    """The SDK's finish body (ServiceClient.close): how its client ended the session. Without a reason
+    (or a body) the session finishes all the same, with no client finish recorded."""
 
     model_config = ConfigDict(extra="forbid")
-    reason: types.ClientSessionFinishReason
+    reason: types.ClientSessionFinishReason | None = None
     detail: str | None = None
 
 
@@ -61,10 +62,22 @@ def check_project(project_id: str | None) -> str | None:
     return None if project_id is None else check_id("project_id", project_id)
 
 
+class CreateSessionBody(BaseModel):
+    """The SDK's CreateSessionRequest with every field optional: a bare POST opens a session too (as it
+    did before the engine kept session records), and fields of a later SDK are left unread."""
+
+    tags: list[str] = []
+    user_metadata: dict[str, object] | None = None
+    sdk_version: str | None = None
+    project_id: str | None = None
+    display_name: str | None = None
+
+
 @router.post("/create_session")
 async def create_session(
-    request: types.CreateSessionRequest, engine: EngineDep
+    engine: EngineDep, body: CreateSessionBody | None = None
 ) -> types.CreateSessionResponse:
+    request = body or CreateSessionBody()
     if len(request.tags) > MAX_ENGINE_LABELS:
         raise protocol.BadRequest(f"tags: at most {MAX_ENGINE_LABELS}, got {len(request.tags)}")
     record = SessionRecord(
@@ -76,7 +89,7 @@ async def create_session(
         display_name=None
         if request.display_name is None
         else check_label("display_name", request.display_name),
-        sdk_version=check_label("sdk_version", request.sdk_version),
+        sdk_version=None if request.sdk_version is None else check_label("sdk_version", request.sdk_version),
     )
     session_id = engine.records.open_session(record)
     log.info("session %s created", session_id)
@@ -84,11 +97,14 @@ async def create_session(
 
 
 @router.post("/sessions/{session_id}/finish")
-async def finish_session(session_id: str, request: FinishRequest, engine: EngineDep) -> dict[str, str]:
+async def finish_session(
+    session_id: str, engine: EngineDep, request: FinishRequest | None = None
+) -> dict[str, str]:
     check_id("session_id", session_id)
-    if request.detail is not None:
+    if request is not None and request.detail is not None:
         check_label("detail", request.detail)
-    engine.finish_session(session_id, request.model_dump(mode="json"))
+    finish = None if request is None or request.reason is None else request.model_dump(mode="json")
+    engine.finish_session(session_id, finish)
     return {}
 
 
