@@ -217,6 +217,8 @@ def test_sessions_are_listed_searched_moved_and_traced_from_the_engines_records(
     rest.assign_session_project(session_id, "proj-y").result()
     moved = rest.search_sessions(types.SessionSearchRequest(project_ids=["proj-y"])).result()
     assert [s.session_id for s in moved.sessions] == [session_id]
+    in_project = rest.list_training_runs(project_id="proj-y").result().training_runs
+    assert [r.training_run_id for r in in_project] == [client.model_id]
 
     trace_url = rest.export_session_trace(session_id).result()
     own.close("errored", "boom").result()

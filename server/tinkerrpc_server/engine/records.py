@@ -86,6 +86,9 @@ class Records:
             raise UnknownPathError(f"unknown session {session_id!r}")
         return self._view(record, self._runs_by_session())
 
+    def sessions_in_project(self, project_id: str) -> set[str]:
+        return {r.session_id for r in self._sessions.records() if r.project_id == project_id}
+
     def set_project(self, session_id: str, project_id: str) -> None:
         self._sessions.update(dataclasses.replace(self.session(session_id).record, project_id=project_id))
 

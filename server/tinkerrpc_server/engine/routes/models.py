@@ -30,6 +30,7 @@ from tinkerrpc_server.engine.routes.common import (
     str_metadata,
 )
 from tinkerrpc_server.engine.runtime import LoraSpec
+from tinkerrpc_server.engine.sessions import session_of
 from tinkerrpc_server.engine.storage import CheckpointRecord, RunRecord, check_id
 from tinkerrpc_server.engine.tokens import LOCAL_USER_URN
 
@@ -197,10 +198,14 @@ def _training_run(run: RunRecord, checkpoints: list[CheckpointRecord]) -> types.
 
 @router.get("/training_runs")
 async def list_training_runs(
-    engine: EngineDep, limit: int = 20, offset: int = 0
+    engine: EngineDep, limit: int = 20, offset: int = 0, project_id: str | None = None
 ) -> types.TrainingRunsResponse:
+    """Newest first; with `project_id`, the runs of the sessions in that project (a copy's included)."""
     selected = page_bounds(limit, offset)
     runs = engine.runs()
+    if project_id is not None:
+        in_project = engine.records.sessions_in_project(check_id("project_id", project_id))
+        runs = [run for run in runs if session_of(run.model_id) in in_project]
     return types.TrainingRunsResponse(
         training_runs=[_training_run(r, engine.checkpoints(r.model_id)) for r in runs[selected]],
         cursor=types.Cursor(offset=offset, limit=limit, total_count=len(runs)),
