@@ -102,8 +102,8 @@ class Engine:
         self._sessions = Sessions(config.session_timeout, self._storage)
         self._sequenced = SequencedRequests()
         self._ledger = SamplerLedger(config.snapshot_grace)
-        self.records = Records(self._storage, self._sessions, self._ledger)  # sessions, copies, usage
         self.sampled = SampledSequences()  # what it sampled, by sequence id
+        self.records = Records(self._storage, self._sessions, self._ledger)  # sessions, copies, usage
         self._runtimes = RuntimeRegistry(
             config.model_dir,
             config.device,
@@ -497,4 +497,3 @@ def expiry(ttl_seconds: int | None) -> float | None:
     if not 1 <= ttl_seconds <= MAX_CHECKPOINT_TTL_SECONDS:
         raise protocol.BadRequest(f"ttl_seconds must be 1 to {MAX_CHECKPOINT_TTL_SECONDS}, got {ttl_seconds}")
     return time.time() + ttl_seconds
-
