@@ -1001,9 +1001,8 @@ class SequenceDelta(_message.Message):
 
     @_builtins.property
     def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.TopLogprobs]:
-        """Their top alternatives, when SamplingParams.top_logprobs > 0. On the embedded engine they come
-        from the distribution each token was drawn from (temperature applied, like `logprobs`), and `done`
-        carries the same; Sample scores them at temperature 1: the two agree at temperature 1 and greedy.
+        """Their top alternatives, when SamplingParams.top_logprobs > 0, as Sample gives them (see
+        SamplingParams.top_logprobs); `done` carries the same.
         """
 
     @_builtins.property

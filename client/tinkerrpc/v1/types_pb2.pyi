@@ -766,7 +766,10 @@ class SamplingParams(_message.Message):
     """Also return the log-probability of every prompt token under the policy."""
     top_logprobs: _builtins.int
     """Return the k most likely alternatives (with logprobs) at each sampled position; 0 = off,
-    at most MAX_TOP_LOGPROBS (OpenAI's cap).
+    at most MAX_TOP_LOGPROBS (OpenAI's cap). On the embedded engine they come with the sample, from
+    the distribution each token was drawn from (temperature applied, like `logprobs`); on another
+    Tinker, and with min_tokens, from a pass scoring prompt + completion at temperature 1 (the two
+    agree at temperature 1 and greedy).
     """
     return_token_texts: _builtins.bool
     """Return the decoded text of every sampled token (for OpenAI-style logprobs)."""
