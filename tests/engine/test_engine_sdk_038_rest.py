@@ -142,6 +142,8 @@ def test_copy_weights_refuses_bad_requests_and_answers_a_retry_once(
     }
     conflict = post(engine, "copy_weights", slot)
     assert conflict.status_code == 409 and "already exists" in conflict.json()["detail"]
+    unknown = post(engine, "copy_weights", {**slot, "session_id": "s-never"})
+    assert unknown.status_code == 404 and "unknown session" in unknown.json()["detail"]
     negative = post(engine, "copy_weights", {**slot, "model_seq_id": -1})
     assert negative.status_code == 400 and "model_seq_id" in negative.json()["detail"]
 

@@ -153,6 +153,8 @@ class Records:
             model_id = f"{training_client_prefix(session_id)}0"
         else:
             session_id, model_seq_id = target
+            if self._sessions.record(session_id) is None:
+                raise UnknownPathError(f"unknown session {session_id!r}")
             self._sessions.require_open(session_id)
             model_id = f"{training_client_prefix(session_id)}{model_seq_id}"
         stamp = now_iso()
