@@ -159,16 +159,29 @@ class Probe:
         return self.service.create_sampling_client(base_model=TINY).result()
 
 
+def _seq_gaps(engine: LocalEngine) -> list[str]:
+    """The engine's log lines of a training client's seq_id that never arrived: a request the engine
+    answered without taking its turn, so the client's next request waited out the gap timeout."""
+    return [line for line in engine.log().splitlines() if "never arrived" in line]
+
+
 def run_call(one: Call, probe: Probe) -> tuple[Verdict, str]:
+    gaps_before = len(_seq_gaps(probe.engine))
     try:
         one.run(probe)
-    except Refused as refusal:
-        return "refused", str(refusal)
     except SilentlyWrong as wrong:
         return "silently wrong", str(wrong)[:300]
+    except Refused as refusal:
+        verdict: Verdict = "refused"
+        detail = str(refusal)
     except Exception as error:  # the verdict: whatever the SDK raised is the call failing
         return "fails", f"{type(error).__name__}: {error}"[:300]
-    return "works", ""
+    else:
+        verdict, detail = "works", ""
+    gaps = _seq_gaps(probe.engine)[gaps_before:]
+    if gaps:
+        return "silently wrong", f"a request left its seq_id unanswered: {gaps[0][-120:]}"
+    return verdict, detail
 
 
 def run_all(probe: Probe, calls: list[Call]) -> Iterator[tuple[Call, Verdict, str]]:

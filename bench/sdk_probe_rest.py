@@ -25,7 +25,7 @@ def _runs(p: Probe) -> None:
 def _run(p: Probe) -> None:
     run = p.rest.get_training_run(p.trained.model_id, access_scope="owned").result()
     expect(run.base_model == TINY and run.lora_rank == 4, f"{run}")
-    by_path = p.rest.get_training_run_by_tinker_path(p.state_path).result()
+    by_path = p.rest.get_training_run_by_tinker_path(p.state_path, access_scope="owned").result()
     expect(by_path.training_run_id == p.trained.model_id, "by path")
 
 
@@ -117,6 +117,7 @@ def _sessions(p: Probe) -> None:
     )
     got = p.rest.get_session(_session_id(p), access_scope="owned").result()
     expect(p.trained.model_id in got.training_run_ids, f"{got}")
+    expect(p.rest.list_sessions(limit=100, offset=1).result().sessions == sessions[1:], "offset")
     accessible = p.rest.list_sessions(limit=100, access_scope="accessible").result().sessions
     expect(accessible == sessions, "a local engine's sessions are all its user's")
     expect(p.rest.get_session(_session_id(p), access_scope="accessible").result() == got, "accessible")

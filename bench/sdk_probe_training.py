@@ -13,9 +13,11 @@ from bench.sdk_probe_core import (
     FINGERPRINT,
     TINY,
     Probe,
+    Refused,
     call,
     expect,
     expect_close,
+    expect_refused,
     fingerprint,
     refusal_or,
     train_step,
@@ -365,9 +367,15 @@ def _save_sampler(p: Probe) -> None:
 
 @call("TrainingClient.save_weights_and_get_sampling_client(kind='snapshot')")
 def _snapshot(p: Probe) -> None:
-    sampler = p.trained.save_weights_and_get_sampling_client().result()
+    client = p.new_model(seed=15)
+    train_step(client)
+    at_save = fingerprint(client)
+    sampler = client.save_weights_and_get_sampling_client(kind="snapshot").result()
     prompt = types.ModelInput.from_ints([*FINGERPRINT[0].model_input.to_ints(), 37])
-    expect_close(sampler.compute_logprobs(prompt).result()[1:], fingerprint(p.trained), "snapshot weights")
+    expect_close(sampler.compute_logprobs(prompt).result()[1:], at_save, "snapshot weights")
+    train_step(client)
+    client.save_weights_and_get_sampling_client().result()
+    expect_close(sampler.compute_logprobs(prompt).result()[1:], at_save, "a snapshot followed a later save")
 
 
 @call("TrainingClient.save_weights_and_get_sampling_client(kind='inflight')")
@@ -398,9 +406,9 @@ def _snapshot_options(p: Probe) -> None:
     expect(not any(path.endswith("/ignored") for path in listed), f"a checkpoint named by it: {listed}")
 
 
-@call("TrainingClient.create_sampling_client(model_path)")
+@call("TrainingClient.create_sampling_client(model_path, retry_config)")
 def _tc_sampler(p: Probe) -> None:
-    sampler = p.trained.create_sampling_client(p.sampler_path).result()
+    sampler = p.trained.create_sampling_client(p.sampler_path, retry_config=RetryConfig()).result()
     prompt = types.ModelInput.from_ints([*FINGERPRINT[0].model_input.to_ints(), 37])
     expect_close(sampler.compute_logprobs(prompt).result()[1:], p.at_save, "sampler weights")
 
@@ -456,3 +464,38 @@ def _service_headers(p: Probe) -> None:
         expect(TINY in names, f"{names}")
         client = other.create_lora_training_client(TINY, rank=4, seed=1).result()
         expect_close(fingerprint(client), fingerprint(p.new_model(seed=1)), "a client made through it")
+
+
+@call("TrainingClient.forward_backward(loss_fn='custom') sent directly (refused: no uploaded losses)")
+def _custom_loss_fn(p: Probe) -> None:
+    client = p.new_model(seed=16)
+    before = fingerprint(client)
+    expect_refused(client.forward(BATCH, "custom", {"loss_id": 1.0}).result, "custom")
+    message = expect_refused(client.forward_backward(BATCH, "custom", {"loss_id": 1.0}).result, "custom")
+    expect(np.allclose(fingerprint(client), before), "a refused request changed the weights")
+    train_step(client)  # the client goes on
+    raise Refused(message[:200])
+
+
+@call("weights_access_token on every call that takes it (refused: one organisation)")
+def _access_token(p: Probe) -> None:
+    token = "tok"
+    client = p.new_model(seed=17)
+    archive = tinker.ServiceClient(
+        project_id="probe-archive", base_url=p.engine.base_url, api_key=p.engine.api_key
+    )
+    refusals = [
+        lambda: p.service.create_training_client_from_state(p.state_path, weights_access_token=token),
+        lambda: p.service.create_training_client_from_state_with_optimizer(
+            p.state_path, weights_access_token=token
+        ),
+        lambda: archive.copy_weights(p.state_path, weights_access_token=token),
+        lambda: p.rest.copy_weights(p.state_path, "probe-project", weights_access_token=token),
+        lambda: client.load_state(p.state_path, weights_access_token=token),
+        lambda: client.load_state_with_optimizer(p.state_path, weights_access_token=token),
+    ]
+    with archive:
+        for request in refusals:
+            expect_refused(lambda request=request: request().result(), "weights_access_token")
+    train_step(client)  # the refused loads did not poison the client (run_call checks for seq gaps)
+    raise Refused("weights_access_token: 400 naming the field on every call that takes it")

@@ -57,10 +57,7 @@ method(
     works(SDK + "test_train_save_sample_and_resume_with_optimizer", SDK + "test_sampling_seed_and_stops"),
 )
 add(works(probe("sampler_retry")), "ServiceClient.create_sampling_client(retry_config)")
-add(
-    works(SAMPLING + "test_stable_reinforce_uses_the_stability_information_recorded_per_sequence"),
-    "ServiceClient.create_sampling_client(record_stability_info)",
-)
+add(works(probe("stability")), "ServiceClient.create_sampling_client(record_stability_info)")
 method(
     "ServiceClient.create_training_client_from_state",
     "path",
@@ -85,6 +82,7 @@ WEIGHTS_ACCESS_TOKEN = refused(
     "it is a 400 naming the field",
     REST + "test_create_via_load_makes_a_new_model_and_nothing_else",
     REST + "test_copy_weights_refuses_bad_requests_and_answers_a_retry_once",
+    probe("access_token"),
 )
 add(
     WEIGHTS_ACCESS_TOKEN,
@@ -97,8 +95,13 @@ add(
 )
 method(
     "ServiceClient.create_training_client_from_state_with_optimizer",
-    "path base_model user_metadata",
+    "path",
     works(SDK + "test_train_save_sample_and_resume_with_optimizer", probe("from_state_optimizer")),
+)
+options(
+    "ServiceClient.create_training_client_from_state_with_optimizer",
+    "base_model user_metadata",
+    works(probe("from_state_optimizer")),
 )
 method(
     "ServiceClient.copy_weights",
@@ -109,8 +112,9 @@ method(
     "ServiceClient.create_custom_loss",
     "fn input_ranks",
     works(
-        LOSSES + "test_a_custom_loss_over_a_target_distribution_gets_and_trains_n_by_k_logprobs",
         probe("custom_loss"),
+        note="the engine does not take uploaded losses (its client config leaves custom_loss_server_side "
+        "off), so the SDK runs the traced loss client-side: a forward, then its gradient as weights",
     ),
 )
 add(works(probe("service_misc")), "ServiceClient.create_rest_client", "ServiceClient.get_console_url")
@@ -129,12 +133,11 @@ method(
         REST + "test_sessions_are_listed_searched_moved_and_traced_from_the_engines_records", probe("close")
     ),
 )
+values("ServiceClient.close(status", "success interrupted", works(probe("close")))
 values(
     "ServiceClient.close(status",
-    "success errored interrupted",
-    works(
-        REST + "test_sessions_are_listed_searched_moved_and_traced_from_the_engines_records", probe("close")
-    ),
+    "errored",
+    works(REST + "test_sessions_are_listed_searched_moved_and_traced_from_the_engines_records"),
 )
 
 # ---- TrainingClient ----
@@ -143,7 +146,8 @@ LOSS_TESTS = (
     PARITY + "test_gspo_and_stable_reinforce_train_through_the_tinker_sdk",
 )
 for _name in ("TrainingClient.forward", "TrainingClient.forward_backward"):
-    method(_name, "data loss_fn loss_fn_config", works(*LOSS_TESTS, probe("forward", "loss_ppo")))
+    method(_name, "data loss_fn", works(*LOSS_TESTS, probe("loss_ppo")))
+    options(_name, "loss_fn_config", works(probe("loss_ppo", "loss_dro", "loss_stable_reinforce")))
     values(
         _name + "(loss_fn", "cross_entropy", works(SDK + "test_losses_match_plain_torch", probe("forward"))
     )
@@ -155,25 +159,27 @@ for _name in ("TrainingClient.forward", "TrainingClient.forward_backward"):
     values(
         _name + "(loss_fn",
         "custom",
-        works(
-            probe("custom_loss", "custom_callable"),
-            note="the SDK's forward_backward_custom sends it: a forward, then the loss's gradient as "
-            "cross_entropy weights; the engine never runs a 'custom' loss itself",
+        refused(
+            "'custom' runs a loss uploaded by create_custom_loss on the server; the engine takes no "
+            "uploads (its client config says so, and the SDK runs such losses client-side), so a "
+            "'custom' request is refused naming it and changes nothing",
+            probe("custom_loss_fn"),
         ),
     )
 method(
     "TrainingClient.forward_backward_custom",
-    "data loss_fn loss_type_input",
+    "data loss_fn",
     works(
         LOSSES + "test_a_custom_loss_over_a_target_distribution_gets_and_trains_n_by_k_logprobs",
         COOKBOOK + "test_decision_model_scores_with_target_prompt_logprobs_and_trains_on_soft_labels",
         probe("custom_callable"),
     ),
 )
+options("TrainingClient.forward_backward_custom", "loss_type_input", works(probe("custom_callable")))
 method(
     "TrainingClient.optim_step",
     "optim_params adam_params",
-    works(SDK + "test_train_save_sample_and_resume_with_optimizer", probe("adam_keyword")),
+    works(probe("adam_keyword")),
 )
 method(
     "TrainingClient.save_state",
@@ -196,26 +202,33 @@ method(
 )
 add(works(probe("save_sampler")), "TrainingClient.save_weights_for_sampler(ttl_seconds)")
 add(works(probe("save_sampler")), "TrainingClient.save_weights_for_sampler(user_metadata)")
-method(
+add(
+    works(SDK + "test_train_save_sample_and_resume_with_optimizer", probe("snapshot")),
+    "TrainingClient.save_weights_and_get_sampling_client",
+)
+options(
     "TrainingClient.save_weights_and_get_sampling_client",
     "name retry_config",
-    works(SDK + "test_train_save_sample_and_resume_with_optimizer", probe("snapshot_options")),
+    works(
+        probe("snapshot_options"),
+        note="`name` is deprecated by the SDK as having no effect: the snapshot stays unnamed",
+    ),
 )
 add(
     works(SAMPLING + "test_stable_reinforce_uses_the_stability_information_recorded_per_sequence"),
     "TrainingClient.save_weights_and_get_sampling_client(record_stability_info)",
 )
 add(
-    works(
-        SAMPLING + "test_an_inflight_sampling_client_follows_the_weights_saved_later",
-        SNAPSHOTS + "test_an_older_sampling_client_samples_after_a_newer_snapshot_until_its_session_ends",
-    ),
+    works(SAMPLING + "test_an_inflight_sampling_client_follows_the_weights_saved_later", probe("inflight")),
     "TrainingClient.save_weights_and_get_sampling_client(kind)",
 )
 values(
     "TrainingClient.save_weights_and_get_sampling_client(kind",
     "snapshot",
-    works(SNAPSHOTS + "test_an_older_sampling_client_samples_after_a_newer_snapshot_until_its_session_ends"),
+    works(
+        SNAPSHOTS + "test_an_older_sampling_client_samples_after_a_newer_snapshot_until_its_session_ends",
+        probe("snapshot"),
+    ),
 )
 values(
     "TrainingClient.save_weights_and_get_sampling_client(kind",
@@ -224,8 +237,13 @@ values(
 )
 method(
     "TrainingClient.create_sampling_client",
-    "model_path retry_config record_stability_info",
-    works(probe("tc_sampler", "sampler_retry", "stability")),
+    "model_path retry_config",
+    works(probe("tc_sampler")),
+)
+options(
+    "TrainingClient.create_sampling_client",
+    "record_stability_info",
+    works(probe("stability")),
 )
 method(
     "TrainingClient.save_weights_external",
@@ -333,15 +351,17 @@ for _owner in ("RestClient", "AdminClient"):
     )
     ADMIN = works(REST + "test_admin_calls_answer_from_the_engines_own_records", probe(f"{_owner}_audit_log"))
     method(f"{_owner}.get_audit_log", "event_type day", ADMIN)
-    values(f"{_owner}.get_audit_log(event_type", "all checkpoints projects", ADMIN)
+    values(f"{_owner}.get_audit_log(event_type", "all checkpoints", ADMIN)
+    values(f"{_owner}.get_audit_log(event_type", "projects", works(probe(f"{_owner}_audit_log")))
     values(
         f"{_owner}.get_audit_log(event_type",
-        "teams organizations",
-        works(
-            REST + "test_admin_calls_answer_from_the_engines_own_records",
-            probe(f"{_owner}_audit_log"),
-            note="a local engine has no team or organisation events: an empty log",
-        ),
+        "teams",
+        works(ADMIN.tests, note="a local engine has no team or organisation events: an empty log"),
+    )
+    values(
+        f"{_owner}.get_audit_log(event_type",
+        "organizations",
+        works(probe(f"{_owner}_audit_log"), note="no organisation events either: an empty log"),
     )
     method(
         f"{_owner}.get_billing_usage",
@@ -375,9 +395,11 @@ for _name in (
 ):
     method(_name, "tinker_path", works(REST + "test_publish_and_unpublish_flip_public_and_refuse_repeats"))
 SESSIONS = works(REST + "test_sessions_are_listed_searched_moved_and_traced_from_the_engines_records")
-method("RestClient.list_sessions", "limit offset access_scope", works(SESSIONS.tests[0], probe("sessions")))
+method("RestClient.list_sessions", "limit", works(SESSIONS.tests[0], probe("sessions")))
+options("RestClient.list_sessions", "offset access_scope", works(probe("sessions")))
 values("RestClient.list_sessions(access_scope", "owned accessible", works(probe("sessions")))
-method("RestClient.get_session", "session_id access_scope", works(SESSIONS.tests[0], probe("sessions")))
+method("RestClient.get_session", "session_id", works(SESSIONS.tests[0], probe("sessions")))
+options("RestClient.get_session", "access_scope", works(probe("sessions")))
 values("RestClient.get_session(access_scope", "owned accessible", works(probe("sessions")))
 method("RestClient.search_sessions", "request", SESSIONS)
 method("RestClient.assign_session_project", "session_id project_id", SESSIONS)
@@ -391,9 +413,10 @@ add(
 )
 method(
     "RestClient.list_training_runs",
-    "limit offset access_scope",
+    "limit",
     works(SDK + "test_rest_client_lists_runs_and_deletes_checkpoints", probe("runs")),
 )
+options("RestClient.list_training_runs", "offset access_scope", works(probe("runs")))
 values("RestClient.list_training_runs(access_scope", "owned accessible", works(probe("runs")))
 add(
     works(REST + "test_copy_weights_makes_a_run_sharing_the_sources_bytes", probe("project_trace")),
@@ -401,16 +424,14 @@ add(
 )
 method(
     "RestClient.get_training_run",
-    "training_run_id access_scope",
+    "training_run_id",
     works(SDK + "test_rest_client_lists_runs_and_deletes_checkpoints", probe("run")),
 )
-values("RestClient.get_training_run(access_scope", "owned accessible", works(probe("run", "run_accessible")))
-method("RestClient.get_training_run_by_tinker_path", "tinker_path access_scope", works(probe("run")))
-values(
-    "RestClient.get_training_run_by_tinker_path(access_scope",
-    "owned accessible",
-    works(probe("run", "run_accessible")),
-)
+for _name in ("RestClient.get_training_run", "RestClient.get_training_run_by_tinker_path"):
+    options(_name, "access_scope", works(probe("run", "run_accessible")))
+    values(_name + "(access_scope", "owned", works(probe("run")))
+    values(_name + "(access_scope", "accessible", works(probe("run_accessible")))
+method("RestClient.get_training_run_by_tinker_path", "tinker_path", works(probe("run")))
 method(
     "RestClient.list_checkpoints",
     "training_run_id",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from sdk_registry import (
-    COOKBOOK,
     LOSSES,
     PARITY,
     REST,
@@ -12,6 +11,7 @@ from sdk_registry import (
     SDK,
     add,
     method,
+    options,
     probe,
     refused,
     values,
@@ -23,14 +23,19 @@ SESSIONS = works(REST + "test_sessions_are_listed_searched_moved_and_traced_from
 SEARCH = SESSIONS.tests[0]
 method(
     "SessionSearchRequest",
-    "session_id project_ids display_name owner statuses limit cursor",
+    "session_id",
     works(SEARCH, probe("search")),
 )
+options("SessionSearchRequest", "project_ids display_name owner statuses limit cursor", works(SEARCH))
 add(works(probe("search_filters")), "SessionSearchRequest.user_metadata")
 method("UserSearchOwner", "owner_urns", works(SEARCH))
 add(works(SEARCH), "AccessibleSearchOwner")
 method("ClientFinishedSessionStatusQuery", "reasons", works(SEARCH))
-method("SessionSearchCursor", "last_created_at last_session_id", works(SEARCH, probe("search_filters")))
+method(
+    "SessionSearchCursor",
+    "last_created_at last_session_id",
+    works(probe("search_filters"), note="the cursor a search answers, rebuilt from its fields"),
+)
 add(
     works(probe("search_filters")),
     "OwnSearchOwner",
@@ -41,8 +46,13 @@ add(
 add(works(probe("create_adam", "from_state_adam")), "AdamOptimizerConfig")
 method(
     "AdamParams",
-    "learning_rate beta1 beta2 eps weight_decay grad_clip_norm",
+    "learning_rate",
     works(SDK + "test_train_save_sample_and_resume_with_optimizer", probe("adam_fields")),
+)
+options(
+    "AdamParams",
+    "beta1 beta2 eps weight_decay grad_clip_norm",
+    works(PARITY + "test_adam_defaults_are_the_sdk_s_and_reach_the_optimizer", probe("adam_fields")),
 )
 DIMUON = works(
     LOSSES + "test_a_dimuon_client_steps_along_the_momentum_s_matrix_sign_and_refuses_adam_steps",
@@ -51,15 +61,15 @@ DIMUON = works(
     note="the update as the Tinker parity page's Dimuon section infers it; an Adam step on a Dimuon "
     "model, or a Dimuon step on an AdamW one, fails naming the families and changes nothing",
 )
-add(DIMUON, "DimuonOptimizerConfig")
-method("DimuonParams", "learning_rate grad_clip_norm beta1", DIMUON)
+add(DIMUON, "DimuonOptimizerConfig", "DimuonParams")
+options("DimuonParams", "learning_rate beta1", DIMUON)
+options("DimuonParams", "grad_clip_norm", works(probe("create_dimuon")))
 method(
     "Datum",
     "model_input loss_fn_inputs",
     works(
         SDK + "test_losses_match_plain_torch",
         LOSSES + "test_soft_targets_dense_and_sparse_score_and_train_a_teacher_s_top_k",
-        COOKBOOK + "test_off_policy_distillation_learns_a_teacher_s_top_k",
     ),
 )
 PROVENANCE = works(
@@ -71,9 +81,10 @@ for _span in ("PromptProvenanceSpan", "SampledProvenanceSpan"):
     method(_span, "sequence_id offset length", PROVENANCE)
 method(
     "ModelInput",
-    "chunks",
+    "",
     works(SDK + "test_train_save_sample_and_resume_with_optimizer", probe("model_input_chunks")),
 )
+options("ModelInput", "chunks", works(probe("model_input_chunks")))
 method("EncodedTextChunk", "tokens", works(PARITY + "test_sampling_defaults_are_the_sdk_s"))
 MULTIMODAL = refused(
     "the engine's models read text only: a prompt with an image or dmel chunk is refused naming the "
@@ -85,7 +96,7 @@ method("ImageAssetPointerChunk", "format location expected_tokens", MULTIMODAL)
 method("DmelChunk", "dmel", MULTIMODAL)
 values("ImageChunk.format", "png jpeg", MULTIMODAL)
 values("ImageAssetPointerChunk.format", "png jpeg", MULTIMODAL)
-method("SamplingParams", "max_tokens seed stop", works(SDK + "test_sampling_seed_and_stops", probe("stop")))
+method("SamplingParams", "max_tokens seed stop", works(SDK + "test_sampling_seed_and_stops", probe("sample")))
 add(
     works(S038 + "test_topk_sample_logprobs_are_the_sampled_positions_distribution", probe("greedy")),
     "SamplingParams.temperature",

@@ -112,10 +112,12 @@ async def save_weights_external(
 async def load_weights(request: types.LoadWeightsRequest, engine: EngineDep) -> types.UntypedAPIFuture:
     optimizer = optimizer_family(request.optimizer_config)
 
-    refuse_access_token(request.weights_access_token)
-
     def load_into(model_id: str) -> Callable[[], Answer]:
         def work() -> Answer:
+            try:  # refused in its turn: a live model's refused load keeps its seq_id, leaving no gap
+                refuse_access_token(request.weights_access_token)
+            except protocol.BadRequest as refused:
+                raise EngineUserError(str(refused)) from None
             metadata = str_metadata(request.user_metadata)
             trained_on = engine.run_of_checkpoint(request.path).base_model
             if request.base_model not in (None, trained_on):
@@ -136,6 +138,7 @@ async def load_weights(request: types.LoadWeightsRequest, engine: EngineDep) -> 
         return model_operation(
             engine, request.model_id, request.seq_id, "load_weights", load_into(request.model_id)
         )
+    refuse_access_token(request.weights_access_token)  # before create-via-load makes anything
     target = model_seq_target(request.session_id, request.model_seq_id)
     if target is None:
         raise protocol.BadRequest("load_weights needs model_id, or session_id and model_seq_id")
