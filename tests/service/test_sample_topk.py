@@ -95,6 +95,30 @@ def test_sampled_top_k_comes_with_the_sample_and_equals_the_second_pass(
                 assert ours.logprobs[position] <= top[-1].logprob + 1e-5
 
 
+def test_sampled_top_k_are_from_the_distribution_each_token_was_drawn_from(
+    native: tinkerrpc.Model, remote: tinkerrpc.Model
+) -> None:
+    """At temperature 0.5 the embedded engine's top-K are its sampler's (temperature applied), so each
+    sampled token within them is listed with its own logprob; a second pass would have scored them at
+    temperature 1, as the remote serve does."""
+    options = tinkerrpc.SamplingOptions(
+        max_tokens=12, seed=2, temperature=0.5, top_logprobs=K, ignore_default_stops=True
+    )
+    (with_sample,) = native.sample(PROMPT, options=options)
+    (second_pass,) = remote.sample(PROMPT, options=options)
+    assert with_sample.tokens == second_pass.tokens
+    listed_once = False
+    for position, token in enumerate(with_sample.tokens):
+        ours = {a.token_id: a.logprob for a in with_sample.top_logprobs[position]}
+        theirs = {a.token_id: a.logprob for a in second_pass.top_logprobs[position]}
+        if token in ours:
+            listed_once = True
+            assert ours[token] == pytest.approx(with_sample.logprobs[position], abs=1e-5)
+            # The remote serve's pass scored it at temperature 1, not as it was drawn.
+            assert theirs.get(token) != pytest.approx(second_pass.logprobs[position], abs=1e-3)
+    assert listed_once
+
+
 def test_prompt_top_k_are_the_engines_topk_prompt_logprobs(
     native: tinkerrpc.Model, remote: tinkerrpc.Model, engine: LocalEngine
 ) -> None:
