@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import sys
 import typing
@@ -220,7 +221,8 @@ def surface() -> list[str]:
     return rows
 
 
-def test_functions(path: Path) -> set[str]:
+@functools.cache
+def test_functions(path: Path) -> frozenset[str]:
     """The test functions a test module defines (`test_x`, `TestClass::test_x`), read from its source."""
     tree = ast.parse(path.read_text())
     found = set()
@@ -231,7 +233,7 @@ def test_functions(path: Path) -> set[str]:
             for item in node.body:
                 if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) and item.name.startswith("test"):
                     found.add(f"{node.name}::{item.name}")
-    return found
+    return frozenset(found)
 
 
 def missing_tests(node_ids: set[str]) -> list[str]:
