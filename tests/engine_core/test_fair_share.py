@@ -3,6 +3,7 @@ participant goes next, a newcomer at once, and a lane's batch pauses between ste
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -87,3 +88,30 @@ def test_a_lane_s_request_runs_between_the_steps_of_another_lane_s_long_batch() 
     assert events[first_short : first_short + 3] == ["short 0", "short 1", "short 2"]
     assert first_short <= events.index("long 2") + 3
     assert worker.stats.sample_turns_to_other_models == 1  # long to short, while long still ran
+
+
+def test_stopping_finishes_the_running_batch_and_starts_no_other() -> None:
+    worker = ComputeWorker(lambda exc: FailedResult(str(exc), "internal"))
+    running, release = threading.Event(), threading.Event()
+
+    def blocking_batch(feed: RequestFeed[str, Outcome]) -> Iterator[None]:
+        [(key, _)] = feed.joining()
+        running.set()
+        release.wait(timeout=10)
+        feed.deliver(key, FailedResult("finished", "user"))
+        yield from ()
+
+    def never_started(feed: RequestFeed[str, Outcome]) -> Iterator[None]:
+        raise AssertionError("a batch started after stop()")
+
+    first, second = RequestFuture[object](), RequestFuture[object]()
+    worker.submit_sample("large model", "large", "test", blocking_batch, "first", first)
+    assert running.wait(timeout=10)
+    worker.submit_sample("small model", "small", "test", never_started, "second", second)
+    stopping = threading.Thread(target=worker.stop)
+    stopping.start()
+    time.sleep(0.05)
+    release.set()
+    stopping.join(timeout=30)
+    assert isinstance(outcome := first.result(timeout=1), FailedResult) and outcome.message == "finished"
+    assert not second.done()

@@ -274,10 +274,10 @@ class ComputeWorker(Generic[JobT, AnswerT]):
         """The next turn (with the lock held): a lane's running batch or a training op, chosen by the
         fair share among those ready; None once stopping and no batch is left to finish."""
         while True:
-            now = time.monotonic()
-            gathering = self._start_gathered_groups(now)
             if self._stopping:  # batches running finish (nothing pauses them now), nothing new starts
                 return next(iter(self._running.values()), None)
+            now = time.monotonic()
+            gathering = self._start_gathered_groups(now)
             _, op, gap_wait = self._runnable_training_op(now)
             ready = [*self._running, *([_TRAINING] if op is not None else [])]
             if ready:
