@@ -1,4 +1,5 @@
-"""The SDK probe's RestClient and AdminClient calls (see sdk_probe_core)."""
+"""The SDK probe's RestClient and AdminClient calls, and weights_access_token wherever it is taken (see
+sdk_probe_core)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,17 @@ import datetime as dt
 import tinker
 from tinker import types
 
-from bench.sdk_probe_core import TINY, Probe, call, expect, expect_close, fingerprint
+from bench.sdk_probe_core import (
+    TINY,
+    Probe,
+    Refused,
+    call,
+    expect,
+    expect_close,
+    expect_refused,
+    fingerprint,
+    train_step,
+)
 
 
 @call("RestClient.list_training_runs(limit, offset, access_scope)")
@@ -219,3 +230,27 @@ def _search_filters(p: Probe) -> None:
             for c in (cursor, rebuilt)
         ]
         expect(pages[0].sessions == pages[1].sessions, "the rebuilt cursor")
+
+
+@call("weights_access_token on every call that takes it (refused: one organisation)")
+def _access_token(p: Probe) -> None:
+    token = "tok"
+    client = p.new_model(seed=17)
+    archive = tinker.ServiceClient(
+        project_id="probe-archive", base_url=p.engine.base_url, api_key=p.engine.api_key
+    )
+    refusals = [
+        lambda: p.service.create_training_client_from_state(p.state_path, weights_access_token=token),
+        lambda: p.service.create_training_client_from_state_with_optimizer(
+            p.state_path, weights_access_token=token
+        ),
+        lambda: archive.copy_weights(p.state_path, weights_access_token=token),
+        lambda: p.rest.copy_weights(p.state_path, "probe-project", weights_access_token=token),
+        lambda: client.load_state(p.state_path, weights_access_token=token),
+        lambda: client.load_state_with_optimizer(p.state_path, weights_access_token=token),
+    ]
+    with archive:
+        for request in refusals:
+            expect_refused(lambda request=request: request().result(), "weights_access_token")
+    train_step(client)  # the refused loads did not poison the client (run_call checks for seq gaps)
+    raise Refused("weights_access_token: 400 naming the field on every call that takes it")

@@ -475,27 +475,3 @@ def _custom_loss_fn(p: Probe) -> None:
     expect(np.allclose(fingerprint(client), before), "a refused request changed the weights")
     train_step(client)  # the client goes on
     raise Refused(message[:200])
-
-
-@call("weights_access_token on every call that takes it (refused: one organisation)")
-def _access_token(p: Probe) -> None:
-    token = "tok"
-    client = p.new_model(seed=17)
-    archive = tinker.ServiceClient(
-        project_id="probe-archive", base_url=p.engine.base_url, api_key=p.engine.api_key
-    )
-    refusals = [
-        lambda: p.service.create_training_client_from_state(p.state_path, weights_access_token=token),
-        lambda: p.service.create_training_client_from_state_with_optimizer(
-            p.state_path, weights_access_token=token
-        ),
-        lambda: archive.copy_weights(p.state_path, weights_access_token=token),
-        lambda: p.rest.copy_weights(p.state_path, "probe-project", weights_access_token=token),
-        lambda: client.load_state(p.state_path, weights_access_token=token),
-        lambda: client.load_state_with_optimizer(p.state_path, weights_access_token=token),
-    ]
-    with archive:
-        for request in refusals:
-            expect_refused(lambda request=request: request().result(), "weights_access_token")
-    train_step(client)  # the refused loads did not poison the client (run_call checks for seq gaps)
-    raise Refused("weights_access_token: 400 naming the field on every call that takes it")
