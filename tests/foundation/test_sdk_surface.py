@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import re
 from functools import cache
+from typing import Literal
 
 import pytest
 from sdk_registry import PROBE_TEST, cited_calls, registry
@@ -85,3 +86,26 @@ def test_each_entry_s_tests_mention_what_they_exercise() -> None:
         if not re.search(rf"\b{re.escape(_named(row))}\b", _evidence(test))
     ]
     assert unmentioned == []
+
+
+def test_a_method_the_sdk_adds_is_rows_without_entries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the next release's additions look like to the tests above: a new method is a row with a row
+    per option and per Literal value, none with an entry; an async twin taking other options is named."""
+    import tinker
+
+    def distill(self: object, teacher: str, mode: Literal["topk", "full"] = "topk") -> None: ...
+
+    def distill_async(self: object, teacher: str) -> None: ...
+
+    monkeypatch.setattr(tinker.TrainingClient, "distill", distill, raising=False)
+    monkeypatch.setattr(tinker.TrainingClient, "distill_async", distill_async, raising=False)
+    added = set(surface()) - set(ROWS)
+    assert added == {
+        "TrainingClient.distill",
+        "TrainingClient.distill(teacher)",
+        "TrainingClient.distill(mode)",
+        "TrainingClient.distill(mode='topk')",
+        "TrainingClient.distill(mode='full')",
+    }
+    assert not added & set(REGISTRY)
+    assert sync_async_mismatches() == ["TrainingClient.distill"]
