@@ -19,7 +19,7 @@ from tinker_cookbook.renderers import Message
 
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
-from tinkerrpc_server.service.datums import rl_batch
+from tinkerrpc_server.service.datums import RenderedPrompts, rl_batch, turn_prompt
 from tinkerrpc_server.service.rendering import ROLE_NAMES, ChatCodec, ChatCodecs
 
 pytestmark = pytest.mark.unit
@@ -221,6 +221,26 @@ def test_a_later_turn_without_prompt_ids_renders_the_conversation_before_its_own
 
     _assert_turn_layout(batch.datums[0], first_prompt, first, 0.5)
     _assert_turn_layout(batch.datums[1], second_prompt, second, 0.5)
+
+
+def test_a_conversation_shared_by_trajectories_renders_once_per_request(codec: ChatCodec) -> None:
+    """A group's trajectories share their prompt: it renders once, and each turn gets it whole; another
+    conversation (other messages, or the same messages up to another assistant message) renders anew."""
+    rendered: RenderedPrompts = {}
+    one = [user("respond with yes"), assistant("maybe")]
+    other = [user("respond with no"), assistant("no")]
+    trajectories = [types_pb2.Trajectory(messages=m, turns=[_turn([], [7], -1.0)]) for m in (one, one, other)]
+    prompts = [turn_prompt(t, 0, codec, rendered) for t in trajectories]
+    assert prompts == [_prompt(codec, one[:1]), _prompt(codec, one[:1]), _prompt(codec, other[:1])]
+    assert len(rendered) == 2
+    prompts[0].append(99)  # each turn's prompt is its own list
+    assert turn_prompt(trajectories[1], 0, codec, rendered) == prompts[1]
+    two_turns = types_pb2.Trajectory(
+        messages=[*one, user("now say no"), assistant("no")], turns=[_turn([], [7], -1.0)] * 2
+    )
+    assert turn_prompt(two_turns, 0, codec, rendered) == prompts[1] and len(rendered) == 2
+    assert turn_prompt(two_turns, 1, codec, rendered) == _prompt(codec, two_turns.messages[:3])
+    assert len(rendered) == 3
 
 
 @pytest.mark.parametrize("normalize_std", [False, True])

@@ -81,15 +81,30 @@ def _staleness(trajectory: types_pb2.Trajectory, current_version: int) -> int:
     return current_version - min(turn.policy_version for turn in trajectory.turns)
 
 
-def turn_prompt(trajectory: types_pb2.Trajectory, turn_index: int, codec: ChatCodec) -> list[int]:
+# Conversations already rendered in one request, by their serialized messages and tools: a group's
+# trajectories share their prompt, which then renders once instead of once per trajectory.
+RenderedPrompts = dict[bytes, list[int]]
+
+
+def turn_prompt(
+    trajectory: types_pb2.Trajectory,
+    turn_index: int,
+    codec: ChatCodec,
+    rendered: RenderedPrompts | None = None,
+) -> list[int]:
     """The turn's prompt ids, or (only when it carries none) the conversation before its assistant message,
-    re-rendered with the model's renderer."""
+    re-rendered with the model's renderer (once per distinct conversation in `rendered`)."""
     turn = trajectory.turns[turn_index]
     if turn.prompt_token_ids:
         return list(turn.prompt_token_ids)
     assistant_positions = [i for i, m in enumerate(trajectory.messages) if m.role == types_pb2.ROLE_ASSISTANT]
     history = list(trajectory.messages[: assistant_positions[turn_index]])
-    return codec.generation_prompt(history, list(trajectory.tools))
+    if rendered is None:
+        return codec.generation_prompt(history, list(trajectory.tools))
+    key = types_pb2.Trajectory(messages=history, tools=trajectory.tools).SerializeToString(deterministic=True)
+    if key not in rendered:
+        rendered[key] = codec.generation_prompt(history, list(trajectory.tools))
+    return list(rendered[key])
 
 
 @dataclass
@@ -207,6 +222,7 @@ def rl_batch(
     # Each trained trajectory's sequences and sampled tokens, weighted once all are known.
     trained: list[tuple[list[_Sequence], int]] = []
     violations = Violations()
+    rendered: RenderedPrompts = {}
     for g, group in enumerate(request.groups):
         fresh = []
         for t, trajectory in enumerate(group.trajectories):
@@ -237,7 +253,7 @@ def rl_batch(
             sequences = []
             sampled = 0
             for k, turn in enumerate(trajectory.turns):
-                prompt = turn_prompt(trajectory, k, codec)
+                prompt = turn_prompt(trajectory, k, codec, rendered)
                 length = len(prompt) + len(turn.completion_token_ids)
                 if length > codec.max_context_length:
                     violations.add(

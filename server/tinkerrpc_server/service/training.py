@@ -28,7 +28,7 @@ import tinker
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server.service import errors, recovery
-from tinkerrpc_server.service.datums import Batch, build_batch, turn_prompt
+from tinkerrpc_server.service.datums import Batch, RenderedPrompts, build_batch, turn_prompt
 from tinkerrpc_server.service.deadlines import bounded
 from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.mismatch import sampler_mismatch
@@ -214,10 +214,16 @@ class Trainer:
         filled = pb.TrainRequest()
         filled.CopyFrom(request)
         missing = _turns_without_logprobs(filled)
-        prompts = await off_loop(lambda: [turn_prompt(trajectory, k, codec) for trajectory, k in missing])
+        rendered: RenderedPrompts = {}
+        prompts = await off_loop(
+            lambda: [turn_prompt(trajectory, k, codec, rendered) for trajectory, k in missing]
+        )
         to_score: list[tuple[types_pb2.SampledTurn, list[int]]] = []
         for (trajectory, k), prompt in zip(missing, prompts, strict=True):
             turn = trajectory.turns[k]
+            # The batch is built from this copy: its turns keep the prompt rendered here.
+            if not turn.prompt_token_ids:
+                turn.prompt_token_ids.extend(prompt)
             cached = (
                 self._sample_cache.logprobs(
                     turn.sample_key, row.name, turn.policy_version, prompt, list(turn.completion_token_ids)
