@@ -156,10 +156,12 @@ async def yes_no_maybe(art_path: str, target: str) -> dict[str, Any]:
     model = trainable_model()
     await model.register(backend)
 
+    sft_started = time.perf_counter()
     await model.train_sft(
         warm_up_trajectories(rng, SFT_BATCH_SIZE * SFT_STEPS),
         config=art.TrainSFTConfig(learning_rate=SFT_LEARNING_RATE, batch_size=SFT_BATCH_SIZE),
     )
+    sft_seconds = time.perf_counter() - sft_started
     assert await model.get_step() == SFT_STEPS
 
     run = await rl_until_target(model, backend, rng, started)
@@ -167,7 +169,12 @@ async def yes_no_maybe(art_path: str, target: str) -> dict[str, Any]:
     # The rollouts asked for no logprobs: every Choice trained on the sampler's own, by its sample key.
     scored_tokens = [m["data/step_scored_tokens"] for m in run.train_metrics]
     assert scored_tokens and not any(scored_tokens), scored_tokens
-    return {**asdict(run), "inference_base_url": model.inference_base_url, "scored_tokens": scored_tokens}
+    return {
+        **asdict(run),
+        "sft_seconds": sft_seconds,
+        "inference_base_url": model.inference_base_url,
+        "scored_tokens": scored_tokens,
+    }
 
 
 def answer_datum(trajectory: art.Trajectory, renderer: Any) -> tinker.Datum:
@@ -218,7 +225,9 @@ async def seed_yes_no_maybe(art_path: str) -> dict[str, Any]:
     with pytest.raises(NotImplementedError):
         await model.train_sft(warm_up_trajectories(random.Random(), 1))
     state = backend._model_state[model.name]
+    sft_started = time.perf_counter()
     await warm_up_raw(state.training_client, state.renderer, rng)
+    sft_seconds = time.perf_counter() - sft_started
     await backend.close()
 
     backend = TinkerNativeBackend(path=art_path)
@@ -245,7 +254,12 @@ async def seed_yes_no_maybe(art_path: str) -> dict[str, Any]:
     assert await engine_checkpoints(rest_client, run_ids) == listed - doomed
     assert state.sampler_checkpoint_paths[state.current_step] in listed - doomed
     await backend.close()
-    return {**asdict(run), "inference_base_url": model.inference_base_url, "deleted": len(doomed)}
+    return {
+        **asdict(run),
+        "sft_seconds": sft_seconds,
+        "inference_base_url": model.inference_base_url,
+        "deleted": len(doomed),
+    }
 
 
 async def reregister_and_score(art_path: str, target: str) -> dict[str, Any]:
