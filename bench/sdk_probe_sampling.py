@@ -194,14 +194,11 @@ def _handle(p: Probe) -> None:
     )
 
 
-@call("ServiceClient.create_sampling_client(record_stability_info) + stable_reinforce with provenance")
-def _stability(p: Probe) -> None:
-    client = p.new_model(seed=21)
-    sampler = client.save_weights_and_get_sampling_client(record_stability_info=True).result()
-    seq = sampler.sample(PROMPT, 1, PARAMS).result().sequences[0]
+def _with_spans(seq: types.SampledSequence) -> types.Datum:
+    """The prompt and a sampled sequence as one stable_reinforce datum, its spans naming the sequence."""
     tokens = [*PROMPT.to_ints(), *seq.tokens]
     n_prompt, n_sampled = PROMPT.length, len(seq.tokens)
-    plain = types.Datum(
+    datum = types.Datum(
         model_input=types.ModelInput.from_ints(tokens[:-1]),
         loss_fn_inputs={
             "target_tokens": np.asarray(tokens[1:], dtype=np.int64),
@@ -209,16 +206,40 @@ def _stability(p: Probe) -> None:
             "advantages": np.asarray([0.0] * (n_prompt - 1) + [1.0] * n_sampled, dtype=np.float32),
         },
     )
-    spans = [
-        types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=0, length=n_prompt),
-        types.SampledProvenanceSpan(sequence_id=seq.sequence_id, offset=0, length=n_sampled - 1),
+    sid = seq.sequence_id
+    return datum.with_provenance(
+        [
+            types.PromptProvenanceSpan(sequence_id=sid, offset=0, length=n_prompt),
+            types.SampledProvenanceSpan(sequence_id=sid, offset=0, length=n_sampled - 1),
+        ],
+        [
+            types.PromptProvenanceSpan(sequence_id=sid, offset=1, length=n_prompt - 1),
+            types.SampledProvenanceSpan(sequence_id=sid, offset=0, length=n_sampled),
+        ],
+    )
+
+
+@call(
+    "ServiceClient.create_sampling_client(record_stability_info) / "
+    "TrainingClient.create_sampling_client(record_stability_info) + stable_reinforce with provenance"
+)
+def _stability(p: Probe) -> None:
+    """A recording client's sequences train stable_reinforce through their spans; a plain client's
+    cannot (the engine recorded nothing for them)."""
+    client = p.new_model(seed=21)
+    path = client.save_weights_for_sampler("stability").result().path
+    recording = [
+        p.service.create_sampling_client(model_path=path, record_stability_info=True).result(),
+        client.create_sampling_client(path, record_stability_info=True).result(),
     ]
-    targets = [
-        types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=n_prompt - 1),
-        types.SampledProvenanceSpan(sequence_id=seq.sequence_id, offset=0, length=n_sampled),
-    ]
-    out = client.forward_backward([plain.with_provenance(spans, targets)], "stable_reinforce").result()
-    expect(np.isfinite(out.metrics["loss:sum"]), "stable_reinforce loss")
+    for sampler in recording:
+        seq = sampler.sample(PROMPT, 1, PARAMS).result().sequences[0]
+        out = client.forward_backward([_with_spans(seq)], "stable_reinforce").result()
+        expect(np.isfinite(out.metrics["loss:sum"]), "stable_reinforce loss")
+    plain = p.service.create_sampling_client(model_path=path).result()
+    seq = plain.sample(PROMPT, 1, PARAMS).result().sequences[0]
+    datum = _with_spans(seq)
+    expect_refused(client.forward_backward([datum], "stable_reinforce").result, "record_stability_info")
 
 
 @call("Datum.with_provenance naming a sequence the engine never sampled (refused)")
