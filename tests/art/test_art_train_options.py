@@ -67,6 +67,10 @@ def test_kl_penalty_and_truncated_importance_sampling_become_the_sdks_options() 
     assert lagged == tinkerrpc.KLPenalty(0.1, tinkerrpc.PolicyRef.version(3))
     # ART's Tinker backend without a reference step: the base model (KLPenalty's default).
     assert resolve(kl_penalty_coef=0.1).kl_penalty == tinkerrpc.KLPenalty(0.1)
+    # PipelineTrainer without a lag sends step 0, ART's identity/base reference: the base model too, not
+    # version 0, which the server prunes (ART 0.5.23's PipelineTrainer with a KL coefficient failed its
+    # first step after a 20-step warm-up: "no sampleable version 0").
+    assert resolve(kl_penalty_coef=0.1, kl_penalty_reference_step=0).kl_penalty == tinkerrpc.KLPenalty(0.1)
     assert resolve(truncated_importance_sampling=2.0).importance_ratio_cap == 2.0
 
 

@@ -130,8 +130,11 @@ def resolve_train_options(
 
 def _kl_penalty(coef: float, reference_step: int | None, source: str) -> KLPenalty | None:
     """ART's KL arguments as tinkerrpc's KLPenalty (its coefficient range checked there): the reference is
-    the model's `reference_step` version (PipelineTrainer's kl_penalty_step_lag; 0 without one), else its
-    base model (ART's Tinker backend's default)."""
+    the model's `reference_step` version (PipelineTrainer's kl_penalty_step_lag behind), else its base model
+    (ART's Tinker backend's default). Step 0, what PipelineTrainer sends without a lag, is ART's
+    identity/base reference and is the base model here too: version 0's adapter is the base model exactly
+    (LoRA's B starts at zero), and the server stops keeping version 0 sampleable after
+    --keep-sampler-versions steps, so naming it would refuse every KL step after that."""
     if source != KL_PENALTY_SOURCE:
         raise ValueError(
             f"kl_penalty_source={source!r} is not supported: tinkerrpc's KL penalty compares the sampler's "
@@ -145,4 +148,4 @@ def _kl_penalty(coef: float, reference_step: int | None, source: str) -> KLPenal
         raise ValueError(f"kl_penalty_coef must be a number, got {coef!r}")
     if coef == 0:
         return None
-    return KLPenalty(float(coef), PolicyRef.version(reference_step) if reference_step is not None else None)
+    return KLPenalty(float(coef), PolicyRef.version(reference_step) if reference_step else None)
