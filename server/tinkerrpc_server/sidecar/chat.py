@@ -248,7 +248,9 @@ async def chat_stream_chunks(
         return ChatCompletionChunk(**head.fields(), choices=choices, **extra)
 
     echo = chat_echo(request)
-    contents = [ChoiceContent(chat=True, stops=args.stop) for _ in range(args.n)]
+    # A forced call's head is written by the renderer: every sampled token belongs to the call.
+    held = bool(args.force_tool_call)
+    contents = [ChoiceContent(chat=True, stops=args.stop, held=held) for _ in range(args.n)]
     for index in range(args.n):
         first = ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=echo))
         if not rl_fields:

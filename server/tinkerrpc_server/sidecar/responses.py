@@ -216,7 +216,7 @@ def _dump(model: BaseModel) -> dict[str, Any]:
 
 
 async def stream_events(
-    request: ResponseRequest, ref: ModelRef, opened: OpenedStream, created: int
+    request: ResponseRequest, ref: ModelRef, args: SamplingOptions, opened: OpenedStream, created: int
 ) -> AsyncIterator[dict[str, Any]]:
     """The documented event sequence, the message's text deltas as its tokens arrive (as
     sample_streams.ChoiceContent lets them go, with their tokens' logprobs), the function calls and the
@@ -232,7 +232,8 @@ async def stream_events(
     yield event("response.in_progress", response=_dump(shell))
     message_id = sample_output.new_id("msg")
     opened_message = False
-    content = ChoiceContent(chat=True)  # a Responses request has no stop strings
+    # A Responses request has no stop strings; a forced call's head is the renderer's, its tokens the call's.
+    content = ChoiceContent(chat=True, held=bool(args.force_tool_call))
     pending: list[dict[str, Any]] = []  # logprob entries of tokens whose text is not sent yet
     where = {"item_id": message_id, "output_index": 0}
 
@@ -313,7 +314,7 @@ def create_router(sample: Sampler, stream: StreamSampler) -> APIRouter:
         args = sample_args(request, ref)
         if request.stream:
             opened = await stream(ROUTE, ref, prompt_messages(request), args)
-            events = stream_events(request, ref, opened, int(time.time()))
+            events = stream_events(request, ref, args, opened, int(time.time()))
             return typed_event_stream(events, opened.close, ref.requested)
         (sampled,) = await sample(ROUTE, ref, prompt_messages(request), args)
         created = int(time.time())
