@@ -68,14 +68,14 @@ def median_step_seconds(run: dict[str, Any]) -> float:
     steps = [r + t for r, t in zip(run["rollout_seconds"], run["train_seconds"], strict=False)]
     if not steps:
         raise ValueError("the run reached the target before any RL step")
-    return statistics.median(steps)
+    return float(statistics.median(steps))
 
 
 def median_train_seconds(run: dict[str, Any]) -> float:
     """A run's median Train call (ART's backend.train, the client's whole call)."""
     if not run["train_seconds"]:
         raise ValueError("the run reached the target before any RL step")
-    return statistics.median(run["train_seconds"])
+    return float(statistics.median(run["train_seconds"]))
 
 
 def seconds_to_target(run: dict[str, Any]) -> float:
