@@ -160,7 +160,8 @@ def _round(side: str, round_index: int, send: Send, prompts: list[list[int]]) ->
 def measure(engine: LocalEngine, model_dir: Path, threads: int, work_dir: Path) -> list[Figure]:
     path = resolve_base_model(SMOLLM2_135M_INSTRUCT, model_dir)
     prompts = [
-        list(p) for p in token_sequences(REQUESTS, PROMPT_TOKENS, PROMPT_TOKENS, _vocab_size(path), seed=5)
+        [int(t) for t in p]
+        for p in token_sequences(REQUESTS, PROMPT_TOKENS, PROMPT_TOKENS, _vocab_size(path), seed=5)
     ]
     ours = _engine_stream(engine)
     try:
