@@ -99,7 +99,9 @@ def test_a_tool_call_streams_as_function_call_events_and_trains_as_one_turn() ->
         [11, 12, 13, 14],
         [-0.1, -0.2, -0.3, -0.4],
     )
-    events = collected(responses.stream_events(asked, models.parse_model_id("run"), replayed([sample]), 0))
+    ref = models.parse_model_id("run")
+    args = responses.sample_args(asked, ref)
+    events = collected(responses.stream_events(asked, ref, args, replayed([sample]), 0))
     assert [e["type"] for e in events] == [
         "response.created",
         "response.in_progress",
