@@ -151,7 +151,9 @@ class FakeTinker:
             return _failed(LookupError(f"no state checkpoint at {path}"))
         return _resolved(self._new_client(saved.weights))
 
-    def create_sampling_client(self, model_path: str) -> asyncio.Future[FakeSamplingClient]:
+    def create_sampling_client(
+        self, model_path: str | None = None, base_model: str | None = None
+    ) -> asyncio.Future[FakeSamplingClient]:
         return _resolved(FakeSamplingClient())
 
     # RestClient
