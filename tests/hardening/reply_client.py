@@ -55,7 +55,7 @@ def plain_replies(sidecar: str, body: dict[str, Any]) -> list[Reply]:
 
 
 def streamed_replies(sidecar: str, body: dict[str, Any]) -> list[Reply]:
-    """The stream's chunks put together per choice (asking for token ids, which its first chunks carry)."""
+    """The stream's chunks put together per choice (asking for token ids, which each delta carries)."""
     response = chat(sidecar, {**body, "stream": True, "return_token_ids": True})
     assert response.status_code == 200, response.text[:2000]
     lines = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
@@ -68,7 +68,7 @@ def streamed_replies(sidecar: str, body: dict[str, Any]) -> list[Reply]:
         for choice in chunk["choices"]:
             reply = replies.setdefault(choice["index"], Reply(None, [], None, [], []))
             delta = choice["delta"]
-            reply.token_ids = choice.get("token_ids") or reply.token_ids
+            reply.token_ids += delta.get("token_ids") or []
             if delta.get("content"):
                 reply.pieces.append(delta["content"])
             for call in delta.get("tool_calls") or []:
