@@ -210,7 +210,7 @@ class DistillationRecipe:
 
     def plot(self, summary: DistillationSummary) -> None:
         model = BASE_MODEL.split("/")[-1]
-        title = f"demo --recipe distillation: {model} student, {summary.train_seconds:.0f} s of distillation"
+        title = f"demo --recipe distillation: {model}, {summary.train_seconds:.0f} s"
         with curve_plot(self.out_dir / "accuracy_curve.png", title, "distillation step", "upper left") as ax:
             ax.plot(
                 [r.step for r in summary.history],
