@@ -102,6 +102,10 @@ MAX_ABS_TOKEN_ADVANTAGE = 1e6
 # Truncated importance sampling trains as cispo with this lower clip: far below any ratio a sampled token
 # has (a ratio this small is already a zero weight), so only the cap clips.
 TRUNCATED_IS_CLIP_LOW = 1e-30
+# A policy version a Train names as its KL reference or distillation teacher is pinned: retention keeps its
+# sampler weights while a model trains against it (service/reference_pins.py). Each model holds at most
+# one pin per term; a model's versions pinned at once are bounded by this, so its disk stays bounded too.
+MAX_PINNED_REFERENCE_VERSIONS = 16
 # The sample cache, which lets a turn that names its sample key train on the sampler's own logprobs: a
 # key is honoured this long after its Sample, and the server keeps at most this many samples and bytes of
 # them (least recently used out first); a key past these is scored again, never an error.
@@ -255,6 +259,11 @@ LIMITS: tuple[Limit, ...] = (
     _constant(
         "TRUNCATED_IS_CLIP_LOW",
         "cispo's clip_low_threshold when TrainRequest.importance_ratio_cap trains importance_sampling",
+    ),
+    _most(
+        "MAX_PINNED_REFERENCE_VERSIONS",
+        "versions of one model kept as the KL reference or distillation teacher of Trains (pinned past "
+        "--keep-sampler-versions; one more is FAILED_PRECONDITION TOO_MANY_REFERENCE_PINS)",
     ),
     _most("MAX_SAMPLE_KEY_AGE_SECONDS", "seconds a sample key is honoured after its Sample"),
     _most("MAX_CACHED_SAMPLES", "samples the server keeps for their sample keys"),

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tinkerrpc/v1/errors.proto\x12\x0ctinkerrpc.v1*\xdb\x02\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12%\n!ERROR_REASON_STALE_POLICY_VERSION\x10\x01\x12!\n\x1d\x45RROR_REASON_VERSION_MISMATCH\x10\x02\x12!\n\x1d\x45RROR_REASON_NO_CURRENT_STATE\x10\x03\x12\'\n#ERROR_REASON_IDEMPOTENCY_KEY_REUSED\x10\x04\x12!\n\x1d\x45RROR_REASON_NOTHING_TO_TRAIN\x10\x05\x12+\n\'ERROR_REASON_CURRENT_SAMPLER_CHECKPOINT\x10\x06\x12$\n ERROR_REASON_RECOVERY_CHECKPOINT\x10\x07\x12\"\n\x1e\x45RROR_REASON_NON_FINITE_UPDATE\x10\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tinkerrpc/v1/errors.proto\x12\x0ctinkerrpc.v1*\xaa\x03\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12%\n!ERROR_REASON_STALE_POLICY_VERSION\x10\x01\x12!\n\x1d\x45RROR_REASON_VERSION_MISMATCH\x10\x02\x12!\n\x1d\x45RROR_REASON_NO_CURRENT_STATE\x10\x03\x12\'\n#ERROR_REASON_IDEMPOTENCY_KEY_REUSED\x10\x04\x12!\n\x1d\x45RROR_REASON_NOTHING_TO_TRAIN\x10\x05\x12+\n\'ERROR_REASON_CURRENT_SAMPLER_CHECKPOINT\x10\x06\x12$\n ERROR_REASON_RECOVERY_CHECKPOINT\x10\x07\x12\"\n\x1e\x45RROR_REASON_NON_FINITE_UPDATE\x10\x08\x12#\n\x1f\x45RROR_REASON_REFERENCE_NOT_KEPT\x10\t\x12(\n$ERROR_REASON_TOO_MANY_REFERENCE_PINS\x10\nb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,5 +32,5 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tinkerrpc.v1.errors_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ERRORREASON']._serialized_start=44
-  _globals['_ERRORREASON']._serialized_end=391
+  _globals['_ERRORREASON']._serialized_end=470
 # @@protoc_insertion_point(module_scope)

@@ -60,6 +60,20 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     version, weights and optimizer state are as before and the model trains normally on the
     next call. Lower the learning rate or check the rewards and sampling logprobs. No metadata.
     """
+    ERROR_REASON_REFERENCE_NOT_KEPT: _ErrorReason.ValueType  # 9
+    """Train whose kl_penalty.reference or distillation.teacher names a policy version that was
+    committed but whose sampler weights are no longer kept (retention deleted them before any
+    Train named the version, or a DeleteCheckpoint did). A version a Train names is pinned from
+    then on (MAX_PINNED_REFERENCE_VERSIONS), so this happens only on first naming it. Name a
+    sampleable version, a checkpoint or the base model. Metadata: field, model, policy_version,
+    sampleable_versions.
+    """
+    ERROR_REASON_TOO_MANY_REFERENCE_PINS: _ErrorReason.ValueType  # 10
+    """Train whose kl_penalty.reference or distillation.teacher would pin one more version of a
+    model that already has MAX_PINNED_REFERENCE_VERSIONS versions pinned by other models' (or its
+    own) Trains. Name one of the pinned versions or a checkpoint, or delete a model holding a
+    pin. Metadata: field, model, pinned_versions, limit.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """Why a call was refused, for failures a client may want to handle in code.
@@ -110,5 +124,19 @@ ERROR_REASON_NON_FINITE_UPDATE: ErrorReason.ValueType  # 8
 ratios that overflow float32) although every field was in range. The step was not applied:
 version, weights and optimizer state are as before and the model trains normally on the
 next call. Lower the learning rate or check the rewards and sampling logprobs. No metadata.
+"""
+ERROR_REASON_REFERENCE_NOT_KEPT: ErrorReason.ValueType  # 9
+"""Train whose kl_penalty.reference or distillation.teacher names a policy version that was
+committed but whose sampler weights are no longer kept (retention deleted them before any
+Train named the version, or a DeleteCheckpoint did). A version a Train names is pinned from
+then on (MAX_PINNED_REFERENCE_VERSIONS), so this happens only on first naming it. Name a
+sampleable version, a checkpoint or the base model. Metadata: field, model, policy_version,
+sampleable_versions.
+"""
+ERROR_REASON_TOO_MANY_REFERENCE_PINS: ErrorReason.ValueType  # 10
+"""Train whose kl_penalty.reference or distillation.teacher would pin one more version of a
+model that already has MAX_PINNED_REFERENCE_VERSIONS versions pinned by other models' (or its
+own) Trains. Name one of the pinned versions or a checkpoint, or delete a model holding a
+pin. Metadata: field, model, pinned_versions, limit.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

@@ -26,6 +26,8 @@ NOTHING_TO_TRAIN = ErrorReason.ERROR_REASON_NOTHING_TO_TRAIN
 CURRENT_SAMPLER_CHECKPOINT = ErrorReason.ERROR_REASON_CURRENT_SAMPLER_CHECKPOINT
 RECOVERY_CHECKPOINT = ErrorReason.ERROR_REASON_RECOVERY_CHECKPOINT
 NON_FINITE_UPDATE = ErrorReason.ERROR_REASON_NON_FINITE_UPDATE
+REFERENCE_NOT_KEPT = ErrorReason.ERROR_REASON_REFERENCE_NOT_KEPT
+TOO_MANY_REFERENCE_PINS = ErrorReason.ERROR_REASON_TOO_MANY_REFERENCE_PINS
 
 # A status travels in grpc-message and grpc-status-details-bin, metadata of at most 8 KiB by default:
 # whatever a request echoes (a name, a value) is cut short so the status itself always fits.

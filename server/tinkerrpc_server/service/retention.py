@@ -2,8 +2,9 @@
 
 Per model (CreateModel's keep_* fields, else the server's --keep-sampler-versions / --keep-state-checkpoints):
 - sampler checkpoints (vNNNNNN) of the latest N versions stay, plus every version a named state checkpoint
-  holds and every version pinned, i.e. being sampled by a Sample call in flight; sampling any other
-  version is NOT_FOUND, as for a deleted one;
+  holds, every version being sampled by a Sample call in flight, and every version a Train names as its
+  KL reference or distillation teacher (a reference pin, kept in the store: service/reference_pins.py);
+  sampling any other version is NOT_FOUND, as for a deleted one;
 - automatic state checkpoints (step_NNNNNN): the latest K stay, plus every named one and the recovery
   point.
 The rows go in the transaction that commits the step which made them superfluous, their files after the
@@ -34,6 +35,7 @@ from contextlib import contextmanager
 import tinker
 from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
 
+from tinkerrpc_server.service import reference_pins
 from tinkerrpc_server.service.backend import Backend
 from tinkerrpc_server.service.limits import Limits
 from tinkerrpc_server.service.store import ModelRow, Store
@@ -77,6 +79,7 @@ class Retention:
         paths to delete once it has committed."""
         keep_samplers, keep_states = self.policy(row)
         pins = {version for (model, version) in self._pins if model == row.name}
+        pins |= reference_pins.pinned_versions(tx, row.name)
         return self._store.prune(tx, row.name, keep_samplers, keep_states, pins)
 
     async def record_sizes(self, model: str, run_id: str) -> None:

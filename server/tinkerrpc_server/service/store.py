@@ -7,6 +7,7 @@ Calls are synchronous and short; they run on the event loop thread, which also m
 split a transaction (a cancelled RPC never leaves half of one behind).
 
 What grows with steps stays bounded: step records and checkpoints by retention (service/retention.py),
+reference pins (one per model and Train term) by service/reference_pins.py,
 idempotency records by IDEMPOTENCY_KEEP_RECORDS and IDEMPOTENCY_KEEP_SECONDS (below). Metrics rows
 (~0.7 KB a step) are kept for every committed version: GetRunHistory answers for each one; they go
 with their model, or with the versions a rollback or restore abandons.
@@ -21,6 +22,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from tinkerrpc_server.service import reference_pins
 
 # The schema as numbered migrations: MIGRATIONS[i] takes a database from user_version i to i + 1, in
 # one transaction with the version bump. Releases before the numbering left user_version 0 with the
@@ -115,6 +118,7 @@ MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
     _add_retention_columns,
     _create_step_inputs,
     _add_idempotency_time,
+    reference_pins.create_table,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -277,8 +281,10 @@ class Store:
 
     def put_checkpoint(self, tx: sqlite3.Connection, row: CheckpointRow) -> None:
         """Insert, replacing an automatic checkpoint of the same name left by an abandoned timeline."""
+        values = (row.model, row.kind, row.name, row.policy_version, row.tinker_path, row.create_time)
         tx.execute(
-            "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?)", _checkpoint_values(row)
+            "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (*values, int(row.automatic), row.size_bytes),
         )
 
     def get_checkpoint(self, model: str, kind: int, name: str) -> CheckpointRow | None:
@@ -381,7 +387,8 @@ class Store:
 
     def roll_back(self, tx: sqlite3.Connection, model: str, version: int) -> list[str]:
         """Forget what versions after `version` recorded but their idempotency records (a retried
-        acknowledged key is still answered from its record); returns their sampler paths to delete."""
+        acknowledged key is still answered from its record), and the reference pins they name or set;
+        returns their sampler paths to delete."""
         paths = [
             str(r[0])
             for r in tx.execute(
@@ -396,6 +403,7 @@ class Store:
         tx.execute("DELETE FROM step_inputs WHERE model = ? AND policy_version > ?", (model, version))
         tx.execute("DELETE FROM step_metrics WHERE model = ? AND policy_version > ?", (model, version))
         tx.execute("UPDATE models SET policy_version = ? WHERE name = ?", (version, model))
+        reference_pins.release_rolled_back(tx, model, version)
         return paths
 
     # write-ahead step records
@@ -482,16 +490,3 @@ def _checkpoint_row(row: sqlite3.Row) -> CheckpointRow:
     values = dict(row)
     values["automatic"] = bool(values["automatic"])
     return CheckpointRow(**values)
-
-
-def _checkpoint_values(row: CheckpointRow) -> tuple[object, ...]:
-    return (
-        row.model,
-        row.kind,
-        row.name,
-        row.policy_version,
-        row.tinker_path,
-        row.create_time,
-        int(row.automatic),
-        row.size_bytes,
-    )

@@ -1,15 +1,14 @@
 """The per-token terms of an RL step that need another policy's logprobs (contract/train_terms.py): the
 KL penalty's reference and distillation's teacher resolved to a sampler the backend serves (a base model,
-a model's version, a named checkpoint) that shares the trained model's tokenizer; the batch's sampled
+a model's version, a named checkpoint) that shares the trained model's tokenizer, a version pinned for as
+long as the model trains against it (service/reference_pins.py); the batch's sampled
 tokens scored there with the tinker SDK's SamplingClient.compute_logprobs; the terms folded into the
 datums' advantages, each datum's by its loss-aggregation weight. Everything is resolved before the
-training client is touched, so a bad reference changes nothing."""
+training client is touched, so a bad reference changes nothing (not even a pin)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +20,7 @@ from tinkerrpc.contract.limits import DEFAULT_DISTILLATION_COEFFICIENT
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server import model_store
-from tinkerrpc_server.service import errors
+from tinkerrpc_server.service import errors, reference_pins
 from tinkerrpc_server.service.datums import Batch
 from tinkerrpc_server.service.models import ModelRegistry
 from tinkerrpc_server.service.rendering import ChatCodec, UnknownRendererError, off_loop
@@ -35,8 +34,8 @@ SCORING_CONCURRENCY = 32
 @dataclass(frozen=True)
 class Scorer:
     """A resolved reference or teacher: the sampler weights (a tinker:// path) or the base model to score
-    with, the model version retention keeps while it scores (None for a base model or a checkpoint), and
-    the term's coefficient."""
+    with, the model version the term pins (None for a base model, version 0 or a checkpoint), and the
+    term's coefficient."""
 
     field: str
     coefficient: float
@@ -131,6 +130,24 @@ class TrainTerms:
             )
         return Scorers(kl, distillation)
 
+    def hold_pins(self, row: ModelRow, scorers: Scorers) -> None:
+        """Once the request passed every check: each term present pins its version or releases its pin; a
+        term left out keeps it. One transaction, with no await since each pinned version's sampler path is
+        read again (a version another model's commit pruned after it resolved is REFERENCE_NOT_KEPT)."""
+        with self._store.transaction() as tx:
+            for term, scorer in zip(
+                reference_pins.TERMS, (scorers.kl_penalty, scorers.distillation), strict=True
+            ):
+                if scorer is None:
+                    continue
+                field = f"{scorer.field}.version.policy_version"
+                if scorer.pinned is not None and self._store.sampler_path(*scorer.pinned) != scorer.path:
+                    model, version = scorer.pinned
+                    raise reference_pins.not_kept(
+                        field, model, version, self._store.sampleable_versions(model)
+                    )
+                reference_pins.hold(tx, row.name, term, scorer.pinned, row.policy_version, field)
+
     async def _resolve(
         self,
         field: str,
@@ -150,18 +167,26 @@ class TrainTerms:
         if kind == "version":
             model, version = reference.version.model or row.name, reference.version.policy_version
             other_row = self._reference_row(f"{field}.version.model", model)
-            path = self._store.sampler_path(model, version)
-            if path is None:
+            if version > other_row.policy_version:
                 raise errors.invalid_argument(
                     [
                         (
                             f"{field}.version.policy_version",
-                            f"model {errors.shown(model)} has no sampleable version {version} "
-                            f"(sampleable: {self._store.sampleable_versions(model)})",
+                            f"model {errors.shown(model)} has no version {version} "
+                            f"(it is at version {other_row.policy_version})",
                         )
                     ]
                 )
             await self._check_tokenizer(f"{field}.version.model", codec, await self._models.codec(other_row))
+            if version == 0:
+                # The fresh adapter: LoRA's B starts at zero, so it is the base model exactly and needs no
+                # checkpoint (retention may have deleted version 0's long ago).
+                return Scorer(field, coefficient, base_model=other_row.base_model)
+            path = self._store.sampler_path(model, version)
+            if path is None:
+                raise reference_pins.not_kept(
+                    f"{field}.version.policy_version", model, version, self._store.sampleable_versions(model)
+                )
             return Scorer(field, coefficient, path=path, pinned=(model, version))
         assert kind == "checkpoint", "validation refuses a reference without a policy"
         model, name = reference.checkpoint.model or row.name, reference.checkpoint.name
@@ -244,35 +269,27 @@ class TrainTerms:
         """Per datum, the scorer's logprob of each target token (0 where it scored none: before the first
         sampled position, which compute_logprobs is asked to skip)."""
         limit = asyncio.Semaphore(SCORING_CONCURRENCY)
-        with self._pinned(scorer):
-            client = await self._models.sampling_client(scorer.path, scorer.base_model)
+        # A version's sampler weights are kept while they score: the term pinned them (hold_pins).
+        client = await self._models.sampling_client(scorer.path, scorer.base_model)
 
-            async def score(datum: tinker.types.Datum, mask: npt.NDArray[np.bool_]) -> Floats:
-                tokens = [*datum.model_input.to_ints(), int(datum.loss_fn_inputs["target_tokens"].data[-1])]
-                scored_positions = len(mask) - int(np.argmax(mask))
-                async with limit:
-                    logprobs = await client.compute_logprobs(
-                        tinker.types.ModelInput.from_ints(tokens), prompt_logprobs_last_n=scored_positions
-                    )
-                if len(logprobs) != len(tokens):
-                    raise RuntimeError(
-                        f"{scorer.field}: the backend scored {len(logprobs)} of {len(tokens)} tokens"
-                    )
-                # Entry i + 1 is the logprob of target i.
-                targets = np.zeros(len(mask))
-                for i, value in enumerate(logprobs[1:]):
-                    if value is not None:
-                        targets[i] = value
-                    elif mask[i]:
-                        raise RuntimeError(f"{scorer.field}: the backend scored no logprob at position {i}")
-                return targets
+        async def score(datum: tinker.types.Datum, mask: npt.NDArray[np.bool_]) -> Floats:
+            tokens = [*datum.model_input.to_ints(), int(datum.loss_fn_inputs["target_tokens"].data[-1])]
+            scored_positions = len(mask) - int(np.argmax(mask))
+            async with limit:
+                logprobs = await client.compute_logprobs(
+                    tinker.types.ModelInput.from_ints(tokens), prompt_logprobs_last_n=scored_positions
+                )
+            if len(logprobs) != len(tokens):
+                raise RuntimeError(
+                    f"{scorer.field}: the backend scored {len(logprobs)} of {len(tokens)} tokens"
+                )
+            # Entry i + 1 is the logprob of target i.
+            targets = np.zeros(len(mask))
+            for i, value in enumerate(logprobs[1:]):
+                if value is not None:
+                    targets[i] = value
+                elif mask[i]:
+                    raise RuntimeError(f"{scorer.field}: the backend scored no logprob at position {i}")
+            return targets
 
-            return list(
-                await asyncio.gather(*(score(d, m) for d, m in zip(batch.datums, sampled, strict=True)))
-            )
-
-    @contextmanager
-    def _pinned(self, scorer: Scorer) -> Iterator[None]:
-        """Retention keeps a referenced version's sampler weights while they score."""
-        with self._models.retention.pinned(*scorer.pinned) if scorer.pinned else nullcontext():
-            yield
+        return list(await asyncio.gather(*(score(d, m) for d, m in zip(batch.datums, sampled, strict=True))))

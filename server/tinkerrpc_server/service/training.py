@@ -179,6 +179,7 @@ class Trainer:
                     },
                 )
             check_train_tokens(batch.total_tokens, self._limits)
+            self._terms.hold_pins(row, scorers)
             figures = await self._terms.fold(scorers, batch)
             client = await self._models.training_client(request.model, runtime)
             runtime.dirty = True
