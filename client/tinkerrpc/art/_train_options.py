@@ -133,8 +133,8 @@ def _kl_penalty(coef: float, reference_step: int | None, source: str) -> KLPenal
     the model's `reference_step` version (PipelineTrainer's kl_penalty_step_lag behind), else its base model
     (ART's Tinker backend's default). Step 0, what PipelineTrainer sends without a lag, is ART's
     identity/base reference and is the base model here too: version 0's adapter is the base model exactly
-    (LoRA's B starts at zero), and the server stops keeping version 0 sampleable after
-    --keep-sampler-versions steps, so naming it would refuse every KL step after that."""
+    (LoRA's B starts at zero; the server scores a reference to version 0 as its base model as well). Any
+    other step is pinned by the server while Trains name it, past its --keep-sampler-versions."""
     if source != KL_PENALTY_SOURCE:
         raise ValueError(
             f"kl_penalty_source={source!r} is not supported: tinkerrpc's KL penalty compares the sampler's "

@@ -56,7 +56,8 @@ TRAIN_TERMS: tuple[TrainTerm, ...] = (
         "kl_penalty",
         "TrainRequest.kl_penalty (KLPenalty)",
         f"coefficient c_kl in {KL_COEFFICIENT_RANGE}; reference: a base model, a model's version or a "
-        "named checkpoint (PolicyReference; unset: the trained model's base model), same tokenizer",
+        "named checkpoint (PolicyReference; unset: the trained model's base model), same tokenizer; a "
+        "version named is pinned against retention while named (version 0 is the base model)",
         "advantage += c_kl·(m − d_t), d_t = q_t − ref_t, m = mean of d over the step's sampled tokens "
         "(tinker-cookbook's incorporate_kl_penalty and ART's Tinker backend, no discount)",
         "TrainMetrics.reference_kl = m (k1 estimate of KL(policy ‖ reference)); the run history",
@@ -64,7 +65,8 @@ TRAIN_TERMS: tuple[TrainTerm, ...] = (
     TrainTerm(
         "distillation",
         "TrainRequest.distillation (Distillation)",
-        f"teacher (PolicyReference, required, same tokenizer); coefficient c_d in {KL_COEFFICIENT_RANGE}, "
+        "teacher (PolicyReference, required, same tokenizer; a version pinned as the KL reference's is); "
+        f"coefficient c_d in {KL_COEFFICIENT_RANGE}, "
         f"default {number(DEFAULT_DISTILLATION_COEFFICIENT)}",
         "advantage += c_d·(p_t − q_t), the teacher's logprob minus the student's sampled one "
         "(tinker-cookbook's on-policy distillation); rewards may all be equal",
