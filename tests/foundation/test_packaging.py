@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -34,16 +35,11 @@ def test_importing_the_contract_imports_nothing_else_of_ours_nor_grpc() -> None:
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tinkerrpc', 'grpc', 'google')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == str(
-        [
-            "tinkerrpc",
-            "tinkerrpc.contract",
-            "tinkerrpc.contract.estimators",
-            "tinkerrpc.contract.limits",
-            "tinkerrpc.contract.losses",
-            "tinkerrpc.contract.sampling",
-        ]
-    )
+    loaded = ast.literal_eval(out.stdout.strip())
+    assert "tinkerrpc.contract.limits" in loaded
+    assert [m for m in loaded if m != "tinkerrpc" and not m.startswith("tinkerrpc.contract.")] == [
+        "tinkerrpc.contract"
+    ]
 
 
 def test_generated_code_matches_protos(tmp_path: Path) -> None:
