@@ -17,41 +17,10 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from transformers import AutoModelForCausalLM
 
+from bench.sdk_probe_core import BATCH, FINGERPRINT, datum, fingerprint, train_step
 from tinkerrpc_server.local.stack import LocalEngine
 
 pytestmark = pytest.mark.process
-
-ADAM = types.AdamParams(learning_rate=1e-2)
-
-
-def datum(tokens: list[int], weights: list[float] | None = None) -> types.Datum:
-    """Next-token datum: input tokens[:-1] predict tokens[1:]."""
-    n = len(tokens) - 1
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={
-            "target_tokens": np.asarray(tokens[1:], dtype=np.int64),
-            "weights": np.asarray(weights if weights is not None else [1.0] * n, dtype=np.float32),
-        },
-    )
-
-
-BATCH = [datum([11, 42, 17, 99, 23, 5]), datum([7, 8, 9, 10], [0.0, 1.0, 1.0])]
-PROBE = [datum([31, 32, 33, 34, 35, 36, 37])]
-
-
-def probe_logprobs(client: tinker.TrainingClient) -> np.ndarray:
-    """The model's logprobs on a fixed datum: a fingerprint of its weights (forward changes nothing)."""
-    out = client.forward(PROBE, "cross_entropy").result()
-    return np.concatenate([o["logprobs"].to_numpy() for o in out.loss_fn_outputs])
-
-
-def train_step(client: tinker.TrainingClient) -> float:
-    fwd = client.forward_backward(BATCH, "cross_entropy")
-    step = client.optim_step(ADAM)
-    loss = fwd.result().metrics["loss:sum"]
-    step.result()
-    return loss
 
 
 def new_model(service: tinker.ServiceClient, seed: int = 3) -> tinker.TrainingClient:
@@ -60,9 +29,9 @@ def new_model(service: tinker.ServiceClient, seed: int = 3) -> tinker.TrainingCl
 
 def test_train_save_sample_and_resume_with_optimizer(service: tinker.ServiceClient) -> None:
     client = new_model(service)
-    before = probe_logprobs(client)
+    before = fingerprint(client)
     first_loss = train_step(client)
-    assert not np.allclose(probe_logprobs(client), before), "an optimizer step must change the weights"
+    assert not np.allclose(fingerprint(client), before), "an optimizer step must change the weights"
     state_path = client.save_state("after-1").result().path
     assert state_path == f"tinker://{client.model_id}/weights/after-1"
     sampler_path = client.save_weights_for_sampler("after-1").result().path
@@ -70,21 +39,21 @@ def test_train_save_sample_and_resume_with_optimizer(service: tinker.ServiceClie
 
     second_loss = train_step(client)
     assert second_loss < first_loss
-    uninterrupted = probe_logprobs(client)
+    uninterrupted = fingerprint(client)
 
     resumed = service.create_training_client_from_state_with_optimizer(state_path).result()
     assert resumed.model_id != client.model_id
     assert train_step(resumed) == pytest.approx(second_loss, abs=1e-5)
-    np.testing.assert_allclose(probe_logprobs(resumed), uninterrupted, atol=1e-6)
+    np.testing.assert_allclose(fingerprint(resumed), uninterrupted, atol=1e-6)
 
     # Weights only (fresh Adam state): same starting point, a different step.
     fresh = service.create_training_client_from_state(state_path).result()
     train_step(fresh)
-    assert not np.allclose(probe_logprobs(fresh), uninterrupted, atol=1e-6)
+    assert not np.allclose(fingerprint(fresh), uninterrupted, atol=1e-6)
 
     # Sampling from the sampler checkpoint scores the prompt with the saved weights.
     sampler = service.create_sampling_client(model_path=sampler_path).result()
-    prompt = [*PROBE[0].model_input.to_ints(), 37]
+    prompt = [*FINGERPRINT[0].model_input.to_ints(), 37]
     scored = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
     assert scored[0] is None and len(scored) == len(prompt)
     at_save = resumed_at_state(service, state_path)
@@ -99,7 +68,7 @@ def test_train_save_sample_and_resume_with_optimizer(service: tinker.ServiceClie
 
 
 def resumed_at_state(service: tinker.ServiceClient, state_path: str) -> np.ndarray:
-    return probe_logprobs(service.create_training_client_from_state(state_path).result())
+    return fingerprint(service.create_training_client_from_state(state_path).result())
 
 
 def torch_reference_logprobs(
@@ -230,7 +199,7 @@ def test_operations_run_in_seq_order_even_when_they_arrive_out_of_order(
     service: tinker.ServiceClient, engine: LocalEngine
 ) -> None:
     client = new_model(service, seed=5)
-    initial = probe_logprobs(client)  # seq 1
+    initial = fingerprint(client)  # seq 1
     # seq 3 (optim_step) arrives before seq 2 (forward): the engine must still run the forward first.
     optim = httpx.post(
         f"{engine.base_url}/api/v1/optim_step",
@@ -238,7 +207,7 @@ def test_operations_run_in_seq_order_even_when_they_arrive_out_of_order(
         headers=engine.auth_headers,
     ).json()["request_id"]
     fwd_request = types.ForwardBackwardRequest(
-        forward_backward_input=types.ForwardBackwardInput(data=PROBE + BATCH, loss_fn="cross_entropy"),
+        forward_backward_input=types.ForwardBackwardInput(data=FINGERPRINT + BATCH, loss_fn="cross_entropy"),
         model_id=client.model_id,
         seq_id=2,
     )
@@ -257,9 +226,9 @@ def test_a_resent_request_is_answered_by_the_first_and_runs_once(
 ) -> None:
     """The SDK resends a request whose answer it missed (a timeout, a 5xx) with the same body."""
     client = new_model(service, seed=9)
-    probe_logprobs(client)  # seq 1
+    fingerprint(client)  # seq 1
     request = types.ForwardBackwardRequest(
-        forward_backward_input=types.ForwardBackwardInput(data=PROBE + BATCH, loss_fn="cross_entropy"),
+        forward_backward_input=types.ForwardBackwardInput(data=FINGERPRINT + BATCH, loss_fn="cross_entropy"),
         model_id=client.model_id,
         seq_id=2,
     )
@@ -281,7 +250,7 @@ def test_malformed_bodies_fail_clearly_and_keep_the_seq_order(
     service: tinker.ServiceClient, engine: LocalEngine
 ) -> None:
     client = new_model(service, seed=7)
-    initial = probe_logprobs(client)  # seq 1
+    initial = fingerprint(client)  # seq 1
     # JSON has no NaN: the SDK sends a NaN learning rate as null, which AdamParams refuses.
     rejected = httpx.post(
         f"{engine.base_url}/api/v1/optim_step",
@@ -312,7 +281,7 @@ def test_malformed_bodies_fail_clearly_and_keep_the_seq_order(
 
 def probe_logprobs_raw(engine: LocalEngine, model_id: str, seq_id: int) -> np.ndarray:
     request = types.ForwardBackwardRequest(
-        forward_backward_input=types.ForwardBackwardInput(data=PROBE, loss_fn="cross_entropy"),
+        forward_backward_input=types.ForwardBackwardInput(data=FINGERPRINT, loss_fn="cross_entropy"),
         model_id=model_id,
         seq_id=seq_id,
     )
@@ -379,7 +348,7 @@ def test_bad_inputs_fail_clearly_and_change_nothing(
 
     # Nothing above touched the weights, the Adam state or the accumulated gradients.
     assert train_step(client) == pytest.approx(train_step(untouched), abs=1e-5)
-    np.testing.assert_allclose(probe_logprobs(client), probe_logprobs(untouched), atol=1e-6)
+    np.testing.assert_allclose(fingerprint(client), fingerprint(untouched), atol=1e-6)
 
 
 def test_rest_client_lists_runs_and_deletes_checkpoints(
@@ -412,7 +381,7 @@ def test_two_models_on_one_base_do_not_interfere(service: tinker.ServiceClient) 
         list(pool.map(lambda c: [train_step(c) for _ in range(2)], [a, b]))
     train_step(b_alone)
     train_step(b_alone)
-    np.testing.assert_allclose(probe_logprobs(b), probe_logprobs(b_alone), atol=1e-6)
+    np.testing.assert_allclose(fingerprint(b), fingerprint(b_alone), atol=1e-6)
 
 
 def test_the_sdk_reaches_the_engine_through_its_native_transport(service: tinker.ServiceClient) -> None:
