@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import tinkerrpc
-from tinkerrpc_server.recipes.arithmetic.task import BASE_MODEL, RENDERER, Problem, split_problems
+from tinkerrpc_server.recipes.arithmetic.task import BASE_MODEL, RENDERER, Problem, Split, split_problems
 from tinkerrpc_server.recipes.base import (
     Session,
     Stack,
@@ -26,6 +26,14 @@ from tinkerrpc_server.recipes.base import (
 
 if TYPE_CHECKING:
     from openai.types.chat import ChatCompletion
+
+
+class _Versioned(Protocol):
+    @property
+    def policy_version(self) -> int: ...
+
+
+RecordT = TypeVar("RecordT", bound=_Versioned)
 
 
 @dataclass
@@ -93,35 +101,9 @@ class ArithmeticRecipe:
         measuring again every `eval_every` steps."""
         split = split_problems(self.seed, self.held_out_size)
         rng = random.Random(self.seed + 1)
-        records: list[StepRecord] = []
-        held_out: list[HeldOutRecord] = []
-        async with open_session(
-            stack,
-            "arithmetic",
-            BASE_MODEL,
-            lora_rank=self.lora_rank,
-            # The pretrained unembedding is what the model already knows how to write with; a LoRA on
-            # it (tied to the input embedding here) moves every token's score at once.
-            train_unembed=False,
-            renderer=RENDERER,
-            seed=self.seed,
-        ) as session:
-
-            async def measure(step: int, version: int) -> None:
-                accuracy = await held_out_accuracy(session, split.held_out, self.max_tokens)
-                held_out.append(HeldOutRecord(step, version, accuracy, time.monotonic() - session.created))
-                print(f"held-out after step {step:3d} (v{version}): accuracy {accuracy:6.1%}", flush=True)
-
-            await measure(0, 0)
-            version = 0
-            for step in range(1, self.steps + 1):
-                problems = rng.sample(split.train, self.prompts_per_step)
-                record = await self._step(session, problems, step, rng.randrange(2**31), version)
-                version = record.policy_version
-                records.append(record)
-                if step % self.eval_every == 0 or step == self.steps:
-                    await measure(step, version)
-            train_seconds = time.monotonic() - session.created
+        run = await train_with_held_out(stack, "arithmetic", self, split, rng, self._step)
+        session, records, held_out, version = run.session, run.records, run.held_out, run.final_version
+        train_seconds = run.train_seconds
         step0, final = held_out[0].accuracy, held_out[-1].accuracy
         return ArithmeticSummary(
             passed=final - step0 >= self.target_gain,
@@ -223,6 +205,67 @@ class ArithmeticRecipe:
             f"{summary.target_gain:+.0%}) in {summary.train_seconds:.0f} s of training, {summary.wall_seconds:.0f} s "
             f"in all ({summary.chat_completions} chat completions through the sidecar); outputs in {self.out_dir}"
         )
+
+
+class LoopSettings(Protocol):
+    """What the train-and-measure loop reads of a recipe."""
+
+    steps: int
+    prompts_per_step: int
+    eval_every: int
+    max_tokens: int
+    lora_rank: int
+    seed: int
+
+
+@dataclass
+class HeldOutRun(Generic[RecordT]):
+    session: Session
+    records: list[RecordT]
+    held_out: list[HeldOutRecord]
+    final_version: int
+    train_seconds: float
+
+
+# One step: (session, the step's problems, step number, its sampling seed, the version before it).
+StepFn = Callable[[Session, list[Problem], int, int, int], Awaitable[RecordT]]
+
+
+async def train_with_held_out(
+    stack: Stack, name: str, settings: LoopSettings, split: Split, rng: random.Random, step: StepFn[RecordT]
+) -> HeldOutRun[RecordT]:
+    """A fresh SmolLM2 LoRA named after `name`, measured on the held-out problems before its first step
+    and every `eval_every` steps and after its last, each step on `prompts_per_step` training problems."""
+    records: list[RecordT] = []
+    held_out: list[HeldOutRecord] = []
+    async with open_session(
+        stack,
+        name,
+        BASE_MODEL,
+        lora_rank=settings.lora_rank,
+        # The pretrained unembedding is what the model already knows how to write with; a LoRA on it
+        # (tied to the input embedding here) moves every token's score at once.
+        train_unembed=False,
+        renderer=RENDERER,
+        seed=settings.seed,
+    ) as session:
+
+        async def measure(number: int, version: int) -> None:
+            accuracy = await held_out_accuracy(session, split.held_out, settings.max_tokens)
+            held_out.append(HeldOutRecord(number, version, accuracy, time.monotonic() - session.created))
+            print(f"held-out after step {number:3d} (v{version}): accuracy {accuracy:6.1%}", flush=True)
+
+        await measure(0, 0)
+        version = 0
+        for number in range(1, settings.steps + 1):
+            problems = rng.sample(split.train, settings.prompts_per_step)
+            record = await step(session, problems, number, rng.randrange(2**31), version)
+            version = record.policy_version
+            records.append(record)
+            if number % settings.eval_every == 0 or number == settings.steps:
+                await measure(number, version)
+        train_seconds = time.monotonic() - session.created
+    return HeldOutRun(session, records, held_out, version, train_seconds)
 
 
 async def held_out_accuracy(session: Session, problems: Sequence[Problem], max_tokens: int) -> float:

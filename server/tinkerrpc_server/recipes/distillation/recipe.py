@@ -19,10 +19,10 @@ from tinkerrpc_server.recipes.arithmetic.recipe import (
     ArithmeticRecipe,
     HeldOutRecord,
     choice_texts,
-    held_out_accuracy,
+    train_with_held_out,
 )
-from tinkerrpc_server.recipes.arithmetic.task import BASE_MODEL, RENDERER, Problem, split_problems
-from tinkerrpc_server.recipes.base import Session, Stack, curve_plot, open_session
+from tinkerrpc_server.recipes.arithmetic.task import BASE_MODEL, Problem, split_problems
+from tinkerrpc_server.recipes.base import Session, Stack, curve_plot
 
 
 @dataclass
@@ -117,33 +117,15 @@ class DistillationRecipe:
         )
         split = split_problems(self.seed, self.held_out_size)
         rng = random.Random(self.seed + 2)
-        history: list[DistillationStep] = []
-        held_out: list[HeldOutRecord] = []
-        async with open_session(
+        run = await train_with_held_out(
             stack,
             "distilled",
-            BASE_MODEL,
-            lora_rank=self.lora_rank,
-            train_unembed=False,
-            renderer=RENDERER,
-            seed=self.seed,
-        ) as session:
-
-            async def measure(step: int, version: int) -> None:
-                accuracy = await held_out_accuracy(session, split.held_out, self.max_tokens)
-                held_out.append(HeldOutRecord(step, version, accuracy, time.monotonic() - session.created))
-                print(f"held-out after step {step:3d} (v{version}): accuracy {accuracy:6.1%}", flush=True)
-
-            await measure(0, 0)
-            version = 0
-            for step in range(1, self.steps + 1):
-                problems = rng.sample(split.train, self.prompts_per_step)
-                record = await self._step(session, problems, step, rng.randrange(2**31), distillation)
-                version = record.policy_version
-                history.append(record)
-                if step % self.eval_every == 0 or step == self.steps:
-                    await measure(step, version)
-            train_seconds = time.monotonic() - session.created
+            self,
+            split,
+            rng,
+            lambda session, problems, step, seed, _: self._step(session, problems, step, seed, distillation),
+        )
+        session, history, held_out, train_seconds = run.session, run.records, run.held_out, run.train_seconds
         step0, final = held_out[0].accuracy, held_out[-1].accuracy
         return DistillationSummary(
             passed=final - step0 >= self.target_gain,
