@@ -43,36 +43,47 @@ def describe_machine(threads: int, device: torch.device, dtype: torch.dtype) -> 
     }
 
 
-def busy_cores(window: float) -> float:
-    """Cores' worth of CPU time spent over the next `window` seconds, by every process on the machine
-    (from /proc/stat; 0.0 where there is none)."""
+def busy_cores(window: float, pid: int | None = None) -> float:
+    """Cores' worth of CPU time spent over the next `window` seconds by every process on the machine
+    (from /proc/stat), or by process `pid` alone (from /proc/PID/stat); 0.0 where there is none (a
+    process that has ended spends none)."""
 
-    def busy_and_total() -> tuple[int, int]:
+    def machine() -> tuple[int, int]:
         with open("/proc/stat") as handle:
             ticks = [int(field) for field in handle.readline().split()[1:]]
         idle = ticks[3] + ticks[4]  # idle + iowait
         return sum(ticks) - idle, sum(ticks)
 
+    def process() -> tuple[int, int]:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        # utime and stime (fields 14 and 15 of proc(5)); clock ticks against elapsed ticks.
+        ticks_per_second = os.sysconf("SC_CLK_TCK")
+        return int(fields[11]) + int(fields[12]), int(time.monotonic() * ticks_per_second)
+
+    read = machine if pid is None else process
     try:
-        busy_before, total_before = busy_and_total()
+        busy_before, total_before = read()
         time.sleep(window)
-        busy_after, total_after = busy_and_total()
+        busy_after, total_after = read()
     except OSError:
         return 0.0
+    if pid is not None:
+        return (busy_after - busy_before) / max(1, total_after - total_before)
     cores = os.cpu_count() or 1
     return cores * (busy_after - busy_before) / max(1, total_after - total_before)
 
 
 def wait_for_quiet_cpu(
-    max_busy_cores: float = 0.15, window: float = 0.5, timeout: float = 30.0
+    max_busy_cores: float = 0.15, window: float = 0.5, timeout: float = 30.0, pid: int | None = None
 ) -> tuple[bool, float]:
-    """Wait until the machine's CPUs are quiet (at most `max_busy_cores` busy over a `window`), at most
-    `timeout` seconds: a server that busy-waits for more work after answering (vLLM's CPU worker does,
-    for about a second) would otherwise take a core from whatever is timed next. Returns (quiet, the
-    seconds waited)."""
+    """Wait until the machine's CPUs (or process `pid`'s) are quiet (at most `max_busy_cores` busy over a
+    `window`), at most `timeout` seconds: a server that busy-waits for more work after answering (vLLM's
+    CPU worker does, for about a second) would otherwise take a core from whatever is timed next.
+    Returns (quiet, the seconds waited)."""
     started = time.monotonic()
     while True:
-        if busy_cores(window) <= max_busy_cores:
+        if busy_cores(window, pid) <= max_busy_cores:
             return True, time.monotonic() - started
         if time.monotonic() - started >= timeout:
             return False, time.monotonic() - started

@@ -76,8 +76,12 @@ def test_short_run_writes_well_formed_results(tmp_path: Path) -> None:
     results = json.loads(out.read_text())
     assert results["mode"] == "short"
     assert results["errors"] == {}
-    # vLLM's start takes minutes: the short run names it as skipped, and why.
-    assert results["skipped"] == {"vllm": "full runs only (vLLM's start alone takes minutes)"}
+    # vLLM's start takes minutes (and streaming measures against it): the short run names them as
+    # skipped, and why.
+    assert results["skipped"] == {
+        "vllm": "full runs only (vLLM's start alone takes minutes)",
+        "streaming": "full runs only (SmolLM2-135M, and vLLM's start)",
+    }
     machine = results["machine"]
     assert machine["cpu_model"] and machine["torch"] and machine["torch_threads"] >= 1
     assert machine["matmul_peak_gflops"] > 0
@@ -105,5 +109,6 @@ def test_short_run_writes_well_formed_results(tmp_path: Path) -> None:
 
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
     table_rows = [line for line in run.stdout.splitlines() if line.startswith("| ")]
-    assert len(table_rows) == 1 + len(EXPECTED_FIGURES) + 1  # header, one row per figure, the skip
+    # The header, one row per figure, one per skipped comparison.
+    assert len(table_rows) == 1 + len(EXPECTED_FIGURES) + len(results["skipped"])
     assert "| vllm | – | – | – | – | – | skipped: full runs only" in run.stdout
