@@ -61,15 +61,20 @@ def test_chat_tokens_arrive_as_they_are_made(served: Served) -> None:
     started = time.perf_counter()
     timed = _timed(served.api.chat.completions.create(**request, seed=seed, stream=True, extra_body=extra))
     total = time.perf_counter() - started
-    token_times = [
-        t - started for t, c in timed if c.choices and (c.choices[0].delta.model_extra or {}).get("token_ids")
+    token_chunks = [
+        (t - started, ids)
+        for t, c in timed
+        if c.choices and (ids := (c.choices[0].delta.model_extra or {}).get("token_ids"))
     ]
+    token_times = [t for t, _ in token_chunks]
     content_times = [t - started for t, c in timed if c.choices and c.choices[0].delta.content]
-    assert len(token_times) == 128
+    # Every token is sent; a reader that lags (a loaded machine) may get a few in one chunk.
+    assert sum(len(ids) for _, ids in token_chunks) == 128
+    assert len(token_chunks) >= 64
     assert content_times[0] < 0.3 * total, (content_times[0], total)
     # Spread: the tokens' arrivals span most of the call, not a burst at its end.
     assert token_times[-1] - token_times[0] > 0.5 * total, (token_times[0], token_times[-1], total)
-    assert token_times[63] < 0.8 * total
+    assert token_times[len(token_times) // 2] < 0.8 * total
     streamed = "".join(c.choices[0].delta.content or "" for _, c in timed if c.choices)
     assert streamed == content
 
@@ -124,18 +129,24 @@ def test_a_stop_string_never_shows_in_pieces(served: Served) -> None:
 
 
 def test_a_client_that_leaves_frees_its_rows(served: Served) -> None:
-    log_before = served.server.log().count("its reader left")
-    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    """A client that leaves after the first chunk makes the engine drop its rows. On a loaded machine the
+    engine may finish a request before the client's leaving reaches it, so each try asks for more rows."""
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.stream(
-        "POST", f"{served.sidecar.openai_base_url}/completions", json=body, headers=headers, timeout=60
-    ) as answer:
-        lines = answer.iter_lines()
-        assert next(line for line in lines if line.startswith("data:"))
-    deadline = time.monotonic() + 20
-    while served.server.log().count("its reader left") == log_before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert served.server.log().count("its reader left") > log_before, "the engine kept decoding for nobody"
+    for rows in (1, 4, 16):
+        log_before = served.server.log().count("its reader left")
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2000, "n": rows, "stream": True}
+        body["ignore_eos"] = True
+        with httpx.stream(
+            "POST", f"{served.sidecar.openai_base_url}/completions", json=body, headers=headers, timeout=60
+        ) as answer:
+            lines = answer.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+        deadline = time.monotonic() + 20
+        while served.server.log().count("its reader left") == log_before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if served.server.log().count("its reader left") > log_before:
+            return
+    raise AssertionError("the engine kept decoding for nobody")
 
 
 def test_markup_holds_chat_content_until_parsed() -> None:
