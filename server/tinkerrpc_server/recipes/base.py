@@ -215,3 +215,10 @@ def curve_plot(
         fig.savefig(path, dpi=100)
     finally:
         plt.close(fig)
+
+
+def check_settings(kind: str, settings: object, checks: dict[str, bool]) -> None:
+    """Refuse a recipe's settings naming each one whose check failed (`checks`: name -> within range)."""
+    bad = [f"{name}={getattr(settings, name)!r}" for name, ok in checks.items() if not ok]
+    if bad:
+        raise ValueError(f"invalid {kind} recipe settings: {', '.join(bad)}")

@@ -19,6 +19,7 @@ from tinkerrpc_server.recipes.base import (
     Session,
     Stack,
     StepRecord,
+    check_settings,
     curve_plot,
     has_no_advantage,
     open_session,
@@ -92,9 +93,7 @@ class ArithmeticRecipe:
             "max_tokens": self.max_tokens >= 1,
             "eval_every": self.eval_every >= 1,
         }
-        bad = [f"{name}={getattr(self, name)!r}" for name, ok in checks.items() if not ok]
-        if bad:
-            raise ValueError(f"invalid arithmetic recipe settings: {', '.join(bad)}")
+        check_settings("arithmetic", self, checks)
 
     async def run(self, stack: Stack) -> ArithmeticSummary:
         """Measure the pretrained model on the held-out problems, then RL on the training problems,

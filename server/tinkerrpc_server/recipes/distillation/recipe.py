@@ -22,7 +22,7 @@ from tinkerrpc_server.recipes.arithmetic.recipe import (
     train_with_held_out,
 )
 from tinkerrpc_server.recipes.arithmetic.task import BASE_MODEL, Problem, split_problems
-from tinkerrpc_server.recipes.base import Session, Stack, curve_plot
+from tinkerrpc_server.recipes.base import Session, Stack, check_settings, curve_plot
 
 
 @dataclass
@@ -87,9 +87,7 @@ class DistillationRecipe:
             "max_tokens": self.max_tokens >= 1,
             "eval_every": self.eval_every >= 1,
         }
-        bad = [f"{name}={getattr(self, name)!r}" for name, ok in checks.items() if not ok]
-        if bad:
-            raise ValueError(f"invalid distillation recipe settings: {', '.join(bad)}")
+        check_settings("distillation", self, checks)
 
     async def run(self, stack: Stack) -> DistillationSummary:
         """Train the teacher by the arithmetic recipe, then distil it into a fresh student."""
