@@ -24,6 +24,8 @@ from tinkerrpc_server.local.stack import LocalEngine
 pytestmark = pytest.mark.process
 
 ADAM = types.AdamParams(learning_rate=1e-2)
+# A refusal the SDK does not retry arrives well within this; one it retries takes 5 minutes.
+REFUSAL_SECONDS = 30
 PROBE = types.Datum(
     model_input=types.ModelInput.from_ints([31, 32, 33, 34, 35, 36]),
     loss_fn_inputs={
@@ -141,7 +143,7 @@ def test_copy_weights_refuses_bad_requests_and_answers_a_retry_once(
         "tinker_path": f"tinker://{session_id}:train:900/sampler_weights/w2"
     }
     conflict = post(engine, "copy_weights", slot)
-    assert conflict.status_code == 409 and "already exists" in conflict.json()["detail"]
+    assert conflict.status_code == 400 and "already exists" in conflict.json()["detail"]
     unknown = post(engine, "copy_weights", {**slot, "session_id": "s-never"})
     assert unknown.status_code == 404 and "unknown session" in unknown.json()["detail"]
     negative = post(engine, "copy_weights", {**slot, "model_seq_id": -1})
@@ -164,14 +166,15 @@ def test_publish_and_unpublish_flip_public_and_refuse_repeats(
     rest.publish_checkpoint_from_tinker_path(path).result()
     assert public() == {path: True, odd: False}
     assert any(c.public for c in rest.list_user_checkpoints(limit=MAX_ENGINE_PAGE_SIZE).result().checkpoints)
-    # Repeats are 409s, the SDK's documented code (raw HTTP here: the SDK retries a 409 for 5 minutes).
-    publish_url = f"{engine.base_url}/api/v1/training_runs/{client.model_id}/checkpoints/weights/pub/publish"
-    again = httpx.post(publish_url, headers=engine.auth_headers, timeout=30)
-    assert again.status_code == 409 and "already public" in again.json()["detail"]
+    # A repeat fails at once through the SDK (Tinker's 409 would be retried for 5 minutes), changing nothing.
+    with pytest.raises(tinker.BadRequestError, match="already public"):
+        rest.publish_checkpoint_from_tinker_path(path).result(timeout=REFUSAL_SECONDS)
+    assert public() == {path: True, odd: False}
     rest.unpublish_checkpoint_from_tinker_path(path).result()
     assert public() == {path: False, odd: False}
-    again = httpx.delete(publish_url, headers=engine.auth_headers, timeout=30)
-    assert again.status_code == 409 and "already private" in again.json()["detail"]
+    with pytest.raises(tinker.BadRequestError, match="already private"):
+        rest.unpublish_checkpoint_from_tinker_path(path).result(timeout=REFUSAL_SECONDS)
+    assert public() == {path: False, odd: False}
     with pytest.raises(tinker.NotFoundError):
         rest.publish_checkpoint_from_tinker_path(f"tinker://{client.model_id}/weights/none").result()
     rest.delete_checkpoint_from_tinker_path(odd).result()

@@ -55,7 +55,9 @@ _STATUS_OF_ERROR: dict[type[Exception], int] = {
     NotFound: 404,
     Forbidden: 403,
     UnknownPathError: 404,
-    ConflictError: 409,
+    # Not Tinker's 409: the SDK retries every 409 for 5 minutes (a lock timeout to it), so a repeated
+    # publish or a taken copy slot would stall that long before failing. A 400 fails at once.
+    ConflictError: 400,
     InvalidNameError: 400,
     protocol.BadRequest: 400,
     UnknownBaseModelError: 400,

@@ -72,7 +72,7 @@ class InvalidNameError(ValueError):
 
 class ConflictError(ValueError):
     """A change the record's state contradicts (publishing a public checkpoint, making a run that
-    exists): HTTP 409."""
+    exists): HTTP 400, not 409, which the SDK would retry for 5 minutes."""
 
 
 def _shown(name: str) -> str:

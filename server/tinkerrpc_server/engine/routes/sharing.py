@@ -7,7 +7,8 @@ Local meanings (Tinker's are across accounts; the engine has one principal, whoe
   else run 0 of a new session (finished at once) in `destination_project_id`;
 - a published checkpoint is listed `public` (and stays so across restarts) until it is unpublished;
   every checkpoint is already readable by the one principal, so publishing opens nothing to anyone
-  without the key. Publishing a public checkpoint, or unpublishing a private one, is a 409 (the SDK's).
+  without the key. Publishing a public checkpoint, or unpublishing a private one, is refused with a 400
+  (Tinker's is a 409, which the SDK retries for 5 minutes before it raises: a 400 raises at once).
 - a weights access token reads another account's weights: there is none here, so one is refused.
 """
 
@@ -22,7 +23,7 @@ from tinker import types
 
 from tinkerrpc.contract.limits import MAX_IDEMPOTENCY_KEY_BYTES, MAX_INT32
 from tinkerrpc_server.engine import protocol
-from tinkerrpc_server.engine.core import expiry
+from tinkerrpc_server.engine.checkpoints import expiry
 from tinkerrpc_server.engine.routes.common import EngineDep
 from tinkerrpc_server.engine.storage import check_id
 
