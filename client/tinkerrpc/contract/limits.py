@@ -26,7 +26,8 @@ MAX_TOP_LOGPROBS = 20
 # entries are kept until the answer is read.
 MAX_ENGINE_TOPK_LOGPROBS = 256
 # Sampled sequences the engine remembers by sequence_id (provenance spans and stable_reinforce name
-# them): the most recently answered ones, each with its prompt and tokens; naming an older one is refused.
+# them), each with its prompt and tokens, in all sessions together; past it the oldest of the session
+# keeping the most expires, so a busy session expires its own. Naming an expired one is refused.
 MAX_ENGINE_SAMPLED_SEQUENCES = 16384
 # The engine's cap on K of `[N, K]` soft target_tokens in forward_backward (a teacher's top-K: the
 # cookbook's distillation sends 20); each datum's logprobs and loss inputs hold N·K values.
@@ -199,8 +200,9 @@ LIMITS: tuple[Limit, ...] = (
     ),
     _most(
         "MAX_ENGINE_SAMPLED_SEQUENCES",
-        "sampled sequences the engine keeps for provenance spans and stable_reinforce (the most recent; "
-        "an older sequence_id is refused as expired)",
+        "sampled sequences the engine keeps for provenance spans and stable_reinforce, all sessions "
+        "together (past it, the oldest of the session keeping the most expires; an expired sequence_id "
+        "is refused as such)",
     ),
     _most(
         "MAX_ENGINE_SOFT_TARGETS",

@@ -50,6 +50,7 @@ from tinkerrpc_server.engine.sequenced import SequencedRequests
 from tinkerrpc_server.engine.sessions import (
     Sessions,
     sampling_session_prefix,
+    session_of_sampler,
     training_client_prefix,
 )
 from tinkerrpc_server.engine.snapshots import Sampler, SamplerLedger
@@ -350,7 +351,10 @@ class Engine(CheckpointOperations):
         """Queue one sample job, its request id; jobs for the same weights run in one continuously
         batched decode, which shares the compute thread with other base models' (worker.py)."""
         request_id, future = self._futures.create()
-        future.add_done_callback(lambda done: self.sampled.record(request_id, sampler, job, done.result()))
+        session_id = session_of_sampler(sampler.sampler_id)
+        future.add_done_callback(
+            lambda done: self.sampled.record(session_id, request_id, sampler, job, done.result())
+        )
 
         def run_batch(feed: RequestFeed[SampleJob, Outcome[Answer]]) -> Iterator[None]:
             return self.run_sample_batch(sampler, feed)

@@ -6,13 +6,19 @@ its tokens (the weights version, see snapshots.py), and, when the request asked 
 (`record_stability_info`), its stability information: the sampler's own logprob of each token, which
 stable_reinforce uses in place of the datum's `logprobs`.
 
-Bounded: the MAX_ENGINE_SAMPLED_SEQUENCES most recently answered sequences are kept (tokens as int32, 4
-bytes each, a request's prompt once for all its sequences); an older one's id is remembered (as many
-again) so naming it says that it expired rather than that it was never sampled.
+Bounded: MAX_ENGINE_SAMPLED_SEQUENCES sequences are kept in all (tokens as int32, 4 bytes each, a
+request's prompt once for all its sequences), shared fairly between the tinker sessions that sampled them:
+past the cap, the oldest sequence of the session keeping the most expires (of two keeping as many, the
+one whose oldest is older). So one busy session expires its own sequences, never those of a session
+keeping fewer: each of k sessions keeping sequences keeps at least its last capacity/k (rounded down),
+or all it sampled if fewer. An expired id is remembered (as many again) so naming it says that it
+expired rather than that it was never sampled.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -61,12 +67,17 @@ class SampledSequences:
     def __init__(self, capacity: int = MAX_ENGINE_SAMPLED_SEQUENCES) -> None:
         self.capacity = capacity
         self._lock = threading.Lock()
-        self._kept: OrderedDict[str, SampledRecord] = OrderedDict()
+        self._kept: dict[str, SampledRecord] = {}
+        # Each sampling tinker session's kept sequence ids, oldest first, with when each was recorded.
+        self._by_session: dict[str, OrderedDict[str, int]] = {}
+        self._recorded = itertools.count()
         self._expired: OrderedDict[str, None] = OrderedDict()
 
-    def record(self, request_id: str, sampler: Sampler, job: SampleJob, outcome: object) -> None:
-        """A sample request's outcome: each sequence of its answer under `<request_id>:<index>` (a failed
-        request sampled nothing)."""
+    def record(
+        self, session_id: str, request_id: str, sampler: Sampler, job: SampleJob, outcome: object
+    ) -> None:
+        """A sample request's outcome: each sequence of its answer under `<request_id>:<index>`, in the
+        share of `session_id`, the tinker session that sampled it (a failed request sampled nothing)."""
         if not isinstance(outcome, SampleOutput):
             return
         output = outcome
@@ -82,14 +93,35 @@ class SampledSequences:
             sequence_id = f"{request_id}:{index}"
             tokens = np.asarray(seq.tokens, dtype=np.int32)
             records.append(SampledRecord(sequence_id, prompt, tokens, (span,), stability))
+        if not records:
+            return
         with self._lock:
+            kept = self._by_session.setdefault(session_id, OrderedDict())
             for record in records:
                 self._kept[record.sequence_id] = record
-            while len(self._kept) > self.capacity:
-                gone, _ = self._kept.popitem(last=False)
-                self._expired[gone] = None
-            while len(self._expired) > self.capacity:
-                self._expired.popitem(last=False)
+                kept[record.sequence_id] = next(self._recorded)
+            self._expire(len(self._kept) - self.capacity)
+
+    def _expire(self, count: int) -> None:
+        """Expire `count` sequences, each the oldest of the session then keeping the most (caller holds
+        the lock)."""
+        if count <= 0:
+            return
+        # Most kept first, then the oldest first sequence: (-kept, when its oldest was recorded, session).
+        heap = [(-len(ids), next(iter(ids.values())), session) for session, ids in self._by_session.items()]
+        heapq.heapify(heap)
+        for _ in range(count):
+            _, _, session = heapq.heappop(heap)
+            ids = self._by_session[session]
+            gone, _ = ids.popitem(last=False)
+            del self._kept[gone]
+            self._expired[gone] = None
+            if ids:
+                heapq.heappush(heap, (-len(ids), next(iter(ids.values())), session))
+            else:
+                del self._by_session[session]
+        while len(self._expired) > self.capacity:
+            self._expired.popitem(last=False)
 
     def get(self, sequence_id: str) -> SampledRecord:
         """The sequence's record; UnknownSequence when it was never sampled here or has expired."""
@@ -99,11 +131,14 @@ class SampledSequences:
         if record is not None:
             return record
         if expired:
-            raise UnknownSequence(
-                f"sequence id {sequence_id!r} has expired: the engine keeps the {self.capacity} most "
-                "recently sampled sequences"
-            )
+            raise UnknownSequence(f"sequence id {sequence_id!r} has expired: {self._kept_what()}")
         raise UnknownSequence(
-            f"sequence id {sequence_id!r} was not sampled by this engine (or expired long ago: it keeps the "
-            f"{self.capacity} most recently sampled sequences)"
+            f"sequence id {sequence_id!r} was not sampled by this engine (or expired long ago: "
+            f"{self._kept_what()})"
+        )
+
+    def _kept_what(self) -> str:
+        return (
+            f"the engine keeps {self.capacity} sampled sequences, expiring first the oldest of the session "
+            "keeping the most"
         )

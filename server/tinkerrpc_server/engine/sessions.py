@@ -39,6 +39,12 @@ def session_of(model_id: str) -> str:
     return model_id.split(":train:")[0]
 
 
+def session_of_sampler(sampler_id: str) -> str:
+    """The session that opened a sampling session ("" for sample requests that name none: one share of
+    what the engine keeps of them, sampled.py)."""
+    return sampler_id.split(":sample:")[0]
+
+
 @dataclass
 class SessionRecord:
     """A session as its client created it; `finish` is how its client finished it (the body of the SDK's
