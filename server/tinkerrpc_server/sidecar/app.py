@@ -276,7 +276,7 @@ def create_app(upstream: GrpcUpstream, api_key: str | None) -> FastAPI:
         chat.create_router(sample, stream),
         completions.create_router(sample, stream),
         responses.create_router(sample, stream),
-        generate.create_router(sample),
+        generate.create_router(sample, stream),
         run_view.create_router(client, api_key),
     )
     # An included router is matched as a whole, without a template; its own routes carry theirs.

@@ -24,6 +24,8 @@ from tinkerrpc_server.sidecar.chat_protocol import (
     ChatDelta,
     ChatMessageParam,
     ToolCallDelta,
+    policy_token_spans,
+    prompt_policy_token_spans,
 )
 from tinkerrpc_server.sidecar.completion_route import CompletionFamily, answer
 from tinkerrpc_server.sidecar.errors import THINKING_FIELD, THINKING_PARAM, OpenAIError, bad_request
@@ -224,6 +226,10 @@ def build_chat_completion(
                 token_ids=list(sample.tokens),
                 policy_version=sample.policy_version,
                 sample_key=sample.sample_key or None,
+                policy_token_spans=policy_token_spans(head.model, head.policy_version, 0, len(sample.tokens)),
+                prompt_policy_token_spans=prompt_policy_token_spans(
+                    head.model, head.policy_version, len(sample.prompt_token_ids)
+                ),
             )
         )
     return ChatCompletion(
@@ -238,9 +244,12 @@ async def chat_stream_chunks(
     choices by index the same way), its content as sample_streams.ChoiceContent lets it go.
 
     When asked (`rl_fields_asked`), the first chunk carries `prompt_token_ids` and each choice's first
-    chunk its `policy_version` (openai's stream helper keeps a choice's fields from its first chunk);
-    each delta carries its `token_ids` and the last its `sample_key` (the helper joins the deltas' lists
-    on the message, where `Trajectory.from_openai` finds them)."""
+    chunk its `policy_version` and `prompt_policy_token_spans` (openai's stream helper keeps a choice's
+    fields from its first chunk); each delta carries its `token_ids` and the last its `sample_key` (the
+    helper joins the deltas' lists on the message, where `Trajectory.from_openai` finds them). Each chunk
+    with tokens also carries them on its choice, as vLLM does, with the `policy_token_spans` of their
+    interval: ART's stream reader joins these into the plain choice's fields, and a reader that stops
+    early holds the provenance of every token it got."""
     head = ReplyHead(new_id("chatcmpl"), created, ref.served_id(opened.policy_version), opened.policy_version)
     rl_fields = rl_fields_asked(request.return_token_ids, request.logprobs)
 
@@ -257,9 +266,13 @@ async def chat_stream_chunks(
             yield chunk([first])
             continue
         first.policy_version = opened.policy_version
+        first.prompt_policy_token_spans = prompt_policy_token_spans(
+            head.model, head.policy_version, len(opened.head.prompt_token_ids)
+        )
         prompt_ids = list(opened.head.prompt_token_ids) if index == 0 else None
         yield chunk([first], prompt_token_ids=prompt_ids, policy_version=head.policy_version)
     samples: tuple[Sample, ...] = ()
+    sent_tokens = [0] * args.n
     async for item in deltas_then_samples(opened):
         if isinstance(item, tuple):
             samples = item
@@ -273,9 +286,19 @@ async def chat_stream_chunks(
                 for p in range(len(item.tokens))
             ]
             logprobs = ChoiceLogprobs(content=entries)
-        if text or logprobs is not None or rl_fields:
-            delta = ChatDelta(content=text, token_ids=list(item.tokens) if rl_fields else None)
-            yield chunk([ChatChunkChoice(index=item.index, delta=delta, logprobs=logprobs)])
+        if not (text or logprobs is not None or rl_fields):
+            continue
+        piece = ChatChunkChoice(index=item.index, delta=ChatDelta(content=text), logprobs=logprobs)
+        if rl_fields and item.tokens:
+            start = sent_tokens[item.index]
+            sent_tokens[item.index] += len(item.tokens)
+            piece.delta.token_ids = piece.token_ids = list(item.tokens)
+            piece.policy_token_spans = policy_token_spans(
+                head.model, head.policy_version, start, sent_tokens[item.index]
+            )
+        elif rl_fields:
+            piece.delta.token_ids = []
+        yield chunk([piece])
     parsed = [parse_chat_choice(s, args.stop, request, echo) for s in samples]
     for index, choice in enumerate(parsed):
         rest = contents[index].finish((choice.content or "")[len(echo) :])

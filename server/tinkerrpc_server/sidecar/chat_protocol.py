@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tinkerrpc.contract.limits import MAX_INT32, MAX_TOP_LOGPROBS
 from tinkerrpc_server.sidecar.extensions import known_template_kwargs
@@ -137,8 +137,9 @@ class AssistantMessage(BaseModel):
 
 
 class PolicyTokenSpan(BaseModel):
-    """ART 0.5.20+'s provenance of sampled tokens: the half-open token interval one policy state drew
-    (art/preprocessing/policy_spans.py); its PipelineTrainer's eval requires them on every Choice."""
+    """ART 0.5.20+'s provenance of tokens: the half-open token interval one policy state drew (or, for a
+    prompt, scored) (art/preprocessing/policy_spans.py); its PipelineTrainer's eval requires them on every
+    Choice, and its stream reader joins a stream's spans when their identity fields match."""
 
     start_token: int
     end_token: int
@@ -146,6 +147,31 @@ class PolicyTokenSpan(BaseModel):
     policy_version: int
     lora_slot: str
     update_seq: int
+
+
+def policy_token_spans(served_model: str, policy_version: int, start: int, end: int) -> list[PolicyTokenSpan]:
+    """Tokens [start, end) as drawn by `served_model` (`name@N`), an immutable version: one span with
+    the identity ART itself gives an immutable step's adapter (generation and slot are the versioned
+    name, which no later update changes); none for an empty interval."""
+    if end <= start:
+        return []
+    span = PolicyTokenSpan(
+        start_token=start,
+        end_token=end,
+        generation_id=served_model,
+        policy_version=policy_version,
+        lora_slot=served_model,
+        update_seq=policy_version,
+    )
+    return [span]
+
+
+def prompt_policy_token_spans(
+    served_model: str, policy_version: int, prompt_tokens: int
+) -> list[PolicyTokenSpan]:
+    """ART's prompt provenance: the positions with a causal logprob (all but the first), scored by the
+    version that sampled the reply (ART's reader wants them beside the completion's spans)."""
+    return policy_token_spans(served_model, policy_version, min(prompt_tokens, 1), prompt_tokens)
 
 
 class ChatChoice(BaseModel):
@@ -158,24 +184,10 @@ class ChatChoice(BaseModel):
     policy_version: int
     # RL extension: the server's key for the sampler's logprobs of these tokens (SampledTurn.sample_key).
     sample_key: str | None = None
-
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def policy_token_spans(self) -> list[PolicyTokenSpan]:
-        """ART's provenance: every token of the choice was drawn by `policy_version`, an immutable version
-        (its slot is the version, which no later update changes)."""
-        if not self.token_ids:
-            return []
-        slot = f"policy-version-{self.policy_version}"
-        span = PolicyTokenSpan(
-            start_token=0,
-            end_token=len(self.token_ids),
-            generation_id=self.sample_key or slot,
-            policy_version=self.policy_version,
-            lora_slot=slot,
-            update_seq=self.policy_version,
-        )
-        return [span]
+    # ART's provenance (`policy_token_spans`): every token drawn, and every prompt position scored, by
+    # `policy_version`.
+    policy_token_spans: list[PolicyTokenSpan]
+    prompt_policy_token_spans: list[PolicyTokenSpan]
 
 
 class ChatCompletion(BaseModel):
@@ -217,6 +229,12 @@ class ChatChunkChoice(BaseModel):
     finish_reason: FinishReason | None = None
     # On a choice's first chunk (the stream helper keeps the first chunk's choice fields).
     policy_version: int | None = None
+    prompt_policy_token_spans: list[PolicyTokenSpan] | None = None
+    # On each chunk that carries tokens: the ids where vLLM puts them (beside the delta's copy, which
+    # openai's helper joins) and their provenance, the interval of the choice's tokens they fill; ART's
+    # stream reader joins both into the plain choice's `token_ids` and `policy_token_spans`.
+    token_ids: list[int] | None = None
+    policy_token_spans: list[PolicyTokenSpan] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -1,7 +1,8 @@
 """vLLM's tokens-in, tokens-out generate: the shapes of `/inference/v1/generate` (GenerateRequest,
-GenerateResponse), as the `renderers` package's client (verifiers' and prime-rl's training client) sends
-and reads them. No `openai` type describes them; the logprobs are OpenAI's chat ChoiceLogprobs shape
-(`openai_shapes`).
+GenerateResponse, and GenerateStreamResponse for each `data:` frame of its stream), as the `renderers`
+package's client (verifiers' and prime-rl's training client) sends and reads them and vLLM's
+serve/disagg protocol declares them. No `openai` type describes them; the logprobs are OpenAI's chat
+ChoiceLogprobs shape (`openai_shapes`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tinkerrpc.contract.limits import (
 )
 from tinkerrpc_server.sidecar.openai_shapes import ChoiceLogprobs
 from tinkerrpc_server.sidecar.prompt_logprobs import PromptLogprobs
-from tinkerrpc_server.sidecar.protocol import StrictRequest, TokenId, Usage
+from tinkerrpc_server.sidecar.protocol import StreamOptions, StrictRequest, TokenId, Usage
 
 
 class GenerateSamplingParams(StrictRequest):
@@ -62,12 +63,18 @@ class GenerateSamplingParams(StrictRequest):
     structured_outputs: dict[str, Any] | None = None
 
 
+class GenerateStreamOptions(StreamOptions):
+    # vLLM: with include_usage, every chunk also carries the usage of its choice so far.
+    continuous_usage_stats: bool = False
+
+
 class GenerateRequest(StrictRequest):
     model: str = Field(min_length=1)
     token_ids: list[TokenId] = Field(min_length=1)
     sampling_params: GenerateSamplingParams
     request_id: str | None = Field(None, min_length=1, max_length=SIDECAR_MAX_TAG_CHARS)
     stream: bool = False
+    stream_options: GenerateStreamOptions | None = None
     # Accepted and ignored: it keeps one caller's prompts out of another's prefix cache, and no KV cache
     # outlives a Sample call here.
     cache_salt: str | None = Field(None, max_length=SIDECAR_MAX_TAG_CHARS)
@@ -75,10 +82,13 @@ class GenerateRequest(StrictRequest):
     priority: int = Field(0, ge=MIN_INT64, le=MAX_INT64)
 
 
+GenerateFinishReason = Literal["stop", "length"]
+
+
 class GenerateChoice(BaseModel):
     index: int
     logprobs: ChoiceLogprobs | None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: GenerateFinishReason
     token_ids: list[int]
     # RL extensions, as on the other routes.
     policy_version: int
@@ -96,3 +106,28 @@ class GenerateResponse(BaseModel):
     # RL extensions (vLLM names), as on the other routes.
     prompt_token_ids: list[int]
     policy_version: int
+
+
+class GenerateStreamChoice(BaseModel):
+    """New tokens of one choice; its last chunk has the finish_reason (vLLM's shape) and the sample_key."""
+
+    index: int
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: GenerateFinishReason | None = None
+    token_ids: list[int]
+    # RL extensions, as on the plain choice.
+    policy_version: int
+    sample_key: str | None = None
+
+
+class GenerateStreamResponse(BaseModel):
+    request_id: str
+    choices: list[GenerateStreamChoice]
+    usage: Usage | None = None
+    # RL extensions: the prompt as sampled on the first chunk, the version on every one.
+    prompt_token_ids: list[int] | None = None
+    policy_version: int
+
+    def frame_json(self) -> str:
+        """vLLM's framing: token chunks with their nulls, the usage chunk without them."""
+        return self.model_dump_json(exclude_none=not self.choices)

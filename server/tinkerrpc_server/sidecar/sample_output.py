@@ -171,7 +171,13 @@ _RL_FIELDS: dict[str, Any] = {
     "prompt_token_ids": True,
     "policy_version": True,
     "choices": {
-        "__all__": {"token_ids": True, "policy_version": True, "sample_key": True, "policy_token_spans": True}
+        "__all__": {
+            "token_ids": True,
+            "policy_version": True,
+            "sample_key": True,
+            "policy_token_spans": True,
+            "prompt_policy_token_spans": True,
+        }
     },
 }
 

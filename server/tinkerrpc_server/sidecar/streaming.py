@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
@@ -41,9 +41,16 @@ async def _guarded(
         await close()
 
 
-async def _openai_frames(chunks: AsyncIterable[BaseModel]) -> AsyncIterator[str]:
+ChunkT = TypeVar("ChunkT", bound=BaseModel)
+
+
+def _openai_json(chunk: BaseModel) -> str:
+    return chunk.model_dump_json(exclude_none=True)
+
+
+async def _openai_frames(chunks: AsyncIterable[ChunkT], dump: Callable[[ChunkT], str]) -> AsyncIterator[str]:
     async for chunk in chunks:
-        yield sse_frame(chunk.model_dump_json(exclude_none=True))
+        yield sse_frame(dump(chunk))
 
 
 async def _typed_frames(events: AsyncIterable[dict[str, Any]]) -> AsyncIterator[str]:
@@ -52,10 +59,14 @@ async def _typed_frames(events: AsyncIterable[dict[str, Any]]) -> AsyncIterator[
 
 
 def chunk_stream(
-    chunks: AsyncIterable[BaseModel], close: Callable[[], Awaitable[None]], model: str
+    chunks: AsyncIterable[ChunkT],
+    close: Callable[[], Awaitable[None]],
+    model: str,
+    dump: Callable[[ChunkT], str] = _openai_json,
 ) -> StreamingResponse:
-    """Chat and legacy completion chunks, unnamed events ended by `data: [DONE]` as OpenAI sends them."""
-    frames = _guarded(_openai_frames(chunks), close, model, sse_frame("[DONE]"))
+    """Chat, legacy completion and generate chunks, unnamed events ended by `data: [DONE]` as OpenAI and
+    vLLM send them; `dump` writes a chunk's JSON (OpenAI's chunks leave out unset fields)."""
+    frames = _guarded(_openai_frames(chunks, dump), close, model, sse_frame("[DONE]"))
     return StreamingResponse(frames, media_type=SSE_MEDIA_TYPE)
 
 
