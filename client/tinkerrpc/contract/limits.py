@@ -136,6 +136,14 @@ MAX_ENGINE_PAGE_SIZE = 1000
 MAX_ENGINE_LABELS = 64
 # Characters of one tag, display name, user_metadata key or value, and of a session's finish detail.
 MAX_ENGINE_LABEL_CHARS = 1024
+# Session records the engine keeps (list_sessions, get_session, search_sessions); every SDK ServiceClient
+# opens a session. Past the cap the oldest ended ones (finished, or silent for the session timeout) are
+# forgotten, never one with a training client or sampling session in memory or a checkpoint on disk (what
+# it made stays findable by its session and project). Why 1024: listing and searching read every record
+# per call, and a record holds up to about 200 KB of labels (MAX_ENGINE_LABELS tags and metadata entries
+# of MAX_ENGINE_LABEL_CHARS; a few hundred bytes as the SDK sends it), so at most about 200 MB in memory
+# and the index, and still far more sessions than anyone pages through.
+MAX_ENGINE_SESSION_RECORDS = 1024
 # A checkpoint's ttl_seconds (a save's, a copy's, set_checkpoint_ttl's): Tinker's 10 years. The engine's
 # least is 1 s, not Tinker's hour.
 MAX_CHECKPOINT_TTL_SECONDS = 10 * 365 * 86400
@@ -287,6 +295,11 @@ LIMITS: tuple[Limit, ...] = (
     _most(
         "MAX_ENGINE_LABEL_CHARS",
         "the engine's characters of a tag, display name, user_metadata key or value, or finish detail",
+    ),
+    _most(
+        "MAX_ENGINE_SESSION_RECORDS",
+        "sessions the engine keeps records of, past which the oldest ended ones are forgotten (never one "
+        "with a training client or sampling session in memory, or a checkpoint)",
     ),
     _most("MAX_CHECKPOINT_TTL_SECONDS", "the engine's ttl_seconds of a checkpoint (save, copy, set ttl)"),
     _most("MAX_AGE_RECIPIENTS", "age_encryption_recipients of save_weights_external (at least 1 if given)"),

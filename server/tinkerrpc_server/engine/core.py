@@ -96,7 +96,7 @@ class Engine(CheckpointOperations):
         self._futures = FutureTable[Answer](answer_size)
         self._worker = ComputeWorker[SampleJob, Answer](classify_error, torch_threads=config.torch_threads)
         self.url_secret = secrets.token_bytes(32)  # signs external-weights file URLs
-        self._sessions = Sessions(config.session_timeout, self._storage)
+        self._sessions = Sessions(config.session_timeout, self._storage, self._keeps_session_record)
         self._sequenced = SequencedRequests()
         self._ledger = SamplerLedger(config.snapshot_grace)
         self.sampled = SampledSequences()  # what it sampled, by sequence id
@@ -168,6 +168,16 @@ class Engine(CheckpointOperations):
 
     def require_open_session(self, session_id: str) -> None:
         self._sessions.require_open(session_id)
+
+    def _keeps_session_record(self, session_id: str) -> bool:
+        """Whether an ended session's record stays past the cap (Sessions): a training client or sampling
+        session of it is in memory, or one of its training runs holds a checkpoint."""
+        clients = training_client_prefix(session_id)
+        if self._runtimes.live_with_prefix(clients):
+            return True
+        if self._ledger.sampler_ids(sampling_session_prefix(session_id)):
+            return True
+        return any(self.checkpoints(run.model_id) for run in self.runs() if run.model_id.startswith(clients))
 
     def finish_session(self, session_id: str, finish: dict[str, Any] | None = None) -> None:
         """Unload the session's training clients (after the work they have queued) and forget its

@@ -4,21 +4,28 @@ finished. What a session made (training clients `<session>:train:<n>`, sampling 
 
 Each session the engine opens is recorded in its index (storage.Storage.put_session) as its client
 described it (tags, user_metadata, project, display name, SDK version) with how it finished, so the
-SDK's session listing and search answer from the engine's own records, across restarts.
+SDK's session listing and search answer from the engine's own records, across restarts. Bounded: past
+MAX_ENGINE_SESSION_RECORDS the oldest records of ended sessions are forgotten, except those the engine
+still needs (`keep`: a session with a training client or sampling session in memory, or a checkpoint).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import secrets
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tinkerrpc.contract.limits import MAX_ENGINE_SESSION_RECORDS
 from tinkerrpc_server.engine import protocol
 from tinkerrpc_server.engine.storage import Storage, now_iso
+
+log = logging.getLogger("tinkerrpc.engine")
 
 # Finished session ids remembered so their heartbeats answer 410 (the SDK then stops its loop).
 FINISHED_SESSIONS_REMEMBERED = 4096
@@ -64,10 +71,19 @@ class SessionRecord:
 class Sessions:
     """Thread-safe: routes, the compute thread and the sweep all record and finish sessions."""
 
-    def __init__(self, timeout: float, storage: Storage) -> None:
-        """`timeout`: seconds without a sign of life after which a session counts as silent."""
+    def __init__(
+        self,
+        timeout: float,
+        storage: Storage,
+        keep: Callable[[str], bool] = lambda session_id: False,
+        cap: int = MAX_ENGINE_SESSION_RECORDS,
+    ) -> None:
+        """`timeout`: seconds without a sign of life after which a session counts as silent. `keep`: whether
+        an ended session's record must stay past `cap`, the records kept of other ended sessions."""
         self.timeout = timeout
+        self.cap = cap
         self._storage = storage
+        self._keep = keep
         self._lock = threading.Lock()
         self._last_seen: dict[str, float] = {}  # session id -> time.monotonic() of its last sign
         self._finished: OrderedDict[str, None] = OrderedDict()
@@ -80,7 +96,23 @@ class Sessions:
             dataclasses.asdict(dataclasses.replace(described, session_id=session_id, created_at=now_iso()))
         )
         self.alive(session_id)
+        self._forget_past_cap()
         return session_id
+
+    def _forget_past_cap(self) -> None:
+        """Forget the oldest records of ended sessions (not running, not kept) while there are more than
+        `cap`; a new session is running, so it stays."""
+        found = self.records()  # newest first
+        excess = len(found) - self.cap
+        forgotten: list[str] = []
+        for record in reversed(found):
+            if len(forgotten) >= excess:
+                break
+            if not self.is_running(record.session_id) and not self._keep(record.session_id):
+                forgotten.append(record.session_id)
+        if forgotten:
+            self._storage.forget_sessions(forgotten)
+            log.info("forgot the records of %d ended sessions, past the cap of %d", len(forgotten), self.cap)
 
     def records(self) -> list[SessionRecord]:
         """Every recorded session, newest first."""

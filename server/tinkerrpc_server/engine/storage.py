@@ -189,6 +189,8 @@ def _replay(index_path: Path) -> _Index:
                 checkpoints.pop(entry["deleted"], None)
             elif "session" in entry:
                 sessions[entry["session"]["session_id"]] = entry["session"]
+            elif "forgotten_session" in entry:
+                sessions.pop(entry["forgotten_session"], None)
     return runs, checkpoints, sessions
 
 
@@ -463,6 +465,13 @@ class Storage:
         with self._lock:
             self._sessions[record["session_id"]] = record
             self._append({"session": record})
+
+    def forget_sessions(self, session_ids: list[str]) -> None:
+        """Drop the records of these sessions (past the cap of sessions.py)."""
+        with self._lock:
+            for session_id in session_ids:
+                if self._sessions.pop(session_id, None) is not None:
+                    self._append({"forgotten_session": session_id})
 
     def list_sessions(self) -> list[dict[str, Any]]:
         with self._lock:
