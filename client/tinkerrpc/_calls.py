@@ -306,10 +306,16 @@ def train_supervised(
     expected_policy_version: int | None = None,
     idempotency_key: str | None = None,
     timeout: float | None = None,
+    minibatch_size: int | None = None,
+    minibatch_learning_rates: Sequence[float] = (),
 ) -> Call[TrainResult]:
-    """One supervised (cross-entropy) optimizer step on conversations; exactly once even when retried.
+    """One supervised (cross-entropy) Train on conversations, committing one policy version; exactly once
+    even when retried.
 
-    Plain conversations (lists of messages) take `train_on`; a SupervisedExample brings its own."""
+    Plain conversations (lists of messages) take `train_on`; a SupervisedExample brings its own. One
+    optimizer step, or with `minibatch_size` one per that many conversations in order (the last fewer),
+    each at its learning rate in `minibatch_learning_rates` when given (one per minibatch), else at
+    `learning_rate`; `TrainMetrics.minibatch_losses` reports each."""
     if not conversations:
         raise ValueError("train_supervised() needs at least one conversation")
     examples = [
@@ -326,6 +332,8 @@ def train_supervised(
         adam=_adam(learning_rate, adam_beta1, adam_beta2, adam_eps, weight_decay, grad_clip_norm),
         idempotency_key=idempotency_key or str(uuid.uuid4()),
         expected_policy_version=expected_policy_version,
+        minibatch_size=minibatch_size,
+        minibatch_learning_rates=minibatch_learning_rates,
     )
     return Call("Train", request, convert.train_result_from_proto, safe_to_repeat=True, timeout=timeout)
 

@@ -238,6 +238,7 @@ def metrics_from_proto(msg: pb.TrainMetrics) -> TrainMetrics:
         sampler_mismatch=_mismatch_from_proto(msg),
         reference_kl=msg.reference_kl if msg.HasField("reference_kl") else None,
         teacher_kl=msg.teacher_kl if msg.HasField("teacher_kl") else None,
+        minibatch_losses=tuple(msg.minibatch_losses),
     )
 
 

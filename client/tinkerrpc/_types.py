@@ -309,6 +309,8 @@ class TrainMetrics:
     reference_kl: float | None = None
     # With distillation: mean of sampler − teacher logprob over the sampled tokens (reverse KL estimate).
     teacher_kl: float | None = None
+    # A supervised Train with minibatch_size: each minibatch's loss in order (loss is their sum).
+    minibatch_losses: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,7 @@ class _Saved:
 class _Output:
     metrics: dict[str, float]
     loss_fn_outputs: list[dict[str, tinker.types.TensorData]] = field(default_factory=list)
+    loss_fn_output_type: str = "TensorData"
 
 
 # The per-token logprob the fake returns when it reports no `loss:sum` (reports_loss_sum=False).

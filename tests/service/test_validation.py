@@ -5,6 +5,7 @@ live bad-input campaign (tests/hardening) sends such requests end to end."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import grpc
@@ -221,6 +222,21 @@ TRAIN_CASES: list[tuple[str, Callable[[], pb.TrainRequest], Callable[[pb.TrainRe
     ("example tool", _sft, lambda r: r.examples[0].tools.add(parameters_json="1"), [
         "examples[0].tools[0].name", "examples[0].tools[0].parameters_json",
     ]),
+    ("minibatches of RL groups", _rl, lambda r: setattr(r, "minibatch_size", 1), ["minibatch_size"]),
+    ("minibatch size 0", _sft, lambda r: setattr(r, "minibatch_size", 0), ["minibatch_size"]),
+    ("negative minibatch size", _sft, lambda r: setattr(r, "minibatch_size", -3), ["minibatch_size"]),
+    ("minibatch rates without a size", _sft, lambda r: r.minibatch_learning_rates.append(1e-3), [
+        "minibatch_learning_rates",
+    ]),
+    ("a rate per example, not per minibatch", _sft,
+     lambda r: (r.examples.append(r.examples[0]), setattr(r, "minibatch_size", 2), _extend(r.minibatch_learning_rates, 1e-3, 1e-3)),
+     ["minibatch_learning_rates"]),
+    ("minibatch rates out of range", _sft,
+     lambda r: (r.examples.append(r.examples[0]), setattr(r, "minibatch_size", 1), _extend(r.minibatch_learning_rates, 0.0, math.inf)),
+     ["minibatch_learning_rates[0]", "minibatch_learning_rates[1]"]),
+    ("a minibatch rate past the bound", _sft,
+     lambda r: (setattr(r, "minibatch_size", 5), r.minibatch_learning_rates.append(limits.MAX_LEARNING_RATE * 2)),
+     ["minibatch_learning_rates[0]"]),
 ]  # fmt: skip
 
 

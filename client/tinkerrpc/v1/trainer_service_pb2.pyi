@@ -304,6 +304,8 @@ class TrainRequest(_message.Message):
     KL_PENALTY_FIELD_NUMBER: _builtins.int
     DISTILLATION_FIELD_NUMBER: _builtins.int
     IMPORTANCE_RATIO_CAP_FIELD_NUMBER: _builtins.int
+    MINIBATCH_SIZE_FIELD_NUMBER: _builtins.int
+    MINIBATCH_LEARNING_RATES_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model name."""
     max_staleness: _builtins.int
@@ -330,6 +332,13 @@ class TrainRequest(_message.Message):
     clip [TRUNCATED_IS_CLIP_LOW, cap] (gradient min(ratio, cap) * A * grad logprob), cispo with its
     clip_high_threshold lowered to the cap; other losses are refused. In [1, MAX_LOSS_PARAMETER];
     unset = no cap. SamplerMismatch.capped_fraction reports the tokens past it.
+    """
+    minibatch_size: _builtins.int
+    """Supervised examples only: several optimizer steps in this one Train (ART's SFT batches,
+    tinker-cookbook's substeps). The examples are taken in order, this many at a time (the last
+    minibatch smaller when they do not divide); each minibatch is one forward_backward and one
+    optim_step, and the Train still commits one policy version, with one sampler save.
+    Unset: one minibatch of every example. At least 1.
     """
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.TrajectoryGroup]:
@@ -359,6 +368,13 @@ class TrainRequest(_message.Message):
     def distillation(self) -> _types_pb2.Distillation:
         """RL: on-policy distillation from a teacher, folded into the per-token advantages."""
 
+    @_builtins.property
+    def minibatch_learning_rates(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """With minibatch_size: each minibatch's learning rate (a schedule), one per minibatch in order,
+        each in (0, MAX_LEARNING_RATE]; the minibatches' other Adam settings are adam's. Empty: every
+        minibatch takes adam.learning_rate.
+        """
+
     def __init__(
         self,
         *,
@@ -375,10 +391,12 @@ class TrainRequest(_message.Message):
         kl_penalty: _types_pb2.KLPenalty | None = ...,
         distillation: _types_pb2.Distillation | None = ...,
         importance_ratio_cap: _builtins.float | None = ...,
+        minibatch_size: _builtins.int | None = ...,
+        minibatch_learning_rates: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_expected_policy_version", b"_expected_policy_version", "_importance_ratio_cap", b"_importance_ratio_cap", "_max_staleness", b"_max_staleness", "adam", b"adam", "advantages", b"advantages", "distillation", b"distillation", "expected_policy_version", b"expected_policy_version", "importance_ratio_cap", b"importance_ratio_cap", "kl_penalty", b"kl_penalty", "loss", b"loss", "max_staleness", b"max_staleness"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_expected_policy_version", b"_expected_policy_version", "_importance_ratio_cap", b"_importance_ratio_cap", "_max_staleness", b"_max_staleness", "_minibatch_size", b"_minibatch_size", "adam", b"adam", "advantages", b"advantages", "distillation", b"distillation", "expected_policy_version", b"expected_policy_version", "importance_ratio_cap", b"importance_ratio_cap", "kl_penalty", b"kl_penalty", "loss", b"loss", "max_staleness", b"max_staleness", "minibatch_size", b"minibatch_size"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expected_policy_version", b"_expected_policy_version", "_importance_ratio_cap", b"_importance_ratio_cap", "_max_staleness", b"_max_staleness", "adam", b"adam", "advantages", b"advantages", "distillation", b"distillation", "examples", b"examples", "expected_policy_version", b"expected_policy_version", "groups", b"groups", "idempotency_key", b"idempotency_key", "importance_ratio_cap", b"importance_ratio_cap", "kl_penalty", b"kl_penalty", "loss", b"loss", "max_staleness", b"max_staleness", "model", b"model", "strict_staleness", b"strict_staleness"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expected_policy_version", b"_expected_policy_version", "_importance_ratio_cap", b"_importance_ratio_cap", "_max_staleness", b"_max_staleness", "_minibatch_size", b"_minibatch_size", "adam", b"adam", "advantages", b"advantages", "distillation", b"distillation", "examples", b"examples", "expected_policy_version", b"expected_policy_version", "groups", b"groups", "idempotency_key", b"idempotency_key", "importance_ratio_cap", b"importance_ratio_cap", "kl_penalty", b"kl_penalty", "loss", b"loss", "max_staleness", b"max_staleness", "minibatch_learning_rates", b"minibatch_learning_rates", "minibatch_size", b"minibatch_size", "model", b"model", "strict_staleness", b"strict_staleness"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__expected_policy_version: _TypeAlias = _typing.Literal["expected_policy_version"]  # noqa: Y015
     _WhichOneofArgType__expected_policy_version: _TypeAlias = _typing.Literal["_expected_policy_version", b"_expected_policy_version"]  # noqa: Y015
@@ -386,12 +404,16 @@ class TrainRequest(_message.Message):
     _WhichOneofArgType__importance_ratio_cap: _TypeAlias = _typing.Literal["_importance_ratio_cap", b"_importance_ratio_cap"]  # noqa: Y015
     _WhichOneofReturnType__max_staleness: _TypeAlias = _typing.Literal["max_staleness"]  # noqa: Y015
     _WhichOneofArgType__max_staleness: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness"]  # noqa: Y015
+    _WhichOneofReturnType__minibatch_size: _TypeAlias = _typing.Literal["minibatch_size"]  # noqa: Y015
+    _WhichOneofArgType__minibatch_size: _TypeAlias = _typing.Literal["_minibatch_size", b"_minibatch_size"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__expected_policy_version) -> _WhichOneofReturnType__expected_policy_version | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__importance_ratio_cap) -> _WhichOneofReturnType__importance_ratio_cap | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_staleness) -> _WhichOneofReturnType__max_staleness | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__minibatch_size) -> _WhichOneofReturnType__minibatch_size | None: ...
 
 Global___TrainRequest: _TypeAlias = TrainRequest  # noqa: Y015
 

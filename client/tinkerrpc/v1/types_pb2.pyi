@@ -1315,6 +1315,7 @@ class TrainMetrics(_message.Message):
     SAMPLER_MISMATCH_FIELD_NUMBER: _builtins.int
     REFERENCE_KL_FIELD_NUMBER: _builtins.int
     TEACHER_KL_FIELD_NUMBER: _builtins.int
+    MINIBATCH_LOSSES_FIELD_NUMBER: _builtins.int
     loss: _builtins.float
     """Summed loss over all trained tokens (Tinker's `loss:sum`)."""
     mean_reward: _builtins.float
@@ -1368,6 +1369,10 @@ class TrainMetrics(_message.Message):
         for supervised steps and when the backend returned no per-token logprobs).
         """
 
+    @_builtins.property
+    def minibatch_losses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """With TrainRequest.minibatch_size: each minibatch's loss, in order (loss is their sum)."""
+
     def __init__(
         self,
         *,
@@ -1389,10 +1394,11 @@ class TrainMetrics(_message.Message):
         sampler_mismatch: Global___SamplerMismatch | None = ...,
         reference_kl: _builtins.float | None = ...,
         teacher_kl: _builtins.float | None = ...,
+        minibatch_losses: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_reference_kl", b"_reference_kl", "_teacher_kl", b"_teacher_kl", "reference_kl", b"reference_kl", "sampler_mismatch", b"sampler_mismatch", "teacher_kl", b"teacher_kl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reference_kl", b"_reference_kl", "_teacher_kl", b"_teacher_kl", "dropped_stale", b"dropped_stale", "dropped_zero_variance", b"dropped_zero_variance", "extra", b"extra", "learning_rate", b"learning_rate", "loss", b"loss", "mean_reward", b"mean_reward", "reference_kl", b"reference_kl", "sampler_mismatch", b"sampler_mismatch", "scored_tokens", b"scored_tokens", "staleness_histogram", b"staleness_histogram", "std_reward", b"std_reward", "step_seconds", b"step_seconds", "teacher_kl", b"teacher_kl", "tokens_per_second", b"tokens_per_second", "total_tokens", b"total_tokens", "trained_tokens", b"trained_tokens", "trajectories_used", b"trajectories_used", "zero_variance_groups", b"zero_variance_groups"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reference_kl", b"_reference_kl", "_teacher_kl", b"_teacher_kl", "dropped_stale", b"dropped_stale", "dropped_zero_variance", b"dropped_zero_variance", "extra", b"extra", "learning_rate", b"learning_rate", "loss", b"loss", "mean_reward", b"mean_reward", "minibatch_losses", b"minibatch_losses", "reference_kl", b"reference_kl", "sampler_mismatch", b"sampler_mismatch", "scored_tokens", b"scored_tokens", "staleness_histogram", b"staleness_histogram", "std_reward", b"std_reward", "step_seconds", b"step_seconds", "teacher_kl", b"teacher_kl", "tokens_per_second", b"tokens_per_second", "total_tokens", b"total_tokens", "trained_tokens", b"trained_tokens", "trajectories_used", b"trajectories_used", "zero_variance_groups", b"zero_variance_groups"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__reference_kl: _TypeAlias = _typing.Literal["reference_kl"]  # noqa: Y015
     _WhichOneofArgType__reference_kl: _TypeAlias = _typing.Literal["_reference_kl", b"_reference_kl"]  # noqa: Y015

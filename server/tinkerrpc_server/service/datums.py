@@ -49,6 +49,8 @@ class Batch:
     mean_reward: float = 0.0
     std_reward: float = 0.0
     env_metrics: dict[str, float] = field(default_factory=dict)
+    # Supervised batches: after each example, how many datums the batch held (its minibatch boundaries).
+    example_ends: list[int] = field(default_factory=list)
 
 
 def group_advantages(rewards: list[float], estimator: AdvantageEstimatorName) -> list[float] | None:
@@ -303,6 +305,7 @@ def sft_batch(request: trainer_service_pb2.TrainRequest, codec: ChatCodec, merge
             sequences.append(_Sequence(tokens, {"weights": target_weights}, trained_from))
             batch.trained_tokens += sum(1 for w in target_weights if w > 0)
         _add(batch, sequences, merge_turns)
+        batch.example_ends.append(len(batch.datums))
         batch.used += 1
     violations.raise_if_any()
     return batch

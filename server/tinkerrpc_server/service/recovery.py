@@ -2,7 +2,8 @@
 
 A Train step whose version gets no full-state checkpoint (--checkpoint-every K > 1) commits, in the same
 transaction as its version, a record of exactly what it sent the backend: each datum's tokens and loss
-inputs (numpy bytes), the loss name and config, and the Adam params. A model's training state
+inputs (numpy bytes), the loss name and config, and its optimizer steps (each minibatch's datums and Adam
+params; one for a Train without minibatch_size). A model's training state
 is therefore always its recovery point (the last committed state checkpoint) plus the recorded steps after
 it. Whenever the training client has to be made anew (a restart, an engine restart, a failed or cancelled
 step), it is loaded from the recovery point and those steps are replayed in order through the same
@@ -29,6 +30,7 @@ import tinker
 
 from tinkerrpc.v1 import types_pb2
 from tinkerrpc_server.service.deadlines import bounded
+from tinkerrpc_server.service.minibatches import Minibatch
 from tinkerrpc_server.service.store import ModelRow, StepInputsRow, Store
 
 log = logging.getLogger("tinkerrpc.service")
@@ -44,7 +46,7 @@ class StepRecord:
     datums: list[tinker.types.Datum]
     loss: tinker.types.LossFnType
     loss_config: dict[str, float] | None
-    adam: tinker.types.AdamParams
+    steps: list[Minibatch]
 
 
 # Token ids as int32 (every vocabulary fits); loss inputs keep their own dtype (float32 or int64).
@@ -71,7 +73,7 @@ def encode(record: StepRecord) -> tuple[str, bytes]:
     header = {
         "loss": record.loss,
         "loss_config": record.loss_config,
-        "adam": record.adam.model_dump(),
+        "minibatches": [[m.start, m.stop, m.adam.model_dump()] for m in record.steps],
         "datums": layouts,
     }
     return json.dumps(header), b"".join(arrays)
@@ -100,11 +102,16 @@ def decode(row: StepInputsRow) -> StepRecord:
             )
         )
     loss: tinker.types.LossFnType = header["loss"]  # as the step passed it to forward_backward
+    # Records written before minibatches hold one step's "adam".
+    steps = header.get("minibatches") or [[0, len(datums), header["adam"]]]
     return StepRecord(
         datums=datums,
         loss=loss,
         loss_config=header["loss_config"],
-        adam=tinker.types.AdamParams.model_validate(header["adam"]),
+        steps=[
+            Minibatch(start, stop, tinker.types.AdamParams.model_validate(adam))
+            for start, stop, adam in steps
+        ],
     )
 
 
@@ -130,12 +137,20 @@ async def replay(store: Store, row: ModelRow, client: tinker.TrainingClient) -> 
     submitted = []
     for step in rows:
         record = decode(step)
-        forward_backward = client.forward_backward(record.datums, record.loss, record.loss_config)
-        submitted.append((step, forward_backward, client.optim_step(record.adam)))
-    for step, forward_backward, optim_step in submitted:
-        output = await bounded(forward_backward, "forward_backward (replay)")
-        await bounded(optim_step, "optim_step (replay)")
-        loss = float(output.metrics.get("loss:sum", math.nan))
+        operations = [
+            (
+                client.forward_backward(record.datums[m.start : m.stop], record.loss, record.loss_config),
+                client.optim_step(m.adam),
+            )
+            for m in record.steps
+        ]
+        submitted.append((step, operations))
+    for step, operations in submitted:
+        loss = 0.0
+        for forward_backward, optim_step in operations:
+            output = await bounded(forward_backward, "forward_backward (replay)")
+            await bounded(optim_step, "optim_step (replay)")
+            loss += float(output.metrics.get("loss:sum", math.nan))
         recorded = recorded_losses.get(step.policy_version, math.nan)
         if not math.isclose(loss, recorded, rel_tol=LOSS_TOLERANCE, abs_tol=LOSS_TOLERANCE):
             log.warning(

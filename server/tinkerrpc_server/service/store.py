@@ -183,8 +183,8 @@ class MetricsRow:
 @dataclass(frozen=True)
 class StepInputsRow:
     policy_version: int
-    header: str  # JSON: loss, its config, Adam params and each datum's layout
-    arrays: bytes  # the datums' tokens and loss inputs, compressed
+    header: str  # JSON: loss, its config, each optimizer step (datums and Adam params), each datum's layout
+    arrays: bytes  # the datums' tokens and loss inputs
 
 
 @dataclass(frozen=True)

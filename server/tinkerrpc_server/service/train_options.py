@@ -200,12 +200,16 @@ def _check_reference(v: Violations, field: str, reference: types_pb2.PolicyRefer
         v.add(f"{field}.checkpoint.name", "must not be empty")
 
 
+def learning_rate_problem(rate: float) -> str | None:
+    if math.isfinite(rate) and 0 < rate <= MAX_LEARNING_RATE:
+        return None
+    return f"must be a finite number in (0, {MAX_LEARNING_RATE:g}], got {rate}"
+
+
 def check_adam(v: Violations, adam: types_pb2.AdamParams) -> None:
-    if not (math.isfinite(adam.learning_rate) and 0 < adam.learning_rate <= MAX_LEARNING_RATE):
-        v.add(
-            "adam.learning_rate",
-            f"must be a finite number in (0, {MAX_LEARNING_RATE:g}] (it is required), got {adam.learning_rate}",
-        )
+    problem = learning_rate_problem(adam.learning_rate)
+    if problem is not None:
+        v.add("adam.learning_rate", f"{problem} (it is required)")
     for name in ("beta1", "beta2"):
         if adam.HasField(name):
             value = getattr(adam, name)

@@ -27,7 +27,7 @@ import tinker
 
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
-from tinkerrpc_server.service import errors, recovery
+from tinkerrpc_server.service import errors, minibatches, recovery
 from tinkerrpc_server.service.datums import Batch, RenderedPrompts, build_batch, turn_prompt
 from tinkerrpc_server.service.deadlines import bounded
 from tinkerrpc_server.service.limits import Limits
@@ -298,30 +298,40 @@ class Trainer:
         scored_tokens, figures = scored
         loss = loss_name(request)
         save_state = version % self._checkpoint_every == 0
-        adam = adam_params(request.adam)
         config = loss_config(request)
-        # The SDK sends all four at once; each waits for its result in a task of its own, so a step that
+        steps = minibatches.plan(request, batch, adam_params(request.adam))
+        # The SDK sends them all at once; each waits for its result in a task of its own, so a step that
         # ends early (cancelled, past its deadline, failed) cancels the waits it no longer needs and the
         # engine drops those operations instead of running them for nobody.
-        forward_backward = asyncio.ensure_future(client.forward_backward(batch.datums, loss, config))
-        optim_step = asyncio.ensure_future(client.optim_step(adam))
+        operations = [
+            (
+                asyncio.ensure_future(client.forward_backward(batch.datums[m.start : m.stop], loss, config)),
+                asyncio.ensure_future(client.optim_step(m.adam)),
+            )
+            for m in steps
+        ]
         sampler_save = asyncio.ensure_future(client.save_weights_for_sampler(sampler_name(version)))
         state_save = asyncio.ensure_future(client.save_state(state_name(version))) if save_state else None
         name = row.name
         try:
-            fb_output = await bounded(forward_backward, "forward_backward")
-            try:
-                optim_output = await bounded(optim_step, "optim_step")
-            except tinker.RequestFailedError as err:
-                if not errors.is_non_finite_update(err):
-                    raise
-                # The engine kept the weights and optimizer state: the training client is as before.
-                await self._discard_saves(sampler_save, state_save)
-                runtime.dirty = False
-                refused = errors.from_tinker(err)
-                assert refused is not None
-                raise refused from None
-            trainer_metrics = {**fb_output.metrics, **(optim_output.metrics or {})}
+            fb_outputs: list[tinker.types.ForwardBackwardOutput] = []
+            optim_metrics: list[dict[str, float] | None] = []
+            for forward_backward, optim_step in operations:
+                fb_outputs.append(await bounded(forward_backward, "forward_backward"))
+                try:
+                    optim_metrics.append((await bounded(optim_step, "optim_step")).metrics)
+                except tinker.RequestFailedError as err:
+                    if not errors.is_non_finite_update(err):
+                        raise
+                    await self._discard_saves(sampler_save, state_save)
+                    # The engine kept the weights and optimizer state: with one optimizer step the training
+                    # client is as before; other minibatches stepped it, so it rolls back.
+                    runtime.dirty = len(operations) > 1
+                    refused = errors.from_tinker(err)
+                    assert refused is not None
+                    raise refused from None
+            fb_output = minibatches.combined_forward_backward(fb_outputs)
+            trainer_metrics = {**fb_output.metrics, **minibatches.combined_optim_metrics(optim_metrics)}
             non_finite = sorted(key for key, value in trainer_metrics.items() if not math.isfinite(value))
             if non_finite:
                 # A backend without the engine's guard applied it: the model rolls back (it stays dirty).
@@ -357,6 +367,11 @@ class Trainer:
                 ),
                 reference_kl=figures.reference_kl,
                 teacher_kl=figures.teacher_kl,
+                minibatch_losses=(
+                    [float(o.metrics.get("loss:sum", math.nan)) for o in fb_outputs]
+                    if request.HasField("minibatch_size")
+                    else []
+                ),
             )
             now = time.time()
             sampler_row = CheckpointRow(
@@ -375,7 +390,7 @@ class Trainer:
             )
             # Without a state checkpoint, this version is rebuilt from its record after the recovery point.
             step_record = (
-                recovery.encode(StepRecord(batch.datums, loss, config, adam)) if state_row is None else None
+                recovery.encode(StepRecord(batch.datums, loss, config, steps)) if state_row is None else None
             )
             # A state checkpoint of this name from an abandoned timeline (before a restore) is replaced.
             replaced = (
@@ -413,7 +428,7 @@ class Trainer:
             )
             return response
         finally:
-            for operation in (forward_backward, optim_step, sampler_save, state_save):
+            for operation in (*(o for pair in operations for o in pair), sampler_save, state_save):
                 if operation is not None:
                     operation.cancel()  # a no-op for those already done
 

@@ -35,6 +35,7 @@ from tinkerrpc_server.bounded_json import BoundedJsonError, parse_json_object
 from tinkerrpc_server.service import errors
 from tinkerrpc_server.service.errors import Violations
 from tinkerrpc_server.service.limits import Limits, flag_of
+from tinkerrpc_server.service.minibatches import check_minibatches
 from tinkerrpc_server.service.rendering import ROLE_NAMES
 from tinkerrpc_server.service.store import KIND_SAMPLER, KIND_STATE, ModelRow
 from tinkerrpc_server.service.train_options import check_adam, check_advantages, check_loss, check_train_terms
@@ -72,6 +73,7 @@ def check_train_request(
     check_advantages(v, request)
     check_train_terms(v, request)
     check_adam(v, request.adam)
+    check_minibatches(v, request)
     if request.HasField("max_staleness") and request.max_staleness < 0:
         v.add("max_staleness", "must be >= 0")
     if request.strict_staleness and not request.HasField("max_staleness"):
