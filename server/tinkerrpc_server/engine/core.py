@@ -17,7 +17,8 @@ it, or stops sending the SDK's heartbeats (every 10 s) for the session timeout. 
 snapshots go as the ledger says (snapshots.py), and an engine restart deletes them all. Checkpoints
 saved with `ttl_seconds` are deleted by a sweep every SWEEP_INTERVAL_SECONDS once it has passed (and are
 unknown from that moment on); the same sweep finishes silent sessions and deletes the unnamed snapshots
-nothing uses any more.
+nothing uses any more. Records of ended sessions and sampled sequences are capped by count (sessions.py,
+sampled.py).
 """
 
 from __future__ import annotations
