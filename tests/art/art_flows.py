@@ -36,10 +36,8 @@ from art.tinker_native.backend import STATE_KEY_RUN_IDS
 from tinker_cookbook.supervised.common import datum_from_model_input_weights
 
 import tinkerrpc
-from tinkerrpc import SupervisedExample
 from tinkerrpc.art import TinkerRPCBackend
-from tinkerrpc.art._backend import _supervised_step
-from tinkerrpc.art._trajectories import convert_groups, sft_conversation
+from tinkerrpc.art._trajectories import convert_groups
 from tinkerrpc_server.model_store import TINY_CHAT
 from tinkerrpc_server.recipes.yes_no_maybe.task import ANSWERS, prompts, reward_of
 
@@ -162,7 +160,7 @@ async def yes_no_maybe(art_path: str, target: str) -> dict[str, Any]:
         config=art.TrainSFTConfig(learning_rate=SFT_LEARNING_RATE, batch_size=SFT_BATCH_SIZE),
     )
     sft_seconds = time.perf_counter() - sft_started
-    assert await model.get_step() == SFT_STEPS
+    assert await model.get_step() == 1, "ART's SFT ends in one checkpoint"
 
     run = await rl_until_target(model, backend, rng, started)
     await backend.close()
@@ -271,7 +269,7 @@ async def reregister_and_score(art_path: str, target: str) -> dict[str, Any]:
     model = trainable_model()
     await model.register(backend)
     step = await model.get_step()
-    assert step > SFT_STEPS, "register gets the model the test above trained"
+    assert step > 1, "register gets the model the test above trained"
     assert model.get_inference_name() == f"{model.name}@{step}"
 
     # A Choice with the sidecar's logprobs trains as sampled; the same Choice without them names the
@@ -318,10 +316,10 @@ async def reregister_and_score(art_path: str, target: str) -> dict[str, Any]:
     return {"step": step}
 
 
-async def sft_in_order(art_path: str, target: str) -> dict[str, Any]:
-    """ART's train_sft with a learning rate per batch: the batches are sent one ahead of the step that
-    trains, yet each version is its own batch's step, in order. Then a step sent ahead of the one it must
-    follow reaches the server first: refused (VERSION_MISMATCH), it trains right after that one."""
+async def sft_schedule(art_path: str, target: str) -> dict[str, Any]:
+    """ART's train_sft with a learning rate per batch: as ART's own backends end an SFT run in one
+    checkpoint, the batches are the minibatches of one Train: one version, one loss per batch, each batch
+    stepped at its own rate."""
     backend = TinkerRPCBackend(target, path=art_path)
     model = art.TrainableModel(name="sft-order-001", project="sft-order", base_model=BASE_MODEL)
     await model.register(backend)
@@ -330,31 +328,19 @@ async def sft_in_order(art_path: str, target: str) -> dict[str, Any]:
         warm_up_trajectories(random.Random(1), 4 * len(rates)),
         config=art.TrainSFTConfig(learning_rate=rates, batch_size=4),
     )
+    assert await model.get_step() == 1
     async with tinkerrpc.AsyncClient(target) as client:
-        handle = client.model(model.name)
-        steps = (await handle.history()).steps
-        assert [s.policy_version for s in steps] == list(range(1, len(rates) + 1))
-        assert [s.metrics.learning_rate for s in steps] == pytest.approx(rates)
-
-        examples = [
-            SupervisedExample(*sft_conversation(t)) for t in warm_up_trajectories(random.Random(2), 2)
-        ]
-
-        async def first_step_later() -> tinkerrpc.TrainResult:
-            await asyncio.sleep(1.0)
-            return await handle.train_supervised(examples[:1], learning_rate=1e-3, expected_policy_version=6)
-
-        first = asyncio.ensure_future(first_step_later())
-        second = await _supervised_step(handle, examples[1:], 2e-3, 7, first)
-        assert ((await first).policy_version, second.policy_version) == (7, 8)
-        overtaken = await handle.history(from_version=7)
-    assert [s.metrics.learning_rate for s in overtaken.steps] == pytest.approx([1e-3, 2e-3])
+        (step,) = (await client.model(model.name).history()).steps
+    assert step.policy_version == 1
+    assert step.metrics.trajectories_used == 4 * len(rates)
+    assert len(step.metrics.minibatch_losses) == len(rates)
+    assert step.metrics.loss == pytest.approx(sum(step.metrics.minibatch_losses))
     await backend.close()
-    return {"versions": len(steps) + 2}
+    return {"minibatches": len(step.metrics.minibatch_losses)}
 
 
 FLOWS = {
-    "sft-in-order": sft_in_order,
+    "sft-schedule": sft_schedule,
     "yes-no-maybe": yes_no_maybe,
     "reregister": reregister_and_score,
     "seed-yes-no-maybe": seed_yes_no_maybe,

@@ -67,10 +67,9 @@ def test_art_yes_no_maybe_reaches_the_target_reward(stack: LocalStack, tmp_path:
     assert result["inference_base_url"] == f"{stack.sidecar_url}/v1", "the hosted sidecar"
 
 
-def test_art_sft_batches_sent_ahead_commit_in_order(stack: LocalStack, tmp_path: Path) -> None:
-    """tinkerrpc.art sends the next SFT batch while one trains: each version is its batch's step, in
-    order, and a step that overtakes the one it follows is refused, then trains after it."""
-    assert run_flow("sft-in-order", tmp_path / ".art", stack.target)["versions"] == 8
+def test_art_sft_batches_train_as_the_minibatches_of_one_version(stack: LocalStack, tmp_path: Path) -> None:
+    """tinkerrpc.art trains ART's SFT batches, each at its scheduled rate, as one Train's minibatches."""
+    assert run_flow("sft-schedule", tmp_path / ".art", stack.target)["minibatches"] == 6
 
 
 def test_art_register_is_get_or_create_and_choices_without_logprobs_carry_their_sample_key(

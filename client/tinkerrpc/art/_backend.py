@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
+import math
 import os
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -245,43 +245,36 @@ class TinkerRPCBackend(art.Backend):
     ) -> AsyncIterator[dict[str, float]]:
         """Supervised steps on the trajectories' conversations (every assistant message trains), in
         batches of `config.batch_size` ("auto": 32), each with its learning rate (one, or one per batch).
-        The next batch is sent while one trains (the server renders it meanwhile); each is stamped with
-        the version it must start from, so the steps commit in order."""
-        handle = await self._handle(model)
+        As ART's own backends end an SFT run in one checkpoint, the batches go as minibatches of one Train
+        (one policy version, one sampler save), or of as few Trains as the server's per-Train example
+        limit allows; each batch's figures are yielded once its Train is done."""
+        client = await self._connected()
+        handle = client.model(model.name)
         examples = [SupervisedExample(*sft_conversation(t)) for t in trajectories]
         size = AUTO_SFT_BATCH_SIZE if config.batch_size == "auto" else config.batch_size
-        batches = [examples[i : i + size] for i in range(0, len(examples), size)]
+        batches = math.ceil(len(examples) / size)
         rates = config.learning_rate
-        if isinstance(rates, list) and len(rates) < len(batches):
-            raise ValueError(f"{len(rates)} learning rates for {len(batches)} batches")
-        first_version = (await handle.info()).policy_version
-        steps: list[asyncio.Future[TrainResult]] = []
-        try:
-            for index, batch in enumerate(batches):
-                rate = rates[index] if isinstance(rates, list) else rates
-                before = steps[-1] if steps else None
-                steps.append(
-                    asyncio.ensure_future(
-                        _supervised_step(handle, batch, rate, first_version + index, before)
-                    )
-                )
-                if before is not None:
-                    yield self._sft_done(model, await before, index, len(batches), verbose)
-            if steps:
-                yield self._sft_done(model, await steps[-1], len(batches), len(batches), verbose)
-        finally:
-            # A step still in flight when the loop ends early (an error, the caller stopped) is abandoned.
-            for step in steps:
-                step.cancel()
-            await asyncio.gather(*steps, return_exceptions=True)
-
-    def _sft_done(
-        self, model: TrainableModel, result: TrainResult, number: int, batches: int, verbose: bool
-    ) -> dict[str, float]:
-        self._steps[model.name] = result.policy_version
-        if verbose:
-            print(f"tinkerrpc SFT batch {number}/{batches}: loss {result.metrics.loss:.4f}")
-        return _art_metrics(result)
+        if isinstance(rates, list) and len(rates) < batches:
+            raise ValueError(f"{len(rates)} learning rates for {batches} batches")
+        per_train = max(1, (await client.server_info()).limits.max_train_trajectories // size)
+        for first in range(0, batches, per_train):
+            last = min(first + per_train, batches)
+            schedule = rates[first:last] if isinstance(rates, list) else []
+            result = await handle.train_supervised(
+                examples[first * size : last * size],
+                learning_rate=schedule[0] if schedule else cast(float, rates),
+                minibatch_size=size,
+                minibatch_learning_rates=schedule,
+            )
+            self._steps[model.name] = result.policy_version
+            for k, loss in enumerate(result.metrics.minibatch_losses):
+                if verbose:
+                    print(f"tinkerrpc SFT batch {first + k + 1}/{batches}: loss {loss:.4f}")
+                yield {
+                    **_art_metrics(result),
+                    "loss/train": loss,
+                    "loss/learning_rate": schedule[k] if schedule else cast(float, rates),
+                }
 
     async def _delete_checkpoint_files(self, model: TrainableModel, steps_to_keep: list[int]) -> None:
         """Delete the checkpoints (sampler weights and full states) of every version but `steps_to_keep`;
@@ -299,28 +292,6 @@ class TinkerRPCBackend(art.Backend):
                     ErrorReason.ERROR_REASON_CURRENT_SAMPLER_CHECKPOINT,
                 ):
                     raise
-
-
-async def _supervised_step(
-    handle: AsyncModel,
-    batch: Sequence[SupervisedExample],
-    learning_rate: float,
-    from_version: int,
-    before: asyncio.Future[TrainResult] | None,
-) -> TrainResult:
-    """One SFT step that must start at `from_version`. Sent while the step `before` it trains, it can
-    reach the server first: refused then (VERSION_MISMATCH, nothing changed), it goes again after it."""
-    try:
-        return await handle.train_supervised(
-            batch, learning_rate=learning_rate, expected_policy_version=from_version
-        )
-    except FailedPreconditionError as err:
-        if err.reason != ErrorReason.ERROR_REASON_VERSION_MISMATCH or before is None:
-            raise
-    await asyncio.gather(before, return_exceptions=True)
-    return await handle.train_supervised(
-        batch, learning_rate=learning_rate, expected_policy_version=from_version
-    )
 
 
 def _art_metrics(result: TrainResult) -> dict[str, float]:
