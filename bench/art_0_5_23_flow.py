@@ -138,8 +138,9 @@ async def main(art_path: str, target: str, kl_penalty_coef: str = "0") -> dict[s
         config=art.TrainSFTConfig(learning_rate=SFT_LEARNING_RATE, batch_size=SFT_BATCH_SIZE),
     )
     sft_seconds = time.perf_counter() - sft_started
-    assert await model.get_step() == SFT_STEPS
-    log(f"SFT warm-up: {SFT_STEPS} steps in {sft_seconds:.1f}s")
+    sft_version = await model.get_step()
+    assert sft_version == 1, "ART's SFT ends in one checkpoint"
+    log(f"SFT warm-up: {SFT_STEPS} optimizer steps, one version, in {sft_seconds:.1f}s")
 
     scenarios = (
         {"prompt": p}
@@ -189,8 +190,8 @@ async def main(art_path: str, target: str, kl_penalty_coef: str = "0") -> dict[s
         "kl_penalty_coef": float(kl_penalty_coef),
         # RL steps trained before the version whose eval reached the target; the pipeline trains on while
         # that eval runs, so rl_steps (all it trained) is larger.
-        "rl_steps_to_target": None if run.version_at_target is None else run.version_at_target - SFT_STEPS,
-        "rl_steps": final_step - SFT_STEPS,
+        "rl_steps_to_target": None if run.version_at_target is None else run.version_at_target - sft_version,
+        "rl_steps": final_step - sft_version,
         "rl_seconds": rl_seconds,
         "seconds_to_target": run.seconds_to_target,
         "reached_target": run.seconds_to_target is not None,
