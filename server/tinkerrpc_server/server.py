@@ -133,7 +133,7 @@ async def serve(config: ServerConfig, engine: EngineHandle | None) -> int:
         )
         return await _serve(config, service, sidecar_socket)
     finally:
-        backend.close()
+        await backend.aclose()
         store.close()
 
 

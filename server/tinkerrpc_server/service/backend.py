@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import httpx
@@ -35,6 +35,11 @@ TINKER_START_SECONDS = 30.0
 SESSION_PROBE_SECONDS = 5.0
 # The status the Tinker API's session heartbeat answers for a finished session.
 SESSION_FINISHED_STATUS = 410
+# How long a token stream's connection to the engine may take to open (its tokens take as long as
+# the sample does: no read timeout).
+TOKEN_STREAM_CONNECT_SECONDS = 10.0
+# How long shutdown waits for each SDK client to finish its session and close its connections.
+CLOSE_SECONDS = 5.0
 
 
 class EngineHandle(Protocol):
@@ -68,7 +73,8 @@ class EngineHandle(Protocol):
 @dataclass
 class Backend:
     """The SDK clients (`service` holds the session) and where they point: `url` as configured (the
-    engine's, or --tinker-url; empty for the SDK's default), `base_url` resolved, `api_key` sent."""
+    engine's, or --tinker-url; empty for the SDK's default), `base_url` resolved, `api_key` sent; and
+    the HTTP client of the engine's token streams. `aclose` closes them all."""
 
     service: tinker.ServiceClient
     rest: tinker.RestClient
@@ -76,6 +82,7 @@ class Backend:
     engine: EngineHandle | None
     base_url: str
     api_key: str
+    _token_streams: httpx.AsyncClient | None = field(default=None, init=False, repr=False)
 
     @property
     def embedded(self) -> bool:
@@ -92,12 +99,15 @@ class Backend:
         """After the engine child died: start a new one and point fresh SDK clients at it. Its data dir
         persists, so every tinker:// path stays valid."""
         assert self.engine is not None, "only the embedded engine is restarted"
-        dead_service = self.service
+        dead_service, dead_rest = self.service, self.rest
         await self.engine.restart()
         self.url = self.base_url = self.engine.url
         self.api_key = self.engine.api_key
         self.service, self.rest = await _open_clients(self.base_url, self.api_key)
         _let_go(dead_service, "embedded engine died")
+        # The SDK keeps a REST client's connections for the process, one set per URL and key: the dead
+        # engine's are never used again.
+        dead_rest.holder.close()
 
     async def session_finished(self, service: tinker.ServiceClient) -> bool:
         """Whether the backend has finished `service`'s session: its heartbeat answers 410. A backend
@@ -128,12 +138,33 @@ class Backend:
     def session_id(self) -> str:
         return self.service.holder.get_session_id()
 
-    def close(self) -> None:
-        """Finish the Tinker session (its owner, the CLI, stops the engine child afterwards)."""
+    def token_stream_client(self) -> httpx.AsyncClient:
+        """The one HTTP client of every token stream, made on first use: making one costs tens of
+        milliseconds (its TLS context), which a stream's first token would wait for."""
+        if self._token_streams is None:
+            self._token_streams = httpx.AsyncClient(
+                timeout=httpx.Timeout(None, connect=TOKEN_STREAM_CONNECT_SECONDS)
+            )
+        return self._token_streams
+
+    async def aclose(self) -> None:
+        """At shutdown: close the token streams' client, finish the Tinker session (which closes the
+        ServiceClient's connections) and close the REST client's. Its owner, the CLI, stops the engine
+        child afterwards."""
+        if self._token_streams is not None:
+            await self._token_streams.aclose()
+        await asyncio.to_thread(self._close_sdk_clients)
+
+    def _close_sdk_clients(self) -> None:
         try:
-            self.service.close("success").result(timeout=5)
+            self.service.close("success").result(timeout=CLOSE_SECONDS)
         except Exception as err:
             log.warning("could not finish the Tinker session: %s", err)
+        holder = self.rest.holder
+        try:
+            holder.run_coroutine_threadsafe(holder.aclose()).result(timeout=CLOSE_SECONDS)
+        except Exception as err:
+            log.warning("could not close the Tinker REST client: %s", err)
 
 
 def _let_go(service: tinker.ServiceClient, detail: str) -> None:

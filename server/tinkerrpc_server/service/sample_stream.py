@@ -37,8 +37,6 @@ from tinkerrpc_server.service.sampling import (
 from tinkerrpc_server.stream_text import held_back_from
 
 _STOP_REASONS = {"stop": types_pb2.STOP_REASON_STOP, "length": types_pb2.STOP_REASON_LENGTH}
-# Connecting to the engine's stream; once it streams, each read may wait as long as a backend call.
-_CONNECT_SECONDS = 10.0
 
 
 class _SequenceText:
@@ -92,9 +90,6 @@ class SampleStreamer:
     def __init__(self, sampler: Sampler, backend: Backend) -> None:
         self._sampler = sampler
         self._backend = backend
-        # One client for every stream: making one costs tens of milliseconds (its TLS context), which a
-        # stream's first token would wait for.
-        self._http: httpx.AsyncClient | None = None
 
     async def stream(self, request: pb.SampleStreamRequest) -> AsyncIterator[pb.SampleStreamResponse]:
         inner = request.request
@@ -159,9 +154,7 @@ class SampleStreamer:
         )
         backend = self._backend
         url = backend.base_url.rstrip("/") + wire.SAMPLE_STREAM_PATH
-        if self._http is None:
-            self._http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=_CONNECT_SECONDS))
-        http = self._http
+        http = backend.token_stream_client()
         try:
             async with http.stream(
                 "POST", url, json=body.model_dump(mode="json"), headers={"X-API-Key": backend.api_key}
