@@ -8,7 +8,7 @@ training client (it has no SFT). Each round starts both sides afresh, in alterna
 runs in its own process (`import art` patches transformers in its process).
 
 Figures: the median over rounds of each run's median RL step (its rollouts plus its Train), of each run's
-median Train alone, of each run's warm-up alone (ours: ART's SFT, 20 committed Train steps; the seed: 20
+median Train alone, of each run's warm-up alone (ours: ART's SFT, one Train of 20 minibatches; the seed: 20
 forward_backward + optim_step on its raw training client, then its state and sampler saves), and the
 median time from register to the rollouts that reached the target (warm-up included). The goals are here,
 one constant each.
@@ -132,9 +132,10 @@ def figures(ours: Sequence[dict[str, Any]], seed: Sequence[dict[str, Any]]) -> l
             "s",
             SFT_GOAL,
             "<=",
-            f"{common}; ours: model.train_sft, 20 Train steps each committed with its sampler weights and "
-            f"full state; seed: TinkerNativeBackend has no SFT, so its raw training client runs 20 "
-            f"forward_backward + optim_step on the same datums, then saves its state and sampler once",
+            f"{common}; ours: model.train_sft, one Train of 20 minibatches (20 forward_backward + "
+            f"optim_step) committed with its sampler weights and full state; seed: TinkerNativeBackend has "
+            f"no SFT, so its raw training client runs 20 forward_backward + optim_step on the same datums, "
+            f"then saves its state and sampler once",
             rounds=rounds(*warm_ups),
         ),
         Figure(

@@ -235,7 +235,10 @@ LIMITS: tuple[Limit, ...] = (
     _most("SIDECAR_MAX_N", "the sidecar's n and best_of"),
     _most("SIDECAR_MAX_TEMPERATURE", "the sidecar's temperature (OpenAI's range)"),
     _most("SIDECAR_MAX_TAG_CHARS", "characters of the sidecar's request_id and cache_salt"),
-    _most("MAX_LEARNING_RATE", "AdamParams.learning_rate (required, > 0)"),
+    _most(
+        "MAX_LEARNING_RATE",
+        "AdamParams.learning_rate (required, > 0) and each of TrainRequest.minibatch_learning_rates",
+    ),
     _default("DEFAULT_LEARNING_RATE", "the SDK's learning_rate (Train's has none: it is required)"),
     _default("DEFAULT_ADAM_BETA1", "AdamParams.beta1 when unset (Tinker's)"),
     _default("DEFAULT_ADAM_BETA2", "AdamParams.beta2 when unset (Tinker's)"),
