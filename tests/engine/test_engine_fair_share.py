@@ -59,6 +59,9 @@ def test_a_small_model_is_answered_while_a_large_model_s_long_batch_runs(engine:
         still_running = not long_batch.done()
         after = engine.stats()
         assert long_batch.cancel()  # its caller gives up: the batch stops decoding
+        while engine.stats()["decoding_rows"]:
+            assert time.monotonic() < deadline, "the abandoned batch kept decoding"
+            time.sleep(0.05)
     print(
         f"tiny-chat 16 tokens: {alone:.3f} s alone, {[round(d, 3) for d in during]} s during SmolLM2 16 rows"
     )
@@ -66,3 +69,5 @@ def test_a_small_model_is_answered_while_a_large_model_s_long_batch_runs(engine:
     # Each waited about one SmolLM2 step (16 rows) per turn it gave up, not the batch's whole length.
     assert max(during) < alone + 5.0, (alone, during)
     assert after["sample_turns_to_other_models"] > before["sample_turns_to_other_models"]
+    # The gauge is per base model: tiny-chat's batches ending left SmolLM2's 16 rows counted.
+    assert after["decoding_rows"] == {SMOLLM2: 16}

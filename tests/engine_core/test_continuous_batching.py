@@ -3,6 +3,7 @@ leave it, shared prefills sample what separate ones do, and the worker feeds arr
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -31,6 +32,7 @@ class ScriptedFeed:
         self, arrivals: dict[int, list[SampleJob]], abandon_at: dict[int, int] | None = None
     ) -> None:
         self.stats = DecodeStats()
+        self.rows_decoding = 0
         self.turn = -1
         self.arrivals = arrivals
         self.abandon_at = abandon_at or {}  # key -> turn at which its caller gives up
@@ -58,6 +60,9 @@ class ScriptedFeed:
 
     def other_work_waiting(self) -> bool:
         return False
+
+    def decoding(self, rows: int) -> None:
+        self.rows_decoding = rows
 
 
 def serve(
@@ -125,6 +130,7 @@ def test_finished_rows_leave_the_batch_and_their_request_is_answered_at_once(
     assert stats.rows_left_early == 2 and stats.largest_decode_rows == 3
     # 2 steps with 3 rows, then the long row alone for the rest.
     assert stats.decoded_rows == 2 * 3 + (stats.decode_steps - 2)
+    assert feed.rows_decoding == 0, "the last row's leaving is reported"
 
 
 def test_shared_prefill_samples_what_separate_requests_sample(
@@ -270,6 +276,45 @@ def test_the_worker_feeds_requests_arriving_during_a_batch_into_it() -> None:
     }
     stats = worker.stats
     assert (stats.sample_batches, stats.sample_requests, stats.sample_requests_joined_later) == (3, 4, 1)
+
+
+def test_the_decoding_rows_gauge_is_per_base_model() -> None:
+    """Two base models' batches take turns: each reports its own rows, one ending leaves the other's
+    count, and a batch that ends without reporting its rows gone is dropped from the gauge anyway."""
+    worker = ComputeWorker(lambda exc: FailedResult(str(exc), "internal"))
+    futures = {name: RequestFuture() for name in ("a", "b")}
+    seen: list[dict[str, int]] = []
+
+    def run_b(feed: RequestFeed[str, Outcome]) -> Iterator[None]:
+        ((key, _),) = feed.joining()
+        feed.decoding(2)
+        seen.append(worker.stats.decoding_rows)
+        yield
+        feed.decoding(0)
+        seen.append(worker.stats.decoding_rows)
+        feed.deliver(key, FailedResult("answered b", "user"))
+
+    def run_a(feed: RequestFeed[str, Outcome]) -> Iterator[None]:
+        ((key, _),) = feed.joining()
+        feed.decoding(3)
+        worker.submit_sample("model-b", "weights-b", "test", run_b, "b", futures["b"])
+        while not futures["b"].done():
+            yield  # model-b's batch takes its turns meanwhile
+        seen.append(worker.stats.decoding_rows)
+        feed.deliver(key, FailedResult("answered a", "user"))  # its rows never reported gone
+
+    try:
+        worker.submit_sample("model-a", "weights-a", "test", run_a, "a", futures["a"])
+        for future in futures.values():
+            future.result(timeout=30)
+        # model-a's batch ends on the compute thread just after its answer.
+        deadline = time.monotonic() + 30
+        while worker.stats.decoding_rows and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        worker.stop()
+    assert seen == [{"model-a": 3, "model-b": 2}, {"model-a": 3}, {"model-a": 3}]
+    assert worker.stats.decoding_rows == {}
 
 
 def test_rows_leaving_from_anywhere_in_the_batch_keep_the_others_samples(

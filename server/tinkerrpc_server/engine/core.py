@@ -157,8 +157,9 @@ class Engine(CheckpointOperations):
         if future is not None:
             future.abandon()
 
-    def stats(self) -> dict[str, int]:
-        """The compute worker's scheduling counters and the live training clients."""
+    def stats(self) -> dict[str, int | dict[str, int]]:
+        """The compute worker's scheduling counters (decoding_rows: by base model) and the live
+        training clients."""
         return {**dataclasses.asdict(self._worker.stats), "live_models": self._runtimes.live_count()}
 
     # ---- sessions ----

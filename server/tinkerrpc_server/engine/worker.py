@@ -365,6 +365,8 @@ class ComputeWorker(Generic[JobT, AnswerT]):
         self._finish_batch(batch)
 
     def _finish_batch(self, batch: _RunningBatch[JobT, AnswerT]) -> None:
+        # A batch that failed mid-decode never said its rows left.
+        self.stats.set_decoding_rows(str(batch.group.lane), 0)
         with self._cond:
             del self._running[batch.group.lane]
 
@@ -461,6 +463,9 @@ class _SampleBatch(Generic[JobT, AnswerT]):
 
     def other_work_waiting(self) -> bool:
         return self._worker.other_work_waiting(self._lane)
+
+    def decoding(self, rows: int) -> None:
+        self._worker.stats.set_decoding_rows(str(self._lane), rows)
 
     def fail_unanswered(self, outcome: FailedResult) -> None:
         """The batch failed: every request it took or was given and has not answered gets `outcome`."""

@@ -4,7 +4,7 @@ through conversions (`MappedFeed`) and a fixed list of requests (`FixedRequests`
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from tinkerrpc_server.engine.compute.samples import SampleJob, SampleOutput
@@ -24,8 +24,13 @@ class DecodeStats:
     shared_prefill_rows: int = 0  # rows whose prompt KV was copied from another row's prefill
     # Decode steps whose rows all held one prompt's KV: its columns were read once for all of them.
     shared_prompt_decode_steps: int = 0
-    # Rows in the batch decoding now (0 when none is): a gauge, not a counter.
-    decoding_rows: int = 0
+    # Rows decoding now in each base model's running batch (none listed: nothing decodes): a gauge per
+    # model, not a counter. Replaced, never changed in place, so a reader on another thread copies it whole.
+    decoding_rows: dict[str, int] = field(default_factory=dict)
+
+    def set_decoding_rows(self, model: str, rows: int) -> None:
+        others = {name: count for name, count in self.decoding_rows.items() if name != model}
+        self.decoding_rows = {**others, model: rows} if rows else others
 
 
 In_co = TypeVar("In_co", covariant=True)
@@ -53,6 +58,10 @@ class RequestFeed(Protocol[In_co, Out_contra]):
     def other_work_waiting(self) -> bool:
         """Whether work that should not wait for the whole batch is queued: the decode then pauses
         (yields) between two steps so its caller can run that work outside the model's context."""
+        ...
+
+    def decoding(self, rows: int) -> None:
+        """The batch decodes `rows` rows now (0: none is left): its model's decoding_rows gauge."""
         ...
 
 
@@ -98,6 +107,9 @@ class MappedFeed(Generic[A, B, C, D]):
     def other_work_waiting(self) -> bool:
         return self._inner.other_work_waiting()
 
+    def decoding(self, rows: int) -> None:
+        self._inner.decoding(rows)
+
 
 class FixedRequests:
     """A feed of a fixed list of jobs (keyed by their index) that collects their outputs."""
@@ -119,3 +131,6 @@ class FixedRequests:
 
     def other_work_waiting(self) -> bool:
         return False
+
+    def decoding(self, rows: int) -> None:
+        pass  # a fixed list's decode runs to its end unwatched

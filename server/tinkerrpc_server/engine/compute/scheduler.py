@@ -314,7 +314,7 @@ class DecodeBatch:
         stats.decode_steps += 1
         stats.decoded_rows += len(batch.rows)
         stats.largest_decode_rows = max(stats.largest_decode_rows, len(batch.rows))
-        stats.decoding_rows = len(batch.rows)
+        self.feed.decoding(len(batch.rows))
 
     def _keep(self, indices: list[int]) -> None:
         """Drop every decoding row but those at `indices`."""
@@ -322,7 +322,7 @@ class DecodeBatch:
         if len(indices) == len(self.decoding.rows):
             return
         self.decoding = self.decoding.keep(indices) if indices else None
-        self.feed.stats.decoding_rows = len(indices)
+        self.feed.decoding(len(indices))
 
     def _answer(self, owner: DecodingJob) -> None:
         if self.by_key.pop(owner.key, None) is None:

@@ -93,7 +93,7 @@ async def server_capabilities(engine: EngineDep) -> types.GetServerCapabilitiesR
 
 
 @router.get("/debug/stats")
-async def debug_stats(engine: EngineDep) -> dict[str, int]:
+async def debug_stats(engine: EngineDep) -> dict[str, int | dict[str, int]]:
     return engine.stats()
 
 
