@@ -12,7 +12,7 @@ the demo's recipe does: through ART's SFT path (`model.train_sft`) on tinkerrpc.
 TinkerNativeBackend's raw tinker training client on the seed, whose `train_sft` raises
 NotImplementedError.
 
-Usage: art_flows.py {yes-no-maybe|reregister} ART_PATH GRPC_TARGET, or art_flows.py seed-yes-no-maybe
+Usage: art_flows.py {yes-no-maybe|reregister|sft-schedule|retrain-after-restore} ART_PATH GRPC_TARGET, or art_flows.py seed-yes-no-maybe
 ART_PATH with TINKER_BASE_URL / TINKER_API_KEY naming the engine; prints a JSON result (with the flow's
 timings), exits non-zero when a check fails.
 """
@@ -339,7 +339,56 @@ async def sft_schedule(art_path: str, target: str) -> dict[str, Any]:
     return {"minibatches": len(step.metrics.minibatch_losses)}
 
 
+async def retrain_after_restore(art_path: str, target: str) -> dict[str, Any]:
+    """train(save_checkpoint=True) to versions 1 and 2, a restore to version 1, then a train to version 2
+    again: its art-step-000002 replaces the one the restore discarded (a newer state of that name, the
+    only one), as ART's own backends overwrite a step's checkpoint."""
+    backend = TinkerRPCBackend(target, path=art_path)
+    model = art.TrainableModel(name="restore-001", project="restore", base_model=BASE_MODEL)
+    await model.register(backend)
+    messages: art.Messages = [{"role": "user", "content": "respond with yes, no or maybe"}]
+
+    async def train_saving() -> int:
+        completion = await model.openai_client().chat.completions.create(
+            messages=messages, model=model.get_inference_name(), max_tokens=8, n=2, seed=5, timeout=100
+        )
+        group = art.TrajectoryGroup(
+            art.Trajectory(messages_and_choices=[*messages, choice], reward=float(index))
+            for index, choice in enumerate(completion.choices)
+        )
+        result = await backend.train(model, [group], learning_rate=RL_LEARNING_RATE, save_checkpoint=True)
+        return result.step
+
+    async def art_states() -> list[tinkerrpc.CheckpointInfo]:
+        listed = await client.model(model.name).checkpoints()
+        return [c for c in listed if c.kind == "state" and c.name.startswith("art-step-")]
+
+    async with tinkerrpc.AsyncClient(target) as client:
+        assert [await train_saving(), await train_saving()] == [1, 2]
+        discarded = {c.name: c for c in await art_states()}
+        assert {name: c.policy_version for name, c in discarded.items()} == {
+            "art-step-000001": 1,
+            "art-step-000002": 2,
+        }
+        restored = await client.model(model.name).restore("art-step-000001")
+        assert restored.policy_version == 1 == await model.get_step()
+        assert await train_saving() == 2
+        states = {c.name: c for c in await art_states()}
+    assert {name: c.policy_version for name, c in states.items()} == {
+        "art-step-000001": 1,
+        "art-step-000002": 2,
+    }
+    assert states["art-step-000001"] == discarded["art-step-000001"]
+    replaced, before = states["art-step-000002"], discarded["art-step-000002"]
+    assert replaced.tinker_path != before.tinker_path
+    assert replaced.create_time and before.create_time and replaced.create_time > before.create_time
+    step = await model.get_step()
+    await backend.close()
+    return {"step": step}
+
+
 FLOWS = {
+    "retrain-after-restore": retrain_after_restore,
     "sft-schedule": sft_schedule,
     "yes-no-maybe": yes_no_maybe,
     "reregister": reregister_and_score,

@@ -81,6 +81,14 @@ def test_art_register_is_get_or_create_and_choices_without_logprobs_carry_their_
     assert run_flow("reregister", tmp_path / ".art", stack.target)["step"] > 0
 
 
+def test_art_training_past_a_restore_replaces_the_discarded_timeline_s_checkpoint(
+    stack: LocalStack, tmp_path: Path
+) -> None:
+    """A model restored to an earlier version trains to a version whose art-step state the restore
+    discarded: the step succeeds and its state replaces the old one (the flow checks the listing)."""
+    assert run_flow("retrain-after-restore", tmp_path / ".art", stack.target)["step"] == 2
+
+
 def test_art_tinker_native_backend_on_the_engine_reaches_the_target_reward(
     engine: LocalEngine, tmp_path: Path
 ) -> None:

@@ -14,7 +14,7 @@ from art import dev
 
 from tinkerrpc._async_client import AsyncClient, AsyncModel
 from tinkerrpc._channel import TlsOption
-from tinkerrpc._errors import FailedPreconditionError
+from tinkerrpc._errors import AlreadyExistsError, FailedPreconditionError
 from tinkerrpc._openai_client import sidecar_connection
 from tinkerrpc._types import CheckpointInfo, SupervisedExample, TrainResult
 from tinkerrpc.art._train_options import resolve_train_options
@@ -27,7 +27,8 @@ from tinkerrpc.v1.errors_pb2 import ErrorReason
 DEFAULT_ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
 # The loss_fn_config keys a Train sets (clip thresholds for ppo/cispo/gspo, beta for dro).
 LOSS_CONFIG_KEYS = tuple(key.name for key in TRAIN_CONFIG_KEYS)
-# The full training state train() saves (save_checkpoint, optimizer_save_interval), named per version.
+# The full training state train() saves (save_checkpoint, optimizer_save_interval), named per version;
+# the state of that name left by another timeline (before a restore) is replaced (_save_art_checkpoint).
 ART_CHECKPOINT_NAME = "art-step-{version:06d}"
 # SFT conversations per optimizer step when TrainSFTConfig.batch_size is "auto".
 AUTO_SFT_BATCH_SIZE = 32
@@ -228,8 +229,7 @@ class TinkerRPCBackend(art.Backend):
             metrics["data/step_num_groups_trainable"] = 0.0
             return art.TrainResult(step=await self._get_step(model), metrics=metrics)
         if save_checkpoint or options.saves_state_at(result.policy_version):
-            # Named, so the server's retention of its automatic per-step states keeps it until ART deletes it.
-            await handle.save_checkpoint(ART_CHECKPOINT_NAME.format(version=result.policy_version))
+            await _save_art_checkpoint(handle, result.policy_version)
         self._steps[model.name] = result.policy_version
         trainable = len(groups) - result.metrics.zero_variance_groups
         metrics["data/step_num_groups_trainable"] = float(trainable)
@@ -292,6 +292,20 @@ class TinkerRPCBackend(art.Backend):
                     ErrorReason.ERROR_REASON_CURRENT_SAMPLER_CHECKPOINT,
                 ):
                     raise
+
+
+async def _save_art_checkpoint(handle: AsyncModel, version: int) -> None:
+    """Save the full training state as `art-step-<version>`: named, so the server's retention of its
+    automatic per-step states keeps it until ART deletes it. A state of that name already there was
+    saved before the model was restored to an earlier version, on the timeline the restore discarded:
+    it is replaced, as ART's own backends overwrite a step's checkpoint when training reaches the step
+    again."""
+    name = ART_CHECKPOINT_NAME.format(version=version)
+    try:
+        await handle.save_checkpoint(name)
+    except AlreadyExistsError:
+        await handle.delete_checkpoint(name, "state")
+        await handle.save_checkpoint(name)
 
 
 def _art_metrics(result: TrainResult) -> dict[str, float]:
