@@ -7,7 +7,7 @@ import json
 import logging
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -164,8 +164,9 @@ class LocalEngine(EngineProcess):
             handed["HF_HUB_CACHE"] = self.env["HF_HUB_CACHE"]
         return child_environment(handed)
 
-    def stats(self) -> dict[str, int]:
-        """The engine's scheduling counters (sample requests, the batches they ran in, training ops)."""
+    def stats(self) -> dict[str, Any]:
+        """The engine's scheduling counters (sample requests, the batches they ran in, training ops) and
+        its gauges (live_models; decoding_rows, by base model)."""
         request = urllib.request.Request(f"{self.base_url}/api/v1/debug/stats", headers=self.auth_headers)
         with urllib.request.urlopen(request, timeout=10) as response:
             return dict(json.loads(response.read()))
