@@ -144,6 +144,22 @@ MAX_ENGINE_LABEL_CHARS = 1024
 # of MAX_ENGINE_LABEL_CHARS; a few hundred bytes as the SDK sends it), so at most about 200 MB in memory
 # and the index, and still far more sessions than anyone pages through.
 MAX_ENGINE_SESSION_RECORDS = 1024
+# Finished session ids the engine remembers, so that a heartbeat of one answers 410 (the SDK then stops its
+# loop); past it the oldest are forgotten, and a forgotten session that heartbeats again is adopted, as
+# after a restart, until it falls silent. Why 4096: an id costs about 100 bytes, so under half a MB, and
+# four times the records kept of sessions.
+MAX_ENGINE_FINISHED_SESSION_IDS = 4096
+# Training-run records the engine keeps (list_training_runs, get_training_run): every training client is a
+# run, so a service that rebuilds its client after each failed step makes one per step. Past the cap the
+# least recently used idle runs (no checkpoint, no training client in memory) are forgotten and then
+# unknown (404); a run with a checkpoint or a live client always stays (its checkpoints' listing and
+# get_training_run_by_tinker_path need it). Why 1024: listing reads every record per call and a record
+# holds up to about 130 KB of user_metadata (MAX_ENGINE_LABELS entries of MAX_ENGINE_LABEL_CHARS), so at
+# most about 130 MB, as for session records, and far more runs than anyone pages through.
+MAX_ENGINE_RUN_RECORDS = 1024
+# Seconds an idle run (as above) stays recorded after its last request. Why a week: the engine's audit log
+# names a run's requests for 7 days, so every run it names can still be looked up.
+MAX_ENGINE_IDLE_RUN_SECONDS = 7 * 86400
 # A checkpoint's ttl_seconds (a save's, a copy's, set_checkpoint_ttl's): Tinker's 10 years. The engine's
 # least is 1 s, not Tinker's hour.
 MAX_CHECKPOINT_TTL_SECONDS = 10 * 365 * 86400
@@ -303,6 +319,20 @@ LIMITS: tuple[Limit, ...] = (
         "MAX_ENGINE_SESSION_RECORDS",
         "sessions the engine keeps records of, past which the oldest ended ones are forgotten (never one "
         "with a training client or sampling session in memory, or a checkpoint)",
+    ),
+    _most(
+        "MAX_ENGINE_FINISHED_SESSION_IDS",
+        "finished session ids the engine remembers so their heartbeats answer 410 (the oldest forgotten)",
+    ),
+    _most(
+        "MAX_ENGINE_RUN_RECORDS",
+        "training runs the engine keeps records of, past which the least recently used idle ones (no "
+        "checkpoint, no training client in memory) are forgotten",
+    ),
+    _most(
+        "MAX_ENGINE_IDLE_RUN_SECONDS",
+        "seconds the engine keeps the record of an idle training run (no checkpoint, no training client in "
+        "memory) after its last request",
     ),
     _most("MAX_CHECKPOINT_TTL_SECONDS", "the engine's ttl_seconds of a checkpoint (save, copy, set ttl)"),
     _most("MAX_AGE_RECIPIENTS", "age_encryption_recipients of save_weights_external (at least 1 if given)"),

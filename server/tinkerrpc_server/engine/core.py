@@ -18,7 +18,7 @@ snapshots go as the ledger says (snapshots.py), and an engine restart deletes th
 saved with `ttl_seconds` are deleted by a sweep every SWEEP_INTERVAL_SECONDS once it has passed (and are
 unknown from that moment on); the same sweep finishes silent sessions and deletes the unnamed snapshots
 nothing uses any more. Records of ended sessions and sampled sequences are capped by count (sessions.py,
-sampled.py).
+sampled.py), and records of idle training runs by count and age (storage.py).
 """
 
 from __future__ import annotations
@@ -275,6 +275,8 @@ class Engine(CheckpointOperations):
             )
         )
         self._runtimes.mark_live(model_id, base_model)
+        # Here, on the compute thread, no run is between its record and its training client.
+        self._storage.forget_idle_runs(self._runtimes.is_live)
 
     def submit_to_live_model(
         self, model_id: str, seq_id: int | None, name: str, work: Callable[[], Answer]

@@ -21,14 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tinkerrpc.contract.limits import MAX_ENGINE_SESSION_RECORDS
+from tinkerrpc.contract.limits import MAX_ENGINE_FINISHED_SESSION_IDS, MAX_ENGINE_SESSION_RECORDS
 from tinkerrpc_server.engine import protocol
 from tinkerrpc_server.engine.storage import Storage, now_iso
 
 log = logging.getLogger("tinkerrpc.engine")
-
-# Finished session ids remembered so their heartbeats answer 410 (the SDK then stops its loop).
-FINISHED_SESSIONS_REMEMBERED = 4096
 
 
 def training_client_prefix(session_id: str) -> str:
@@ -159,5 +156,6 @@ class Sessions:
         with self._lock:
             self._last_seen.pop(session_id, None)
             self._finished[session_id] = None
-            while len(self._finished) > FINISHED_SESSIONS_REMEMBERED:
+            # Remembered so their heartbeats answer 410 (the SDK then stops its loop).
+            while len(self._finished) > MAX_ENGINE_FINISHED_SESSION_IDS:
                 self._finished.popitem(last=False)

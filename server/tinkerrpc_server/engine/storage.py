@@ -1,7 +1,7 @@
-"""The engine's on-disk state: training runs and checkpoints under --data-dir, indexed in a journal.
+"""The engine's on-disk state: training runs and checkpoints under --data-dir, and the index of them.
 
 Layout:
-    <data-dir>/engine_index.jsonl                     runs and checkpoints: an append-only journal
+    <data-dir>/engine_index.jsonl                     runs, checkpoints, sessions: a journal (index.py)
     <data-dir>/runs/<model_id>/weights/<name>/        save_state (adapter + optimizer)
     <data-dir>/runs/<model_id>/sampler_weights/<name>/ save_weights_for_sampler (adapter only)
     <data-dir>/runs/<model_id>/external_weights/<name>/ save_weights_external (plain PEFT adapter dir)
@@ -9,14 +9,13 @@ Layout:
 `tinker://<model_id>/weights/<name>`, `tinker://<model_id>/sampler_weights/<name>` and
 `tinker://<model_id>/external_weights/<name>` resolve to those directories (checkpoint kinds "training",
 "sampler" and "external"). A new engine on the same data dir sees every run and checkpoint of the
-previous one.
+previous one. Checkpoints whose expiry passed are dropped at start and by the engine's periodic sweep
+(`delete_expired`).
 
-The index is a JSON-lines journal: each change appends one fsynced line (a run, a checkpoint, a
-deletion), so a step costs the same at step 5 000 as at step 5. At start the journal is replayed (a torn
-last line from a crash is ignored) and compacted into one line per live record, and again whenever the
-lines appended since outnumber COMPACT_FACTOR times the live records (amortised O(1) per change, and the
-file stays within a constant factor of what it describes); checkpoints whose
-expiry passed are dropped then, and by the engine's periodic sweep (`expired_checkpoints`).
+Run records are bounded (`forget_idle_runs`): every training client is a run, so a service that rebuilds
+its training clients would otherwise grow the index and every listing for ever. A run with no checkpoint
+and no live training client is forgotten once idle for MAX_ENGINE_IDLE_RUN_SECONDS, and the oldest such
+runs while there are more than MAX_ENGINE_RUN_RECORDS; a forgotten run is unknown (404) from then on.
 
 Every path under the data dir is built by `Storage.inside` from checked names (`check_id`,
 `validate_checkpoint_name`: no separator, no '..', bounded length, a conservative charset) and must
@@ -27,35 +26,40 @@ directory's mode here, the engine process's umask for the rest).
 from __future__ import annotations
 
 import contextlib
-import json
+import logging
 import os
 import re
 import shutil
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal, TextIO
+from typing import Any
 
-CheckpointKind = Literal["training", "sampler", "external"]
+from tinkerrpc.contract.limits import MAX_ENGINE_IDLE_RUN_SECONDS, MAX_ENGINE_RUN_RECORDS
 
-_KIND_SEGMENT: dict[CheckpointKind, str] = {
-    "training": "weights",
-    "sampler": "sampler_weights",
-    "external": "external_weights",
-}
-_SEGMENT_KIND: dict[str, CheckpointKind] = {v: k for k, v in _KIND_SEGMENT.items()}
+# The index's records and helpers, which the engine's other modules import from here.
+from tinkerrpc_server.engine.index import (
+    INDEX_FILE,
+    KIND_SEGMENT,
+    LEGACY_INDEX_FILE,
+    Index,
+)
+from tinkerrpc_server.engine.index import CheckpointKind as CheckpointKind
+from tinkerrpc_server.engine.index import CheckpointRecord as CheckpointRecord
+from tinkerrpc_server.engine.index import RunRecord as RunRecord
+from tinkerrpc_server.engine.index import fsync_directory as fsync_directory
+from tinkerrpc_server.engine.index import now_iso as now_iso
+
+log = logging.getLogger("tinkerrpc.engine")
+
+_SEGMENT_KIND: dict[str, CheckpointKind] = {v: k for k, v in KIND_SEGMENT.items()}
 _NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # Session, model and sampler ids (`<session>:train:<n>`): one path segment at most.
 _ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
-_INDEX_FILE = "engine_index.jsonl"
-# The journal is rewritten once it holds this many times more appended lines than live records.
-COMPACT_FACTOR = 4
-_MIN_LINES_BEFORE_COMPACTING = 256
-# The whole-file index of earlier versions, read once and replaced by the journal.
-_LEGACY_INDEX_FILE = "engine_index.json"
 # In the name of a save's staging directory (compute/state_io.py): `.<name>.tmp-<random>`.
 _STAGING_MARK = ".tmp-"
 # How much of a rejected name an error message repeats.
@@ -89,49 +93,6 @@ def check_id(what: str, value: str) -> str:
     return value
 
 
-def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat()
-
-
-@dataclass
-class RunRecord:
-    model_id: str
-    base_model: str
-    lora_rank: int
-    seed: int | None
-    train_mlp: bool
-    train_attn: bool
-    train_unembed: bool
-    created_at: str
-    last_request_time: str
-    user_metadata: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class CheckpointRecord:
-    model_id: str
-    kind: CheckpointKind
-    name: str
-    created_at: str
-    size_bytes: int
-    user_metadata: dict[str, str] = field(default_factory=dict)
-    # POSIX seconds after which the checkpoint is deleted (the SDK's ttl_seconds); None: kept.
-    expires_at: float | None = None
-    # An unnamed sampler snapshot: its training client and sampling sessions die with the engine, so a
-    # new engine deletes it at start.
-    ephemeral: bool = False
-    # Published (the SDK's publish_checkpoint_from_tinker_path): listed as public until unpublished.
-    public: bool = False
-
-    @property
-    def checkpoint_id(self) -> str:
-        return f"{_KIND_SEGMENT[self.kind]}/{self.name}"
-
-    @property
-    def tinker_path(self) -> str:
-        return f"tinker://{self.model_id}/{self.checkpoint_id}"
-
-
 def validate_checkpoint_name(name: str) -> None:
     if _NAME_PATTERN.fullmatch(name) is None or ".." in name:
         raise InvalidNameError(
@@ -154,50 +115,10 @@ def parse_tinker_path(path: str) -> tuple[str, CheckpointKind, str]:
     return check_id("model_id", parts[0]), _SEGMENT_KIND[parts[1]], parts[2]
 
 
-def fsync_directory(directory: Path) -> None:
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-# Sessions are kept as the JSON objects engine/sessions.py makes of its records.
-_Index = tuple[dict[str, RunRecord], dict[str, CheckpointRecord], dict[str, dict[str, Any]]]
-
-
-def _replay(index_path: Path) -> _Index:
-    """The runs, checkpoints and sessions a journal describes; a line that does not parse (the torn last
-    write of a killed engine) is skipped."""
-    runs: dict[str, RunRecord] = {}
-    checkpoints: dict[str, CheckpointRecord] = {}
-    sessions: dict[str, dict[str, Any]] = {}
-    if not index_path.exists():
-        return runs, checkpoints, sessions
-    with index_path.open() as journal:
-        for line in journal:
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "run" in entry:
-                runs[entry["run"]["model_id"]] = RunRecord(**entry["run"])
-            elif "checkpoint" in entry:
-                record = CheckpointRecord(**entry["checkpoint"])
-                checkpoints[record.tinker_path] = record
-            elif "deleted" in entry:
-                checkpoints.pop(entry["deleted"], None)
-            elif "session" in entry:
-                sessions[entry["session"]["session_id"]] = entry["session"]
-            elif "forgotten_session" in entry:
-                sessions.pop(entry["forgotten_session"], None)
-    return runs, checkpoints, sessions
-
-
 def read_index(data_dir: Path) -> tuple[list[RunRecord], list[CheckpointRecord]]:
     """The runs and checkpoints recorded under an engine's data dir, read without changing anything."""
-    runs, checkpoints, _ = _replay(data_dir / _INDEX_FILE)
-    return list(runs.values()), list(checkpoints.values())
+    index = Index(data_dir / INDEX_FILE)
+    return list(index.runs.values()), list(index.checkpoints.values())
 
 
 def directory_size(path: Path) -> int:
@@ -238,26 +159,32 @@ def file_inside(directory: Path, relative: str) -> Path:
 
 
 class Storage:
-    """Thread-safe index of runs and checkpoints; every change is in the journal before it returns."""
+    """Thread-safe index of runs, checkpoints and sessions; every change is in the journal before it
+    returns. `run_cap` and `run_max_idle_seconds` bound the run records (`forget_idle_runs`)."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        run_cap: int = MAX_ENGINE_RUN_RECORDS,
+        run_max_idle_seconds: float = MAX_ENGINE_IDLE_RUN_SECONDS,
+    ) -> None:
         self.data_dir = data_dir
         data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._root = data_dir.resolve()
         self._lock = threading.Lock()
-        index_path = self.inside(_INDEX_FILE)
-        self._runs, self._checkpoints, self._sessions = _replay(index_path)
-        legacy_index = self.inside(_LEGACY_INDEX_FILE)
+        self.run_cap, self.run_max_idle_seconds = run_cap, run_max_idle_seconds
+        # Changes before the first compaction are only in memory: that compaction writes them.
+        self._index = Index(self.inside(INDEX_FILE))
+        legacy_index = self.inside(LEGACY_INDEX_FILE)
         if legacy_index.exists():
-            self._read_legacy_index(legacy_index)
+            self._index.take_legacy(legacy_index)
         expired = self._pop_expired(time.time())
-        ephemeral = [c for c in self._checkpoints.values() if c.ephemeral]
+        ephemeral = [c for c in self._index.checkpoints.values() if c.ephemeral]
         for record in ephemeral:
-            del self._checkpoints[record.tinker_path]
-        self._index_path = index_path
-        self._journal: TextIO | None = None
-        self._appended = 0
-        self._compact()
+            self._index.delete_checkpoint(record.tinker_path)
+        # No training client outlives its engine: every run without a checkpoint is idle now.
+        self._forget_idle_runs(lambda model_id: False, time.time())
+        self._index.compact()
         legacy_index.unlink(missing_ok=True)
         for record in [*expired, *ephemeral]:
             self._remove_files(record)
@@ -274,60 +201,15 @@ class Storage:
         for staging in runs.glob(f"*/*/.*{_STAGING_MARK}*"):
             shutil.rmtree(staging, ignore_errors=True)
         for run_dir in runs.iterdir():
-            for segment in _KIND_SEGMENT.values():
+            for segment in KIND_SEGMENT.values():
                 with contextlib.suppress(OSError):  # not empty, or not there
                     (run_dir / segment).rmdir()
             with contextlib.suppress(OSError):
                 run_dir.rmdir()
 
-    def _read_legacy_index(self, path: Path) -> None:
-        """A data dir of an engine before the journal: its whole-file index, taken over once."""
-        payload = json.loads(path.read_text())
-        for run in payload.get("runs", []):
-            self._runs.setdefault(run["model_id"], RunRecord(**run))
-        for checkpoint in payload.get("checkpoints", []):
-            record = CheckpointRecord(**checkpoint)
-            self._checkpoints.setdefault(record.tinker_path, record)
-
-    def _compact(self) -> None:
-        """Rewrite the journal as one line per live record, atomically, and append to the new one."""
-        index_path = self._index_path
-        fd, tmp_name = tempfile.mkstemp(dir=index_path.parent, prefix=index_path.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as handle:
-                for run in self._runs.values():
-                    handle.write(json.dumps({"run": asdict(run)}) + "\n")
-                for checkpoint in self._checkpoints.values():
-                    handle.write(json.dumps({"checkpoint": asdict(checkpoint)}) + "\n")
-                for session in self._sessions.values():
-                    handle.write(json.dumps({"session": session}) + "\n")
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp_name, index_path)
-        except BaseException:
-            Path(tmp_name).unlink(missing_ok=True)
-            raise
-        fsync_directory(index_path.parent)
-        if self._journal is not None:
-            self._journal.close()
-        self._journal = index_path.open("a")
-        self._appended = 0
-
-    def _append(self, entry: dict[str, Any]) -> None:
-        """One journal line, on disk before the change is acknowledged (caller holds the lock)."""
-        assert self._journal is not None
-        self._journal.write(json.dumps(entry) + "\n")
-        self._journal.flush()
-        os.fsync(self._journal.fileno())
-        self._appended += 1
-        live = len(self._runs) + len(self._checkpoints) + len(self._sessions)
-        if self._appended > max(_MIN_LINES_BEFORE_COMPACTING, COMPACT_FACTOR * live):
-            self._compact()
-
     def close(self) -> None:
         with self._lock:
-            if self._journal is not None:
-                self._journal.close()
+            self._index.close()
 
     def inside(self, *parts: str) -> Path:
         """The path of `parts` under the data dir, refused (UnknownPathError) unless it resolves inside
@@ -340,48 +222,89 @@ class Storage:
     def checkpoint_dir(self, model_id: str, kind: CheckpointKind, name: str) -> Path:
         check_id("model_id", model_id)
         validate_checkpoint_name(name)
-        return self.inside("runs", model_id, _KIND_SEGMENT[kind], name)
+        return self.inside("runs", model_id, KIND_SEGMENT[kind], name)
+
+    # ---- training runs ----
 
     def put_run(self, record: RunRecord) -> None:
         with self._lock:
-            self._runs[record.model_id] = record
-            self._append({"run": asdict(record)})
+            self._index.put_run(record)
 
     def touch_run(self, model_id: str) -> None:
         """Record activity in memory; persisted with the next change (no disk write per step)."""
         with self._lock:
-            run = self._runs.get(model_id)
+            run = self._index.runs.get(model_id)
             if run is not None:
                 run.last_request_time = now_iso()
 
     def get_run(self, model_id: str) -> RunRecord:
         with self._lock:
-            run = self._runs.get(model_id)
+            run = self._index.runs.get(model_id)
         if run is None:
             raise UnknownPathError(f"unknown training run {model_id!r}")
         return run
 
     def list_runs(self) -> list[RunRecord]:
         with self._lock:
-            return sorted(self._runs.values(), key=lambda r: r.created_at, reverse=True)
+            return sorted(self._index.runs.values(), key=lambda r: r.created_at, reverse=True)
+
+    def forget_idle_runs(self, live: Callable[[str], bool]) -> list[str]:
+        """Forget the records of idle runs: those with no checkpoint and no live training client (`live`),
+        each once its last request is more than `run_max_idle_seconds` old, and the least recently used
+        others while there are more than `run_cap` runs (the cap gives way to runs that are not idle).
+        The forgotten model ids. Call it where no run is between its record and its training client
+        (the compute thread): such a run looks idle."""
+        with self._lock:
+            forgotten = self._forget_idle_runs(live, time.time())
+        if forgotten:
+            log.info(
+                "forgot %d idle training runs (no checkpoint, no live client; idle %.0f s, or past %d runs)",
+                len(forgotten),
+                self.run_max_idle_seconds,
+                self.run_cap,
+            )
+        return forgotten
+
+    def _forget_idle_runs(self, live: Callable[[str], bool], now: float) -> list[str]:
+        with_checkpoints = {c.model_id for c in self._index.checkpoints.values()}
+        idle = sorted(
+            (
+                (datetime.fromisoformat(run.last_request_time).timestamp(), run.model_id)
+                for run in self._index.runs.values()
+                if run.model_id not in with_checkpoints and not live(run.model_id)
+            ),
+        )
+        excess = len(self._index.runs) - self.run_cap
+        forgotten = [
+            model_id
+            for rank, (last_request, model_id) in enumerate(idle)
+            if rank < excess or now - last_request > self.run_max_idle_seconds
+        ]
+        for model_id in forgotten:
+            self._index.forget_run(model_id)
+        return forgotten
+
+    # ---- checkpoints ----
 
     def add_checkpoint(self, record: CheckpointRecord) -> None:
         with self._lock:
-            self._checkpoints[record.tinker_path] = record
-            run = self._runs.get(record.model_id)
-            if run is not None:
-                run.last_request_time = record.created_at
-            self._append({"checkpoint": asdict(record)})
+            self._add_checkpoint(record)
+
+    def _add_checkpoint(self, record: CheckpointRecord) -> None:
+        self._index.put_checkpoint(record)
+        run = self._index.runs.get(record.model_id)
+        if run is not None:
+            run.last_request_time = record.created_at
 
     def has_checkpoint(self, tinker_path: str) -> bool:
         with self._lock:
-            return tinker_path in self._checkpoints
+            return tinker_path in self._index.checkpoints
 
     def resolve(self, tinker_path: str) -> tuple[CheckpointRecord, Path]:
         """The checkpoint record and directory for a tinker:// path; UnknownPathError if absent."""
         model_id, kind, name = parse_tinker_path(tinker_path)
         with self._lock:
-            record = self._checkpoints.get(tinker_path)
+            record = self._index.checkpoints.get(tinker_path)
         directory = self.checkpoint_dir(model_id, kind, name)
         expired = record is not None and record.expires_at is not None and record.expires_at <= time.time()
         if record is None or expired or not directory.is_dir():
@@ -393,7 +316,7 @@ class Storage:
         with self._lock:
             found = [
                 c
-                for c in self._checkpoints.values()
+                for c in self._index.checkpoints.values()
                 if c.model_id == model_id and (c.expires_at is None or c.expires_at > now)
             ]
         return sorted(found, key=lambda c: c.created_at)
@@ -402,10 +325,9 @@ class Storage:
         tinker_path = f"tinker://{model_id}/{checkpoint_id}"
         parse_tinker_path(tinker_path)
         with self._lock:
-            record = self._checkpoints.pop(tinker_path, None)
-            if record is None:
-                raise UnknownPathError(f"no checkpoint at {tinker_path}")
-            self._append({"deleted": tinker_path})
+            record = self._index.delete_checkpoint(tinker_path)
+        if record is None:
+            raise UnknownPathError(f"no checkpoint at {tinker_path}")
         self._remove_files(record)
         return record
 
@@ -413,24 +335,24 @@ class Storage:
         """Give a checkpoint an expiry (None: it is kept until deleted)."""
         parse_tinker_path(tinker_path)
         with self._lock:
-            record = self._checkpoints.get(tinker_path)
+            record = self._index.checkpoints.get(tinker_path)
             if record is None:
                 raise UnknownPathError(f"no checkpoint at {tinker_path}")
-            record.expires_at = expires_at
-            self._append({"checkpoint": asdict(record)})
+            record = replace(record, expires_at=expires_at)
+            self._index.put_checkpoint(record)
         return record
 
     def set_public(self, tinker_path: str, public: bool) -> CheckpointRecord:
         """Publish or unpublish a checkpoint; ConflictError when it already is what was asked."""
         self.resolve(tinker_path)
         with self._lock:
-            record = self._checkpoints.get(tinker_path)
+            record = self._index.checkpoints.get(tinker_path)
             if record is None:
                 raise UnknownPathError(f"no checkpoint at {tinker_path}")
             if record.public == public:
                 raise ConflictError(f"{tinker_path} is already {'public' if public else 'private'}")
-            record.public = public
-            self._append({"checkpoint": asdict(record)})
+            record = replace(record, public=public)
+            self._index.put_checkpoint(record)
         return record
 
     def link_checkpoint(self, source_path: str, run: RunRecord, expires_at: float | None) -> CheckpointRecord:
@@ -443,7 +365,7 @@ class Storage:
         )
         target = self.checkpoint_dir(run.model_id, copy.kind, copy.name)
         with self._lock:
-            if run.model_id in self._runs:
+            if run.model_id in self._index.runs:
                 raise ConflictError(f"training run {run.model_id} already exists")
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{copy.name}{_STAGING_MARK}", dir=target.parent))
@@ -456,42 +378,43 @@ class Storage:
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        self.put_run(run)
-        self.add_checkpoint(copy)
+        with self._lock:  # together: a run without its checkpoint would look idle (forget_idle_runs)
+            self._index.put_run(run)
+            self._add_checkpoint(copy)
         return copy
-
-    def put_session(self, record: dict[str, Any]) -> None:
-        """Record a session (a JSON object with its "session_id"), replacing what was recorded of it."""
-        with self._lock:
-            self._sessions[record["session_id"]] = record
-            self._append({"session": record})
-
-    def forget_sessions(self, session_ids: list[str]) -> None:
-        """Drop the records of these sessions (past the cap of sessions.py)."""
-        with self._lock:
-            for session_id in session_ids:
-                if self._sessions.pop(session_id, None) is not None:
-                    self._append({"forgotten_session": session_id})
-
-    def list_sessions(self) -> list[dict[str, Any]]:
-        with self._lock:
-            return list(self._sessions.values())
 
     def delete_expired(self, now: float) -> list[CheckpointRecord]:
         """Delete every checkpoint whose expiry has passed; the deleted records."""
         with self._lock:
             expired = self._pop_expired(now)
-            for record in expired:
-                self._append({"deleted": record.tinker_path})
         for record in expired:
             self._remove_files(record)
         return expired
 
     def _pop_expired(self, now: float) -> list[CheckpointRecord]:
-        expired = [c for c in self._checkpoints.values() if c.expires_at is not None and c.expires_at <= now]
+        expired = [
+            c for c in self._index.checkpoints.values() if c.expires_at is not None and c.expires_at <= now
+        ]
         for record in expired:
-            del self._checkpoints[record.tinker_path]
+            self._index.delete_checkpoint(record.tinker_path)
         return expired
 
     def _remove_files(self, record: CheckpointRecord) -> None:
         shutil.rmtree(self.checkpoint_dir(record.model_id, record.kind, record.name), ignore_errors=True)
+
+    # ---- sessions (engine/sessions.py) ----
+
+    def put_session(self, record: dict[str, Any]) -> None:
+        """Record a session (a JSON object with its "session_id"), replacing what was recorded of it."""
+        with self._lock:
+            self._index.put_session(record)
+
+    def forget_sessions(self, session_ids: list[str]) -> None:
+        """Drop the records of these sessions (past the cap of sessions.py)."""
+        with self._lock:
+            for session_id in session_ids:
+                self._index.forget_session(session_id)
+
+    def list_sessions(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._index.sessions.values())
