@@ -140,11 +140,20 @@ def test_decode_attention_reads_shared_columns_from_the_first_row() -> None:
 
 
 @pytest.mark.parametrize(
-    "rows,in_features,out_features", [(1, 576, 960), (7, 37, 50), (16, 1536, 576), (700, 96, 40)]
+    "rows,in_features,out_features",
+    [
+        *((rows, 37, 50) for rows in range(1, 18)),
+        *((rows, 301, 33) for rows in (1, 2, 3, 5, 16, 17)),
+        (1, 576, 960),
+        (16, 1536, 576),
+        (700, 96, 40),
+        (2000, 7, 17),
+    ],
 )
 def test_packed_linear(rows: int, in_features: int, out_features: int) -> None:
-    """Any row count (row blocks of 6 and their remainder, several sweeps of rows at 700 × 96), out
-    features that end mid-panel, x as rows of a wider tensor."""
+    """Any row count (each row block's kernel, 1 to 17 rows; several passes and sweeps of rows at 700 × 96
+    and 2000 × 7), in features odd and fewer than a row's running sums, out features that end mid-panel,
+    x as rows of a wider tensor."""
     if not cpu_kernels.has_packed_linear():
         pytest.skip("the panel matmul is built for AVX2 CPUs")
     generator = torch.Generator().manual_seed(rows)
@@ -154,6 +163,21 @@ def test_packed_linear(rows: int, in_features: int, out_features: int) -> None:
     assert packed.shape == (-(-out_features // 16), in_features, 16)
     out = cpu_kernels.packed_linear(x, packed, out_features)
     torch.testing.assert_close(out, x @ weight.t(), rtol=1e-5, atol=1e-4)
+
+
+def test_a_packed_product_row_does_not_depend_on_the_rows_beside_it() -> None:
+    """A row's product is the same, bit for bit, alone or among 1 to 40 rows (each row block's kernel,
+    its segments summed at once or one after another): a request's logprobs do not depend on its batch."""
+    if not cpu_kernels.has_packed_linear():
+        pytest.skip("the panel matmul is built for AVX2 CPUs")
+    generator = torch.Generator().manual_seed(3)
+    for in_features, out_features in ((37, 50), (576, 96)):
+        weight = torch.randn(out_features, in_features, generator=generator)
+        x = torch.randn(40, in_features, generator=generator)
+        packed = cpu_kernels.pack_linear_weight(weight)
+        alone = torch.cat([cpu_kernels.packed_linear(x[r : r + 1], packed, out_features) for r in range(40)])
+        for rows in range(1, 41):
+            assert torch.equal(cpu_kernels.packed_linear(x[:rows], packed, out_features), alone[:rows])
 
 
 def test_the_kernels_refuse_what_they_cannot_compute() -> None:

@@ -3,19 +3,22 @@
 // dispatcher, an allocation and a pass over memory. These kernels do the same arithmetic in one pass:
 // the residual add with the RMSNorm after it, the gated activation, and a decode step's attention
 // (q/k norm, rotary, and softmax(q·kᵀ·scale + bias)·v over the KV cache, grouped-query, reading the
-// columns every row shares once); and, on AVX2 CPUs, the sampler's float32 matmul by a weight packed into
-// column panels (up to 1.6x oneDNN's packed kernel for 1-64 rows, even at prefill sizes, on a 2-core
-// EPYC). engine/compute/cpu_kernels.py builds this file with g++ and checks
-// it against the torch ops it replaces (tests/engine_core/test_cpu_kernels.py).
+// columns every row shares once); and, on AVX2 and AVX-512 CPUs, the sampler's float32 matmul by a weight
+// packed into column panels (`python -m bench.matmul_kernels`). engine/compute/cpu_kernels.py builds this
+// file with g++ and checks it against the torch ops it replaces (tests/engine_core/test_cpu_kernels.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -282,11 +285,43 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 #ifdef __AVX2__
 // Panels of a packed (out, in) weight: panel p holds output columns [p·kPanel, (p+1)·kPanel) as `in` rows
-// of kPanel floats, so a panel streams through memory in order and each row of it is two vector loads.
-constexpr int64_t kPanel = 2 * kLanes;
-// Rows of x per pass over a panel: 2 · kRowBlock accumulators, 2 weight vectors and a broadcast fit the
-// 16 vector registers of AVX2.
+// of kPanel floats, so a thread's panels stream through memory in order, end to end, and each row of a
+// panel is one cache line: one AVX-512 vector or two AVX2 vectors.
+constexpr int64_t kPanel = 16;
+
+#ifdef __AVX512F__
+// A panel row is one vector. 32 vector registers hold up to 28 running sums, the panel row, and x's
+// broadcast rides in the multiply-add's memory operand: 16 rows of x in one pass over a panel.
+using PanelVector = __m512;
+constexpr int kRowBlock = 16;
+constexpr int kMaxSums = 28;
+inline PanelVector load(const float* p) { return _mm512_loadu_ps(p); }
+inline PanelVector broadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline PanelVector fmadd(PanelVector a, PanelVector b, PanelVector c) { return _mm512_fmadd_ps(a, b, c); }
+inline PanelVector add(PanelVector a, PanelVector b) { return _mm512_add_ps(a, b); }
+inline PanelVector zero() { return _mm512_setzero_ps(); }
+inline void store(float* p, PanelVector a) { _mm512_storeu_ps(p, a); }
+#else
+// A panel row is two vectors. 16 vector registers hold 12 running sums (two for each of 6 rows), the panel
+// row and a broadcast.
+using PanelVector = __m256;
 constexpr int kRowBlock = 6;
+constexpr int kMaxSums = 12;
+inline PanelVector load(const float* p) { return _mm256_loadu_ps(p); }
+inline PanelVector broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline PanelVector fmadd(PanelVector a, PanelVector b, PanelVector c) { return _mm256_fmadd_ps(a, b, c); }
+inline PanelVector add(PanelVector a, PanelVector b) { return _mm256_add_ps(a, b); }
+inline PanelVector zero() { return _mm256_setzero_ps(); }
+inline void store(float* p, PanelVector a) { _mm256_storeu_ps(p, a); }
+#endif
+constexpr int kPanelVectors = kPanel * sizeof(float) / sizeof(PanelVector);
+constexpr int kVectorFloats = kPanel / kPanelVectors;
+// A row's product sums its `in` columns as kSegments contiguous segments, each in order, then adds the
+// segments' sums in order. A pass over few rows sums its segments at once: with one sum per row it would
+// wait on each multiply-add's latency rather than on memory (one row: ~0.8x the rate). A pass over more
+// rows sums them one after another, in the same order, so a row's product never depends on the rows
+// beside it in a call (the same request, the same logprobs, in whatever batch).
+constexpr int kSegments = 4;
 
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
   check_float_cpu(weight, "weight");
@@ -311,50 +346,81 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return packed;
 }
 
-// y (Rows, width) = x (Rows, in) · panel; `next` (or null): the panel to fetch into cache meanwhile, one
-// line per row of this one, so the weights stream from memory while this panel is multiplied.
+// y (Rows, width) = x · panel for x given transposed, xt (in, Rows): the Rows values a panel row meets lie
+// in one cache line.
 template <int Rows>
-void panel_product(const float* x, int64_t x_stride, const float* panel, const float* next, int64_t in_features,
-                   float* y, int64_t y_stride, int64_t width) {
+void panel_product(const float* xt, const float* panel, int64_t in_features, float* y, int64_t y_stride,
+                   int64_t width) {
   static_assert(Rows >= 1 && Rows <= kRowBlock);
-  // Named accumulators, two per row: GCC keeps an array of them on the stack (a store after every
-  // multiply-add), these it keeps in registers.
-  __m256 low0 = _mm256_setzero_ps(), low1 = low0, low2 = low0, low3 = low0, low4 = low0, low5 = low0;
-  __m256 high0 = low0, high1 = low0, high2 = low0, high3 = low0, high4 = low0, high5 = low0;
-#define TINKERRPC_ROW(n)                                               \
-  if constexpr (Rows > n) {                                            \
-    const __m256 xr = _mm256_broadcast_ss(x + n * x_stride + k);       \
-    low##n = _mm256_fmadd_ps(xr, w_low, low##n);                       \
-    high##n = _mm256_fmadd_ps(xr, w_high, high##n);                    \
-  }
-  for (int64_t k = 0; k < in_features; ++k) {
-    if (next != nullptr) {
-      __builtin_prefetch(next + k * kPanel);
+  constexpr int kSums = Rows * kPanelVectors;
+  // Segments summed at once: all where their sums fit the registers.
+  constexpr int kLive = kSums * kSegments <= kMaxSums ? kSegments : 1;
+  const int64_t segment = (in_features + kSegments - 1) / kSegments;
+  PanelVector totals[kSums];
+  PanelVector sums[kLive * kSums];
+  auto step = [&](int live, int64_t k) __attribute__((always_inline)) {
+    const float* weights = panel + k * kPanel;
+    // The next panel's same row into L2, a panel ahead of its use: one stream per segment, each ahead
+    // across the end of a panel (a prefetch a few rows ahead, into L1, gave one row ~0.7x the rate).
+    _mm_prefetch(reinterpret_cast<const char*>(weights + in_features * kPanel), _MM_HINT_T1);
+    PanelVector w[kPanelVectors];
+#pragma GCC unroll 4
+    for (int v = 0; v < kPanelVectors; ++v) {
+      w[v] = load(weights + v * kVectorFloats);
     }
-    const __m256 w_low = _mm256_loadu_ps(panel + k * kPanel);
-    const __m256 w_high = _mm256_loadu_ps(panel + k * kPanel + kLanes);
-    TINKERRPC_ROW(0) TINKERRPC_ROW(1) TINKERRPC_ROW(2) TINKERRPC_ROW(3) TINKERRPC_ROW(4) TINKERRPC_ROW(5)
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) {
+      const PanelVector xr = broadcast(xt + k * Rows + r);
+#pragma GCC unroll 4
+      for (int v = 0; v < kPanelVectors; ++v) {
+        PanelVector& sum = sums[live * kSums + r * kPanelVectors + v];
+        sum = fmadd(xr, w[v], sum);
+      }
+    }
+  };
+  for (int first = 0; first < kSegments; first += kLive) {
+    std::fill(std::begin(sums), std::end(sums), zero());
+    auto begin = [&](int live) { return std::min(in_features, (first + live) * segment); };
+    auto length = [&](int live) { return std::min(in_features, begin(live) + segment) - begin(live); };
+    // The live segments side by side while all have columns left (the last may be shorter), then the rest.
+    const int64_t together = length(kLive - 1);
+    for (int64_t i = 0; i < together; ++i) {
+#pragma GCC unroll 8
+      for (int live = 0; live < kLive; ++live) {
+        step(live, begin(live) + i);
+      }
+    }
+    for (int live = 0; live < kLive; ++live) {
+      for (int64_t i = together; i < length(live); ++i) {
+        step(live, begin(live) + i);
+      }
+    }
+#pragma GCC unroll 8
+    for (int live = 0; live < kLive; ++live) {
+#pragma GCC unroll 32
+      for (int i = 0; i < kSums; ++i) {
+        totals[i] = first + live == 0 ? sums[i] : add(totals[i], sums[live * kSums + i]);
+      }
+    }
   }
-#undef TINKERRPC_ROW
-  const __m256 lows[kRowBlock] = {low0, low1, low2, low3, low4, low5};
-  const __m256 highs[kRowBlock] = {high0, high1, high2, high3, high4, high5};
+#pragma GCC unroll 16
   for (int r = 0; r < Rows; ++r) {
-    float* row = y + r * y_stride;
-    if (width == kPanel) {
-      _mm256_storeu_ps(row, lows[r]);
-      _mm256_storeu_ps(row + kLanes, highs[r]);
-    } else {
-      float tail[kPanel];
-      _mm256_storeu_ps(tail, lows[r]);
-      _mm256_storeu_ps(tail + kLanes, highs[r]);
-      std::copy(tail, tail + width, row);
+    float row[kPanel];
+#pragma GCC unroll 4
+    for (int v = 0; v < kPanelVectors; ++v) {
+      store(row + v * kVectorFloats, totals[r * kPanelVectors + v]);
     }
+    std::copy(row, row + width, y + r * y_stride);
   }
 }
 
-using PanelProduct = void (*)(const float*, int64_t, const float*, const float*, int64_t, float*, int64_t, int64_t);
-constexpr PanelProduct kPanelProducts[kRowBlock] = {panel_product<1>, panel_product<2>, panel_product<3>,
-                                                    panel_product<4>, panel_product<5>, panel_product<6>};
+using PanelProduct = void (*)(const float*, const float*, int64_t, float*, int64_t, int64_t);
+
+template <int... Rows>
+constexpr auto panel_products(std::integer_sequence<int, Rows...>) {
+  return std::array<PanelProduct, sizeof...(Rows)>{panel_product<Rows + 1>...};
+}
+constexpr auto kPanelProducts = panel_products(std::make_integer_sequence<int, kRowBlock>{});
 
 // x (rows, in) · weightᵀ for a weight packed by pack_linear_weight: (rows, out_features).
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
@@ -370,20 +436,34 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const float* ps = packed.data_ptr<float>();
   float* ys = y.data_ptr<float>();
   const int64_t x_stride = x.stride(0);
-  // Rows of x taken per sweep over the panels: a multiple of the row block that keeps them in L2 cache
-  // (~128 KiB) while every panel passes; a decode step's few rows are one sweep.
-  const int64_t sweep = std::max<int64_t>(kRowBlock, (32768 / in_features) / kRowBlock * kRowBlock);
+  // Rows of x taken per sweep over the panels: a multiple of the row block that stays in L2 cache
+  // (~256 KiB of it) while every panel passes; a decode step's rows are one sweep.
+  const int64_t sweep =
+      std::max<int64_t>(kRowBlock, (65536 / std::max<int64_t>(1, in_features)) / kRowBlock * kRowBlock);
+  std::vector<float> transposed(std::min(rows, sweep) * in_features);
   for (int64_t first = 0; first < rows; first += sweep) {
     const int64_t last = std::min(rows, first + sweep);
+    // The sweep's rows in passes as even as the row block allows (17 rows: 9 and 8, not 16 and 1), each
+    // pass's rows transposed to (in, rows) in turn.
+    const int64_t passes = (last - first + kRowBlock - 1) / kRowBlock;
+    auto start = [&](int64_t pass) { return first + pass * (last - first) / passes; };
+    for (int64_t pass = 0; pass < passes; ++pass) {
+      const int64_t begin = start(pass), block = start(pass + 1) - begin;
+      float* xt = transposed.data() + (begin - first) * in_features;
+      for (int64_t r = 0; r < block; ++r) {
+        for (int64_t k = 0; k < in_features; ++k) {
+          xt[k * block + r] = xs[(begin + r) * x_stride + k];
+        }
+      }
+    }
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
-        const float* panel = ps + p * in_features * kPanel;
-        const int64_t width = std::min(kPanel, out_features - p * kPanel);
-        for (int64_t r = first; r < last; r += kRowBlock) {
-          const int64_t block = std::min<int64_t>(kRowBlock, last - r);
-          const float* next = (r == first && p + 1 < end) ? panel + in_features * kPanel : nullptr;
-          kPanelProducts[block - 1](xs + r * x_stride, x_stride, panel, next, in_features,
-                                    ys + r * out_features + p * kPanel, out_features, width);
+        for (int64_t pass = 0; pass < passes; ++pass) {
+          const int64_t r = start(pass);
+          kPanelProducts[start(pass + 1) - r - 1](transposed.data() + (r - first) * in_features,
+                                                  ps + p * in_features * kPanel, in_features,
+                                                  ys + r * out_features + p * kPanel, out_features,
+                                                  std::min(kPanel, out_features - p * kPanel));
         }
       }
     });

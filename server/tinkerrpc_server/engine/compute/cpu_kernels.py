@@ -33,7 +33,7 @@ _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 # torch's own vectorized code paths: AVX2's serves AVX-512 CPUs too; elsewhere the portable one.
 _VECTOR_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
-    "AVX512": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+    "AVX512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
 }
 # -ffp-contract=off: a·b + c stays a multiply and an add, as torch's element-wise ops compute it.
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-w"]
