@@ -39,12 +39,13 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat()
 
 
-def fsync_directory(directory: Path) -> None:
-    dir_fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)
+        os.fsync(fd)
     finally:
-        os.close(dir_fd)
+        os.close(fd)
 
 
 @dataclass
@@ -177,7 +178,7 @@ class Index:
         except BaseException:
             Path(tmp_name).unlink(missing_ok=True)
             raise
-        fsync_directory(self.path.parent)
+        fsync_path(self.path.parent)
         if self._journal is not None:
             self._journal.close()
         self._journal = self.path.open("a")

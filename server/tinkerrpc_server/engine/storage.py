@@ -51,7 +51,7 @@ from tinkerrpc_server.engine.index import (
 from tinkerrpc_server.engine.index import CheckpointKind as CheckpointKind
 from tinkerrpc_server.engine.index import CheckpointRecord as CheckpointRecord
 from tinkerrpc_server.engine.index import RunRecord as RunRecord
-from tinkerrpc_server.engine.index import fsync_directory as fsync_directory
+from tinkerrpc_server.engine.index import fsync_path as fsync_path
 from tinkerrpc_server.engine.index import now_iso as now_iso
 
 log = logging.getLogger("tinkerrpc.engine")
