@@ -309,3 +309,67 @@ def test_the_run_view_draws_the_run_and_follows_a_train_live(
     )
     assert "100,000" in fits["labels"], fits
     assert fits["size"] >= fits["needed"] > 50, fits
+
+
+SFT_MODEL = "run-view-minibatches"
+CONVERSATIONS = [
+    [{"role": "user", "content": f"Say {word}."}, {"role": "assistant", "content": word}]
+    for word in ("yes", "no", "maybe", "never")
+]
+
+
+def _loss_chart(browser: Browser) -> list[list[float | None]]:
+    data: list[list[float | None]] = browser.evaluate("window.runCharts.loss.data.map((s) => Array.from(s))")
+    return data
+
+
+def test_the_loss_chart_draws_each_minibatch_inside_its_version(stack: LocalStack, browser: Browser) -> None:
+    with tinkerrpc.Client(stack.target) as client:
+        sft = client.create_model(SFT_MODEL, "tinkerrpc/tiny-chat", lora_rank=8, seed=5)
+        # A warm-up as one Train: 4 minibatches of one conversation, each at its own learning rate.
+        warm_up = sft.train_supervised(
+            CONVERSATIONS, minibatch_size=1, minibatch_learning_rates=[2e-2, 1e-2, 5e-3, 2e-3]
+        ).metrics
+        plain = sft.train_supervised(CONVERSATIONS[:2], learning_rate=1e-2).metrics
+        assert len(warm_up.minibatch_losses) == 4 and plain.minibatch_losses == ()
+
+        browser.call("Page.enable")
+        browser.navigate(f"{stack.sidecar_url}/runs/{SFT_MODEL}?key={SIDECAR_KEY}")
+        browser.wait_for(
+            "(() => { const r = document.getElementById('run');"
+            " return r && r.dataset.latestVersion === '2' && r.dataset.stream === 'open'; })()",
+            "version 2 with the live stream open",
+        )
+        assert _run_state(browser)["points"] == 2  # one per version, minibatches or not
+        # Version 1's minibatches at 0.25, 0.5, 0.75 and 1 (the last on the version); the line shows
+        # each version's loss per optimizer step: version 1's sum over 4 minibatches, divided by 4.
+        xs, per_step, minibatches = _loss_chart(browser)
+        assert xs == pytest.approx([0.25, 0.5, 0.75, 1.0, 2.0])
+        assert minibatches == [*(pytest.approx(loss) for loss in warm_up.minibatch_losses), None]
+        assert per_step == [None, None, None, pytest.approx(warm_up.loss / 4), pytest.approx(plain.loss)]
+        assert warm_up.loss == pytest.approx(sum(warm_up.minibatch_losses))
+        # Hovering a minibatch names it.
+        hovered = browser.evaluate(
+            "(() => { const u = window.runCharts.loss;"
+            " u.setCursor({left: u.valToPos(0.5, 'x'), top: u.valToPos(0, 'y')});"
+            " return u.root.querySelector('.u-legend .u-value').textContent; })()"
+        )
+        assert hovered == "version 1, minibatch 2 of 4"
+        # Every chart's x axis starts at 0, where version 1's minibatches begin.
+        assert browser.evaluate("Object.values(window.runCharts).map((u) => u.scales.x.min)") == [0] * 5
+
+        # A minibatched Train made while the page is open: 2 minibatches, at 2.5 and 3.
+        live = sft.train_supervised(CONVERSATIONS, minibatch_size=2, learning_rate=1e-2).metrics
+        browser.wait_for("document.getElementById('run').dataset.latestVersion === '3'", "version 3 live")
+        xs, per_step, minibatches = _loss_chart(browser)
+        assert xs[5:] == pytest.approx([2.5, 3.0])
+        assert minibatches[5:] == pytest.approx(list(live.minibatch_losses))
+        assert per_step[5:] == [None, pytest.approx(live.loss / 2)]
+        summary = browser.evaluate("document.getElementById('summary').textContent")
+        assert summary.startswith("version 3: 2 minibatches, minibatch loss "), summary
+        assert "(their sum)" in summary
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shot = ARTIFACTS / "run_view_minibatches.png"
+    shot.write_bytes(base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"]))
+    print(f"run view screenshot (minibatches): {shot}")

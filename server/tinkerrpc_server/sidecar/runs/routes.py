@@ -1,8 +1,9 @@
 """The live run view: /runs lists the models; /runs/{model} draws a model's reward, loss, staleness and
-throughput against policy version, with the versions that can still be sampled and its checkpoints, and
-follows the run live: its script opens /runs/{model}/events, server-sent events the sidecar relays from
-WatchModel, and redraws without reloading. Everything is served from the package (uPlot, MIT, vendored
-in static/), so offline machines see it whole.
+throughput against policy version (a minibatched Train's minibatch losses inside its version), with the
+versions that can still be sampled and its checkpoints, and follows the run live: its script opens
+/runs/{model}/events, server-sent events the sidecar relays from WatchModel, and redraws without
+reloading. Everything is served from the package (uPlot, MIT, vendored in static/), so offline machines
+see it whole.
 
 Access: with a sidecar API key, every /runs page and data route needs it, like /v1: as
 `Authorization: Bearer <key>`, or in the `tinkerrpc_runs_key` cookie, which a browser gets by opening
@@ -62,6 +63,8 @@ def step_json(step: RunStep) -> dict[str, Any]:
         "reward": _finite(metrics.mean_reward),
         "std": _finite(metrics.std_reward),
         "loss": _finite(metrics.loss),
+        # A minibatched supervised Train: each minibatch's loss in order (loss is their sum); else empty.
+        "minibatch_losses": [_finite(loss) for loss in metrics.minibatch_losses],
         "lr": metrics.learning_rate,
         "tokens": metrics.total_tokens,
         "trained_tokens": metrics.trained_tokens,

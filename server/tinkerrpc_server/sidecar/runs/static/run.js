@@ -1,7 +1,8 @@
 // The run view of one model: draws the history from /runs/{model}/state, then follows
 // /runs/{model}/events (server-sent events relayed from WatchModel) and redraws without reloading.
 // The page's <main id=run> carries data-latest-version, data-points and data-stream for tests, and
-// window.runCharts holds the uPlot charts by name.
+// window.runCharts holds the uPlot charts by name. A minibatched Train (several optimizer steps in one
+// version) draws each minibatch's loss inside its version on the loss chart.
 "use strict";
 (function () {
   const root = document.getElementById("run");
@@ -28,8 +29,11 @@
       { label: "mean + std", stroke: "#9ab8ea", dash: [4, 4], value: (s) => (s.reward === null || s.std === null ? null : s.reward + s.std) },
       { label: "mean − std", stroke: "#9ab8ea", dash: [4, 4], value: (s) => (s.reward === null || s.std === null ? null : s.reward - s.std) },
     ] },
-    loss: { title: "Loss (summed over trained tokens)", series: [
-      { label: "loss", stroke: "#d9480f", width: 2, value: (s) => s.loss },
+    // Every point is one optimizer step's loss, summed over that step's trained tokens, so a minibatched
+    // version's line point is its loss per minibatch (its loss is their sum) and sits among them.
+    loss: { title: "Loss per optimizer step (summed over its tokens)", data: lossData, xLabel: lossXLabel, series: [
+      { label: "loss (version's mean per minibatch)", stroke: "#d9480f", width: 2, spanGaps: true },
+      { label: "minibatch loss", stroke: "#f59f00", pointSize: 4 },
     ] },
     staleness: { title: "Staleness (versions behind) and dropped trajectories", series: [
       { label: "mean staleness", stroke: "#7048e8", width: 2, value: (s) => staleness(s)[0] },
@@ -56,8 +60,56 @@
     return Math.ceil(axis.ticks.size + axis.gap + widest / uPlot.pxRatio) + 2;
   }
 
+  // A minibatched version's K minibatch losses sit at v-1 + (k+1)/K, k = 0..K-1: the last one on v.
+  function minibatchX(step, k) {
+    return step.v - 1 + (k + 1) / step.minibatch_losses.length;
+  }
+
+  function lossPerStep(step) {
+    const k = step.minibatch_losses.length;
+    return step.loss === null || k === 0 ? step.loss : step.loss / k;
+  }
+
+  // The loss chart's x values (versions and the minibatches inside them), with what each one is.
+  let lossPoints = [];
+  function lossData() {
+    lossPoints = [];
+    const data = [[], [], []];
+    for (const step of steps) {
+      const losses = step.minibatch_losses;
+      losses.forEach((loss, k) => {
+        const last = k === losses.length - 1;
+        lossPoints.push(`version ${step.v}, minibatch ${k + 1} of ${losses.length}`);
+        data[0].push(minibatchX(step, k));
+        data[1].push(last ? lossPerStep(step) : null);
+        data[2].push(loss);
+      });
+      if (!losses.length) {
+        lossPoints.push(`version ${step.v}`);
+        data[0].push(step.v);
+        data[1].push(step.loss);
+        data[2].push(null);
+      }
+    }
+    return data;
+  }
+
+  function lossXLabel(u, x, seriesIndex, index) {
+    return index === null || index === undefined ? "--" : lossPoints[index];
+  }
+
   function chartData(spec) {
+    if (spec.data) return spec.data();
     return [steps.map((s) => s.v), ...spec.series.map((series) => steps.map(series.value))];
+  }
+
+  // Every chart's x axis starts where the first version does: at v-1 when it is minibatched (its
+  // minibatches fill (v-1, v]), so the charts stay aligned.
+  function xRange(u, min, max) {
+    if (min === null || max === null) return [min, max];
+    const first = steps.length ? steps[0] : null;
+    const low = first && first.minibatch_losses.length > 1 ? Math.min(min, first.v - 1) : min;
+    return low === max ? [low - 1, max + 1] : [low, max];
   }
 
   function draw() {
@@ -67,9 +119,14 @@
         const width = Math.max(element.clientWidth - 12, 300);
         charts[name] = new uPlot({
           title: spec.title, width, height: 240,
-          scales: { x: { time: false } },
+          scales: { x: { time: false, range: xRange } },
           axes: [{ label: "policy version", incrs: VERSION_STEPS }, { size: valueAxisSize }],
-          series: [{ label: "version" }, ...spec.series.map(({ label, stroke, width, dash }) => ({ label, stroke, width: width || 1, dash, points: { show: true, size: 5 } }))],
+          series: [
+            spec.xLabel ? { label: "version", value: spec.xLabel } : { label: "version" },
+            ...spec.series.map(({ label, stroke, width, dash, spanGaps, pointSize }) => ({
+              label, stroke, width: width || 1, dash, spanGaps, points: { show: true, size: pointSize || 5 },
+            })),
+          ],
         }, chartData(spec), element);
       } else {
         charts[name].setData(chartData(spec));
@@ -79,9 +136,16 @@
     root.dataset.points = String(steps.length);
     root.dataset.latestVersion = last ? String(last.v) : "";
     document.getElementById("summary").textContent = last
-      ? `version ${last.v}: mean reward ${fmt(last.reward)}, loss ${fmt(last.loss)}, ${last.used} trajectories, ` +
+      ? `version ${last.v}: ${minibatchSummary(last)}mean reward ${fmt(last.reward)}, loss ${fmt(last.loss)}${last.minibatch_losses.length ? " (their sum)" : ""}, ${last.used} trajectories, ` +
         `${last.tokens} tokens in ${fmt(last.seconds)} s, learning rate ${last.lr}`
       : "No training step yet.";
+  }
+
+  function minibatchSummary(step) {
+    const losses = step.minibatch_losses;
+    if (!losses.length) return "";
+    const plural = losses.length === 1 ? "minibatch" : "minibatches";
+    return `${losses.length} ${plural}, minibatch loss ${fmt(losses[0])} → ${fmt(losses[losses.length - 1])}, `;
   }
 
   function fmt(value) {
