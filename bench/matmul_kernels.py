@@ -5,7 +5,7 @@ measurement behind the decoder's choice of kernels (engine/compute/decoder.py, e
 For each model shape and row count it times, interleaved, the unembedding as the decoder stores it
 ((vocabulary, hidden), the transposed operand), by F.linear and by oneDNN, and one decoder layer's four
 projections as stored ((in, out)) by a matmul, by oneDNN over the transposed view, and packed
-(`PackedWeight`) for MKL's, oneDNN's and, on AVX2 CPUs, the engine's own panel kernel. Every weight is larger than the caches or
+(`PackedWeight`) for MKL's, oneDNN's and, on AVX2 and AVX-512 CPUs, the engine's own panel kernel. Every weight is larger than the caches or
 read in a round over several copies, as a decode step reads it. The last line is the packing plan the
 engine measures for itself on this machine.
 """

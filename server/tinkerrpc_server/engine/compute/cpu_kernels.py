@@ -30,7 +30,8 @@ from tinkerrpc_server.settings import KernelSettings, settings_of
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-# torch's own vectorized code paths: AVX2's serves AVX-512 CPUs too; elsewhere the portable one.
+# torch's own vectorized code paths: AVX2's serves AVX-512 CPUs too (the panel matmul's AVX-512 build adds
+# -mavx512f); elsewhere the portable one.
 _VECTOR_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
     "AVX512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
@@ -102,7 +103,7 @@ def load(settings: KernelSettings) -> bool:
 
 def has_packed_linear() -> bool:
     """Whether the kernels, once loaded, hold the panel matmul (`pack_linear_weight`, `packed_linear`):
-    their builds for AVX2 CPUs."""
+    their builds for AVX2 and AVX-512 CPUs."""
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
