@@ -309,6 +309,18 @@ def test_the_run_view_draws_the_run_and_follows_a_train_live(
     )
     assert "100,000" in fits["labels"], fits
     assert fits["size"] >= fits["needed"] > 50, fits
+    # Tick labels are as precise as their spacing: KLs of a few 1e-5 (and 1e-14) were "0" on every tick.
+    for kls, written in (
+        ("0.25, 0.5, 1.25", "0.5"),
+        ("1e-5, 3e-5, 5e-5", "e-5"),
+        ("1e-14, 3e-14, 6e-14", "e-14"),
+    ):
+        browser.evaluate(f"window.runCharts.mismatch.setData([[1, 2, 3], [{kls}], [0, 0, 0]])")
+        axis = browser.evaluate(
+            "(({_splits, _values}) => ({_splits, _values}))(window.runCharts.mismatch.axes[1])"
+        )
+        assert len(axis["_values"]) > 2 and any(written in label for label in axis["_values"]), axis
+        assert [float(label) for label in axis["_values"]] == pytest.approx(axis["_splits"], rel=1e-9), axis
 
 
 SFT_MODEL = "run-view-minibatches"
@@ -355,6 +367,11 @@ def test_the_loss_chart_draws_each_minibatch_inside_its_version(stack: LocalStac
             " return u.root.querySelector('.u-legend .u-value').textContent; })()"
         )
         assert hovered == "version 1, minibatch 2 of 4"
+        legend = browser.evaluate(
+            "Array.from(window.runCharts.loss.root.querySelectorAll('.u-legend .u-value'), (e) => e.textContent)"
+        )
+        assert legend[:2] == ["version 1, minibatch 2 of 4", "--"], legend  # no line point inside a version
+        assert float(legend[2]) == pytest.approx(warm_up.minibatch_losses[1], rel=1e-3), legend
         # Every chart's x axis starts at 0, where version 1's minibatches begin.
         assert browser.evaluate("Object.values(window.runCharts).map((u) => u.scales.x.min)") == [0] * 5
 

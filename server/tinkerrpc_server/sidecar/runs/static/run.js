@@ -60,6 +60,18 @@
     return Math.ceil(axis.ticks.size + axis.gap + widest / uPlot.pxRatio) + 2;
   }
 
+  // Value tick labels as precise as their spacing: uPlot's default keeps 3 decimals, so a KL of a few
+  // 1e-5 read "0" on every tick. Spacings under 1e-4 are written in exponent form (2e-14, 2.5e-14).
+  function valueAxisLabels(u, splits, axisIndex, space, incr) {
+    if (incr > 0 && incr < 1e-4) {
+      return splits.map((value) => (value === null ? "" : value === 0 ? "0" : Number(value.toPrecision(6)).toExponential()));
+    }
+    let decimals = 0;
+    while (decimals < 8 && Math.abs(Math.round(incr * 10 ** decimals) - incr * 10 ** decimals) > 1e-6 * incr * 10 ** decimals) decimals++;
+    const format = new Intl.NumberFormat(undefined, { minimumFractionDigits: decimals, maximumFractionDigits: decimals });
+    return splits.map((value) => (value === null ? "" : format.format(value)));
+  }
+
   // A minibatched version's K minibatch losses sit at v-1 + (k+1)/K, k = 0..K-1: the last one on v.
   function minibatchX(step, k) {
     return step.v - 1 + (k + 1) / step.minibatch_losses.length;
@@ -120,11 +132,12 @@
         charts[name] = new uPlot({
           title: spec.title, width, height: 240,
           scales: { x: { time: false, range: xRange } },
-          axes: [{ label: "policy version", incrs: VERSION_STEPS }, { size: valueAxisSize }],
+          axes: [{ label: "policy version", incrs: VERSION_STEPS }, { size: valueAxisSize, values: valueAxisLabels }],
           series: [
             spec.xLabel ? { label: "version", value: spec.xLabel } : { label: "version" },
             ...spec.series.map(({ label, stroke, width, dash, spanGaps, pointSize }) => ({
               label, stroke, width: width || 1, dash, spanGaps, points: { show: true, size: pointSize || 5 },
+              value: (u, value) => (value === null || value === undefined ? "--" : fmt(value)), // 4 significant digits
             })),
           ],
         }, chartData(spec), element);
