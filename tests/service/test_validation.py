@@ -145,6 +145,10 @@ TRAIN_CASES: list[tuple[str, Callable[[], pb.TrainRequest], Callable[[pb.TrainRe
     ("logprob count", _rl, lambda r: _extend(_turn(r).completion_logprobs, -1.0), [f"{TURN}.completion_logprobs"]),
     ("positive logprob", _rl, lambda r: _turn(r).completion_logprobs.__setitem__(0, 0.5), [f"{TURN}.completion_logprobs"]),
     ("logprob too low", _rl, lambda r: _turn(r).completion_logprobs.__setitem__(0, -1e5), [f"{TURN}.completion_logprobs"]),
+    ("nan logprob", _rl, lambda r: _turn(r).completion_logprobs.__setitem__(1, math.nan), [f"{TURN}.completion_logprobs"]),
+    ("infinite logprob", _rl, lambda r: _turn(r).completion_logprobs.__setitem__(1, -math.inf), [f"{TURN}.completion_logprobs"]),
+    ("nan advantage", _rl, lambda r: _extend(_turn(r).advantages, 0.5, math.nan), [f"{TURN}.advantages"]),
+    ("advantage too large", _rl, lambda r: _extend(_turn(r).advantages, -1e9, 0.5), [f"{TURN}.advantages"]),
     (
         "completion token outside the vocabulary", _rl, lambda r: _turn(r).completion_token_ids.__setitem__(0, VOCAB),
         [f"{TURN}.completion_token_ids"],

