@@ -19,6 +19,7 @@ from tinkerrpc_server.engine.compute.errors import EngineUserError
 from tinkerrpc_server.engine.compute.execution_plan import ExecutionPlan, process_plan
 from tinkerrpc_server.engine.compute.feed import MappedFeed, RequestFeed
 from tinkerrpc_server.engine.compute.forward_call import SamplingModel, TransformersSampler
+from tinkerrpc_server.engine.compute.heap import return_freed_memory, returns_freed_memory
 from tinkerrpc_server.engine.compute.prompt_targets import NO_TARGET
 from tinkerrpc_server.engine.compute.samples import SampleJob, SampleOutput
 from tinkerrpc_server.engine.compute.scheduler import (
@@ -55,6 +56,7 @@ class Sampling(StateIO):
         self._last_decoder: tuple[str | None, FusedDecoder | None] | None = None
         self.default_stop_token_ids = self._default_stop_token_ids()
 
+    @returns_freed_memory
     def sample(
         self, weights_dir: Path | None, jobs: list[SampleJob], policy: BatchPolicy | None = None
     ) -> list[SampleOutput]:
@@ -95,6 +97,7 @@ class Sampling(StateIO):
             self.device,
             policy or self.policy,
         )
+        return_freed_memory()  # the batch's KV cache and logits
 
     def _sampling_model(self, weights_dir: Path | None) -> ModelContext:
         peft_name = None if weights_dir is None else self._sampler_adapter(Path(weights_dir))

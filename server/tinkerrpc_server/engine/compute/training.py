@@ -17,6 +17,7 @@ from tinkerrpc.contract.limits import MAX_ENGINE_SOFT_TARGETS
 from tinkerrpc_server.engine.compute.adapters import AdaptedModel
 from tinkerrpc_server.engine.compute.decoder import FusedTrainingForward
 from tinkerrpc_server.engine.compute.errors import EngineUserError
+from tinkerrpc_server.engine.compute.heap import returns_freed_memory
 from tinkerrpc_server.engine.compute.unembedding import saved_logits_positions, target_logprobs
 from tinkerrpc_server.engine.losses import LOSSES, resolve_config
 
@@ -47,6 +48,7 @@ class ForwardResult:
 class Training(AdaptedModel):
     """Forward and backward passes of datums through an adapter."""
 
+    @returns_freed_memory  # a step's activations: GBs, transient
     def forward_backward(
         self,
         model_id: str,
