@@ -152,6 +152,9 @@ def test_a_database_of_an_unversioned_release_upgrades(tmp_path: Path, old_schem
         store.put_step_inputs(tx, "old", 3, "{}", b"x")
     store.set_sizes("old", {"tinker://run-0/sampler_weights/v000002": 42})
     assert store.checkpoint_bytes("old") == 42
+    # Sizes commit without an fsync of their own; every other commit still syncs (synchronous=FULL, 2).
+    with store.transaction() as tx:
+        assert tx.execute("PRAGMA synchronous").fetchone()[0] == 2
     assert [r.policy_version for r in store.step_inputs("old", after=2)] == [3]
     new = store.get_model("new")
     assert new is not None and (new.keep_sampler_versions, new.keep_state_checkpoints) == (3, 2)
