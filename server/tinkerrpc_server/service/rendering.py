@@ -394,6 +394,10 @@ class ChatCodecs:
         if not models:
             import transformers  # noqa: F401 - the import itself is the warm-up
 
+    def loaded(self, base_model: str, renderer_name: str = "") -> ChatCodec | None:
+        """The codec `get` would return, if it is loaded already (no tokenizer work: any thread)."""
+        return self._cache.get((base_model, renderer_name))
+
     def get(self, base_model: str, renderer_name: str = "") -> ChatCodec:
         """The model's codec; an empty renderer name means the recommended one for the base model.
         Raises model_store.UnknownBaseModelError or UnknownRendererError for bad names."""
