@@ -9,6 +9,7 @@ Turns whose prompt continues the previous turn's sequence merge into one datum o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from tinker_cookbook.renderers import Message
 
 from tinkerrpc.v1 import trainer_service_pb2 as pb
 from tinkerrpc.v1 import types_pb2
-from tinkerrpc_server.service.datums import RenderedPrompts, rl_batch, turn_prompt
+from tinkerrpc_server.service.datums import RenderedPrompts, rl_batch, sft_batch, turn_prompt
 from tinkerrpc_server.service.rendering import ROLE_NAMES, ChatCodec, ChatCodecs
 
 pytestmark = pytest.mark.unit
@@ -269,3 +270,28 @@ def test_advantages_are_the_reward_minus_its_group_mean_optionally_over_the_grou
     for datum, advantage in zip(batch.datums, expected, strict=True):
         _assert_turn_layout(datum, prompt, _turn(prompt, [7, 8], -1.0), advantage)
     assert batch.mean_reward == pytest.approx(9.5 / 6)
+
+
+def test_identical_supervised_examples_render_once_and_train_as_each_alone(codec: ChatCodec) -> None:
+    yes = types_pb2.SupervisedExample(messages=[user("respond with yes"), assistant("yes")])
+    no = types_pb2.SupervisedExample(messages=[user("respond with yes"), assistant("no")])
+    rendered: list[object] = []
+    render = codec.supervised_examples
+
+    def counting(*args: object) -> list[tuple[list[int], list[float]]]:
+        rendered.append(args)
+        return render(*args)  # type: ignore[arg-type]
+
+    examples = [yes, no, yes, yes, no]
+    counting_codec = dataclasses.replace(codec, _variants={})
+    object.__setattr__(counting_codec, "supervised_examples", counting)
+
+    batch = sft_batch(pb.TrainRequest(examples=examples), counting_codec)
+
+    assert len(rendered) == 2
+    alone = [sft_batch(pb.TrainRequest(examples=[e]), codec).datums[0] for e in examples]
+    assert [d.model_input.to_ints() for d in batch.datums] == [d.model_input.to_ints() for d in alone]
+    assert [d.loss_fn_inputs["weights"].tolist() for d in batch.datums] == [
+        d.loss_fn_inputs["weights"].tolist() for d in alone
+    ]
+    assert batch.example_ends == [1, 2, 3, 4, 5]

@@ -289,11 +289,16 @@ def sft_batch(request: trainer_service_pb2.TrainRequest, codec: ChatCodec, merge
     """The examples' datums; merge_turns=False keeps one datum per example the renderer makes."""
     batch = Batch()
     violations = Violations()
+    # Identical examples (a warm-up drawing from a few prompts and answers) render once: by their bytes.
+    rendered: dict[bytes, list[tuple[list[int], list[float]]]] = {}
     for e, example in enumerate(request.examples):
+        key = example.SerializeToString(deterministic=True)
+        if key not in rendered:
+            rendered[key] = codec.supervised_examples(
+                list(example.messages), list(example.tools), _TRAIN_ON[example.train_on]
+            )
         sequences = []
-        for tokens, weights in codec.supervised_examples(
-            list(example.messages), list(example.tools), _TRAIN_ON[example.train_on]
-        ):
+        for tokens, weights in rendered[key]:
             if len(tokens) > codec.max_context_length:
                 violations.add(
                     f"examples[{e}]",
