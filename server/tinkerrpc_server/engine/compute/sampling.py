@@ -30,7 +30,9 @@ from tinkerrpc_server.engine.compute.scheduler import (
 )
 from tinkerrpc_server.engine.compute.state_io import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, StateIO
 
-# Sampler weights kept loaded as read-only adapters; the least recently sampled is unloaded first.
+# Sampler weights kept loaded as read-only adapters; the least recently sampled is unloaded first and
+# loaded from its checkpoint again when next sampled. 8 covers an async RL loop's current and stale
+# versions plus a KL reference or distillation teacher; each is one LoRA (23 MB at rank 16 on SmolLM2).
 SAMPLER_CACHE_SIZE = 8
 
 
