@@ -151,7 +151,9 @@ class ModelRegistry:
     async def codec(self, row: ModelRow) -> ChatCodec:
         # Loading takes the rendering thread; a loaded codec (every call after the first) needs no hop there.
         loaded = self._codecs.loaded(row.base_model, row.renderer)
-        return loaded or await off_loop(lambda: self._codecs.get(row.base_model, row.renderer))
+        if loaded is not None:
+            return loaded
+        return await off_loop(lambda: self._codecs.get(row.base_model, row.renderer))
 
     def base_codec(self, base_model: str) -> ChatCodec:
         """A base model's codec with its recommended renderer (on the rendering thread: off_loop)."""
