@@ -346,8 +346,8 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return packed;
 }
 
-// y (Rows, width) = x · panel for x given transposed, xt (in, Rows): the Rows values a panel row meets lie
-// in one cache line.
+// y (Rows, width) = x · panel for x given interleaved, xt (in / kPanel, Rows, kPanel): the Rows values a
+// panel row meets lie in one cache line of every row's, the next kPanel columns of each.
 template <int Rows>
 void panel_product(const float* xt, const float* panel, int64_t in_features, float* y, int64_t y_stride,
                    int64_t width) {
@@ -370,7 +370,7 @@ void panel_product(const float* xt, const float* panel, int64_t in_features, flo
     }
 #pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r) {
-      const PanelVector xr = broadcast(xt + k * Rows + r);
+      const PanelVector xr = broadcast(Rows == 1 ? xt + k : xt + (k / kPanel * Rows + r) * kPanel + k % kPanel);
 #pragma GCC unroll 4
       for (int v = 0; v < kPanelVectors; ++v) {
         PanelVector& sum = sums[live * kSums + r * kPanelVectors + v];
@@ -440,19 +440,21 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   // (~256 KiB of it) while every panel passes; a decode step's rows are one sweep.
   const int64_t sweep =
       std::max<int64_t>(kRowBlock, (65536 / std::max<int64_t>(1, in_features)) / kRowBlock * kRowBlock);
-  std::vector<float> transposed(std::min(rows, sweep) * in_features);
+  const int64_t padded = (in_features + kPanel - 1) / kPanel * kPanel;
+  std::vector<float> interleaved(std::min(rows, sweep) * padded);
   for (int64_t first = 0; first < rows; first += sweep) {
     const int64_t last = std::min(rows, first + sweep);
     // The sweep's rows in passes as even as the row block allows (17 rows: 9 and 8, not 16 and 1), each
-    // pass's rows transposed to (in, rows) in turn.
+    // pass's rows interleaved in turn (a copy of kPanel floats at a time).
     const int64_t passes = (last - first + kRowBlock - 1) / kRowBlock;
     auto start = [&](int64_t pass) { return first + pass * (last - first) / passes; };
     for (int64_t pass = 0; pass < passes; ++pass) {
       const int64_t begin = start(pass), block = start(pass + 1) - begin;
-      float* xt = transposed.data() + (begin - first) * in_features;
+      float* xt = interleaved.data() + (begin - first) * padded;
       for (int64_t r = 0; r < block; ++r) {
-        for (int64_t k = 0; k < in_features; ++k) {
-          xt[k * block + r] = xs[(begin + r) * x_stride + k];
+        for (int64_t k = 0; k < in_features; k += kPanel) {
+          const float* from = xs + (begin + r) * x_stride + k;
+          std::copy(from, from + std::min(kPanel, in_features - k), xt + (k / kPanel * block + r) * kPanel);
         }
       }
     }
@@ -460,7 +462,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
       for (int64_t p = begin; p < end; ++p) {
         for (int64_t pass = 0; pass < passes; ++pass) {
           const int64_t r = start(pass);
-          kPanelProducts[start(pass + 1) - r - 1](transposed.data() + (r - first) * in_features,
+          kPanelProducts[start(pass + 1) - r - 1](interleaved.data() + (r - first) * padded,
                                                   ps + p * in_features * kPanel, in_features,
                                                   ys + r * out_features + p * kPanel, out_features,
                                                   std::min(kPanel, out_features - p * kPanel));
