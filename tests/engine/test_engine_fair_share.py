@@ -3,16 +3,14 @@ large model's long batch runs, instead of after it (engine/fair_share.py), throu
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import tinker
-from engine_proc import TINY, start_engine
-from smollm2_support import SMOLLM2, smollm2_model_dir
+from engine_proc import TINY, smollm2_engine
+from smollm2_support import SMOLLM2
 from tinker import types
 
 from tinkerrpc_server.local.stack import LocalEngine
@@ -29,11 +27,7 @@ TIMEOUT = 300.0
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEngine]:
-    os.environ.setdefault("TINKER_TELEMETRY", "0")
-    work: Path = tmp_path_factory.mktemp("fair-share")
-    running = start_engine(work / "data", smollm2_model_dir(tmp_path_factory), work / "engine.log")
-    yield running
-    assert running.stop() == 0, running.log()[-3000:]
+    yield from smollm2_engine(tmp_path_factory, "fair-share")
 
 
 def _latency(sampler: tinker.SamplingClient) -> float:

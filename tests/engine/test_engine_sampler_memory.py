@@ -5,15 +5,13 @@ step's activations do not stay resident once it is answered (engine/compute/heap
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import psutil
 import pytest
 import tinker
-from engine_proc import start_engine
-from smollm2_support import SMOLLM2, smollm2_model_dir
+from engine_proc import smollm2_engine
+from smollm2_support import SMOLLM2
 from tinker import types
 
 from tinkerrpc_server.engine.compute.heap import HEAP_SLACK_BYTES
@@ -35,11 +33,7 @@ TIMEOUT = 300.0
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEngine]:
-    os.environ.setdefault("TINKER_TELEMETRY", "0")
-    work: Path = tmp_path_factory.mktemp("sampler-memory")
-    running = start_engine(work / "data", smollm2_model_dir(tmp_path_factory), work / "engine.log")
-    yield running
-    assert running.stop() == 0, running.log()[-3000:]
+    yield from smollm2_engine(tmp_path_factory, "sampler-memory")
 
 
 def _rss(engine: LocalEngine) -> int:
