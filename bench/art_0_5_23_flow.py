@@ -43,28 +43,12 @@ from art_flows import (
     TARGET_REWARD,
     mean_reward,
     rollout,
+    trainable_model,
     warm_up_trajectories,
 )
 
 GROUPS_PER_STEP = 8
 ROLLOUTS_PER_GROUP = 8
-
-
-def trainable_model_0_5_23() -> art.TrainableModel:
-    """art_flows.trainable_model()'s model (same name, base model and Tinker options), with the run name
-    0.5.23 requires."""
-    return art.TrainableModel(
-        name="yes-no-maybe-001",
-        project="yes-no-maybe",
-        run_name="yes-no-maybe-001",
-        base_model=BASE_MODEL,
-        _internal_config={
-            "tinker_native_args": {
-                "renderer_name": "qwen3_disable_thinking",
-                "training_client_args": {"rank": 8, "seed": 0, "train_unembed": True},
-            }
-        },
-    )
 
 
 def log(message: str) -> None:
@@ -129,7 +113,7 @@ async def main(art_path: str, target: str, kl_penalty_coef: str = "0") -> dict[s
     log(f"ART {version} from {Path(art.__file__).parent}")
     run = Run()
     backend = TinkerRPCBackend(target, path=art_path)
-    model = trainable_model_0_5_23()
+    model = trainable_model(run_name="yes-no-maybe-001")  # 0.5.23 requires a run name
     await model.register(backend)
     rng = random.Random(0)
     sft_started = time.perf_counter()

@@ -84,8 +84,10 @@ def mean_reward(groups: list[art.TrajectoryGroup]) -> float:
     return sum(rewards) / len(rewards)
 
 
-def trainable_model() -> art.TrainableModel:
+def trainable_model(**fields: Any) -> art.TrainableModel:
+    """The flows' model; `fields`: more TrainableModel fields (ART 0.5.23 requires run_name)."""
     return art.TrainableModel(
+        **fields,
         name="yes-no-maybe-001",
         project="yes-no-maybe",
         base_model=BASE_MODEL,
