@@ -122,3 +122,16 @@ def test_a_record_written_before_minibatches_decodes_as_one_step() -> None:
     old["adam"] = old.pop("minibatches")[0][2]
     row = StepInputsRow(policy_version=1, header=json.dumps(old), arrays=arrays)
     assert recovery.decode(row).steps == [Minibatch(0, 2, adam)]
+
+
+async def test_without_loss_sum_each_minibatch_loss_comes_from_its_logprobs(
+    tmp_path: Path, codecs: ChatCodecs
+) -> None:
+    service = InProcessService.open(tmp_path / "db.sqlite3", FakeTinker(reports_loss_sum=False), codecs)
+    await service.create("m")
+    separate = [(await service.trainer.train(_request(TEXTS[k : k + 2]))).metrics.loss for k in (0, 2, 4)]
+    metrics = (await service.trainer.train(_minibatched(2))).metrics
+    # cross_entropy with 0/1 weights: minus the returned logprob per trained token of each minibatch.
+    assert list(metrics.minibatch_losses) == pytest.approx(separate)
+    assert all(loss > 0 for loss in separate)
+    assert metrics.loss == pytest.approx(sum(separate))

@@ -82,16 +82,16 @@ def request_hash(request: pb.TrainRequest) -> str:
 
 
 def _step_loss(
-    metrics: dict[str, float],
     loss_fn: str,
     loss_config: dict[str, float] | None,
-    batch: Batch,
+    datums: list[tinker.types.Datum],
     output: tinker.types.ForwardBackwardOutput,
 ) -> float:
-    """Tinker's `loss:sum`, or when the backend reports none, the same sum from the logprobs it returned."""
-    if "loss:sum" in metrics:
-        return float(metrics["loss:sum"])
-    return loss_from_logprobs(loss_fn, loss_config, batch.datums, output.loss_fn_outputs)
+    """One forward_backward's loss: Tinker's `loss:sum`, or when the backend reports none, the same sum
+    from the logprobs it returned for `datums`."""
+    if "loss:sum" in output.metrics:
+        return float(output.metrics["loss:sum"])
+    return loss_from_logprobs(loss_fn, loss_config, datums, output.loss_fn_outputs)
 
 
 def _turns_without_logprobs(request: pb.TrainRequest) -> list[tuple[types_pb2.Trajectory, int]]:
@@ -331,6 +331,10 @@ class Trainer:
                     assert refused is not None
                     raise refused from None
             fb_output = minibatches.combined_forward_backward(fb_outputs)
+            losses = [
+                _step_loss(loss, config, batch.datums[m.start : m.stop], output)
+                for m, output in zip(steps, fb_outputs, strict=True)
+            ]
             trainer_metrics = {**fb_output.metrics, **minibatches.combined_optim_metrics(optim_metrics)}
             non_finite = sorted(key for key, value in trainer_metrics.items() if not math.isfinite(value))
             if non_finite:
@@ -344,7 +348,7 @@ class Trainer:
             step_seconds = time.monotonic() - started
 
             metrics = types_pb2.TrainMetrics(
-                loss=_step_loss(trainer_metrics, loss, config, batch, fb_output),
+                loss=math.fsum(losses),
                 mean_reward=batch.mean_reward,
                 std_reward=batch.std_reward,
                 learning_rate=request.adam.learning_rate,
@@ -367,11 +371,7 @@ class Trainer:
                 ),
                 reference_kl=figures.reference_kl,
                 teacher_kl=figures.teacher_kl,
-                minibatch_losses=(
-                    [float(o.metrics.get("loss:sum", math.nan)) for o in fb_outputs]
-                    if request.HasField("minibatch_size")
-                    else []
-                ),
+                minibatch_losses=losses if request.HasField("minibatch_size") else [],
             )
             now = time.time()
             sampler_row = CheckpointRow(
