@@ -48,6 +48,7 @@ def check_minibatches(v: Violations, request: trainer_service_pb2.TrainRequest) 
             "minibatch_learning_rates",
             f"{len(rates)} learning rates for {count} minibatches of {request.minibatch_size} examples",
         )
+        return  # each rate is checked once there is one per minibatch (at most one per example)
     for i, rate in enumerate(rates):
         problem = learning_rate_problem(rate)
         if problem is not None:
