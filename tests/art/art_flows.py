@@ -389,9 +389,35 @@ async def retrain_after_restore(art_path: str, target: str) -> dict[str, Any]:
     return {"step": step}
 
 
+async def sft_split(art_path: str, target: str) -> dict[str, Any]:
+    """ART's train_sft against a server whose per-Train token limit is below the whole warm-up: the
+    refused Train goes again as Trains of half as many batches, every batch trained once, in order."""
+    backend = TinkerRPCBackend(target, path=art_path)
+    model = art.TrainableModel(name="sft-split-001", project="sft-split", base_model=BASE_MODEL)
+    await model.register(backend)
+    rates = [1e-3 * (index + 1) for index in range(6)]
+    await model.train_sft(
+        warm_up_trajectories(random.Random(1), 4 * len(rates)),
+        config=art.TrainSFTConfig(learning_rate=rates, batch_size=4),
+    )
+    async with tinkerrpc.AsyncClient(target) as client:
+        steps = (await client.model(model.name).history()).steps
+        limit = (await client.server_info()).limits.max_train_tokens
+    await backend.close()
+    assert await model.get_step() == len(steps) > 1
+    assert sum(len(s.metrics.minibatch_losses) for s in steps) == len(rates)
+    assert sum(s.metrics.trajectories_used for s in steps) == 4 * len(rates)
+    assert all(s.metrics.total_tokens <= limit for s in steps)
+    # Each Train starts at the first rate of its own batches.
+    firsts = [sum(len(t.metrics.minibatch_losses) for t in steps[:i]) for i in range(len(steps))]
+    assert [s.metrics.learning_rate for s in steps] == pytest.approx([rates[f] for f in firsts])
+    return {"trains": len(steps), "tokens": [s.metrics.total_tokens for s in steps]}
+
+
 FLOWS = {
     "retrain-after-restore": retrain_after_restore,
     "sft-schedule": sft_schedule,
+    "sft-split": sft_split,
     "yes-no-maybe": yes_no_maybe,
     "reregister": reregister_and_score,
     "seed-yes-no-maybe": seed_yes_no_maybe,

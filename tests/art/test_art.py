@@ -25,6 +25,8 @@ pytestmark = pytest.mark.ecosystem
 FLOWS = Path(__file__).with_name("art_flows.py")
 TARGET_REWARD = 0.9
 MAX_RL_STEPS = 30
+# Below the 24-example warm-up of the sft-split flow, above any 4 of its examples.
+SMALL_TRAIN_TOKENS = 300
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +67,16 @@ def test_art_yes_no_maybe_reaches_the_target_reward(stack: LocalStack, tmp_path:
     assert rewards[-1] >= TARGET_REWARD, rewards
     assert rewards[-1] > rewards[0], rewards
     assert result["inference_base_url"] == f"{stack.sidecar_url}/v1", "the hosted sidecar"
+
+
+def test_art_sft_past_the_servers_tokens_per_train_goes_as_smaller_trains(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    tmp = tmp_path_factory.mktemp("art-small-trains")
+    args = ("--model-dir", str(tmp / "models"), "--max-train-tokens", str(SMALL_TRAIN_TOKENS))
+    with LocalStack(tmp / "data", tmp / "serve.log", args, 240, with_sidecar=True) as small:
+        result = run_flow("sft-split", tmp / ".art", small.target)
+    assert result["trains"] > 1, result
 
 
 def test_art_sft_batches_train_as_the_minibatches_of_one_version(stack: LocalStack, tmp_path: Path) -> None:

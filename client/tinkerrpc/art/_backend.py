@@ -14,7 +14,7 @@ from art import dev
 
 from tinkerrpc._async_client import AsyncClient, AsyncModel
 from tinkerrpc._channel import TlsOption
-from tinkerrpc._errors import AlreadyExistsError, FailedPreconditionError
+from tinkerrpc._errors import AlreadyExistsError, FailedPreconditionError, ResourceExhaustedError
 from tinkerrpc._openai_client import sidecar_connection
 from tinkerrpc._types import CheckpointInfo, SupervisedExample, TrainResult
 from tinkerrpc.art._train_options import resolve_train_options
@@ -246,8 +246,9 @@ class TinkerRPCBackend(art.Backend):
         """Supervised steps on the trajectories' conversations (every assistant message trains), in
         batches of `config.batch_size` ("auto": 32), each with its learning rate (one, or one per batch).
         As ART's own backends end an SFT run in one checkpoint, the batches go as minibatches of one Train
-        (one policy version, one sampler save), or of as few Trains as the server's per-Train example
-        limit allows; each batch's figures are yielded once its Train is done."""
+        (one policy version, one sampler save), or of as few Trains as the server's per-Train limits
+        allow (its example limit, then halving a Train the server refuses for its tokens); each batch's
+        figures are yielded once its Train is done."""
         client = await self._connected()
         handle = client.model(model.name)
         examples = [SupervisedExample(*sft_conversation(t)) for t in trajectories]
@@ -257,15 +258,23 @@ class TinkerRPCBackend(art.Backend):
         if isinstance(rates, list) and len(rates) < batches:
             raise ValueError(f"{len(rates)} learning rates for {batches} batches")
         per_train = max(1, (await client.server_info()).limits.max_train_trajectories // size)
-        for first in range(0, batches, per_train):
+        first = 0
+        while first < batches:
             last = min(first + per_train, batches)
             schedule = rates[first:last] if isinstance(rates, list) else []
-            result = await handle.train_supervised(
-                examples[first * size : last * size],
-                learning_rate=schedule[0] if schedule else cast(float, rates),
-                minibatch_size=size,
-                minibatch_learning_rates=schedule,
-            )
+            try:
+                result = await handle.train_supervised(
+                    examples[first * size : last * size],
+                    learning_rate=schedule[0] if schedule else cast(float, rates),
+                    minibatch_size=size,
+                    minibatch_learning_rates=schedule,
+                )
+            except ResourceExhaustedError:
+                # Past the server's tokens per Train (refused, nothing trained): half as many batches.
+                if last - first == 1:
+                    raise
+                per_train = (last - first) // 2
+                continue
             self._steps[model.name] = result.policy_version
             for k, loss in enumerate(result.metrics.minibatch_losses):
                 if verbose:
@@ -275,6 +284,7 @@ class TinkerRPCBackend(art.Backend):
                     "loss/train": loss,
                     "loss/learning_rate": schedule[k] if schedule else cast(float, rates),
                 }
+            first = last
 
     async def _delete_checkpoint_files(self, model: TrainableModel, steps_to_keep: list[int]) -> None:
         """Delete the checkpoints (sampler weights and full states) of every version but `steps_to_keep`;
