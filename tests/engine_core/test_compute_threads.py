@@ -8,8 +8,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+
+from tinkerrpc_server.model_store import TINY_CHAT, resolve_base_model
 
 pytestmark = pytest.mark.process
 
@@ -73,3 +76,38 @@ def test_the_compute_thread_uses_its_own_torch_thread_count() -> None:
         """
     )
     assert (on_worker, on_main) == ("2", "1")
+
+
+def test_the_engine_prepares_its_process_without_an_openmp_team_on_its_main_thread(tmp_path: Path) -> None:
+    """Preparing the engine's process (the built-in models laid out, the execution plan chosen, which
+    times kernels with parallel ops) leaves no OpenMP worker behind: one would make the compute thread's
+    team sleep between a decode step's ops (SmolLM2's one-row decode ran at 33 steps/s through the engine
+    instead of 42)."""
+    models = tmp_path / "models"
+    resolve_base_model(TINY_CHAT, models)  # built here: building it starts the tokenizer's own threads
+    before, after, torch_threads = map(
+        int,
+        run_fresh(
+            f"""
+            import os, time, torch
+            from pathlib import Path
+            from tinkerrpc_server.engine.app import prepare_engine_process
+            from tinkerrpc_server.engine.config import EngineConfig
+
+            torch.set_num_threads(2)
+
+            def threads():
+                return len(os.listdir("/proc/self/task"))
+
+            before = threads()
+            config = EngineConfig(Path({str(tmp_path / "data")!r}), Path({str(models)!r}), insecure_no_auth=True)
+            config = prepare_engine_process(config)
+            deadline = time.monotonic() + 10
+            while threads() != before and time.monotonic() < deadline:
+                time.sleep(0.05)
+            print(before, threads(), config.torch_threads)
+            """
+        ),
+    )
+    assert torch_threads == 2  # what the compute thread will run with
+    assert after == before  # with the plan chosen on the main thread: before + 1, its team's worker

@@ -120,23 +120,31 @@ def create_app(config: EngineConfig) -> FastAPI:
     return app
 
 
-def serve_engine(sock: socket.socket, config: EngineConfig, on_serving: Callable[[], None]) -> None:
-    """Serve the engine on the listening socket `sock` until SIGTERM/SIGINT, then return normally.
-    `on_serving` runs once the app is built and the signals are handled (requests then get answers).
-    Started by engine.main.engine_main, after its checks."""
-    # Everything the engine writes (weights, optimizer state, its index) is its owner's alone.
-    os.umask(0o077)
-    # torch's parallel ops run on the compute thread alone, with the threads this process has (see
-    # engine/worker.py); this thread, which serves HTTP, keeps one.
+def prepare_engine_process(config: EngineConfig) -> EngineConfig:
+    """The process's setup before serving, on its main thread: `config` with the torch threads the
+    compute thread will use. Whatever runs torch's parallel ops here runs in a passing thread, so that
+    the compute thread's OpenMP team stays the process's only one (see engine/worker.py)."""
+    # The compute thread takes the threads this process has; this thread, which serves HTTP, keeps one.
     if config.torch_threads is None:
         config = replace(config, torch_threads=torch.get_num_threads())
     # Before serving: once the engine answers, clients can load the built-in models by name, and the
     # first sample does not wait for the CPU kernels to build. The plan chosen here is the one every
     # runtime of this process hands its decoders.
     in_passing_thread(lambda: prepare_builtin_models(config.model_dir))
-    choose_execution_plan(config.kernels)
+    # Choosing the plan times the packed kernels with parallel ops.
+    in_passing_thread(lambda: choose_execution_plan(config.kernels))
     torch.set_num_threads(1)
     torch.get_num_threads()  # pins it for this thread (see ComputeWorker._loop)
+    return config
+
+
+def serve_engine(sock: socket.socket, config: EngineConfig, on_serving: Callable[[], None]) -> None:
+    """Serve the engine on the listening socket `sock` until SIGTERM/SIGINT, then return normally.
+    `on_serving` runs once the app is built and the signals are handled (requests then get answers).
+    Started by engine.main.engine_main, after its checks."""
+    # Everything the engine writes (weights, optimizer state, its index) is its owner's alone.
+    os.umask(0o077)
+    config = prepare_engine_process(config)
     app = create_app(config)
     host = sock.getsockname()[0]
     log.info(
