@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 from engine_core_ref import hand_lora, load_plain_model, lora_leaves, reference_logprobs, reference_loss
-from peft import PeftModel
+from peft import PeftModel, get_peft_model_state_dict
+from safetensors.torch import load_file
 
 from tinkerrpc_server.engine.runtime import (
     LORA_ALPHA,
@@ -448,6 +449,15 @@ def test_saved_adapter_loads_with_plain_peft(
         "tinkerrpc_lora.json",
     ]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging leftovers
+    # The file holds what PEFT's own state dict of the adapter holds, under the same names.
+    saved = load_file(tmp_path / "sampler" / "adapter_model.safetensors")
+    peft_name = runtime._adapters[model_id].peft_name
+    expected_weights = get_peft_model_state_dict(
+        runtime._peft, adapter_name=peft_name, save_embedding_layers=False
+    )
+    assert sorted(saved) == sorted(expected_weights)
+    for key, value in expected_weights.items():
+        assert torch.equal(saved[key], value)
     peft_model = PeftModel.from_pretrained(load_plain_model(tiny_model_path), str(tmp_path / "sampler"))
     tokens = np.random.default_rng(37).integers(0, runtime.vocab_size, 16)
     datum = DatumArrays(tokens[:-1], {"target_tokens": tokens[1:], "weights": np.ones(15, np.float32)})

@@ -13,7 +13,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
+from peft import LoraConfig, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
 from tinkerrpc_server.engine.compute.adapters import (
@@ -48,12 +48,12 @@ class StateIO(AdaptedModel):
         staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
         try:
             self._peft.peft_config[adapter.peft_name].save_pretrained(str(staging))
-            # The base lm_head stays in the base model: only LoRA factors go into the file.
-            weights = get_peft_model_state_dict(
-                self._peft, adapter_name=adapter.peft_name, save_embedding_layers=False
-            )
+            # Only the LoRA factors go into the file (the base lm_head stays in the base model), under the
+            # adapter-free names PEFT writes: the adapter's own parameters. PEFT's get_peft_model_state_dict
+            # finds them by walking the whole model's state_dict, which took as long as a tiny-chat
+            # forward_backward (test_training checks the file against it).
             save_file(
-                {k: v.detach().cpu().contiguous() for k, v in weights.items()},
+                {k: v.detach().cpu().contiguous() for k, v in adapter.params.items()},
                 str(staging / ADAPTER_WEIGHTS_FILE),
                 metadata={"format": "pt"},
             )
