@@ -143,14 +143,18 @@ class AdaptedModel:
             self._peft.delete_adapter(peft_name)
 
     def _register(self, peft_name: str, spec: LoraSpec) -> Adapter:
+        params = self._peft_parameters(peft_name)
+        return Adapter(peft_name, spec, params, new_optimizer(spec.optimizer, list(params.values())))
+
+    def _peft_parameters(self, peft_name: str) -> dict[str, torch.nn.Parameter]:
+        """The loaded adapter's parameters under their adapter-free names (those PEFT saves them under)."""
         assert self._peft is not None
         marker = f".{peft_name}."
-        params = {
+        return {
             name.replace(marker, "."): param
             for name, param in self._peft.named_parameters()
             if marker in name
         }
-        return Adapter(peft_name, spec, params, new_optimizer(spec.optimizer, list(params.values())))
 
     def _require_adapter(self, model_id: str) -> Adapter:
         adapter = self._adapters.get(model_id)

@@ -188,7 +188,10 @@ class Sampling(StateIO):
             if cached is not None:
                 self._sampler_adapters.move_to_end(key)
                 return cached
-            peft_name = self._load_peft_adapter(weights_dir, LoraConfig.from_pretrained(str(weights_dir)))
+            config = LoraConfig.from_pretrained(str(weights_dir))
+            peft_name = self._recycled_sampler_adapter(weights_dir, config) or self._load_peft_adapter(
+                weights_dir, config
+            )
         except (OSError, ValueError):
             # Their owner may delete them (a restore, DeleteModel) between the check above and the read.
             if weights_file.is_file():
@@ -201,6 +204,20 @@ class Sampling(StateIO):
                 self._last_decoder = None
             self._remove_peft_adapter(evicted)
         self._restore_trainability()
+        return peft_name
+
+    def _recycled_sampler_adapter(self, weights_dir: Path, config: LoraConfig) -> str | None:
+        """With the cache full, the least recently sampled adapter, its weights overwritten by those in
+        `weights_dir` where their layouts agree (an RL run's every version past the cache's size): it
+        leaves the cache under its old key. None otherwise."""
+        if len(self._sampler_adapters) < SAMPLER_CACHE_SIZE:
+            return None
+        oldest, peft_name = next(iter(self._sampler_adapters.items()))
+        if not self._overwrite_peft_adapter(peft_name, weights_dir, config):
+            return None
+        del self._sampler_adapters[oldest]
+        if self._last_decoder is not None and self._last_decoder[0] == peft_name:
+            self._last_decoder = None  # its merged copy holds the old weights
         return peft_name
 
     def _default_stop_token_ids(self) -> list[int]:

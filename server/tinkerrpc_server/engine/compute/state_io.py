@@ -164,6 +164,23 @@ class StateIO(AdaptedModel):
             raise EngineUserError(f"adapter at {directory} does not fit this base model: {error}") from None
         return peft_name
 
+    def _overwrite_peft_adapter(self, peft_name: str, directory: Path, config: LoraConfig) -> bool:
+        """Copy the LoRA weights saved in `directory` over those of the loaded adapter `peft_name` where
+        both have one layout (the same LoRA config but for where it was saved from, the same tensors by
+        name and shape); whether it did. A new adapter costs PEFT a walk of the model per adapted module:
+        0.3-0.5 s on SmolLM2, more with every adapter loaded."""
+        assert self._peft is not None
+        if _layout(self._peft.peft_config[peft_name]) != _layout(config):
+            return False
+        params = self._peft_parameters(peft_name)
+        weights = load_file(str(directory / ADAPTER_WEIGHTS_FILE), device=str(self.device))
+        if weights.keys() != params.keys() or any(weights[k].shape != p.shape for k, p in params.items()):
+            return False
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(weights[name])
+        return True
+
     def _load_optimizer(self, adapter: Adapter, directory: Path) -> None:
         tensors = load_file(str(directory / OPTIMIZER_FILE), device=str(self.device))
         steps = json.loads((directory / OPTIMIZER_META_FILE).read_text())["steps"]
@@ -184,6 +201,14 @@ def saved_optimizer(directory: Path) -> str:
     spec_file = directory / LORA_SPEC_FILE
     family: str = json.loads(spec_file.read_text()).get("optimizer", ADAMW) if spec_file.is_file() else ADAMW
     return family
+
+
+def _layout(config: LoraConfig) -> dict[str, object]:
+    """What of a LoRA config shapes the adapter PEFT builds from it (all of it but where it came from)."""
+    fields: dict[str, object] = dict(config.to_dict())  # type: ignore[no-untyped-call]
+    for provenance in ("base_model_name_or_path", "revision", "inference_mode"):
+        fields.pop(provenance, None)
+    return fields
 
 
 def _publish_directory(staging: Path, final: Path) -> None:
