@@ -81,7 +81,7 @@ FULL = Settings(
     serialization_repeats=3,
     demo_sft_max_steps=150,
     demo_rl_max_steps=40,
-    art_rounds=3,
+    art_rounds=5,
     matmul_sizes=(1024, 2048),
     matmul_repeats=5,
 )
