@@ -163,6 +163,8 @@ def test_packed_linear(rows: int, in_features: int, out_features: int) -> None:
     assert packed.shape == (-(-out_features // 16), in_features, 16)
     out = cpu_kernels.packed_linear(x, packed, out_features)
     torch.testing.assert_close(out, x @ weight.t(), rtol=1e-5, atol=1e-4)
+    # The same weight given as the transpose of an (in, out) tensor packs to the same panels.
+    assert torch.equal(cpu_kernels.pack_linear_weight(weight.t().contiguous().t()), packed)
 
 
 def test_a_packed_product_row_does_not_depend_on_the_rows_beside_it() -> None:

@@ -328,10 +328,29 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "weight must be (out, in)");
   const int64_t out_features = weight.size(0), in_features = weight.size(1);
   const int64_t panels = (out_features + kPanel - 1) / kPanel;
-  at::Tensor packed = at::zeros({panels, in_features, kPanel}, weight.options());
+  at::Tensor packed = at::empty({panels, in_features, kPanel}, weight.options());
+  // Every float is written below but the last panel's columns past out_features: zeros there.
+  const int64_t filled = out_features - (panels - 1) * kPanel;
+  packed.select(0, panels - 1).narrow(1, filled, kPanel - filled).zero_();
+  float* ps = packed.data_ptr<float>();
+  if (weight.stride(0) == 1) {
+    // The transpose of an (in, out) tensor (the decoder's layout): a panel row is the next kPanel
+    // floats of a row of it, copied as they lie, with no transposed copy of the whole weight first.
+    const float* ws = weight.data_ptr<float>();
+    const int64_t row_stride = weight.stride(1);
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t width = std::min(kPanel, out_features - p * kPanel);
+        for (int64_t k = 0; k < in_features; ++k) {
+          const float* from = ws + k * row_stride + p * kPanel;
+          std::copy(from, from + width, ps + (p * in_features + k) * kPanel);
+        }
+      }
+    });
+    return packed;
+  }
   const at::Tensor w = weight.contiguous();
   const float* ws = w.data_ptr<float>();
-  float* ps = packed.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       for (int64_t j = 0; j < kPanel && p * kPanel + j < out_features; ++j) {

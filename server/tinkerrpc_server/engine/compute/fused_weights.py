@@ -163,7 +163,11 @@ def merged_weight(projection: Projection, adapter: str | None) -> torch.Tensor |
                 merged = projection.weight_t.clone()
             a, scaled_b = lora
             columns = merged[:, start : start + width]
-            columns.copy_(columns.float() + a.t().float() @ scaled_b.t().float())
+            delta = a.t().float() @ scaled_b.t().float()
+            if columns.dtype == torch.float32:
+                torch.add(columns, delta, out=columns)  # the same sum, without a copy of the columns
+            else:
+                columns.copy_(columns.float() + delta)
         start += width
     return merged
 
