@@ -120,6 +120,21 @@ def test_decode_attention(rows: int, heads: int, kv_heads: int, columns: int, di
     )
 
 
+@pytest.mark.parametrize("padding", [1, 5, 8, 13])
+def test_a_rows_attention_does_not_depend_on_the_batchs_padding(padding: int) -> None:
+    """A row alone and the same row left-padded in a wider batch, its keys in other places of the
+    kernel's blocks of 8 columns (and a last block short of 8): the same output to float32 rounding."""
+    heads, kv_heads, columns, dim = 9, 3, 29, 64
+    k, v = _cache_views(1, kv_heads, columns, dim)
+    q = torch.randn(1, heads, dim, generator=torch.Generator().manual_seed(padding))
+    alone = cpu_kernels.decode_attention(q, k, v, torch.zeros(1, columns), 0.125, None)
+    wide_k, wide_v = (torch.cat([torch.zeros(1, kv_heads, padding, dim), t], dim=2) for t in (k, v))
+    bias = torch.zeros(1, padding + columns)
+    bias[:, :padding] = float("-inf")
+    padded = cpu_kernels.decode_attention(q, wide_k, wide_v, bias, 0.125, None)
+    torch.testing.assert_close(padded, alone, rtol=1e-6, atol=1e-6)
+
+
 def test_decode_attention_reads_shared_columns_from_the_first_row() -> None:
     rows, heads, kv_heads, columns, dim = 8, 9, 3, 60, 64
     k, v = _cache_views(rows, kv_heads, columns, dim)

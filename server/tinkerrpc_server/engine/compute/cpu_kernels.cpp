@@ -47,6 +47,17 @@ float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
+#ifdef __AVX2__
+// Lane j: the sum of the 8 floats of s[j], each summed in one order, ((0+1)+(2+3))+((4+5)+(6+7)), whichever
+// j: a block of 8 dot products costs one such reduction instead of 8.
+inline __m256 sum_each(const __m256* s) {
+  const __m256 low_pairs = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+  const __m256 high_pairs = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(low_pairs, high_pairs, 0x20),
+                       _mm256_permute2f128_ps(low_pairs, high_pairs, 0x31));
+}
+#endif
+
 // out = x * inv * weight, as transformers' RMSNorm scales (normalized first, then the weight).
 void scale_row(const float* x, float inv, const float* weight, float* out, int64_t n) {
   const Vec inv_vec(inv);
@@ -219,6 +230,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   at::parallel_for(0, units, std::max<int64_t>(1, kParallelFloats / unit_floats), [&](int64_t begin, int64_t end) {
     std::vector<float> weights(groups * columns);
     std::vector<float> inverse_totals(groups);
+    std::vector<const float*> value_columns(columns);
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t r = unit / kv_heads, kvh = unit % kv_heads;
       const float* row_bias = bs + r * columns;
@@ -227,6 +239,42 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
         return base + source * strides[0] + kvh * strides[1] + c * strides[2];
       };
       for (int64_t c = 0; c < columns; ++c) {
+        value_columns[c] = column(vs, v_strides, c);
+      }
+      int64_t scored = 0;
+#ifdef __AVX2__
+      // 8 columns at a time: their keys' dot products with a query, reduced together, each column's in
+      // the same order wherever it falls in a block, so a row's scores do not depend on the batch's
+      // padding (a padding column's product is computed, whatever is there, and dropped; a
+      // last block short of 8 repeats its last column).
+      for (; dim % 8 == 0 && scored < columns; scored += 8) {
+        const int64_t block = std::min<int64_t>(8, columns - scored);
+        const float* keys[8];
+        for (int j = 0; j < 8; ++j) {
+          keys[j] = column(ks, k_strides, scored + std::min<int64_t>(j, block - 1));
+        }
+        for (int64_t g = 0; g < groups; ++g) {
+          const float* qg = qs + r * q_row + (kvh * groups + g) * q_head;
+          __m256 sums[8];
+          for (auto& sum : sums) {
+            sum = _mm256_setzero_ps();
+          }
+          for (int64_t i = 0; i < dim; i += 8) {
+            const __m256 qi = _mm256_loadu_ps(qg + i);
+            for (int j = 0; j < 8; ++j) {
+              sums[j] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(keys[j] + i), sums[j]);
+            }
+          }
+          float products[8];
+          _mm256_storeu_ps(products, sum_each(sums));
+          for (int j = 0; j < block; ++j) {
+            const float b = row_bias[scored + j];
+            weights[g * columns + scored + j] = b == minus_inf ? minus_inf : products[j] * scale_f + b;
+          }
+        }
+      }
+#endif
+      for (int64_t c = scored; c < columns; ++c) {
         if (row_bias[c] == minus_inf) {
           for (int64_t g = 0; g < groups; ++g) {
             weights[g * columns + c] = minus_inf;
@@ -258,23 +306,28 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
         inverse_totals[g] = 1.f / total;
       }
       float* o = os + r * heads * dim + kvh * groups * dim;
-      std::fill(o, o + groups * dim, 0.f);
-      for (int64_t c = 0; c < columns; ++c) {
-        if (row_bias[c] == minus_inf) {
-          continue;
+      // Each output lane sums its columns in order in a register (the same sums as adding into `o`).
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* wg = weights.data() + g * columns;
+        float* og = o + g * dim;
+        int64_t i = 0;
+        for (; i + kLanes <= dim; i += kLanes) {
+          Vec sum(0.f);
+          for (int64_t c = 0; c < columns; ++c) {
+            if (row_bias[c] != minus_inf) {
+              sum = at::vec::fmadd(Vec(wg[c] * inverse_totals[g]), Vec::loadu(value_columns[c] + i), sum);
+            }
+          }
+          sum.store(og + i);
         }
-        const float* vc = column(vs, v_strides, c);
-        for (int64_t g = 0; g < groups; ++g) {
-          const float weight = weights[g * columns + c] * inverse_totals[g];
-          const Vec weight_vec(weight);
-          float* og = o + g * dim;
-          int64_t i = 0;
-          for (; i + kLanes <= dim; i += kLanes) {
-            at::vec::fmadd(weight_vec, Vec::loadu(vc + i), Vec::loadu(og + i)).store(og + i);
+        for (; i < dim; ++i) {
+          float sum = 0.f;
+          for (int64_t c = 0; c < columns; ++c) {
+            if (row_bias[c] != minus_inf) {
+              sum += wg[c] * inverse_totals[g] * value_columns[c][i];
+            }
           }
-          for (; i < dim; ++i) {
-            og[i] += weight * vc[i];
-          }
+          og[i] = sum;
         }
       }
     }
