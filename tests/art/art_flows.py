@@ -318,18 +318,31 @@ async def reregister_and_score(art_path: str, target: str) -> dict[str, Any]:
     return {"step": step}
 
 
+# ART's train_sft with a learning rate per batch of 4: six batches.
+SFT_RATES = [1e-3 * (index + 1) for index in range(6)]
+
+
+async def scheduled_sft(
+    art_path: str, target: str, project: str
+) -> tuple[TinkerRPCBackend, art.TrainableModel]:
+    """A model of `project` registered on TinkerRPCBackend, warmed up by ART's train_sft over
+    len(SFT_RATES) batches of 4, each at its rate of SFT_RATES."""
+    backend = TinkerRPCBackend(target, path=art_path)
+    model = art.TrainableModel(name=f"{project}-001", project=project, base_model=BASE_MODEL)
+    await model.register(backend)
+    await model.train_sft(
+        warm_up_trajectories(random.Random(1), 4 * len(SFT_RATES)),
+        config=art.TrainSFTConfig(learning_rate=SFT_RATES, batch_size=4),
+    )
+    return backend, model
+
+
 async def sft_schedule(art_path: str, target: str) -> dict[str, Any]:
     """ART's train_sft with a learning rate per batch: as ART's own backends end an SFT run in one
     checkpoint, the batches are the minibatches of one Train: one version, one loss per batch, each batch
     stepped at its own rate."""
-    backend = TinkerRPCBackend(target, path=art_path)
-    model = art.TrainableModel(name="sft-order-001", project="sft-order", base_model=BASE_MODEL)
-    await model.register(backend)
-    rates = [1e-3 * (index + 1) for index in range(6)]
-    await model.train_sft(
-        warm_up_trajectories(random.Random(1), 4 * len(rates)),
-        config=art.TrainSFTConfig(learning_rate=rates, batch_size=4),
-    )
+    backend, model = await scheduled_sft(art_path, target, "sft-order")
+    rates = SFT_RATES
     assert await model.get_step() == 1
     async with tinkerrpc.AsyncClient(target) as client:
         (step,) = (await client.model(model.name).history()).steps
@@ -392,14 +405,8 @@ async def retrain_after_restore(art_path: str, target: str) -> dict[str, Any]:
 async def sft_split(art_path: str, target: str) -> dict[str, Any]:
     """ART's train_sft against a server whose per-Train token limit is below the whole warm-up: the
     refused Train goes again as Trains of half as many batches, every batch trained once, in order."""
-    backend = TinkerRPCBackend(target, path=art_path)
-    model = art.TrainableModel(name="sft-split-001", project="sft-split", base_model=BASE_MODEL)
-    await model.register(backend)
-    rates = [1e-3 * (index + 1) for index in range(6)]
-    await model.train_sft(
-        warm_up_trajectories(random.Random(1), 4 * len(rates)),
-        config=art.TrainSFTConfig(learning_rate=rates, batch_size=4),
-    )
+    backend, model = await scheduled_sft(art_path, target, "sft-split")
+    rates = SFT_RATES
     async with tinkerrpc.AsyncClient(target) as client:
         steps = (await client.model(model.name).history()).steps
         limit = (await client.server_info()).limits.max_train_tokens
