@@ -229,7 +229,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t unit_floats = std::max<int64_t>(1, 2 * columns * dim);
   at::parallel_for(0, units, std::max<int64_t>(1, kParallelFloats / unit_floats), [&](int64_t begin, int64_t end) {
     std::vector<float> weights(groups * columns);
-    std::vector<float> inverse_totals(groups);
     std::vector<const float*> value_columns(columns);
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t r = unit / kv_heads, kvh = unit % kv_heads;
@@ -303,7 +302,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
           w[c] = std::exp(w[c] - peak);
           total += w[c];
         }
-        inverse_totals[g] = 1.f / total;
+        // The softmax weights, normalized once for every lane of the output.
+        const float inverse_total = 1.f / total;
+        for (c = 0; c < columns; ++c) {
+          w[c] *= inverse_total;
+        }
       }
       float* o = os + r * heads * dim + kvh * groups * dim;
       // Each output lane sums its columns in order in a register (the same sums as adding into `o`).
@@ -315,7 +318,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
           Vec sum(0.f);
           for (int64_t c = 0; c < columns; ++c) {
             if (row_bias[c] != minus_inf) {
-              sum = at::vec::fmadd(Vec(wg[c] * inverse_totals[g]), Vec::loadu(value_columns[c] + i), sum);
+              sum = at::vec::fmadd(Vec(wg[c]), Vec::loadu(value_columns[c] + i), sum);
             }
           }
           sum.store(og + i);
@@ -324,7 +327,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
           float sum = 0.f;
           for (int64_t c = 0; c < columns; ++c) {
             if (row_bias[c] != minus_inf) {
-              sum += wg[c] * inverse_totals[g] * value_columns[c][i];
+              sum += wg[c] * value_columns[c][i];
             }
           }
           og[i] = sum;
