@@ -1,5 +1,6 @@
-"""The sampler's fused CPU kernels (cpu_kernels.cpp): built once per machine with the system's g++
-against the installed torch, loaded as torch ops, and used for float32 CPU passes outside autograd.
+"""The sampler's fused CPU kernels (cpu_kernels.cpp, decode_attention.cpp, panel_matmul.cpp): built once per
+machine with the system's g++ against the installed torch into one library, loaded as torch ops, and used
+for float32 CPU passes outside autograd.
 
 A decode step of SmolLM2 at 16 rows spent ~27 ms of ~97 ms outside its matmuls, in ~30 small torch ops
 per layer; these kernels do those stretches in four ops per layer (tests/engine_core/test_cpu_kernels.py
@@ -29,7 +30,10 @@ from tinkerrpc_server.settings import KernelSettings, settings_of
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+_SOURCES = [
+    Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "decode_attention.cpp", "panel_matmul.cpp")
+]
+_HEADER = Path(__file__).with_name("cpu_kernels.h")
 # torch's own vectorized code paths: AVX2's serves AVX-512 CPUs too (the panel matmul's AVX-512 build adds
 # -mavx512f); elsewhere the portable one.
 _VECTOR_FLAGS = {
@@ -53,7 +57,7 @@ def _command(compiler: str, output: Path) -> list[str]:
         # ATen's and torch/library.h's headers (torch.utils.cpp_extension knows them too, but importing it
         # costs the engine ~4 MiB of setuptools).
         f"-I{torch_dir / 'include'}",
-        str(_SOURCE),
+        *(str(source) for source in _SOURCES),
         "-o",
         str(output),
         f"-L{torch_dir / 'lib'}",
@@ -65,7 +69,8 @@ def _command(compiler: str, output: Path) -> list[str]:
 
 def _library_path(settings: KernelSettings) -> Path:
     key = hashlib.sha256()
-    key.update(_SOURCE.read_bytes())
+    for source in (*_SOURCES, _HEADER):
+        key.update(source.read_bytes())
     key.update(" ".join(_command(settings.compiler, Path("out"))).encode())
     key.update(f"{torch.__version__} {sys.version}".encode())
     return settings.build_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"

@@ -1,0 +1,42 @@
+// What the engine's CPU kernels share (cpu_kernels.cpp, decode_attention.cpp, panel_matmul.cpp): torch's
+// float vector, the size below which a kernel stays on the calling thread, a dot product and the check
+// every kernel makes of its tensors.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+namespace tinkerrpc_kernels {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = Vec::size();
+// Below this many floats of work a kernel runs on the calling thread: waking the pool costs more.
+constexpr int64_t kParallelFloats = 1 << 15;
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  // Two accumulators: half the chain of dependent fused multiply-adds.
+  Vec even(0.f), odd(0.f);
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    even = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), even);
+    odd = at::vec::fmadd(Vec::loadu(a + i + kLanes), Vec::loadu(b + i + kLanes), odd);
+  }
+  for (; i + kLanes <= n; i += kLanes) {
+    even = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), even);
+  }
+  Vec both = even + odd;
+  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, both);
+  for (; i < n; ++i) {
+    sum += a[i] * b[i];
+  }
+  return sum;
+}
+
+inline void check_float_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
+}
+
+}  // namespace tinkerrpc_kernels

@@ -1,0 +1,231 @@
+// The sampler's float32 matmul by a weight packed into column panels, on AVX2 and AVX-512 CPUs (see
+// cpu_kernels.cpp; `python -m bench.matmul_kernels` times it against MKL's and oneDNN's).
+#include "cpu_kernels.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <utility>
+#include <vector>
+
+#ifdef __AVX2__
+namespace {
+
+using namespace tinkerrpc_kernels;
+
+// Panels of a packed (out, in) weight: panel p holds output columns [p·kPanel, (p+1)·kPanel) as `in` rows
+// of kPanel floats, so a thread's panels stream through memory in order, end to end, and each row of a
+// panel is one cache line: one AVX-512 vector or two AVX2 vectors.
+constexpr int64_t kPanel = 16;
+
+#ifdef __AVX512F__
+// A panel row is one vector. 32 vector registers hold up to 28 running sums, the panel row, and x's
+// broadcast rides in the multiply-add's memory operand: 16 rows of x in one pass over a panel.
+using PanelVector = __m512;
+constexpr int kRowBlock = 16;
+constexpr int kMaxSums = 28;
+inline PanelVector load(const float* p) { return _mm512_loadu_ps(p); }
+inline PanelVector broadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline PanelVector fmadd(PanelVector a, PanelVector b, PanelVector c) { return _mm512_fmadd_ps(a, b, c); }
+inline PanelVector add(PanelVector a, PanelVector b) { return _mm512_add_ps(a, b); }
+inline PanelVector zero() { return _mm512_setzero_ps(); }
+inline void store(float* p, PanelVector a) { _mm512_storeu_ps(p, a); }
+#else
+// A panel row is two vectors. 16 vector registers hold 12 running sums (two for each of 6 rows), the panel
+// row and a broadcast.
+using PanelVector = __m256;
+constexpr int kRowBlock = 6;
+constexpr int kMaxSums = 12;
+inline PanelVector load(const float* p) { return _mm256_loadu_ps(p); }
+inline PanelVector broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline PanelVector fmadd(PanelVector a, PanelVector b, PanelVector c) { return _mm256_fmadd_ps(a, b, c); }
+inline PanelVector add(PanelVector a, PanelVector b) { return _mm256_add_ps(a, b); }
+inline PanelVector zero() { return _mm256_setzero_ps(); }
+inline void store(float* p, PanelVector a) { _mm256_storeu_ps(p, a); }
+#endif
+constexpr int kPanelVectors = kPanel * sizeof(float) / sizeof(PanelVector);
+constexpr int kVectorFloats = kPanel / kPanelVectors;
+// A row's product sums its `in` columns as kSegments contiguous segments, each in order, then adds the
+// segments' sums in order. A pass over few rows sums its segments at once: with one sum per row it would
+// wait on each multiply-add's latency rather than on memory (one row: ~0.8x the rate). A pass over more
+// rows sums them one after another, in the same order, so a row's product never depends on the rows
+// beside it in a call (the same request, the same logprobs, in whatever batch).
+constexpr int kSegments = 4;
+
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  check_float_cpu(weight, "weight");
+  TORCH_CHECK(weight.dim() == 2, "weight must be (out, in)");
+  const int64_t out_features = weight.size(0), in_features = weight.size(1);
+  const int64_t panels = (out_features + kPanel - 1) / kPanel;
+  at::Tensor packed = at::empty({panels, in_features, kPanel}, weight.options());
+  // Every float is written below but the last panel's columns past out_features: zeros there.
+  const int64_t filled = out_features - (panels - 1) * kPanel;
+  packed.select(0, panels - 1).narrow(1, filled, kPanel - filled).zero_();
+  float* ps = packed.data_ptr<float>();
+  if (weight.stride(0) == 1) {
+    // The transpose of an (in, out) tensor (the decoder's layout): a panel row is the next kPanel
+    // floats of a row of it, copied as they lie, with no transposed copy of the whole weight first.
+    const float* ws = weight.data_ptr<float>();
+    const int64_t row_stride = weight.stride(1);
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t width = std::min(kPanel, out_features - p * kPanel);
+        for (int64_t k = 0; k < in_features; ++k) {
+          const float* from = ws + k * row_stride + p * kPanel;
+          std::copy(from, from + width, ps + (p * in_features + k) * kPanel);
+        }
+      }
+    });
+    return packed;
+  }
+  const at::Tensor w = weight.contiguous();
+  const float* ws = w.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t j = 0; j < kPanel && p * kPanel + j < out_features; ++j) {
+        const float* column = ws + (p * kPanel + j) * in_features;
+        float* panel = ps + p * in_features * kPanel + j;
+        for (int64_t k = 0; k < in_features; ++k) {
+          panel[k * kPanel] = column[k];
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+// y (Rows, width) = x · panel for x given interleaved, xt (in / kPanel, Rows, kPanel): the Rows values a
+// panel row meets lie in one cache line of every row's, the next kPanel columns of each.
+template <int Rows>
+void panel_product(const float* xt, const float* panel, int64_t in_features, float* y, int64_t y_stride,
+                   int64_t width) {
+  static_assert(Rows >= 1 && Rows <= kRowBlock);
+  constexpr int kSums = Rows * kPanelVectors;
+  // Segments summed at once: all where their sums fit the registers.
+  constexpr int kLive = kSums * kSegments <= kMaxSums ? kSegments : 1;
+  const int64_t segment = (in_features + kSegments - 1) / kSegments;
+  PanelVector totals[kSums];
+  PanelVector sums[kLive * kSums];
+  auto step = [&](int live, int64_t k) __attribute__((always_inline)) {
+    const float* weights = panel + k * kPanel;
+    // The next panel's same row into L2, a panel ahead of its use: one stream per segment, each ahead
+    // across the end of a panel (a prefetch a few rows ahead, into L1, gave one row ~0.7x the rate).
+    _mm_prefetch(reinterpret_cast<const char*>(weights + in_features * kPanel), _MM_HINT_T1);
+    PanelVector w[kPanelVectors];
+#pragma GCC unroll 4
+    for (int v = 0; v < kPanelVectors; ++v) {
+      w[v] = load(weights + v * kVectorFloats);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) {
+      const PanelVector xr = broadcast(Rows == 1 ? xt + k : xt + (k / kPanel * Rows + r) * kPanel + k % kPanel);
+#pragma GCC unroll 4
+      for (int v = 0; v < kPanelVectors; ++v) {
+        PanelVector& sum = sums[live * kSums + r * kPanelVectors + v];
+        sum = fmadd(xr, w[v], sum);
+      }
+    }
+  };
+  for (int first = 0; first < kSegments; first += kLive) {
+    std::fill(std::begin(sums), std::end(sums), zero());
+    auto begin = [&](int live) { return std::min(in_features, (first + live) * segment); };
+    auto length = [&](int live) { return std::min(in_features, begin(live) + segment) - begin(live); };
+    // The live segments side by side while all have columns left (the last may be shorter), then the rest.
+    const int64_t together = length(kLive - 1);
+    for (int64_t i = 0; i < together; ++i) {
+#pragma GCC unroll 8
+      for (int live = 0; live < kLive; ++live) {
+        step(live, begin(live) + i);
+      }
+    }
+    for (int live = 0; live < kLive; ++live) {
+      for (int64_t i = together; i < length(live); ++i) {
+        step(live, begin(live) + i);
+      }
+    }
+#pragma GCC unroll 8
+    for (int live = 0; live < kLive; ++live) {
+#pragma GCC unroll 32
+      for (int i = 0; i < kSums; ++i) {
+        totals[i] = first + live == 0 ? sums[i] : add(totals[i], sums[live * kSums + i]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r) {
+    float row[kPanel];
+#pragma GCC unroll 4
+    for (int v = 0; v < kPanelVectors; ++v) {
+      store(row + v * kVectorFloats, totals[r * kPanelVectors + v]);
+    }
+    std::copy(row, row + width, y + r * y_stride);
+  }
+}
+
+using PanelProduct = void (*)(const float*, const float*, int64_t, float*, int64_t, int64_t);
+
+template <int... Rows>
+constexpr auto panel_products(std::integer_sequence<int, Rows...>) {
+  return std::array<PanelProduct, sizeof...(Rows)>{panel_product<Rows + 1>...};
+}
+constexpr auto kPanelProducts = panel_products(std::make_integer_sequence<int, kRowBlock>{});
+
+// x (rows, in) · weightᵀ for a weight packed by pack_linear_weight: (rows, out_features).
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  check_float_cpu(x, "x");
+  check_float_cpu(packed, "packed");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be (rows, in) with contiguous rows");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(1) == x.size(1) && packed.size(2) == kPanel &&
+                  packed.size(0) == (out_features + kPanel - 1) / kPanel,
+              "packed must be pack_linear_weight's layout of an (out_features, in) weight");
+  const int64_t rows = x.size(0), in_features = x.size(1), panels = packed.size(0);
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  const float* xs = x.data_ptr<float>();
+  const float* ps = packed.data_ptr<float>();
+  float* ys = y.data_ptr<float>();
+  const int64_t x_stride = x.stride(0);
+  // Rows of x taken per sweep over the panels: a multiple of the row block that stays in L2 cache
+  // (~256 KiB of it) while every panel passes; a decode step's rows are one sweep.
+  const int64_t sweep =
+      std::max<int64_t>(kRowBlock, (65536 / std::max<int64_t>(1, in_features)) / kRowBlock * kRowBlock);
+  const int64_t padded = (in_features + kPanel - 1) / kPanel * kPanel;
+  std::vector<float> interleaved(std::min(rows, sweep) * padded);
+  for (int64_t first = 0; first < rows; first += sweep) {
+    const int64_t last = std::min(rows, first + sweep);
+    // The sweep's rows in passes as even as the row block allows (17 rows: 9 and 8, not 16 and 1), each
+    // pass's rows interleaved in turn (a copy of kPanel floats at a time).
+    const int64_t passes = (last - first + kRowBlock - 1) / kRowBlock;
+    auto start = [&](int64_t pass) { return first + pass * (last - first) / passes; };
+    for (int64_t pass = 0; pass < passes; ++pass) {
+      const int64_t begin = start(pass), block = start(pass + 1) - begin;
+      float* xt = interleaved.data() + (begin - first) * padded;
+      for (int64_t r = 0; r < block; ++r) {
+        for (int64_t k = 0; k < in_features; k += kPanel) {
+          const float* from = xs + (begin + r) * x_stride + k;
+          std::copy(from, from + std::min(kPanel, in_features - k), xt + (k / kPanel * block + r) * kPanel);
+        }
+      }
+    }
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        for (int64_t pass = 0; pass < passes; ++pass) {
+          const int64_t r = start(pass);
+          kPanelProducts[start(pass + 1) - r - 1](interleaved.data() + (r - first) * padded,
+                                                  ps + p * in_features * kPanel, in_features,
+                                                  ys + r * out_features + p * kPanel, out_features,
+                                                  std::min(kPanel, out_features - p * kPanel));
+        }
+      }
+    });
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(tinkerrpc_cpu, CPU, m) {
+  m.impl("pack_linear_weight", pack_linear_weight);
+  m.impl("packed_linear", packed_linear);
+}
+#endif  // __AVX2__
