@@ -1,6 +1,7 @@
-"""The fused CPU kernels (engine/compute/cpu_kernels.cpp) compute what the torch ops they replace compute,
-at shapes that reach their vector tails and their threaded paths; they refuse what they cannot compute;
-they build here; and the sampler's decoder runs on them (and equals transformers with or without them)."""
+"""The fused CPU kernels (engine/compute/cpu_kernels.cpp, decode_attention.cpp, panel_matmul.cpp) compute what
+the torch ops they replace compute, at shapes that reach their vector tails and their threaded paths; they
+refuse what they cannot compute; they build here; and the sampler's decoder runs on them (and equals
+transformers with or without them)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ which re-lays the weight on every call; both MKL and oneDNN (in the same torch b
 out once for their kernel instead. Which one is faster depends on the CPU, by a factor: on a 2-core
 Intel Xeon MKL's packed kernel was 1.1-1.5x a plain matmul, while on an AMD EPYC MKL runs its generic
 code and oneDNN's packed kernel is 3-5x MKL's, plain or packed, for 8-64 rows
-(`python -m bench.matmul_kernels`). The engine's own kernel (engine/compute/cpu_kernels.cpp, AVX2 and
+(`python -m bench.matmul_kernels`). The engine's own kernel (engine/compute/panel_matmul.cpp, AVX2 and
 AVX-512 CPUs) lays a weight out as column panels streamed in order, 6 rows of x at a time in registers
 (AVX2) or 16 (AVX-512): with 6 rows, on the EPYC, 1.3-1.6x oneDNN's packed kernel for 1-64 rows over
 weights read from memory, ~1.05x at 512; with 16 rows a core runs SmolLM2's and Qwen3's 16-row
