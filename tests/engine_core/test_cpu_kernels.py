@@ -198,6 +198,31 @@ def test_a_packed_product_row_does_not_depend_on_the_rows_beside_it() -> None:
             assert torch.equal(cpu_kernels.packed_linear(x[:rows], packed, out_features), alone[:rows])
 
 
+@pytest.mark.parametrize("rows", [1, 16, 17])
+def test_decoder_mlp_is_the_five_calls_it_replaces(rows: int) -> None:
+    """A layer's second half in one call computes, bit for bit, what its five calls compute, and adds the
+    attention's projection into x in place as residual_rms_norm does."""
+    if not cpu_kernels.has_packed_linear():
+        pytest.skip("the panel matmul is built for AVX2 CPUs")
+    generator = torch.Generator().manual_seed(4)
+    hidden, heads_width, width = 96, 80, 160
+    x = torch.randn(rows, hidden, generator=generator)
+    attended = torch.randn(rows, heads_width, generator=generator)
+    norm = torch.rand(hidden, generator=generator) + 0.5
+    weights = [
+        torch.randn(o, i, generator=generator)
+        for o, i in ((hidden, heads_width), (2 * width, hidden), (hidden, width))
+    ]
+    o, gate_up, down = ((cpu_kernels.pack_linear_weight(w), w.shape[0]) for w in weights)
+    separate_x = x.clone()
+    normed = cpu_kernels.residual_rms_norm(separate_x, cpu_kernels.packed_linear(attended, *o), norm, 1e-5)
+    gated = cpu_kernels.silu_and_multiply(cpu_kernels.packed_linear(normed, *gate_up))
+    expected = cpu_kernels.packed_linear(gated, *down)
+    out = cpu_kernels.decoder_mlp(x, attended, o, norm, 1e-5, gate_up, down)
+    assert torch.equal(out, expected)
+    assert torch.equal(x, separate_x)
+
+
 def test_the_kernels_refuse_what_they_cannot_compute() -> None:
     with pytest.raises(RuntimeError, match="float32"):
         cpu_kernels.silu_and_multiply(torch.zeros(2, 8, dtype=torch.float64))
@@ -217,13 +242,21 @@ def test_the_kernels_refuse_what_they_cannot_compute() -> None:
 
 
 def test_the_sampler_runs_on_the_kernels(runtime: BaseModelRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The decoder's decode steps call the fused attention (so the parity tests below check the kernels),
-    and its logits equal transformers' with the kernels and without them."""
+    """The decoder's decode steps call the fused attention, and with the panel kernel every pass runs each
+    layer's second half as one call (so the parity tests below check the kernels); its logits equal
+    transformers' with the kernels and without them."""
     calls = []
+    second_halves = []
     real = cpu_kernels.decode_attention
+    real_mlp = cpu_kernels.decoder_mlp
     monkeypatch.setattr(cpu_kernels, "decode_attention", lambda *args: calls.append(1) or real(*args))
+    monkeypatch.setattr(cpu_kernels, "decoder_mlp", lambda *args: second_halves.append(1) or real_mlp(*args))
     run_forward(decoder_of(runtime, None), steps=2)
     assert len(calls) == 2 * len(runtime._base.model.layers)
+    packing = runtime._plan.packing
+    # With the panel kernel a layer's second half is one call in every pass: two prefill chunks, two steps.
+    panels = packing is not None and packing.kernel == "panels"
+    assert len(second_halves) == (4 * len(runtime._base.model.layers) if panels else 0)
     assert_decoder_logits_equal_transformers(runtime, None)
     calls.clear()
     assert_decoder_logits_equal_transformers(runtime, None, replace(runtime._plan, cpu_kernels=False))

@@ -12,9 +12,7 @@
 #include <cmath>
 #include <vector>
 
-namespace {
-
-using namespace tinkerrpc_kernels;
+namespace tinkerrpc_kernels {
 
 // out = x * inv * weight, as transformers' RMSNorm scales (normalized first, then the weight).
 void scale_row(const float* x, float inv, const float* weight, float* out, int64_t n) {
@@ -147,7 +145,9 @@ at::Tensor rotary_qk(const at::Tensor& qk, const at::Tensor& cos, const at::Tens
   return out;
 }
 
-}  // namespace
+}  // namespace tinkerrpc_kernels
+
+using namespace tinkerrpc_kernels;
 
 TORCH_LIBRARY(tinkerrpc_cpu, m) {
   m.def("residual_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor");
@@ -155,6 +155,9 @@ TORCH_LIBRARY(tinkerrpc_cpu, m) {
   m.def("rotary_qk(Tensor qk, Tensor cos, Tensor signed_sin, Tensor? norm_weight, float eps) -> Tensor");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
+  m.def(
+      "decoder_mlp(Tensor(a!) x, Tensor attended, Tensor o, int o_features, Tensor norm_weight, float eps,"
+      " Tensor gate_up, int gate_up_features, Tensor down, int down_features) -> Tensor");
   m.def(
       "decode_attention(Tensor q, Tensor k, Tensor v, Tensor bias, float scale, int shared_begin, int shared_end)"
       " -> Tensor");

@@ -124,6 +124,24 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> t
     return out
 
 
+def decoder_mlp(
+    x: torch.Tensor,
+    attended: torch.Tensor,
+    o: tuple[torch.Tensor, int],
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_up: tuple[torch.Tensor, int],
+    down: tuple[torch.Tensor, int],
+) -> torch.Tensor:
+    """A decoder layer's second half on weights `pack_linear_weight` packed, each given with its out
+    features, in one call: x += attended · oᵀ in place, then down(silu(gate) · up) of x's RMSNorm,
+    returned. The same ops as packed_linear, residual_rms_norm and silu_and_multiply in turn."""
+    out: torch.Tensor = torch.ops.tinkerrpc_cpu.decoder_mlp(
+        x, attended, *o, norm_weight, eps, *gate_up, *down
+    )
+    return out
+
+
 def residual_rms_norm(
     x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:

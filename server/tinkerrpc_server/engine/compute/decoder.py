@@ -61,6 +61,9 @@ from tinkerrpc_server.engine.compute.packing import DecodingWeight, PackedWeight
 
 # x (tokens, in) times a fused projection: (tokens, sum of its outs), its members' outputs side by side.
 Project = Callable[[torch.Tensor, Projection], torch.Tensor]
+# A layer's second half in one call where it can (see FusedDecoder._layer_second_half): (x, attention
+# output, layer index) -> the down projection's output, x updated in place; None where it cannot.
+SecondHalf = Callable[[torch.Tensor, torch.Tensor, int], "torch.Tensor | None"]
 
 
 class FusedDecoder:
@@ -86,6 +89,9 @@ class FusedDecoder:
         self._head_weight = base_weight(head)
         self._head_packed: PackedWeight | None = None
         self._packed_rows = range(0)
+        # Per layer, its o, gate/up and down weights packed for the panel kernel with their out features:
+        # its second half runs as one kernel call.
+        self._panel_second_halves: list[tuple[tuple[torch.Tensor, int], ...]] = []
         # The head stays unmerged: its weight is usually the input embedding too.
         self._head_lora = plain_lora(head, adapter)
         if plan.packing is not None and plan.packing.pack_after_passes == 0:
@@ -111,7 +117,12 @@ class FusedDecoder:
         ]
         self._count_pass(sum(len(tokens) for tokens in flat))
         x = _decoder_layers(
-            self._base, flat[0] if len(flat) == 1 else torch.cat(flat), segments, self._project, kernels
+            self._base,
+            flat[0] if len(flat) == 1 else torch.cat(flat),
+            segments,
+            self._project,
+            kernels,
+            self._layer_second_half if kernels and self._panel_second_halves else None,
         )
         # Only the positions whose logits are wanted go through the final norm and the head, together
         # (a padding position's hidden state is zeros: its logits are never read).
@@ -190,9 +201,32 @@ class FusedDecoder:
         self._weights = {key: weight.packed_copy(packing) for key, weight in self._weights.items()}
         self._head_packed = PackedWeight.of(self._head_weight, packing.kernel)
         self._packed_rows = packing.rows
+        if packing.kernel != "panels" or self._base.architecture.activation != "silu":
+            return
+        halves = []
+        for layer in self._base.layers:
+            weights = [
+                self._weights[id(projection)].packed for projection in (layer.o, layer.gate_up, layer.down)
+            ]
+            if any(weight is None for weight in weights):
+                return  # only float32 CPU weights are packed: a bf16 base keeps its separate calls
+            halves.append(
+                tuple((weight.packed, weight.stand_in.shape[0]) for weight in weights if weight is not None)
+            )
+        self._panel_second_halves = halves
 
     def _project(self, x: torch.Tensor, projection: Projection) -> torch.Tensor:
         return self._weights[id(projection)].times(x)
+
+    def _layer_second_half(self, x: torch.Tensor, attended: torch.Tensor, index: int) -> torch.Tensor | None:
+        """Layer `index`'s o projection, residual add and norm, and gated MLP as one kernel call: at one
+        row a decode step's five calls per layer through Python cost ~5 µs each beside ~0.5 ms of
+        weights; None where the panel kernel does not serve these rows."""
+        if x.shape[0] not in self._packed_rows:
+            return None
+        o, gate_up, down = self._panel_second_halves[index]
+        norm = self._base.layers[index].post_attention_norm
+        return cpu_kernels.decoder_mlp(x, attended, o, norm, self._base.architecture.norm_eps, gate_up, down)
 
 
 class FusedTrainingForward:
@@ -244,12 +278,18 @@ class FusedTrainingForward:
 
 
 def _decoder_layers(
-    base: BaseWeights, x: torch.Tensor, segments: Sequence[Segment], project: Project, kernels: bool
+    base: BaseWeights,
+    x: torch.Tensor,
+    segments: Sequence[Segment],
+    project: Project,
+    kernels: bool,
+    second_half: SecondHalf | None = None,
 ) -> torch.Tensor:
     """The decoder layers over embeddings `x` (tokens, hidden): the segments' tokens one after the
     other, each segment's row by row. `project` computes a fused projection over all tokens at once;
     each segment attends on its own. With `kernels` the element-wise stretches run on the fused CPU
-    kernels (cpu_kernels.py), which add the residual into `x` in place."""
+    kernels (cpu_kernels.py), which add the residual into `x` in place; `second_half` runs a layer's
+    o projection onward as one call wherever it serves."""
     gate_kernel = kernels and base.architecture.activation == "silu"
     eps = base.architecture.norm_eps
     residual: torch.Tensor | None = None
@@ -260,13 +300,12 @@ def _decoder_layers(
             _attend(base.architecture, layer, index, segment, part)
             for segment, part in zip(segments, segment_slices(qkv, segments), strict=True)
         ]
-        x, normed = _add_and_norm(
-            x,
-            project(attended[0] if len(attended) == 1 else torch.cat(attended), layer.o),
-            layer.post_attention_norm,
-            eps,
-            kernels,
-        )
+        attention = attended[0] if len(attended) == 1 else torch.cat(attended)
+        fused = second_half(x, attention, index) if second_half is not None else None
+        if fused is not None:
+            residual = fused
+            continue
+        x, normed = _add_and_norm(x, project(attention, layer.o), layer.post_attention_norm, eps, kernels)
         gate_up = project(normed, layer.gate_up)
         if gate_kernel:
             gated = cpu_kernels.silu_and_multiply(gate_up)
