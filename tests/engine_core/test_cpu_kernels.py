@@ -199,9 +199,10 @@ def test_a_packed_product_row_does_not_depend_on_the_rows_beside_it() -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 16, 17])
-def test_decoder_mlp_is_the_five_calls_it_replaces(rows: int) -> None:
-    """A layer's second half in one call computes, bit for bit, what its five calls compute, and adds the
-    attention's projection into x in place as residual_rms_norm does."""
+def test_a_layers_two_calls_are_the_calls_they_replace(rows: int) -> None:
+    """A layer's second half in one call computes, bit for bit, what its five calls compute, and so does
+    its q/k/v projection with the residual add and norm before it; each adds into x in place as
+    residual_rms_norm does."""
     if not cpu_kernels.has_packed_linear():
         pytest.skip("the panel matmul is built for AVX2 CPUs")
     generator = torch.Generator().manual_seed(4)
@@ -220,6 +221,11 @@ def test_decoder_mlp_is_the_five_calls_it_replaces(rows: int) -> None:
     expected = cpu_kernels.packed_linear(gated, *down)
     out = cpu_kernels.decoder_mlp(x, attended, o, norm, 1e-5, gate_up, down)
     assert torch.equal(out, expected)
+    assert torch.equal(x, separate_x)
+    # The next layer's first call adds that output into x and projects its norm to q/k/v.
+    qkv = (cpu_kernels.pack_linear_weight(torch.randn(120, hidden, generator=generator)), 120)
+    expected = cpu_kernels.packed_linear(cpu_kernels.residual_rms_norm(separate_x, out, norm, 1e-5), *qkv)
+    assert torch.equal(cpu_kernels.decoder_qkv(x, out, norm, 1e-5, qkv), expected)
     assert torch.equal(x, separate_x)
 
 
@@ -243,20 +249,22 @@ def test_the_kernels_refuse_what_they_cannot_compute() -> None:
 
 def test_the_sampler_runs_on_the_kernels(runtime: BaseModelRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
     """The decoder's decode steps call the fused attention, and with the panel kernel every pass runs each
-    layer's second half as one call (so the parity tests below check the kernels); its logits equal
-    transformers' with the kernels and without them."""
+    layer as two calls around its attention (so the parity tests below check the kernels); its logits
+    equal transformers' with the kernels and without them."""
     calls = []
-    second_halves = []
+    first_halves, second_halves = [], []
     real = cpu_kernels.decode_attention
-    real_mlp = cpu_kernels.decoder_mlp
+    real_mlp, real_qkv = cpu_kernels.decoder_mlp, cpu_kernels.decoder_qkv
     monkeypatch.setattr(cpu_kernels, "decode_attention", lambda *args: calls.append(1) or real(*args))
     monkeypatch.setattr(cpu_kernels, "decoder_mlp", lambda *args: second_halves.append(1) or real_mlp(*args))
+    monkeypatch.setattr(cpu_kernels, "decoder_qkv", lambda *args: first_halves.append(1) or real_qkv(*args))
     run_forward(decoder_of(runtime, None), steps=2)
     assert len(calls) == 2 * len(runtime._base.model.layers)
     packing = runtime._plan.packing
-    # With the panel kernel a layer's second half is one call in every pass: two prefill chunks, two steps.
+    # With the panel kernel a layer is two calls around its attention in every pass: two prefill chunks,
+    # two steps.
     panels = packing is not None and packing.kernel == "panels"
-    assert len(second_halves) == (4 * len(runtime._base.model.layers) if panels else 0)
+    assert len(first_halves) == len(second_halves) == (4 * len(runtime._base.model.layers) if panels else 0)
     assert_decoder_logits_equal_transformers(runtime, None)
     calls.clear()
     assert_decoder_logits_equal_transformers(runtime, None, replace(runtime._plan, cpu_kernels=False))

@@ -156,6 +156,9 @@ TORCH_LIBRARY(tinkerrpc_cpu, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def(
+      "decoder_qkv(Tensor(a!) x, Tensor? delta, Tensor norm_weight, float eps, Tensor qkv, int qkv_features)"
+      " -> Tensor");
+  m.def(
       "decoder_mlp(Tensor(a!) x, Tensor attended, Tensor o, int o_features, Tensor norm_weight, float eps,"
       " Tensor gate_up, int gate_up_features, Tensor down, int down_features) -> Tensor");
   m.def(

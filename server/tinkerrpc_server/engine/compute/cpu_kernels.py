@@ -124,6 +124,20 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> t
     return out
 
 
+def decoder_qkv(
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    qkv: tuple[torch.Tensor, int],
+) -> torch.Tensor:
+    """A decoder layer's q/k/v projection on a weight `pack_linear_weight` packed, given with its out
+    features, in one call: x += delta (when given) in place, then x's RMSNorm times qkvᵀ. The same ops as
+    residual_rms_norm and packed_linear in turn."""
+    out: torch.Tensor = torch.ops.tinkerrpc_cpu.decoder_qkv(x, delta, norm_weight, eps, *qkv)
+    return out
+
+
 def decoder_mlp(
     x: torch.Tensor,
     attended: torch.Tensor,

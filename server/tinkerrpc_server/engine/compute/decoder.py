@@ -61,9 +61,32 @@ from tinkerrpc_server.engine.compute.packing import DecodingWeight, PackedWeight
 
 # x (tokens, in) times a fused projection: (tokens, sum of its outs), its members' outputs side by side.
 Project = Callable[[torch.Tensor, Projection], torch.Tensor]
-# A layer's second half in one call where it can (see FusedDecoder._layer_second_half): (x, attention
-# output, layer index) -> the down projection's output, x updated in place; None where it cannot.
-SecondHalf = Callable[[torch.Tensor, torch.Tensor, int], "torch.Tensor | None"]
+# A packed weight for the panel kernel and its out features.
+Panels = tuple[torch.Tensor, int]
+
+
+class PanelLayers:
+    """A decoder's layers whose weights the panel kernel holds (it serves every row count): a layer's
+    q/k/v projection with the residual add and norm before it, and its second half (o projection
+    onward), one kernel call each. At one row a decode step's ~9 calls per layer through Python cost
+    ~5 µs each beside ~0.5 ms of weights."""
+
+    def __init__(self, base: BaseWeights, weights: list[tuple[Panels, Panels, Panels, Panels]]) -> None:
+        self._base = base
+        self._weights = weights  # per layer: q/k/v, o, gate/up, down
+
+    def qkv(self, x: torch.Tensor, residual: torch.Tensor | None, index: int) -> torch.Tensor:
+        """x += residual in place (the last layer's output, when given); layer `index`'s q/k/v of x."""
+        norm = self._base.layers[index].input_norm
+        return cpu_kernels.decoder_qkv(
+            x, residual, norm, self._base.architecture.norm_eps, self._weights[index][0]
+        )
+
+    def second_half(self, x: torch.Tensor, attended: torch.Tensor, index: int) -> torch.Tensor:
+        """x += attended's o projection in place; the layer's gated MLP of x's norm (the next residual)."""
+        _, o, gate_up, down = self._weights[index]
+        norm = self._base.layers[index].post_attention_norm
+        return cpu_kernels.decoder_mlp(x, attended, o, norm, self._base.architecture.norm_eps, gate_up, down)
 
 
 class FusedDecoder:
@@ -89,9 +112,7 @@ class FusedDecoder:
         self._head_weight = base_weight(head)
         self._head_packed: PackedWeight | None = None
         self._packed_rows = range(0)
-        # Per layer, its o, gate/up and down weights packed for the panel kernel with their out features:
-        # its second half runs as one kernel call.
-        self._panel_second_halves: list[tuple[tuple[torch.Tensor, int], ...]] = []
+        self._panel_layers: PanelLayers | None = None
         # The head stays unmerged: its weight is usually the input embedding too.
         self._head_lora = plain_lora(head, adapter)
         if plan.packing is not None and plan.packing.pack_after_passes == 0:
@@ -122,7 +143,7 @@ class FusedDecoder:
             segments,
             self._project,
             kernels,
-            self._layer_second_half if kernels and self._panel_second_halves else None,
+            self._panel_layers if kernels else None,
         )
         # Only the positions whose logits are wanted go through the final norm and the head, together
         # (a padding position's hidden state is zeros: its logits are never read).
@@ -203,30 +224,17 @@ class FusedDecoder:
         self._packed_rows = packing.rows
         if packing.kernel != "panels" or self._base.architecture.activation != "silu":
             return
-        halves = []
+        weights = []
         for layer in self._base.layers:
-            weights = [
-                self._weights[id(projection)].packed for projection in (layer.o, layer.gate_up, layer.down)
-            ]
-            if any(weight is None for weight in weights):
+            packed = [self._weights[id(p)].packed for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            if any(weight is None for weight in packed):
                 return  # only float32 CPU weights are packed: a bf16 base keeps its separate calls
-            halves.append(
-                tuple((weight.packed, weight.stand_in.shape[0]) for weight in weights if weight is not None)
-            )
-        self._panel_second_halves = halves
+            qkv, o, gate_up, down = ((w.packed, w.stand_in.shape[0]) for w in packed if w is not None)
+            weights.append((qkv, o, gate_up, down))
+        self._panel_layers = PanelLayers(self._base, weights)
 
     def _project(self, x: torch.Tensor, projection: Projection) -> torch.Tensor:
         return self._weights[id(projection)].times(x)
-
-    def _layer_second_half(self, x: torch.Tensor, attended: torch.Tensor, index: int) -> torch.Tensor | None:
-        """Layer `index`'s o projection, residual add and norm, and gated MLP as one kernel call: at one
-        row a decode step's five calls per layer through Python cost ~5 µs each beside ~0.5 ms of
-        weights; None where the panel kernel does not serve these rows."""
-        if x.shape[0] not in self._packed_rows:
-            return None
-        o, gate_up, down = self._panel_second_halves[index]
-        norm = self._base.layers[index].post_attention_norm
-        return cpu_kernels.decoder_mlp(x, attended, o, norm, self._base.architecture.norm_eps, gate_up, down)
 
 
 class FusedTrainingForward:
@@ -283,27 +291,29 @@ def _decoder_layers(
     segments: Sequence[Segment],
     project: Project,
     kernels: bool,
-    second_half: SecondHalf | None = None,
+    panel_layers: PanelLayers | None = None,
 ) -> torch.Tensor:
     """The decoder layers over embeddings `x` (tokens, hidden): the segments' tokens one after the
     other, each segment's row by row. `project` computes a fused projection over all tokens at once;
     each segment attends on its own. With `kernels` the element-wise stretches run on the fused CPU
-    kernels (cpu_kernels.py), which add the residual into `x` in place; `second_half` runs a layer's
-    o projection onward as one call wherever it serves."""
+    kernels (cpu_kernels.py), which add the residual into `x` in place; with `panel_layers` (kernels
+    only) a layer is two such calls around its attention."""
     gate_kernel = kernels and base.architecture.activation == "silu"
     eps = base.architecture.norm_eps
     residual: torch.Tensor | None = None
     for index, layer in enumerate(base.layers):
-        x, normed = _add_and_norm(x, residual, layer.input_norm, eps, kernels)
-        qkv = project(normed, layer.qkv)
+        if panel_layers is not None:
+            qkv = panel_layers.qkv(x, residual, index)
+        else:
+            x, normed = _add_and_norm(x, residual, layer.input_norm, eps, kernels)
+            qkv = project(normed, layer.qkv)
         attended = [
             _attend(base.architecture, layer, index, segment, part)
             for segment, part in zip(segments, segment_slices(qkv, segments), strict=True)
         ]
         attention = attended[0] if len(attended) == 1 else torch.cat(attended)
-        fused = second_half(x, attention, index) if second_half is not None else None
-        if fused is not None:
-            residual = fused
+        if panel_layers is not None:
+            residual = panel_layers.second_half(x, attention, index)
             continue
         x, normed = _add_and_norm(x, project(attention, layer.o), layer.post_attention_norm, eps, kernels)
         gate_up = project(normed, layer.gate_up)

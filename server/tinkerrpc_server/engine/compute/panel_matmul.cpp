@@ -220,6 +220,13 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return y;
 }
 
+// A decoder layer's projection to q, k and v on a panel-packed weight, in one call: x += delta (the last
+// layer's output, when given) in place, then its RMSNorm times qkvᵀ.
+at::Tensor decoder_qkv(at::Tensor x, const std::optional<at::Tensor>& delta, const at::Tensor& norm_weight,
+                       double eps, const at::Tensor& qkv, int64_t qkv_features) {
+  return packed_linear(residual_rms_norm(x, delta, norm_weight, eps), qkv, qkv_features);
+}
+
 // A decoder layer's second half on panel-packed weights, in one call: x += attended · oᵀ, then
 // x + silu(gate) · up of its RMSNorm, projected by down (returned: the next layer adds it). The same ops
 // as the five calls it replaces, without their four trips through Python and the dispatcher.
@@ -237,6 +244,7 @@ using namespace tinkerrpc_kernels;
 TORCH_LIBRARY_IMPL(tinkerrpc_cpu, CPU, m) {
   m.impl("pack_linear_weight", pack_linear_weight);
   m.impl("packed_linear", packed_linear);
+  m.impl("decoder_qkv", decoder_qkv);
   m.impl("decoder_mlp", decoder_mlp);
 }
 #endif  // __AVX2__
