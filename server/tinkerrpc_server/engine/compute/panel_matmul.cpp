@@ -1,5 +1,6 @@
 // The sampler's float32 matmul by a weight packed into column panels, on AVX2 and AVX-512 CPUs (see
-// cpu_kernels.cpp; `python -m bench.matmul_kernels` times it against MKL's and oneDNN's).
+// cpu_kernels.cpp; `python -m bench.matmul_kernels` times it against MKL's and oneDNN's), and a decoder
+// layer's two calls around its attention composed from it and cpu_kernels.cpp's kernels.
 #include "cpu_kernels.h"
 
 #include <immintrin.h>
