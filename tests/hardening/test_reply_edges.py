@@ -198,6 +198,8 @@ def test_streamed_text_moves_with_its_tokens_through_partial_characters(hosted_s
     lines = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
     texts = [json.loads(line)["choices"][0]["text"] for line in lines[:-1]]
     assert "".join(texts) == sequence.text
-    # The text moves with its tokens: a chunk per token that completes characters (a broken one, sent
-    # once the next text shows it stays broken, may join its neighbour's), not the rest in one chunk.
-    assert len([t for t in texts if t]) >= len([e for e in expected if e]) - len(partial)
+    # The text moves with its tokens, not the rest in one chunk. Not a chunk per token exactly: a broken
+    # character, sent once the next text shows it stays broken, may join its neighbour's, and the engine's
+    # stream hands over every token decoded since the last read together, so on a loaded machine a chunk
+    # may hold a few (one CI run: 40 chunks for 56 pieces, 11 of them partial). The bug sent 1-2 chunks.
+    assert len([t for t in texts if t]) >= (len([e for e in expected if e]) - len(partial)) // 2
