@@ -3,8 +3,9 @@
 // dispatcher, an allocation and a pass over memory. These kernels do the same arithmetic in one pass:
 // the residual add with the RMSNorm after it, the gated activation, and a decode step's attention
 // (q/k norm, rotary, and softmax(q·kᵀ·scale + bias)·v over the KV cache, grouped-query, reading the
-// columns every row shares once: decode_attention.cpp); and, on AVX2 and AVX-512 CPUs, the sampler's float32
-// matmul by a weight packed into column panels (panel_matmul.cpp, `python -m bench.matmul_kernels`).
+// columns every row shares once: decode_attention.cpp); and, on AVX2 and AVX-512 CPUs, the sampler's
+// float32 matmul by a weight packed into column panels and a decoder layer as two calls around its
+// attention (panel_matmul.cpp, `python -m bench.matmul_kernels`).
 // engine/compute/cpu_kernels.py builds the three files into one library with g++; tests/engine_core/
 // test_cpu_kernels.py checks each kernel against the torch ops it replaces.
 #include "cpu_kernels.h"

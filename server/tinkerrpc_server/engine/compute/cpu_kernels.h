@@ -39,7 +39,7 @@ inline void check_float_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
 }
 
-// cpu_kernels.cpp's, which panel_matmul.cpp composes with its matmul into a layer's second half.
+// cpu_kernels.cpp's, which panel_matmul.cpp composes with its matmul into a decoder layer's two calls.
 at::Tensor residual_rms_norm(at::Tensor x, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
                              double eps);
 at::Tensor silu_and_multiply(const at::Tensor& gate_up);

@@ -117,9 +117,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
           }
         }
       }
-      for (int64_t c = 0; c < columns; ++c) {
-        value_columns[c] = column(vs, v_strides, c);
-      }
       int64_t scored = 0;
 #ifdef __AVX2__
       // 8 columns at a time: their keys' dot products with a query, reduced together, each column's in

@@ -66,10 +66,9 @@ Panels = tuple[torch.Tensor, int]
 
 
 class PanelLayers:
-    """A decoder's layers whose weights the panel kernel holds (it serves every row count): a layer's
-    q/k/v projection with the residual add and norm before it, and its second half (o projection
-    onward), one kernel call each. At one row a decode step's ~9 calls per layer through Python cost
-    ~5 µs each beside ~0.5 ms of weights."""
+    """A decoder's layers whose weights the panel kernel holds: a layer's q/k/v projection with the
+    residual add and norm before it, and its second half (o projection onward), one kernel call each. At
+    one row a decode step's ~9 calls per layer through Python cost ~5 µs each beside ~0.5 ms of weights."""
 
     def __init__(self, base: BaseWeights, weights: list[tuple[Panels, Panels, Panels, Panels]]) -> None:
         self._base = base
@@ -136,14 +135,17 @@ class FusedDecoder:
         flat = [
             embed(segment.unpadded(call.input_ids)) for call, segment in zip(calls, segments, strict=True)
         ]
-        self._count_pass(sum(len(tokens) for tokens in flat))
+        pass_tokens = sum(len(tokens) for tokens in flat)
+        self._count_pass(pass_tokens)
+        # The panel kernel's layers where its packed weights serve these rows, as `_project` would use them.
+        panel_layers = self._panel_layers if kernels and pass_tokens in self._packed_rows else None
         x = _decoder_layers(
             self._base,
             flat[0] if len(flat) == 1 else torch.cat(flat),
             segments,
             self._project,
             kernels,
-            self._panel_layers if kernels else None,
+            panel_layers,
         )
         # Only the positions whose logits are wanted go through the final norm and the head, together
         # (a padding position's hidden state is zeros: its logits are never read).
@@ -229,7 +231,7 @@ class FusedDecoder:
             packed = [self._weights[id(p)].packed for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             if any(weight is None for weight in packed):
                 return  # only float32 CPU weights are packed: a bf16 base keeps its separate calls
-            qkv, o, gate_up, down = ((w.packed, w.stand_in.shape[0]) for w in packed if w is not None)
+            qkv, o, gate_up, down = ((w.packed, w.out_features) for w in packed if w is not None)
             weights.append((qkv, o, gate_up, down))
         self._panel_layers = PanelLayers(self._base, weights)
 

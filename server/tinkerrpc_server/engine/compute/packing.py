@@ -106,14 +106,17 @@ class PackedWeight:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACKED_FOR_ROWS[kernel])
         return cls(kernel, packed, stand_in)
 
+    @property
+    def out_features(self) -> int:
+        return self.stand_in.shape[0]
+
     def times(self, x: torch.Tensor) -> torch.Tensor:
         """x · weightᵀ for x (..., in)."""
         product: torch.Tensor
         if self.kernel == "panels":
-            out_features = self.stand_in.shape[0]
             flat = x.reshape(-1, x.shape[-1])
-            product = cpu_kernels.packed_linear(flat, self.packed, out_features)
-            product = product.view(*x.shape[:-1], out_features)
+            product = cpu_kernels.packed_linear(flat, self.packed, self.out_features)
+            product = product.view(*x.shape[:-1], self.out_features)
         elif self.kernel == "mkl":
             rows = x.numel() // x.shape[-1]
             product = torch.ops.mkl._mkl_linear(x, self.packed, self.stand_in, None, rows)

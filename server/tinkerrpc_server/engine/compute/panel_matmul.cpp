@@ -11,7 +11,9 @@
 #include <vector>
 
 #ifdef __AVX2__
-namespace tinkerrpc_kernels {
+namespace {
+
+using namespace tinkerrpc_kernels;
 
 // Panels of a packed (out, in) weight: panel p holds output columns [p·kPanel, (p+1)·kPanel) as `in` rows
 // of kPanel floats, so a thread's panels stream through memory in order, end to end, and each row of a
@@ -228,9 +230,9 @@ at::Tensor decoder_qkv(at::Tensor x, const std::optional<at::Tensor>& delta, con
   return packed_linear(residual_rms_norm(x, delta, norm_weight, eps), qkv, qkv_features);
 }
 
-// A decoder layer's second half on panel-packed weights, in one call: x += attended · oᵀ, then
-// x + silu(gate) · up of its RMSNorm, projected by down (returned: the next layer adds it). The same ops
-// as the five calls it replaces, without their four trips through Python and the dispatcher.
+// A decoder layer's second half on panel-packed weights, in one call: x += attended · oᵀ in place, then
+// silu(gate) · up of x's RMSNorm, projected by down (returned: the next layer adds it). The same ops as
+// the five calls it replaces, without their four trips through Python and the dispatcher.
 at::Tensor decoder_mlp(at::Tensor x, const at::Tensor& attended, const at::Tensor& o, int64_t o_features,
                        const at::Tensor& norm_weight, double eps, const at::Tensor& gate_up,
                        int64_t gate_up_features, const at::Tensor& down, int64_t down_features) {
@@ -238,9 +240,7 @@ at::Tensor decoder_mlp(at::Tensor x, const at::Tensor& attended, const at::Tenso
   return packed_linear(silu_and_multiply(packed_linear(normed, gate_up, gate_up_features)), down, down_features);
 }
 
-}  // namespace tinkerrpc_kernels
-
-using namespace tinkerrpc_kernels;
+}  // namespace
 
 TORCH_LIBRARY_IMPL(tinkerrpc_cpu, CPU, m) {
   m.impl("pack_linear_weight", pack_linear_weight);
