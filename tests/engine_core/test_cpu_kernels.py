@@ -1,5 +1,5 @@
-"""The fused CPU kernels (engine/compute/cpu_kernels.cpp, decode_attention.cpp, panel_matmul.cpp) compute what
-the torch ops they replace compute, at shapes that reach their vector tails and their threaded paths; they
+"""The fused CPU kernels (engine/compute/cpu_kernels.cpp, decode_attention.cpp, panel_matmul.cpp,
+decode_step.cpp) compute what the torch ops or the kernel calls they replace compute, at shapes that reach their vector tails and their threaded paths; they
 refuse what they cannot compute; they build here; and the sampler's decoder runs on them (and equals
 transformers with or without them)."""
 
@@ -229,6 +229,88 @@ def test_a_layers_two_calls_are_the_calls_they_replace(rows: int) -> None:
     assert torch.equal(x, separate_x)
 
 
+@pytest.mark.parametrize("rows,qk_norms,shared", [(1, False, None), (5, True, None), (16, False, (2, 9))])
+def test_a_decode_steps_one_call_is_its_layers_calls(
+    rows: int, qk_norms: bool, shared: tuple[int, int] | None
+) -> None:
+    """A decode step's layers in one call compute, bit for bit, what each layer's calls compute in turn
+    (decoder_qkv, rotary_qk, the new key and value into the cache, decode_attention, decoder_mlp), and
+    write the same keys and values into the cache's last column."""
+    if not cpu_kernels.has_packed_linear():
+        pytest.skip("the panel matmul is built for AVX2 CPUs")
+    generator = torch.Generator().manual_seed(rows)
+    layers, hidden, heads, kv_heads, dim, width, columns = 3, 96, 4, 2, 16, 160, 12
+
+    def packed(out_features: int, in_features: int) -> tuple[torch.Tensor, int]:
+        weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
+        return cpu_kernels.pack_linear_weight(weight), out_features
+
+    norms = [torch.rand(hidden, generator=generator) + 0.5 for _ in range(2 * layers)]
+    qkv_features = (heads + 2 * kv_heads) * dim
+    projections = [
+        (
+            packed(qkv_features, hidden),
+            packed(hidden, heads * dim),
+            packed(2 * width, hidden),
+            packed(hidden, width),
+        )
+        for _ in range(layers)
+    ]
+    head_norms = (
+        [torch.rand(heads + kv_heads, dim, generator=generator) + 0.5 for _ in range(layers)]
+        if qk_norms
+        else []
+    )
+    cos, signed_sin = torch.randn(rows, dim, generator=generator), torch.randn(rows, dim, generator=generator)
+    bias = torch.zeros(rows, columns)
+    bias[rows // 2 :, :2] = float("-inf")  # the later rows' first columns are padding
+    x = torch.randn(rows, hidden, generator=generator)
+    caches = [_cache_views(rows, kv_heads, columns, dim) for _ in range(layers)]
+    if shared is not None:
+        for keys, values in caches:
+            keys[:, :, shared[0] : shared[1]] = keys[:1, :, shared[0] : shared[1]]
+            values[:, :, shared[0] : shared[1]] = values[:1, :, shared[0] : shared[1]]
+    theirs = [(keys.clone(), values.clone()) for keys, values in caches]
+    separate_x, residual = x.clone(), None
+    for layer, ((qkv, o, gate_up, down), (keys, values)) in enumerate(zip(projections, theirs, strict=True)):
+        projected = cpu_kernels.decoder_qkv(separate_x, residual, norms[2 * layer], 1e-5, qkv)
+        qk = cpu_kernels.rotary_qk(
+            projected[:, : (heads + kv_heads) * dim].view(rows, -1, dim),
+            cos,
+            signed_sin,
+            head_norms[layer] if qk_norms else None,
+            1e-5,
+        )
+        keys[:, :, -1] = qk[:, heads:]
+        values[:, :, -1] = projected[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
+        attended = cpu_kernels.decode_attention(qk[:, :heads], keys, values, bias, 0.25, shared)
+        residual = cpu_kernels.decoder_mlp(separate_x, attended, o, norms[2 * layer + 1], 1e-5, gate_up, down)
+    assert residual is not None
+    expected = separate_x + residual
+    weights = [
+        tensor
+        for layer, (qkv, o, gate_up, down) in enumerate(projections)
+        for tensor in (norms[2 * layer], qkv[0], o[0], norms[2 * layer + 1], gate_up[0], down[0])
+    ]
+    out = cpu_kernels.decode_layers(
+        x,
+        weights,
+        head_norms,
+        [features for _, features in projections[0]],
+        (cos, signed_sin),
+        ([keys for keys, _ in caches], [values for _, values in caches]),
+        bias,
+        0.25,
+        shared,
+        heads,
+        1e-5,
+    )
+    assert torch.equal(out, expected)
+    assert torch.equal(x, separate_x)
+    for (keys, values), (their_keys, their_values) in zip(caches, theirs, strict=True):
+        assert torch.equal(keys, their_keys) and torch.equal(values, their_values)
+
+
 def test_the_kernels_refuse_what_they_cannot_compute() -> None:
     with pytest.raises(RuntimeError, match="float32"):
         cpu_kernels.silu_and_multiply(torch.zeros(2, 8, dtype=torch.float64))
@@ -248,23 +330,27 @@ def test_the_kernels_refuse_what_they_cannot_compute() -> None:
 
 
 def test_the_sampler_runs_on_the_kernels(runtime: BaseModelRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The decoder's decode steps call the fused attention, and with the panel kernel every pass runs each
-    layer as two calls around its attention (so the parity tests below check the kernels); its logits
-    equal transformers' with the kernels and without them."""
-    calls = []
-    first_halves, second_halves = [], []
-    real = cpu_kernels.decode_attention
-    real_mlp, real_qkv = cpu_kernels.decoder_mlp, cpu_kernels.decoder_qkv
-    monkeypatch.setattr(cpu_kernels, "decode_attention", lambda *args: calls.append(1) or real(*args))
-    monkeypatch.setattr(cpu_kernels, "decoder_mlp", lambda *args: second_halves.append(1) or real_mlp(*args))
-    monkeypatch.setattr(cpu_kernels, "decoder_qkv", lambda *args: first_halves.append(1) or real_qkv(*args))
+    """The decoder's decode steps call the fused attention; with the panel kernel a prefill chunk runs
+    each layer as two calls around its attention and a decode step runs its layers as one call (so the
+    parity tests below check the kernels); its logits equal transformers' with the kernels and without
+    them."""
+    calls: dict[str, int] = {}
+    for name in ("decode_attention", "decoder_mlp", "decoder_qkv", "decode_layers"):
+        real = getattr(cpu_kernels, name)
+
+        def counted(*args: object, name: str = name, real: object = real) -> object:
+            calls[name] = calls.get(name, 0) + 1
+            return real(*args)  # type: ignore[operator]
+
+        monkeypatch.setattr(cpu_kernels, name, counted)
     run_forward(decoder_of(runtime, None), steps=2)
-    assert len(calls) == 2 * len(runtime._base.model.layers)
+    layers = len(runtime._base.model.layers)
     packing = runtime._plan.packing
-    # With the panel kernel a layer is two calls around its attention in every pass: two prefill chunks,
-    # two steps.
-    panels = packing is not None and packing.kernel == "panels"
-    assert len(first_halves) == len(second_halves) == (4 * len(runtime._base.model.layers) if panels else 0)
+    # Two prefill chunks, two steps.
+    if packing is not None and packing.kernel == "panels":
+        assert calls == {"decoder_qkv": 2 * layers, "decoder_mlp": 2 * layers, "decode_layers": 2}
+    else:
+        assert calls == {"decode_attention": 2 * layers}
     assert_decoder_logits_equal_transformers(runtime, None)
     calls.clear()
     assert_decoder_logits_equal_transformers(runtime, None, replace(runtime._plan, cpu_kernels=False))

@@ -5,7 +5,7 @@ padded or not, and how they attend).
 A decode step attends with two matmuls and a softmax under an additive mask (no repeat_kv copy, no SDPA
 set-up: SDPA's CPU kernel costs ~1.5x that for one query per row), reading columns every row holds a
 copy of (the n samples of one prompt) once; on the fused CPU kernels (cpu_kernels.py) its q/k norm,
-rotary and attention over the cache are two ops (`fused_decode_attention`).
+rotary and attention over the cache are two ops (`FusedDecodeAttention`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,6 @@ from tinkerrpc_server.engine.compute.kv_cache import SamplerCache
 
 # attend(q, k, v, layer index) over (rows, heads, length, head_dim) tensors.
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
-# One segment's qkv (rows, q/k/v widths) of layer `index`, with the layer's q/k norm weight (or None) ->
-# attention output (rows, heads · head_dim).
-FusedAttention = Callable[[torch.Tensor, int, "torch.Tensor | None"], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -59,7 +56,7 @@ class Segment:
     attend: Attend
     real: torch.Tensor | None = None
     # A decode step's whole attention on the CPU kernels (set where they apply; `attend` is then unused).
-    fused_attention: FusedAttention | None = None
+    fused_attention: FusedDecodeAttention | None = None
 
     @property
     def tokens(self) -> int:
@@ -151,28 +148,49 @@ def one_query_attention(
     return attended.reshape(rows, heads, 1, dim)
 
 
-def fused_decode_attention(
-    architecture: Architecture,
-    rotary: Rotary,
-    cache: SamplerCache,
-    bias: torch.Tensor,
-    shared: tuple[int, int] | None,
-) -> FusedAttention:
-    """A decode step's attention on the CPU kernels: q/k norm and rotary in one op, the new keys and values
-    into the cache, one op over the cache (reading the `shared` columns once)."""
-    rows, dim, heads = bias.shape[0], architecture.head_dim, architecture.num_heads
-    kv_heads = architecture.num_kv_heads
-    qk_width = (heads + kv_heads) * dim
-    cos, signed_sin = rotary.cos.reshape(rows, dim), rotary.signed_sin.reshape(rows, dim)
-    bias = bias.view(rows, -1)
-    scale = dim**-0.5
+@dataclass(frozen=True)
+class FusedDecodeAttention:
+    """A decode step's attention on the CPU kernels: q/k norm and rotary in one op, the new keys and
+    values into the cache, one op over the cache (reading the `shared` columns once). Its pieces are also
+    what the decode step's one-call layers read (decoder.PanelLayers)."""
 
-    def attend(qkv: torch.Tensor, index: int, qk_norm_weight: torch.Tensor | None) -> torch.Tensor:
+    architecture: Architecture
+    cos: torch.Tensor  # (rows, head_dim)
+    signed_sin: torch.Tensor
+    cache: SamplerCache
+    bias: torch.Tensor  # (rows, columns)
+    shared: tuple[int, int] | None
+
+    @classmethod
+    def of(
+        cls,
+        architecture: Architecture,
+        rotary: Rotary,
+        cache: SamplerCache,
+        bias: torch.Tensor,
+        shared: tuple[int, int] | None,
+    ) -> FusedDecodeAttention:
+        rows, dim = bias.shape[0], architecture.head_dim
+        cos, signed_sin = rotary.cos.reshape(rows, dim), rotary.signed_sin.reshape(rows, dim)
+        return cls(architecture, cos, signed_sin, cache, bias.view(rows, -1), shared)
+
+    @property
+    def scale(self) -> float:
+        scale: float = self.architecture.head_dim**-0.5
+        return scale
+
+    def __call__(self, qkv: torch.Tensor, index: int, qk_norm_weight: torch.Tensor | None) -> torch.Tensor:
+        architecture = self.architecture
+        rows, dim, heads = qkv.shape[0], architecture.head_dim, architecture.num_heads
+        kv_heads = architecture.num_kv_heads
+        qk_width = (heads + kv_heads) * dim
         qk = cpu_kernels.rotary_qk(
-            qkv[:, :qk_width].view(rows, -1, dim), cos, signed_sin, qk_norm_weight, architecture.norm_eps
+            qkv[:, :qk_width].view(rows, -1, dim),
+            self.cos,
+            self.signed_sin,
+            qk_norm_weight,
+            architecture.norm_eps,
         )
         v = qkv[:, qk_width:].view(rows, kv_heads, 1, dim)
-        keys, values = cache.update(qk[:, heads:].unsqueeze(2), v, index)
-        return cpu_kernels.decode_attention(qk[:, :heads], keys, values, bias, scale, shared)
-
-    return attend
+        keys, values = self.cache.update(qk[:, heads:].unsqueeze(2), v, index)
+        return cpu_kernels.decode_attention(qk[:, :heads], keys, values, self.bias, self.scale, self.shared)

@@ -165,6 +165,10 @@ TORCH_LIBRARY(tinkerrpc_cpu, m) {
   m.def(
       "decode_attention(Tensor q, Tensor k, Tensor v, Tensor bias, float scale, int shared_begin, int shared_end)"
       " -> Tensor");
+  m.def(
+      "decode_layers(Tensor(a!) x, Tensor[] weights, Tensor[] qk_norms, int[] features, Tensor cos,"
+      " Tensor signed_sin, Tensor(b!)[] keys, Tensor(c!)[] values, Tensor bias, float scale, int shared_begin,"
+      " int shared_end, int heads, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tinkerrpc_cpu, CPU, m) {

@@ -1,6 +1,6 @@
-// What the engine's CPU kernels share (cpu_kernels.cpp, decode_attention.cpp, panel_matmul.cpp): torch's
-// float vector, the size below which a kernel stays on the calling thread, a dot product and the check
-// every kernel makes of its tensors.
+// What the engine's CPU kernels share (cpu_kernels.cpp, decode_attention.cpp, panel_matmul.cpp,
+// decode_step.cpp): torch's float vector, the size below which a kernel stays on the calling thread, a dot
+// product, the check every kernel makes of its tensors, and the kernels one file composes from another's.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -43,5 +43,16 @@ inline void check_float_cpu(const at::Tensor& t, const char* name) {
 at::Tensor residual_rms_norm(at::Tensor x, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
                              double eps);
 at::Tensor silu_and_multiply(const at::Tensor& gate_up);
+at::Tensor rotary_qk(const at::Tensor& qk, const at::Tensor& cos, const at::Tensor& signed_sin,
+                     const std::optional<at::Tensor>& norm_weight, double eps);
+// decode_attention.cpp's and panel_matmul.cpp's (AVX2 and AVX-512 builds), which decode_step.cpp runs layer
+// after layer.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
+                            double scale, int64_t shared_begin, int64_t shared_end);
+at::Tensor decoder_qkv(at::Tensor x, const std::optional<at::Tensor>& delta, const at::Tensor& norm_weight,
+                       double eps, const at::Tensor& qkv, int64_t qkv_features);
+at::Tensor decoder_mlp(at::Tensor x, const at::Tensor& attended, const at::Tensor& o, int64_t o_features,
+                       const at::Tensor& norm_weight, double eps, const at::Tensor& gate_up,
+                       int64_t gate_up_features, const at::Tensor& down, int64_t down_features);
 
 }  // namespace tinkerrpc_kernels

@@ -1,6 +1,6 @@
-"""The sampler's fused CPU kernels (cpu_kernels.cpp, decode_attention.cpp, panel_matmul.cpp): built once per
-machine with the system's g++ against the installed torch into one library, loaded as torch ops, and used
-for float32 CPU passes outside autograd.
+"""The sampler's fused CPU kernels (cpu_kernels.cpp, decode_attention.cpp, panel_matmul.cpp,
+decode_step.cpp): built once per machine with the system's g++ against the installed torch into one library,
+loaded as torch ops, and used for float32 CPU passes outside autograd.
 
 A decode step of SmolLM2 at 16 rows spent ~27 ms of ~97 ms outside its matmuls, in ~30 small torch ops
 per layer; these kernels do those stretches in four ops per layer (tests/engine_core/test_cpu_kernels.py
@@ -31,7 +31,8 @@ from tinkerrpc_server.settings import KernelSettings, settings_of
 log = logging.getLogger(__name__)
 
 _SOURCES = [
-    Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "decode_attention.cpp", "panel_matmul.cpp")
+    Path(__file__).with_name(name)
+    for name in ("cpu_kernels.cpp", "decode_attention.cpp", "panel_matmul.cpp", "decode_step.cpp")
 ]
 _HEADER = Path(__file__).with_name("cpu_kernels.h")
 # torch's own vectorized code paths: AVX2's serves AVX-512 CPUs too (the panel matmul's AVX-512 build adds
@@ -196,6 +197,31 @@ def decode_attention(
     end), the same in every row, are read from row 0. Returns (rows, heads · dim)."""
     begin, end = shared if shared is not None else (0, 0)
     out: torch.Tensor = torch.ops.tinkerrpc_cpu.decode_attention(q, k, v, bias, scale, begin, end)
+    return out
+
+
+def decode_layers(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    qk_norms: list[torch.Tensor],
+    features: list[int],
+    rotary: tuple[torch.Tensor, torch.Tensor],
+    cache: tuple[list[torch.Tensor], list[torch.Tensor]],
+    bias: torch.Tensor,
+    scale: float,
+    shared: tuple[int, int] | None,
+    heads: int,
+    eps: float,
+) -> torch.Tensor:
+    """A decode step's decoder layers in one call, on weights `pack_linear_weight` packed: per layer
+    decoder_qkv, rotary_qk (its q/k norm weight from `qk_norms`, empty without), the new key and value
+    into the last column of that layer's (keys, values) views of `cache`, decode_attention and decoder_mlp,
+    as the separate calls compute them. `weights` per layer: input norm, q/k/v, o, post-attention norm,
+    gate/up, down; `features`: the four projections' out features. Returns x plus the last layer's MLP."""
+    begin, end = shared if shared is not None else (0, 0)
+    out: torch.Tensor = torch.ops.tinkerrpc_cpu.decode_layers(
+        x, weights, qk_norms, features, *rotary, *cache, bias, scale, begin, end, heads, eps
+    )
     return out
 
 

@@ -50,6 +50,10 @@ void weighted_sum(const float* weights, const int64_t* index, const float* const
   }
 }
 
+}  // namespace
+
+namespace tinkerrpc_kernels {
+
 // One query per row: out[r, h] = softmax(q[r, h]·k[r, h/groups]ᵀ·scale + bias[r]) · v[r, h/groups].
 // q (rows, heads, dim) with contiguous head rows; k, v (rows, kv heads, columns, dim) with contiguous
 // head-dim rows (views of the cache's buffers); bias (rows, columns): 0, or -inf where a column is
@@ -227,6 +231,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
-}  // namespace
+}  // namespace tinkerrpc_kernels
 
-TORCH_LIBRARY_IMPL(tinkerrpc_cpu, CPU, m) { m.impl("decode_attention", decode_attention); }
+TORCH_LIBRARY_IMPL(tinkerrpc_cpu, CPU, m) { m.impl("decode_attention", tinkerrpc_kernels::decode_attention); }

@@ -37,11 +37,11 @@ import torch.nn.functional as F
 from tinkerrpc_server.engine.compute import cpu_kernels
 from tinkerrpc_server.engine.compute.architecture import Architecture
 from tinkerrpc_server.engine.compute.attention import (
+    FusedDecodeAttention,
     Rotary,
     Segment,
     attention_bias,
     attention_mask,
-    fused_decode_attention,
     one_query_attention,
     segment_slices,
 )
@@ -67,12 +67,25 @@ Panels = tuple[torch.Tensor, int]
 
 class PanelLayers:
     """A decoder's layers whose weights the panel kernel holds: a layer's q/k/v projection with the
-    residual add and norm before it, and its second half (o projection onward), one kernel call each. At
-    one row a decode step's ~9 calls per layer through Python cost ~5 µs each beside ~0.5 ms of weights."""
+    residual add and norm before it, and its second half (o projection onward), one kernel call each; a
+    decode step's layers, all of them, one call. At one row a decode step's ~9 calls per layer through
+    Python cost ~5 µs each beside ~0.5 ms of weights."""
 
     def __init__(self, base: BaseWeights, weights: list[tuple[Panels, Panels, Panels, Panels]]) -> None:
         self._base = base
         self._weights = weights  # per layer: q/k/v, o, gate/up, down
+        # The one-call decode step's arguments (cpu_kernels.decode_layers): every layer's norms and packed
+        # weights in a row, the out features they share, the q/k norms where the family has them.
+        self._step_weights = [
+            tensor
+            for layer, (qkv, o, gate_up, down) in zip(base.layers, weights, strict=True)
+            for tensor in (layer.input_norm, qkv[0], o[0], layer.post_attention_norm, gate_up[0], down[0])
+        ]
+        self._features = [features for _, features in weights[0]]
+        assert all([features for _, features in layer] == self._features for layer in weights)
+        norms = [layer.qk_norm_weight for layer in base.layers]
+        self._qk_norms = [norm for norm in norms if norm is not None]
+        assert len(self._qk_norms) in (0, len(norms))
 
     def qkv(self, x: torch.Tensor, residual: torch.Tensor | None, index: int) -> torch.Tensor:
         """x += residual in place (the last layer's output, when given); layer `index`'s q/k/v of x."""
@@ -86,6 +99,24 @@ class PanelLayers:
         _, o, gate_up, down = self._weights[index]
         norm = self._base.layers[index].post_attention_norm
         return cpu_kernels.decoder_mlp(x, attended, o, norm, self._base.architecture.norm_eps, gate_up, down)
+
+    def decode_step(self, x: torch.Tensor, attention: FusedDecodeAttention) -> torch.Tensor:
+        """A decode step's layers over x (rows, hidden) in one kernel call: what `qkv`, `attention` and
+        `second_half` compute layer after layer, the new keys and values written into the cache."""
+        architecture = self._base.architecture
+        return cpu_kernels.decode_layers(
+            x,
+            self._step_weights,
+            self._qk_norms,
+            self._features,
+            (attention.cos, attention.signed_sin),
+            attention.cache.grow(len(x)),
+            attention.bias,
+            attention.scale,
+            attention.shared,
+            architecture.num_heads,
+            architecture.norm_eps,
+        )
 
 
 class FusedDecoder:
@@ -191,7 +222,7 @@ class FusedDecoder:
         if real is not None and len(real) == rows * length:
             real = None
         fused = (
-            fused_decode_attention(base.architecture, rotary, cache, mask, shared)
+            FusedDecodeAttention.of(base.architecture, rotary, cache, mask, shared)
             if length == 1 and kernels
             else None
         )
@@ -299,7 +330,9 @@ def _decoder_layers(
     other, each segment's row by row. `project` computes a fused projection over all tokens at once;
     each segment attends on its own. With `kernels` the element-wise stretches run on the fused CPU
     kernels (cpu_kernels.py), which add the residual into `x` in place; with `panel_layers` (kernels
-    only) a layer is two such calls around its attention."""
+    only) a layer is two such calls around its attention, and a decode step's layers are one call."""
+    if panel_layers is not None and len(segments) == 1 and segments[0].fused_attention is not None:
+        return panel_layers.decode_step(x, segments[0].fused_attention)
     gate_kernel = kernels and base.architecture.activation == "silu"
     eps = base.architecture.norm_eps
     residual: torch.Tensor | None = None

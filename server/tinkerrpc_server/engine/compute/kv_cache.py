@@ -103,6 +103,13 @@ class GrowingLayer(DynamicLayer):  # type: ignore[misc]  # transformers is untyp
         self.values, self.value_buffer = _appended(self.values, self.value_buffer, value_states)
         return self.keys, self.values
 
+    def grow(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `rows` rows with one more column, which a decode step's kernel writes
+        (cpu_kernels.decode_layers)."""
+        self.keys, self.key_buffer = _extended(self.keys, self.key_buffer, rows, 1, self.keys)
+        self.values, self.value_buffer = _extended(self.values, self.value_buffer, rows, 1, self.values)
+        return self.keys, self.values
+
     def keep_rows(self, index: torch.Tensor, first_column: int = 0) -> None:
         """Only the rows at `index` (repeats allowed), from column `first_column` on (a copy of all)."""
         self.keys, self.key_buffer = _rows_kept(self.keys, index, first_column)
@@ -178,19 +185,28 @@ def _stacked(
     return buffer[: rows + joining, :, :width], buffer
 
 
+def _extended(
+    current: torch.Tensor, buffer: torch.Tensor | None, rows: int, added: int, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`current` for `rows` rows with `added` more columns along the sequence dimension (what they hold is
+    left to the caller), as a view of a (new) buffer of `like`'s heads, head dim, dtype and device."""
+    used = current.shape[-2] if current.dim() == 4 else 0
+    total = used + added
+    heads, dim = like.shape[1], like.shape[-1]
+    if not _in_place(current, buffer, rows, total) or buffer is None or buffer.shape[1] != heads:
+        buffer = like.new_empty((_row_room(rows), heads, _room(total), dim))
+        if used:
+            buffer[:rows, :, :used] = current
+    return buffer[:rows, :, :total], buffer
+
+
 def _appended(
     current: torch.Tensor, buffer: torch.Tensor | None, new: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`current` with `new` appended along the sequence dimension, as a view of a (new) buffer."""
-    used = current.shape[-2] if current.dim() == 4 else 0
-    total = used + new.shape[-2]
-    rows = new.shape[0]
-    if not _in_place(current, buffer, rows, total) or buffer is None or buffer.shape[1] != new.shape[1]:
-        buffer = new.new_empty((_row_room(rows), new.shape[1], _room(total), new.shape[-1]))
-        if used:
-            buffer[:rows, :, :used] = current
-    buffer[:rows, :, used:total] = new
-    return buffer[:rows, :, :total], buffer
+    extended, buffer = _extended(current, buffer, new.shape[0], new.shape[-2], new)
+    extended[:, :, -new.shape[-2] :] = new
+    return extended, buffer
 
 
 class SamplerCache(DynamicCache):  # type: ignore[misc]  # transformers is untyped here
@@ -198,6 +214,12 @@ class SamplerCache(DynamicCache):  # type: ignore[misc]  # transformers is untyp
     holds a copy of one prompt's KV there, lets engine/compute/decoder.py read those columns once for all rows."""
 
     shared_columns: tuple[int, int] | None = None
+
+    def grow(self, rows: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every layer's keys and values with one more column for a decode step's kernel to write (its
+        layers have all run before: a prefill filled them)."""
+        grown = [layer.grow(rows) for layer in self.layers]
+        return [keys for keys, _ in grown], [values for _, values in grown]
 
 
 def new_cache() -> SamplerCache:

@@ -223,6 +223,10 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return y;
 }
 
+}  // namespace
+
+namespace tinkerrpc_kernels {
+
 // A decoder layer's projection to q, k and v on a panel-packed weight, in one call: x += delta (the last
 // layer's output, when given) in place, then its RMSNorm times qkvᵀ.
 at::Tensor decoder_qkv(at::Tensor x, const std::optional<at::Tensor>& delta, const at::Tensor& norm_weight,
@@ -240,12 +244,12 @@ at::Tensor decoder_mlp(at::Tensor x, const at::Tensor& attended, const at::Tenso
   return packed_linear(silu_and_multiply(packed_linear(normed, gate_up, gate_up_features)), down, down_features);
 }
 
-}  // namespace
+}  // namespace tinkerrpc_kernels
 
 TORCH_LIBRARY_IMPL(tinkerrpc_cpu, CPU, m) {
   m.impl("pack_linear_weight", pack_linear_weight);
   m.impl("packed_linear", packed_linear);
-  m.impl("decoder_qkv", decoder_qkv);
-  m.impl("decoder_mlp", decoder_mlp);
+  m.impl("decoder_qkv", tinkerrpc_kernels::decoder_qkv);
+  m.impl("decoder_mlp", tinkerrpc_kernels::decoder_mlp);
 }
 #endif  // __AVX2__
