@@ -50,15 +50,16 @@ def left_padded_prompts() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def run_forward(model: SamplingModel | None, steps: int) -> list[torch.Tensor]:
-    """Prefill PROMPTS left-padded in two chunks, then `steps` greedy decode steps; every call's logits."""
+def run_forward(model: SamplingModel | None, steps: int, first_chunk: int = 4) -> list[torch.Tensor]:
+    """Prefill PROMPTS left-padded in two chunks (the first of `first_chunk` columns), then `steps` greedy
+    decode steps; every call's logits."""
     assert model is not None
     ids, mask, positions = left_padded_prompts()
     width = ids.shape[1]
     cache = new_cache()
     seen = []
     with torch.inference_mode():
-        for start, end in ((0, 4), (4, width)):
+        for start, end in ((0, first_chunk), (first_chunk, width)):
             call = ForwardCall(ids[:, start:end], mask[:, :end], positions[:, start:end], cache)
             (logits,) = model.forward([call])
             seen.append(logits.float())
@@ -85,13 +86,14 @@ def decoder_of(
 
 
 def assert_decoder_logits_equal_transformers(
-    runtime: BaseModelRuntime, peft_name: str | None, plan: ExecutionPlan | None = None
+    runtime: BaseModelRuntime, peft_name: str | None, plan: ExecutionPlan | None = None, first_chunk: int = 4
 ) -> None:
     """The sampler's decoder for `peft_name` (None: the bare base), with `plan`'s kernels (None: the
-    runtime's), against transformers + PEFT: a chunked left-padded prefill and 5 decode steps."""
-    ours = run_forward(decoder_of(runtime, peft_name, plan), steps=5)
+    runtime's), against transformers + PEFT: a left-padded prefill in two chunks (the first of
+    `first_chunk` columns) and 5 decode steps."""
+    ours = run_forward(decoder_of(runtime, peft_name, plan), steps=5, first_chunk=first_chunk)
     with runtime._active(peft_name) as reference:
-        theirs = run_forward(TransformersSampler(reference), steps=5)
+        theirs = run_forward(TransformersSampler(reference), steps=5, first_chunk=first_chunk)
     assert len(ours) == len(theirs) == 7
     for mine, expected in zip(ours, theirs, strict=True):
         # Left-padding positions of the prefill carry no meaning on either side: compare real ones.

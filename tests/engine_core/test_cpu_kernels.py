@@ -352,6 +352,12 @@ def test_the_sampler_runs_on_the_kernels(runtime: BaseModelRuntime, monkeypatch:
     else:
         assert calls == {"decode_attention": 2 * layers}
     assert_decoder_logits_equal_transformers(runtime, None)
+    # A first pass of one column (a one-token prompt's prefill) is shaped like a decode step but meets an
+    # empty KV cache: it runs layer by layer, and the steps after it in one call.
+    calls.clear()
+    assert_decoder_logits_equal_transformers(runtime, None, first_chunk=1)
+    if packing is not None and packing.kernel == "panels":
+        assert calls["decode_layers"] == 5 and calls["decoder_mlp"] == 2 * layers
     calls.clear()
     assert_decoder_logits_equal_transformers(runtime, None, replace(runtime._plan, cpu_kernels=False))
     assert not calls

@@ -137,6 +137,9 @@ def test_another_uid_holds_no_engine_slot_and_one_share_of_the_sidecar(hosted_se
         attacker.communicate(timeout=30)
 
 
+LONG_SAMPLE_ROWS = 64
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEngine]:
     os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -153,10 +156,11 @@ def test_abandoned_sample_is_dropped_and_train_runs_between_decode_steps(engine:
         other_sampler = trainer.save_weights_and_get_sampling_client().result()
         prompt = tinker.types.ModelInput.from_ints([5, 6, 7, 8])
         before = engine.stats()
-        # A long sample (sampling until the context is full, 8 rows) keeps the compute thread busy...
+        # A long sample (sampling until the context is full, 64 rows: ~6 s here, where 8 rows now take
+        # ~1.2 s, less than the two pauses below) keeps the compute thread busy...
         long_sample = sampler.sample(
             prompt,
-            num_samples=8,
+            num_samples=LONG_SAMPLE_ROWS,
             sampling_params=tinker.types.SamplingParams(max_tokens=1500, seed=1, stop=[]),
         ).future()
         time.sleep(1.0)
@@ -174,7 +178,7 @@ def test_abandoned_sample_is_dropped_and_train_runs_between_decode_steps(engine:
         trainer.forward_backward([datum], "cross_entropy").result(timeout=120)
         trainer.optim_step(tinker.types.AdamParams(learning_rate=1e-4)).result(timeout=120)
         assert not long_sample.done(), "the Train finished only after the long sample"
-        assert len(long_sample.result(timeout=120).sequences) == 8
+        assert len(long_sample.result(timeout=120).sequences) == LONG_SAMPLE_ROWS
         deadline = time.monotonic() + 30
         while engine.stats()["abandoned_sample_requests"] == before["abandoned_sample_requests"]:
             assert time.monotonic() < deadline, "the abandoned sample was never dropped"

@@ -8,6 +8,7 @@ policy, with as many checkpoints. Step times are bench/retention.py's (50 vs 500
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,7 +57,14 @@ def _train(server: Server, model: str) -> None:
 
 
 def _disk(directory: Path) -> int:
-    return sum(os.path.getsize(Path(root) / f) for root, _, files in os.walk(directory) for f in files)
+    """Bytes of the files under `directory`; one the engine's retention sweep deletes while this walks
+    counts nothing (the walk listed it, then it went)."""
+    total = 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.path.getsize(Path(root) / name)
+    return total
 
 
 def _live_models(engine: LocalEngine) -> int:

@@ -331,8 +331,11 @@ def _decoder_layers(
     each segment attends on its own. With `kernels` the element-wise stretches run on the fused CPU
     kernels (cpu_kernels.py), which add the residual into `x` in place; with `panel_layers` (kernels
     only) a layer is two such calls around its attention, and a decode step's layers are one call."""
-    if panel_layers is not None and len(segments) == 1 and segments[0].fused_attention is not None:
-        return panel_layers.decode_step(x, segments[0].fused_attention)
+    step = segments[0].fused_attention if len(segments) == 1 else None
+    # One call needs every layer's cache there: a one-token prompt's first pass is shaped like a decode
+    # step but meets an empty cache, which the layer-by-layer path fills.
+    if panel_layers is not None and step is not None and len(step.cache.layers) == len(base.layers):
+        return panel_layers.decode_step(x, step)
     gate_kernel = kernels and base.architecture.activation == "silu"
     eps = base.architecture.norm_eps
     residual: torch.Tensor | None = None
