@@ -169,6 +169,9 @@ TORCH_LIBRARY(tinkerrpc_cpu, m) {
       "decode_layers(Tensor(a!) x, Tensor[] weights, Tensor[] qk_norms, int[] features, Tensor cos,"
       " Tensor signed_sin, Tensor(b!)[] keys, Tensor(c!)[] values, Tensor bias, float scale, int shared_begin,"
       " int shared_end, int heads, float eps) -> Tensor");
+  m.def(
+      "choose_tokens(Tensor logits, Tensor scales, Tensor greedy, Tensor uniforms, int block)"
+      " -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tinkerrpc_cpu, CPU, m) {

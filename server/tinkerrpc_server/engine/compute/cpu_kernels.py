@@ -1,5 +1,5 @@
 """The sampler's fused CPU kernels (cpu_kernels.cpp, decode_attention.cpp, panel_matmul.cpp,
-decode_step.cpp): built once per machine with the system's g++ against the installed torch into one library,
+decode_step.cpp, token_choice.cpp): built once per machine with the system's g++ against the installed torch into one library,
 loaded as torch ops, and used for float32 CPU passes outside autograd.
 
 A decode step of SmolLM2 at 16 rows spent ~27 ms of ~97 ms outside its matmuls, in ~30 small torch ops
@@ -32,7 +32,13 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("cpu_kernels.cpp", "decode_attention.cpp", "panel_matmul.cpp", "decode_step.cpp")
+    for name in (
+        "cpu_kernels.cpp",
+        "decode_attention.cpp",
+        "panel_matmul.cpp",
+        "decode_step.cpp",
+        "token_choice.cpp",
+    )
 ]
 _HEADER = Path(__file__).with_name("cpu_kernels.h")
 # torch's own vectorized code paths: AVX2's serves AVX-512 CPUs too (the panel matmul's AVX-512 build adds
@@ -223,6 +229,18 @@ def decode_layers(
         x, weights, qk_norms, features, *rotary, *cache, bias, scale, begin, end, heads, eps
     )
     return out
+
+
+def choose_tokens(
+    logits: torch.Tensor, scales: torch.Tensor, greedy: torch.Tensor, uniforms: torch.Tensor, block: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of logits (rows, vocab): the token its uniform draws from softmax(logits / scale) (found
+    `block` vocabulary positions at a time), or its first argmax where `greedy`; that token's logprob;
+    the peak of logits / scale and the log of its softmax normalizer. token_choice.choose defines it."""
+    tokens, logprobs, peaks, log_totals = torch.ops.tinkerrpc_cpu.choose_tokens(
+        logits, scales, greedy, uniforms, block
+    )
+    return tokens, logprobs, peaks, log_totals
 
 
 if __name__ == "__main__":

@@ -197,6 +197,9 @@ class FusedDecoder:
             start += rows * length
         return outputs
 
+    def fused_kernels_for(self, tensor: torch.Tensor) -> bool:
+        return self._plan.fused_kernels_for(tensor)
+
     def _segment(self, call: ForwardCall, kernels: bool) -> Segment:
         base = self._base
         padding, cache = call.attention_mask, call.cache

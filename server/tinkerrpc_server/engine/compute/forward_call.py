@@ -36,6 +36,10 @@ class SamplingModel(Protocol):
 
     def forward(self, calls: Sequence[ForwardCall]) -> list[torch.Tensor]: ...
 
+    def fused_kernels_for(self, tensor: torch.Tensor) -> bool:
+        """Whether work on `tensor` (its logits: the token choice) runs on the fused CPU kernels."""
+        ...
+
 
 class TransformersSampler:
     """A transformers (+ PEFT) causal LM as a SamplingModel: one model call per ForwardCall."""
@@ -44,6 +48,9 @@ class TransformersSampler:
 
     def __init__(self, model: Any) -> None:  # transformers' model classes are untyped
         self._model = model
+
+    def fused_kernels_for(self, tensor: torch.Tensor) -> bool:
+        return False
 
     def forward(self, calls: Sequence[ForwardCall]) -> list[torch.Tensor]:
         logits = []

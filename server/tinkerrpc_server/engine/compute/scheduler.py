@@ -228,12 +228,12 @@ class DecodeBatch:
                 (chunk_logits,) = model.forward([self.prefill.next_chunk()])
                 self._take_prefill_chunk(chunk_logits)
             if self.decoding is not None:
-                step = self._sample()
+                step = self._sample(model)
                 if step is not None:
                     (step_logits,) = model.forward([step])
                     self._take_step(step_logits)
             return
-        step = self._sample()
+        step = self._sample(model)
         if step is None:
             (chunk_logits,) = model.forward([self.prefill.next_chunk()])
             self._take_prefill_chunk(chunk_logits)
@@ -255,7 +255,7 @@ class DecodeBatch:
         if joined is not None:
             self.decoding = joined if self.decoding is None else self.decoding.merge(joined)
 
-    def _sample(self) -> ForwardCall | None:
+    def _sample(self, model: SamplingModel) -> ForwardCall | None:
         """Sample one token for every row and answer the jobs that completed; the model call that
         gives the remaining rows their next logits (None when no row remains)."""
         batch = self.decoding
@@ -264,7 +264,9 @@ class DecodeBatch:
         drawn = torch.tensor([len(row.tokens) for row in batch.rows], device=self.device)
         drawn = drawn.clamp_(max=batch.uniforms.shape[1] - 1)
         uniforms = batch.uniforms.gather(1, drawn.unsqueeze(-1)).squeeze(-1)
-        tokens, logprobs = choose(batch.next_logits, batch.temperatures, batch.top_ks, batch.top_ps, uniforms)
+        logits = batch.next_logits
+        kernels = model.fused_kernels_for(logits)
+        tokens, logprobs = choose(logits, batch.temperatures, batch.top_ks, batch.top_ps, uniforms, kernels)
         wanted = [0 if row.stop_reason else row.owner.job.topk_sample_logprobs for row in batch.rows]
         tops = sampled_top_logprobs(batch.next_logits, batch.temperatures, wanted)
         live: list[int] = []

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from tinkerrpc_server.engine.compute import cpu_kernels
 from tinkerrpc_server.engine.compute.samples import SampleJob, StopReason
 
 # Tokens decoded before the ones that can hold a new stop string: a token holds at least one byte of
@@ -27,17 +28,57 @@ def choose(
     top_ks: torch.Tensor,
     top_ps: torch.Tensor,
     uniforms: torch.Tensor,
+    kernels: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row; return it with its logprob.
+    """Pick one token per row; return it with its logprob. With `kernels` (the fused CPU kernels are
+    loaded and the logits are float32 on the CPU) the rows without top-k/top-p are one kernel call
+    (cpu_kernels.choose_tokens), which computes what `_untruncated` computes.
 
     The logprob is log-softmax(logits / T) over the whole vocabulary (T = 1 for greedy rows):
     the model's distribution with temperature applied, before top-k/top-p truncation — the same
     number the learner computes at T = 1, which is what importance ratios compare against.
     """
     greedy = temperatures <= 0
-    any_greedy = bool(greedy.any())
     scale = torch.where(greedy, torch.ones_like(temperatures), temperatures)
-    scaled = logits if bool((scale == 1).all()) else logits / scale.unsqueeze(-1)
+    if kernels:
+        tokens, chosen, peak, log_total = cpu_kernels.choose_tokens(
+            logits, scale, greedy, uniforms, _CDF_BLOCK
+        )
+        peak, log_total = peak.unsqueeze(-1), log_total.unsqueeze(-1)
+    else:
+        tokens, chosen, peak, log_total = _untruncated(logits, scale, greedy, uniforms)
+    # Rows with top-k/top-p always take the sorted path; either way a row's token depends on its own
+    # logits and uniform only.
+    truncated = ((top_ks > 0) | (top_ps < 1)) & ~greedy
+    if not bool(truncated.any()):
+        return tokens, chosen
+    vocab = logits.shape[-1]
+    scaled = _scaled(logits, scale)
+    logprobs = scaled - peak - log_total
+    sorted_logprobs, order = torch.sort(logprobs, dim=-1, descending=True, stable=True)
+    sorted_probs = sorted_logprobs.exp()
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    keep = (top_ks.unsqueeze(-1) <= 0) | (ranks < top_ks.unsqueeze(-1))
+    # Nucleus: keep a token while the mass strictly before it is under top_p (the first always stays).
+    keep &= (sorted_probs.cumsum(-1) - sorted_probs) < top_ps.unsqueeze(-1)
+    kept_cdf = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs)).cumsum(-1)
+    picked = _searchsorted(kept_cdf, uniforms)
+    tokens = torch.where(truncated, order.gather(-1, picked.unsqueeze(-1)).squeeze(-1), tokens)
+    chosen = scaled.gather(-1, tokens.unsqueeze(-1)) - peak - log_total
+    return tokens, chosen.squeeze(-1)
+
+
+def _scaled(logits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """logits / T per row (the logits themselves where every T is 1)."""
+    return logits if bool((scale == 1).all()) else logits / scale.unsqueeze(-1)
+
+
+def _untruncated(
+    logits: torch.Tensor, scale: torch.Tensor, greedy: torch.Tensor, uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every row's token without top-k/top-p (the argmax for a greedy row), its logprob, and the row's
+    peak of logits / T and log of the softmax normalizer, each (rows, 1)."""
+    scaled = _scaled(logits, scale)
     rows, vocab = scaled.shape
     # exp(scaled - peak) once, into a buffer padded with zeros to whole blocks: the unnormalised
     # distribution, from which both the draw and the logprob follow (log-softmax = scaled - peak - log Σ).
@@ -46,25 +87,12 @@ def choose(
     weights = scaled.new_zeros((rows, blocks * _CDF_BLOCK))
     torch.sub(scaled, peak, out=weights[:, :vocab]).exp_()
     log_total = weights.sum(dim=-1, keepdim=True).log_()
-    # Rows without top-k/top-p draw from the cumulative distribution in vocabulary order, which needs no
-    # sort over the vocabulary; rows with them always take the sorted path. Either way a row's token
-    # depends on its own logits and uniform only.
-    sampled = _inverse_cdf(weights.view(rows, blocks, _CDF_BLOCK), uniforms).clamp_(max=vocab - 1)
-    truncated = (top_ks > 0) | (top_ps < 1)
-    if bool(truncated.any()):
-        logprobs = scaled - peak - log_total
-        sorted_logprobs, order = torch.sort(logprobs, dim=-1, descending=True, stable=True)
-        sorted_probs = sorted_logprobs.exp()
-        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-        keep = (top_ks.unsqueeze(-1) <= 0) | (ranks < top_ks.unsqueeze(-1))
-        # Nucleus: keep a token while the mass strictly before it is under top_p (the first always stays).
-        keep &= (sorted_probs.cumsum(-1) - sorted_probs) < top_ps.unsqueeze(-1)
-        kept_cdf = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs)).cumsum(-1)
-        picked = _searchsorted(kept_cdf, uniforms)
-        sampled = torch.where(truncated, order.gather(-1, picked.unsqueeze(-1)).squeeze(-1), sampled)
-    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled) if any_greedy else sampled
+    # The cumulative distribution in vocabulary order needs no sort over the vocabulary.
+    tokens = _inverse_cdf(weights.view(rows, blocks, _CDF_BLOCK), uniforms).clamp_(max=vocab - 1)
+    if bool(greedy.any()):
+        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     chosen = scaled.gather(-1, tokens.unsqueeze(-1)) - peak - log_total
-    return tokens, chosen.squeeze(-1)
+    return tokens, chosen.squeeze(-1), peak, log_total
 
 
 def _inverse_cdf(blocks: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
