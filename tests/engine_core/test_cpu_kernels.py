@@ -353,11 +353,11 @@ def test_the_sampler_runs_on_the_kernels(runtime: BaseModelRuntime, monkeypatch:
         assert calls == {"decode_attention": 2 * layers}
     assert_decoder_logits_equal_transformers(runtime, None)
     # A first pass of one column (a one-token prompt's prefill) is shaped like a decode step but meets an
-    # empty KV cache: it runs layer by layer, and the steps after it in one call.
+    # empty KV cache: the one call starts its layers, and the chunk after it runs layer by layer.
     calls.clear()
     assert_decoder_logits_equal_transformers(runtime, None, first_chunk=1)
     if packing is not None and packing.kernel == "panels":
-        assert calls["decode_layers"] == 5 and calls["decoder_mlp"] == 2 * layers
+        assert calls["decode_layers"] == 6 and calls["decoder_mlp"] == layers
     calls.clear()
     assert_decoder_logits_equal_transformers(runtime, None, replace(runtime._plan, cpu_kernels=False))
     assert not calls

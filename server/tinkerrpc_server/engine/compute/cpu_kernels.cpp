@@ -6,8 +6,9 @@
 // columns every row shares once: decode_attention.cpp); and, on AVX2 and AVX-512 CPUs, the sampler's
 // float32 matmul by a weight packed into column panels and a decoder layer as two calls around its
 // attention (panel_matmul.cpp, `python -m bench.matmul_kernels`).
-// engine/compute/cpu_kernels.py builds the three files into one library with g++; tests/engine_core/
-// test_cpu_kernels.py checks each kernel against the torch ops it replaces.
+// A decode step's layers are one call (decode_step.cpp), and so is its token choice (token_choice.cpp).
+// engine/compute/cpu_kernels.py builds the five files into one library with g++; tests/engine_core/
+// test_cpu_kernels.py and test_token_choice.py check each kernel against the ops or calls it replaces.
 #include "cpu_kernels.h"
 
 #include <cmath>

@@ -1,6 +1,6 @@
 """The sampler's fused CPU kernels (cpu_kernels.cpp, decode_attention.cpp, panel_matmul.cpp,
-decode_step.cpp, token_choice.cpp): built once per machine with the system's g++ against the installed torch into one library,
-loaded as torch ops, and used for float32 CPU passes outside autograd.
+decode_step.cpp, token_choice.cpp): built once per machine with the system's g++ against the installed
+torch into one library, loaded as torch ops, and used for float32 CPU passes outside autograd.
 
 A decode step of SmolLM2 at 16 rows spent ~27 ms of ~97 ms outside its matmuls, in ~30 small torch ops
 per layer; these kernels do those stretches in four ops per layer (tests/engine_core/test_cpu_kernels.py

@@ -22,6 +22,7 @@ at::Tensor decode_layers(at::Tensor x, at::TensorList weights, at::TensorList qk
   TORCH_CHECK(weights.size() == kPerLayer * layers && values.size() == layers, "weights, keys and values disagree on the layers");
   TORCH_CHECK(qk_norms.empty() || qk_norms.size() == layers, "qk_norms must be empty or one per layer");
   TORCH_CHECK(features.size() == 4, "features: q/k/v, o, gate/up and down out features");
+  TORCH_CHECK(heads > 0, "heads must be positive");
   check_float_cpu(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be (rows, hidden), contiguous");
   const int64_t rows = x.size(0);
@@ -30,8 +31,9 @@ at::Tensor decode_layers(at::Tensor x, at::TensorList weights, at::TensorList qk
     const at::Tensor* w = weights.data() + kPerLayer * layer;
     const at::Tensor& layer_keys = keys[layer];
     const at::Tensor& layer_values = values[layer];
-    TORCH_CHECK(layer_keys.dim() == 4 && layer_keys.size(0) == rows && layer_values.sizes() == layer_keys.sizes(),
-                "keys and values must be (rows, kv heads, columns, dim)");
+    TORCH_CHECK(layer_keys.dim() == 4 && layer_keys.size(0) == rows && layer_keys.size(2) > 0 &&
+                    layer_values.sizes() == layer_keys.sizes(),
+                "keys and values must be (rows, kv heads, columns, dim), this step's column last");
     const int64_t kv_heads = layer_keys.size(1), column = layer_keys.size(2) - 1, dim = layer_keys.size(3);
     const int64_t qk_width = (heads + kv_heads) * dim;
     const at::Tensor qkv = decoder_qkv(x, residual, w[0], eps, w[1], features[0]);

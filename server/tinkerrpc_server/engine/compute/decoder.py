@@ -104,13 +104,15 @@ class PanelLayers:
         """A decode step's layers over x (rows, hidden) in one kernel call: what `qkv`, `attention` and
         `second_half` compute layer after layer, the new keys and values written into the cache."""
         architecture = self._base.architecture
+        # The cache's shape and type for these rows (a one-token prompt's first pass meets no layers yet).
+        like = x.new_empty((len(x), architecture.num_kv_heads, 0, architecture.head_dim))
         return cpu_kernels.decode_layers(
             x,
             self._step_weights,
             self._qk_norms,
             self._features,
             (attention.cos, attention.signed_sin),
-            attention.cache.grow(len(x)),
+            attention.cache.grow(len(self._base.layers), like),
             attention.bias,
             attention.scale,
             attention.shared,
@@ -334,11 +336,8 @@ def _decoder_layers(
     each segment attends on its own. With `kernels` the element-wise stretches run on the fused CPU
     kernels (cpu_kernels.py), which add the residual into `x` in place; with `panel_layers` (kernels
     only) a layer is two such calls around its attention, and a decode step's layers are one call."""
-    step = segments[0].fused_attention if len(segments) == 1 else None
-    # One call needs every layer's cache there: a one-token prompt's first pass is shaped like a decode
-    # step but meets an empty cache, which the layer-by-layer path fills.
-    if panel_layers is not None and step is not None and len(step.cache.layers) == len(base.layers):
-        return panel_layers.decode_step(x, step)
+    if panel_layers is not None and len(segments) == 1 and segments[0].fused_attention is not None:
+        return panel_layers.decode_step(x, segments[0].fused_attention)
     gate_kernel = kernels and base.architecture.activation == "silu"
     eps = base.architecture.norm_eps
     residual: torch.Tensor | None = None

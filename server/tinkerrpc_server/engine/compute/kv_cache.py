@@ -96,19 +96,26 @@ class GrowingLayer(DynamicLayer):  # type: ignore[misc]  # transformers is untyp
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-            self.key_buffer = self.value_buffer = None
+        self._start(key_states)
         self.keys, self.key_buffer = _appended(self.keys, self.key_buffer, key_states)
         self.values, self.value_buffer = _appended(self.values, self.value_buffer, value_states)
         return self.keys, self.values
 
-    def grow(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of `rows` rows with one more column, which a decode step's kernel writes
-        (cpu_kernels.decode_layers)."""
-        self.keys, self.key_buffer = _extended(self.keys, self.key_buffer, rows, 1, self.keys)
-        self.values, self.value_buffer = _extended(self.values, self.value_buffer, rows, 1, self.values)
+    def grow(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values with one more column, which a decode step's kernel writes
+        (cpu_kernels.decode_layers), for `like`'s rows, heads and head dim (rows, kv heads, any, dim), in
+        its dtype and device where the layer starts now."""
+        self._start(like)
+        rows = like.shape[0]
+        self.keys, self.key_buffer = _extended(self.keys, self.key_buffer, rows, 1, like)
+        self.values, self.value_buffer = _extended(self.values, self.value_buffer, rows, 1, like)
         return self.keys, self.values
+
+    def _start(self, like: torch.Tensor) -> None:
+        """Empty keys and values in `like`'s dtype and device, without buffers, unless the layer holds some."""
+        if not self.is_initialized:
+            self.lazy_initialization(like, like)
+            self.key_buffer = self.value_buffer = None
 
     def keep_rows(self, index: torch.Tensor, first_column: int = 0) -> None:
         """Only the rows at `index` (repeats allowed), from column `first_column` on (a copy of all)."""
@@ -215,10 +222,13 @@ class SamplerCache(DynamicCache):  # type: ignore[misc]  # transformers is untyp
 
     shared_columns: tuple[int, int] | None = None
 
-    def grow(self, rows: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Every layer's keys and values with one more column for a decode step's kernel to write (its
-        layers have all run before: a prefill filled them)."""
-        grown = [layer.grow(rows) for layer in self.layers]
+    def grow(self, layers: int, like: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each of `layers` layers' keys and values with one more column for a decode step's kernel to
+        write, shaped and typed as `like` (rows, kv heads, any, dim) says; the layers a first pass meets
+        (a one-token prompt's) start empty."""
+        while len(self.layers) < layers:
+            self.layers.append(self.layer_class_to_replicate())
+        grown = [layer.grow(like) for layer in self.layers]
         return [keys for keys, _ in grown], [values for _, values in grown]
 
 
