@@ -176,7 +176,8 @@ def test_packed_linear(rows: int, in_features: int, out_features: int) -> None:
     weight = torch.randn(out_features, in_features, generator=generator)
     x = torch.randn(rows, in_features + 3, generator=generator)[:, :in_features]
     packed = cpu_kernels.pack_linear_weight(weight)
-    assert packed.shape == (-(-out_features // 16), in_features, 16)
+    # Four segments of the in features, each holding every panel's rows of it in turn.
+    assert packed.shape == (4, -(-out_features // 16), -(-in_features // 4), 16)
     out = cpu_kernels.packed_linear(x, packed, out_features)
     torch.testing.assert_close(out, x @ weight.t(), rtol=1e-5, atol=1e-4)
     # The same weight given as the transpose of an (in, out) tensor packs to the same panels.

@@ -230,13 +230,13 @@ PLANS = [PackingPlan(kernel, PACKED_ROWS[kernel], 2) for kernel in ("mkl", "oned
 
 def _out_features(kernel: str, input_shapes: list[list[int]]) -> int:
     """The weight's out features from the shapes a packed kernel's op was called with: MKL's zero-stride
-    (out, in) stand-in, oneDNN's packed (out, in), or the panels (out / 16 rounded up, in, 16): rounded
-    up to whole panels there."""
+    (out, in) stand-in, oneDNN's packed (out, in), or the panels (segments, out / 16 rounded up, segment
+    rows, 16): rounded up to whole panels there."""
     if kernel == "mkl":
         return input_shapes[2][0]
     if kernel == "onednn":
         return input_shapes[1][0]
-    return input_shapes[1][0] * input_shapes[1][2]
+    return input_shapes[1][1] * input_shapes[1][3]
 
 
 def _whole_panels(kernel: str, out_features: int) -> int:
