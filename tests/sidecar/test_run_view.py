@@ -24,6 +24,7 @@ import pytest
 from websockets.sync.client import ClientConnection, connect
 
 import tinkerrpc
+from tinkerrpc.contract.limits import MISMATCH_RATIO_MAX, MISMATCH_RATIO_MIN
 from tinkerrpc_server.local.stack import LocalStack
 
 pytestmark = pytest.mark.ecosystem
@@ -101,9 +102,12 @@ def test_the_view_needs_the_sidecars_key(stack: LocalStack, model: tinkerrpc.Mod
     assert status == 200 and [s["v"] for s in state["steps"]] == [1, 2]
     assert state["model"]["sampleable_versions"] == [0, 1, 2]
     assert state["steps"][0]["lr"] == pytest.approx(1e-2) and state["steps"][0]["used"] == 4
+    assert state["mismatch_ratio_bounds"] == [MISMATCH_RATIO_MIN, MISMATCH_RATIO_MAX]
     # The page's code (the vendored uPlot included) is public and served from the package.
     for name in ("uPlot.iife.min.js", "uPlot.min.css", "run.js", "runs.css"):
-        assert _get(f"{base}/runs/static/{name}")[0] == 200, name
+        status, headers, _ = _get(f"{base}/runs/static/{name}")
+        # Revalidated on every load, so a browser never runs a script cached from an older tinkerrpc.
+        assert status == 200 and headers.get("cache-control") == "no-cache", (name, headers)
     assert _get(f"{base}/runs/static/..%2Froutes.py")[0] == 404
     assert _get(f"{base}/runs/no-such-model", {"Authorization": f"Bearer {SIDECAR_KEY}"})[0] == 404
 
@@ -288,6 +292,9 @@ def test_the_run_view_draws_the_run_and_follows_a_train_live(
     # Every RL step has a point on the mismatch chart: its KL (k3), never negative.
     kl = browser.evaluate("window.runCharts.mismatch.data[1]")
     assert len(kl) == 3 and all(value is not None and value >= 0 for value in kl), kl
+    # The ratio series is named with the contract's bounds, not their constants' names.
+    label = browser.evaluate("window.runCharts.mismatch.series[2].label")
+    assert label == f"fraction of ratios outside [{MISMATCH_RATIO_MIN:g}, {MISMATCH_RATIO_MAX:g}]", label
     # Version 3's point is on the reward chart's data, which uPlot draws.
     assert browser.evaluate("document.getElementById('summary').textContent").startswith("version 3:")
 

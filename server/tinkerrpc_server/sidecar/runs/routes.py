@@ -27,6 +27,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, StreamingResponse
 
 from tinkerrpc import AsyncClient, CheckpointInfo, ModelEvent, ModelInfo, NotFoundError, RPCError, RunStep
+from tinkerrpc.contract.limits import MISMATCH_RATIO_MAX, MISMATCH_RATIO_MIN
 from tinkerrpc_server.sidecar.errors import OpenAIError
 from tinkerrpc_server.sidecar.streaming import SSE_MEDIA_TYPE, sse_frame
 
@@ -216,7 +217,11 @@ def create_router(client: Callable[[], AsyncClient], api_key: str | None) -> API
         media_type = STATIC_FILES.get(file_name)
         if media_type is None:
             return Response("not found", status_code=404, media_type="text/plain")
-        return FileResponse(STATIC_DIR / file_name, media_type=media_type)
+        # Revalidated on every load (a 304 while unchanged): a browser that cached the page's script from
+        # an older tinkerrpc would otherwise run it against this one's state.
+        return FileResponse(
+            STATIC_DIR / file_name, media_type=media_type, headers={"Cache-Control": "no-cache"}
+        )
 
     @router.get("/runs", response_model=None)
     async def runs(request: Request) -> Response:
@@ -300,6 +305,8 @@ def create_router(client: Callable[[], AsyncClient], api_key: str | None) -> API
                 "model": model_json(info),
                 "checkpoints": [checkpoint_json(c) for c in checkpoints],
                 "steps": [step_json(s) for s in history_steps],
+                # What a step's ratio_outside counts as outside: the view names the bounds.
+                "mismatch_ratio_bounds": [MISMATCH_RATIO_MIN, MISMATCH_RATIO_MAX],
             }
         )
 

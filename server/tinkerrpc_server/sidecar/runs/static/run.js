@@ -46,7 +46,8 @@
     ] },
     mismatch: { title: "Sampler/learner mismatch (RL steps, sampled tokens)", series: [
       { label: "KL (k3)", stroke: "#c2255c", width: 2, value: (s) => s.kl },
-      { label: "fraction of ratios outside [MISMATCH_RATIO_MIN, MAX]", stroke: "#f783ac", value: (s) => s.ratio_outside },
+      // Named with the server's bounds once the state arrives (mismatch_ratio_bounds).
+      { label: "fraction of ratios outside the bounds", stroke: "#f783ac", value: (s) => s.ratio_outside },
     ] },
   };
 
@@ -227,6 +228,8 @@
 
   fetchState(true).then((state) => {
     steps = state.steps;
+    const [low, high] = state.mismatch_ratio_bounds;
+    CHARTS.mismatch.series[1].label = "fraction of ratios outside [" + low + ", " + high + "]";
     showModel(state.model, state.checkpoints);
     draw();
     follow(steps.length ? steps[steps.length - 1].v + 1 : 0);
