@@ -56,13 +56,15 @@ constexpr int kVectorFloats = kPanel / kPanelVectors;
 // rows sums them one after another, in the same order, so a row's product never depends on the rows
 // beside it in a call (the same request, the same logprobs, in whatever batch).
 constexpr int kSegments = 4;
+// Rows of each segment in the packed layout (the last segment's may be fewer).
+inline int64_t segment_rows(int64_t in_features) { return (in_features + kSegments - 1) / kSegments; }
 
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
   check_float_cpu(weight, "weight");
   TORCH_CHECK(weight.dim() == 2, "weight must be (out, in)");
   const int64_t out_features = weight.size(0), in_features = weight.size(1);
   const int64_t panels = (out_features + kPanel - 1) / kPanel;
-  const int64_t segment = (in_features + kSegments - 1) / kSegments;
+  const int64_t segment = segment_rows(in_features);
   // Zeros where no weight lands: the last panel's columns past out_features, the last segment's rows past
   // in_features.
   at::Tensor packed = at::zeros({kSegments, panels, segment, kPanel}, weight.options());
@@ -110,7 +112,7 @@ void panel_product(const float* xt, const float* panel, int64_t segment_stride, 
   constexpr int kSums = Rows * kPanelVectors;
   // Segments summed at once: all where their sums fit the registers.
   constexpr int kLive = kSums * kSegments <= kMaxSums ? kSegments : 1;
-  const int64_t segment = (in_features + kSegments - 1) / kSegments;
+  const int64_t segment = segment_rows(in_features);
   PanelVector totals[kSums];
   PanelVector sums[kLive * kSums];
   int first = 0;  // the pass's first segment
@@ -184,7 +186,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   check_float_cpu(x, "x");
   check_float_cpu(packed, "packed");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be (rows, in) with contiguous rows");
-  const int64_t segment = (x.size(1) + kSegments - 1) / kSegments;
+  const int64_t segment = segment_rows(x.size(1));
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(0) == kSegments && packed.size(2) == segment &&
                   packed.size(3) == kPanel && packed.size(1) == (out_features + kPanel - 1) / kPanel,
               "packed must be pack_linear_weight's layout of an (out_features, in) weight");
