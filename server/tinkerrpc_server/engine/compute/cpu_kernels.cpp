@@ -53,21 +53,36 @@ at::Tensor residual_rms_norm(at::Tensor x, const std::optional<at::Tensor>& delt
   float* os = out.data_ptr<float>();
   at::parallel_for(0, tokens, std::max<int64_t>(1, kParallelFloats / hidden), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      float* row = xs + t * hidden;
-      if (ds != nullptr) {
-        const float* add = ds + t * hidden;
-        int64_t i = 0;
-        for (; i + kLanes <= hidden; i += kLanes) {
-          (Vec::loadu(row + i) + Vec::loadu(add + i)).store(row + i);
-        }
-        for (; i < hidden; ++i) {
-          row[i] += add[i];
-        }
-      }
-      scale_row(row, inverse_rms(row, hidden, eps), ws, os + t * hidden, hidden);
+      add_and_norm_row(xs + t * hidden, ds != nullptr ? ds + t * hidden : nullptr, ws, eps, os + t * hidden, hidden);
     }
   });
   return out;
+}
+
+void add_and_norm_row(float* x, const float* delta, const float* weight, double eps, float* out, int64_t n) {
+  if (delta != nullptr) {
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+      (Vec::loadu(x + i) + Vec::loadu(delta + i)).store(x + i);
+    }
+    for (; i < n; ++i) {
+      x[i] += delta[i];
+    }
+  }
+  scale_row(x, inverse_rms(x, n, eps), weight, out, n);
+}
+
+void silu_and_multiply_row(const float* gate, const float* up, float* out, int64_t width) {
+  const Vec one(1.f);
+  int64_t i = 0;
+  for (; i + kLanes <= width; i += kLanes) {
+    const Vec g = Vec::loadu(gate + i);
+    // torch's silu: x / (1 + exp(-x)).
+    (g / (one + g.neg().exp()) * Vec::loadu(up + i)).store(out + i);
+  }
+  for (; i < width; ++i) {
+    out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+  }
 }
 
 // silu(gate) · up for gate_up (tokens, 2·width): the gate in its first `width` columns.
@@ -79,21 +94,9 @@ at::Tensor silu_and_multiply(const at::Tensor& gate_up) {
   at::Tensor out = at::empty({tokens, width}, gate_up.options());
   const float* in = gate_up.data_ptr<float>();
   float* os = out.data_ptr<float>();
-  const Vec one(1.f);
   at::parallel_for(0, tokens, std::max<int64_t>(1, kParallelFloats / width), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* gate = in + t * stride;
-      const float* up = gate + width;
-      float* row = os + t * width;
-      int64_t i = 0;
-      for (; i + kLanes <= width; i += kLanes) {
-        const Vec g = Vec::loadu(gate + i);
-        // torch's silu: x / (1 + exp(-x)).
-        (g / (one + g.neg().exp()) * Vec::loadu(up + i)).store(row + i);
-      }
-      for (; i < width; ++i) {
-        row[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-      }
+      silu_and_multiply_row(in + t * stride, in + t * stride + width, os + t * width, width);
     }
   });
   return out;

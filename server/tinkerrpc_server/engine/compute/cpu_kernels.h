@@ -39,7 +39,11 @@ inline void check_float_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
 }
 
-// cpu_kernels.cpp's, which panel_matmul.cpp composes with its matmul into a decoder layer's two calls.
+// cpu_kernels.cpp's, which panel_matmul.cpp composes with its matmul into a decoder layer's two calls: the
+// kernels, and their arithmetic on one row (x += delta when given, then x's RMSNorm times weight into out;
+// silu(gate) · up into out).
+void add_and_norm_row(float* x, const float* delta, const float* weight, double eps, float* out, int64_t n);
+void silu_and_multiply_row(const float* gate, const float* up, float* out, int64_t width);
 at::Tensor residual_rms_norm(at::Tensor x, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
                              double eps);
 at::Tensor silu_and_multiply(const at::Tensor& gate_up);

@@ -4,9 +4,11 @@
 #include "cpu_kernels.h"
 
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <array>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -164,6 +166,14 @@ void panel_product(const float* xt, const float* panel, int64_t segment_stride, 
   }
 #pragma GCC unroll 16
   for (int r = 0; r < Rows; ++r) {
+    if (width == kPanel) {
+#pragma GCC unroll 4
+      for (int v = 0; v < kPanelVectors; ++v) {
+        store(y + r * y_stride + v * kVectorFloats, totals[r * kPanelVectors + v]);
+      }
+      continue;
+    }
+    // The last panel's columns past out_features are not y's.
     float row[kPanel];
 #pragma GCC unroll 4
     for (int v = 0; v < kPanelVectors; ++v) {
@@ -181,56 +191,104 @@ constexpr auto panel_products(std::integer_sequence<int, Rows...>) {
 }
 constexpr auto kPanelProducts = panel_products(std::make_integer_sequence<int, kRowBlock>{});
 
-// x (rows, in) · weightᵀ for a weight packed by pack_linear_weight: (rows, out_features).
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
-  check_float_cpu(x, "x");
+// x · weightᵀ for a weight packed by pack_linear_weight, x (rows, in_features) made row by row as the
+// product needs it: row(r, scratch) returns row r's in_features floats, in scratch (in_features floats of the
+// calling thread's) or where they already lie. Each thread makes its share of the rows, then after a barrier
+// takes its share of the panels, in one parallel region: the row work a layer does before a matmul (the
+// residual add and norm, the gated activation) runs on every thread instead of on one while the rest wait.
+// `row` must not throw.
+template <typename Row>
+at::Tensor made_rows_linear(int64_t rows, int64_t in_features, const at::Tensor& packed, int64_t out_features,
+                            const at::TensorOptions& options, const Row& row) {
   check_float_cpu(packed, "packed");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be (rows, in) with contiguous rows");
-  const int64_t segment = segment_rows(x.size(1));
+  const int64_t segment = segment_rows(in_features);
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(0) == kSegments && packed.size(2) == segment &&
                   packed.size(3) == kPanel && packed.size(1) == (out_features + kPanel - 1) / kPanel,
               "packed must be pack_linear_weight's layout of an (out_features, in) weight");
-  const int64_t rows = x.size(0), in_features = x.size(1), panels = packed.size(1);
-  at::Tensor y = at::empty({rows, out_features}, x.options());
-  const float* xs = x.data_ptr<float>();
+  const int64_t panels = packed.size(1);
+  at::Tensor y = at::empty({rows, out_features}, options);
   const float* ps = packed.data_ptr<float>();
   float* ys = y.data_ptr<float>();
-  const int64_t x_stride = x.stride(0);
   // Rows of x taken per sweep over the panels: a multiple of the row block that stays in L2 cache
   // (~256 KiB of it) while every panel passes; a decode step's rows are one sweep.
   const int64_t sweep =
       std::max<int64_t>(kRowBlock, (65536 / std::max<int64_t>(1, in_features)) / kRowBlock * kRowBlock);
   const int64_t padded = (in_features + kPanel - 1) / kPanel * kPanel;
-  std::vector<float> interleaved(std::min(rows, sweep) * padded);
-  for (int64_t first = 0; first < rows; first += sweep) {
-    const int64_t last = std::min(rows, first + sweep);
-    // The sweep's rows in passes as even as the row block allows (17 rows: 9 and 8, not 16 and 1), each
-    // pass's rows interleaved in turn (a copy of kPanel floats at a time).
-    const int64_t passes = (last - first + kRowBlock - 1) / kRowBlock;
-    auto start = [&](int64_t pass) { return first + pass * (last - first) / passes; };
-    for (int64_t pass = 0; pass < passes; ++pass) {
-      const int64_t begin = start(pass), block = start(pass + 1) - begin;
-      float* xt = interleaved.data() + (begin - first) * padded;
-      for (int64_t r = 0; r < block; ++r) {
-        for (int64_t k = 0; k < in_features; k += kPanel) {
-          const float* from = xs + (begin + r) * x_stride + k;
-          std::copy(from, from + std::min(kPanel, in_features - k), xt + (k / kPanel * block + r) * kPanel);
+  // Left uninitialized: a pass reads only the in_features columns of each row.
+  const std::unique_ptr<float[]> interleaved(new float[std::min(rows, sweep) * padded]);
+  const int threads = at::in_parallel_region() ? 1 : static_cast<int>(std::min<int64_t>(at::get_num_threads(), panels));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
+    std::vector<float> scratch(in_features);
+    for (int64_t first = 0; first < rows; first += sweep) {
+      const int64_t last = std::min(rows, first + sweep);
+      // The sweep's rows in passes as even as the row block allows (17 rows: 9 and 8, not 16 and 1), each
+      // pass's rows interleaved in turn (a copy of kPanel floats at a time).
+      const int64_t passes = (last - first + kRowBlock - 1) / kRowBlock;
+      auto start = [&](int64_t pass) { return first + pass * (last - first) / passes; };
+      for (int64_t pass = 0; pass < passes; ++pass) {
+        const int64_t begin = start(pass), block = start(pass + 1) - begin;
+        float* xt = interleaved.get() + (begin - first) * padded;
+        for (int64_t r = block * thread / team; r < block * (thread + 1) / team; ++r) {
+          const float* from = row(begin + r, scratch.data());
+          for (int64_t k = 0; k < in_features; k += kPanel) {
+            std::copy(from + k, from + std::min(in_features, k + kPanel), xt + (k / kPanel * block + r) * kPanel);
+          }
         }
       }
-    }
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
+#pragma omp barrier
+      for (int64_t p = panels * thread / team; p < panels * (thread + 1) / team; ++p) {
         for (int64_t pass = 0; pass < passes; ++pass) {
           const int64_t r = start(pass);
-          kPanelProducts[start(pass + 1) - r - 1](interleaved.data() + (r - first) * padded,
-                                                  ps + p * segment * kPanel, panels * segment * kPanel, in_features,
+          kPanelProducts[start(pass + 1) - r - 1](interleaved.get() + (r - first) * padded, ps + p * segment * kPanel,
+                                                  panels * segment * kPanel, in_features,
                                                   ys + r * out_features + p * kPanel, out_features,
                                                   std::min(kPanel, out_features - p * kPanel));
         }
       }
-    });
+      // The next sweep's rows go where this one's lay.
+      if (last < rows) {
+#pragma omp barrier
+      }
+    }
   }
   return y;
+}
+
+// x (rows, in) · weightᵀ for a weight packed by pack_linear_weight: (rows, out_features).
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  check_float_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be (rows, in) with contiguous rows");
+  const float* xs = x.data_ptr<float>();
+  const int64_t x_stride = x.stride(0);
+  return made_rows_linear(x.size(0), x.size(1), packed, out_features, x.options(),
+                          [&](int64_t r, float*) { return xs + r * x_stride; });
+}
+
+// x += delta (when given) in place, then x's RMSNorm times norm_weight: what a layer's first matmul reads,
+// made row by row inside that matmul's parallel region.
+auto added_and_normed_rows(at::Tensor& x, const std::optional<at::Tensor>& delta, const at::Tensor& norm_weight,
+                           double eps) {
+  check_float_cpu(x, "x");
+  check_float_cpu(norm_weight, "norm_weight");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be (tokens, hidden) and contiguous");
+  const int64_t hidden = x.size(1);
+  TORCH_CHECK(norm_weight.is_contiguous() && norm_weight.numel() == hidden, "norm_weight must hold `hidden` floats");
+  at::Tensor delta_c;
+  if (delta.has_value()) {
+    check_float_cpu(*delta, "delta");
+    TORCH_CHECK(delta->sizes() == x.sizes(), "delta must match x");
+    delta_c = delta->contiguous();
+  }
+  float* xs = x.data_ptr<float>();
+  const float* ds = delta_c.defined() ? delta_c.data_ptr<float>() : nullptr;
+  const float* ws = norm_weight.data_ptr<float>();
+  // delta_c rides in the capture: a contiguous copy of delta must live as long as the rows are made.
+  return [xs, ds, ws, eps, hidden, delta_c](int64_t r, float* scratch) -> const float* {
+    add_and_norm_row(xs + r * hidden, ds != nullptr ? ds + r * hidden : nullptr, ws, eps, scratch, hidden);
+    return scratch;
+  };
 }
 
 }  // namespace
@@ -241,17 +299,27 @@ namespace tinkerrpc_kernels {
 // layer's output, when given) in place, then its RMSNorm times qkvᵀ.
 at::Tensor decoder_qkv(at::Tensor x, const std::optional<at::Tensor>& delta, const at::Tensor& norm_weight,
                        double eps, const at::Tensor& qkv, int64_t qkv_features) {
-  return packed_linear(residual_rms_norm(x, delta, norm_weight, eps), qkv, qkv_features);
+  return made_rows_linear(x.size(0), x.size(1), qkv, qkv_features, x.options(),
+                          added_and_normed_rows(x, delta, norm_weight, eps));
 }
 
 // A decoder layer's second half on panel-packed weights, in one call: x += attended · oᵀ in place, then
-// silu(gate) · up of x's RMSNorm, projected by down (returned: the next layer adds it). The same ops as
-// the five calls it replaces, without their four trips through Python and the dispatcher.
+// silu(gate) · up of x's RMSNorm, projected by down (returned: the next layer adds it). The same arithmetic
+// as the five calls it replaces, without their trips through Python and the dispatcher, and with the norm
+// and the gated activation made inside the next matmul's parallel region.
 at::Tensor decoder_mlp(at::Tensor x, const at::Tensor& attended, const at::Tensor& o, int64_t o_features,
                        const at::Tensor& norm_weight, double eps, const at::Tensor& gate_up,
                        int64_t gate_up_features, const at::Tensor& down, int64_t down_features) {
-  const at::Tensor normed = residual_rms_norm(x, packed_linear(attended, o, o_features), norm_weight, eps);
-  return packed_linear(silu_and_multiply(packed_linear(normed, gate_up, gate_up_features)), down, down_features);
+  const std::optional<at::Tensor> projected = packed_linear(attended, o, o_features);
+  const at::Tensor gated = made_rows_linear(x.size(0), x.size(1), gate_up, gate_up_features, x.options(),
+                                            added_and_normed_rows(x, projected, norm_weight, eps));
+  TORCH_CHECK(gate_up_features % 2 == 0, "gate/up must have an even number of out features");
+  const int64_t width = gate_up_features / 2;
+  const float* gs = gated.data_ptr<float>();
+  return made_rows_linear(x.size(0), width, down, down_features, x.options(), [&](int64_t r, float* scratch) {
+    silu_and_multiply_row(gs + r * gate_up_features, gs + r * gate_up_features + width, scratch, width);
+    return static_cast<const float*>(scratch);
+  });
 }
 
 }  // namespace tinkerrpc_kernels
