@@ -32,44 +32,50 @@ float inverse_rms(const float* x, int64_t n, double eps) {
   return 1.f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + static_cast<float>(eps));
 }
 
-// x += delta (when given), in place; returns rms_norm(x) · weight. x: (tokens, hidden) contiguous.
-at::Tensor residual_rms_norm(at::Tensor x, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
-                             double eps) {
-  check_float_cpu(x, "x");
-  check_float_cpu(weight, "weight");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be (tokens, hidden) and contiguous");
-  const int64_t tokens = x.size(0), hidden = x.size(1);
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == hidden, "weight must hold `hidden` floats");
-  at::Tensor delta_c;
+AddedAndNormedRows::AddedAndNormedRows(at::Tensor x, const std::optional<at::Tensor>& delta, at::Tensor weight,
+                                       double eps)
+    : x_(std::move(x)), weight_(std::move(weight)), eps_(eps) {
+  check_float_cpu(x_, "x");
+  check_float_cpu(weight_, "weight");
+  TORCH_CHECK(x_.dim() == 2 && x_.is_contiguous(), "x must be (tokens, hidden) and contiguous");
+  hidden_ = x_.size(1);
+  TORCH_CHECK(weight_.is_contiguous() && weight_.numel() == hidden_, "weight must hold `hidden` floats");
   if (delta.has_value()) {
     check_float_cpu(*delta, "delta");
-    TORCH_CHECK(delta->sizes() == x.sizes(), "delta must match x");
-    delta_c = delta->contiguous();
+    TORCH_CHECK(delta->sizes() == x_.sizes(), "delta must match x");
+    delta_ = delta->contiguous();
   }
-  at::Tensor out = at::empty_like(x);
-  float* xs = x.data_ptr<float>();
-  const float* ds = delta_c.defined() ? delta_c.data_ptr<float>() : nullptr;
-  const float* ws = weight.data_ptr<float>();
-  float* os = out.data_ptr<float>();
-  at::parallel_for(0, tokens, std::max<int64_t>(1, kParallelFloats / hidden), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      add_and_norm_row(xs + t * hidden, ds != nullptr ? ds + t * hidden : nullptr, ws, eps, os + t * hidden, hidden);
+}
+
+const float* AddedAndNormedRows::operator()(int64_t r, float* out) const {
+  float* row = x_.data_ptr<float>() + r * hidden_;
+  if (delta_.defined()) {
+    const float* add = delta_.data_ptr<float>() + r * hidden_;
+    int64_t i = 0;
+    for (; i + kLanes <= hidden_; i += kLanes) {
+      (Vec::loadu(row + i) + Vec::loadu(add + i)).store(row + i);
     }
-  });
+    for (; i < hidden_; ++i) {
+      row[i] += add[i];
+    }
+  }
+  scale_row(row, inverse_rms(row, hidden_, eps_), weight_.data_ptr<float>(), out, hidden_);
   return out;
 }
 
-void add_and_norm_row(float* x, const float* delta, const float* weight, double eps, float* out, int64_t n) {
-  if (delta != nullptr) {
-    int64_t i = 0;
-    for (; i + kLanes <= n; i += kLanes) {
-      (Vec::loadu(x + i) + Vec::loadu(delta + i)).store(x + i);
+// x += delta (when given), in place; returns rms_norm(x) · weight. x: (tokens, hidden) contiguous.
+at::Tensor residual_rms_norm(at::Tensor x, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
+                             double eps) {
+  const AddedAndNormedRows rows(x, delta, weight, eps);
+  const int64_t tokens = x.size(0), hidden = x.size(1);
+  at::Tensor out = at::empty_like(x);
+  float* os = out.data_ptr<float>();
+  at::parallel_for(0, tokens, std::max<int64_t>(1, kParallelFloats / hidden), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      rows(t, os + t * hidden);
     }
-    for (; i < n; ++i) {
-      x[i] += delta[i];
-    }
-  }
-  scale_row(x, inverse_rms(x, n, eps), weight, out, n);
+  });
+  return out;
 }
 
 void silu_and_multiply_row(const float* gate, const float* up, float* out, int64_t width) {

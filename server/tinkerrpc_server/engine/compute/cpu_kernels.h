@@ -40,9 +40,23 @@ inline void check_float_cpu(const at::Tensor& t, const char* name) {
 }
 
 // cpu_kernels.cpp's, which panel_matmul.cpp composes with its matmul into a decoder layer's two calls: the
-// kernels, and their arithmetic on one row (x += delta when given, then x's RMSNorm times weight into out;
-// silu(gate) · up into out).
-void add_and_norm_row(float* x, const float* delta, const float* weight, double eps, float* out, int64_t n);
+// kernels, and their arithmetic one row at a time, which those calls run inside their matmuls' parallel
+// regions.
+//
+// x (tokens, hidden), contiguous: rows(r, out) adds delta's row r (when given) into x's in place, then
+// writes x's row r RMS-normalized times weight into out (hidden floats) and returns out. Holds its tensors
+// (delta as a contiguous copy) for as long as rows are made.
+class AddedAndNormedRows {
+ public:
+  AddedAndNormedRows(at::Tensor x, const std::optional<at::Tensor>& delta, at::Tensor weight, double eps);
+  const float* operator()(int64_t r, float* out) const;
+
+ private:
+  at::Tensor x_, delta_, weight_;
+  double eps_;
+  int64_t hidden_;
+};
+// silu(gate) · up, width floats of each, into out.
 void silu_and_multiply_row(const float* gate, const float* up, float* out, int64_t width);
 at::Tensor residual_rms_norm(at::Tensor x, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
                              double eps);

@@ -272,31 +272,6 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
                           [&](int64_t r, float*) { return xs + r * x_stride; });
 }
 
-// x += delta (when given) in place, then x's RMSNorm times norm_weight: what a layer's first matmul reads,
-// made row by row inside that matmul's parallel region.
-auto added_and_normed_rows(at::Tensor& x, const std::optional<at::Tensor>& delta, const at::Tensor& norm_weight,
-                           double eps) {
-  check_float_cpu(x, "x");
-  check_float_cpu(norm_weight, "norm_weight");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be (tokens, hidden) and contiguous");
-  const int64_t hidden = x.size(1);
-  TORCH_CHECK(norm_weight.is_contiguous() && norm_weight.numel() == hidden, "norm_weight must hold `hidden` floats");
-  at::Tensor delta_c;
-  if (delta.has_value()) {
-    check_float_cpu(*delta, "delta");
-    TORCH_CHECK(delta->sizes() == x.sizes(), "delta must match x");
-    delta_c = delta->contiguous();
-  }
-  float* xs = x.data_ptr<float>();
-  const float* ds = delta_c.defined() ? delta_c.data_ptr<float>() : nullptr;
-  const float* ws = norm_weight.data_ptr<float>();
-  // delta_c rides in the capture: a contiguous copy of delta must live as long as the rows are made.
-  return [xs, ds, ws, eps, hidden, delta_c](int64_t r, float* scratch) -> const float* {
-    add_and_norm_row(xs + r * hidden, ds != nullptr ? ds + r * hidden : nullptr, ws, eps, scratch, hidden);
-    return scratch;
-  };
-}
-
 }  // namespace
 
 namespace tinkerrpc_kernels {
@@ -306,7 +281,7 @@ namespace tinkerrpc_kernels {
 at::Tensor decoder_qkv(at::Tensor x, const std::optional<at::Tensor>& delta, const at::Tensor& norm_weight,
                        double eps, const at::Tensor& qkv, int64_t qkv_features) {
   return made_rows_linear(x.size(0), x.size(1), qkv, qkv_features, x.options(),
-                          added_and_normed_rows(x, delta, norm_weight, eps));
+                          AddedAndNormedRows(x, delta, norm_weight, eps));
 }
 
 // A decoder layer's second half on panel-packed weights, in one call: x += attended · oᵀ in place, then
@@ -318,7 +293,7 @@ at::Tensor decoder_mlp(at::Tensor x, const at::Tensor& attended, const at::Tenso
                        int64_t gate_up_features, const at::Tensor& down, int64_t down_features) {
   const std::optional<at::Tensor> projected = packed_linear(attended, o, o_features);
   const at::Tensor gated = made_rows_linear(x.size(0), x.size(1), gate_up, gate_up_features, x.options(),
-                                            added_and_normed_rows(x, projected, norm_weight, eps));
+                                            AddedAndNormedRows(x, projected, norm_weight, eps));
   TORCH_CHECK(gate_up_features % 2 == 0, "gate/up must have an even number of out features");
   const int64_t width = gate_up_features / 2;
   const float* gs = gated.data_ptr<float>();
