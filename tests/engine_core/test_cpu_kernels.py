@@ -199,11 +199,11 @@ def test_a_packed_product_row_does_not_depend_on_the_rows_beside_it() -> None:
             assert torch.equal(cpu_kernels.packed_linear(x[:rows], packed, out_features), alone[:rows])
 
 
-@pytest.mark.parametrize("rows", [1, 16, 17])
+@pytest.mark.parametrize("rows", [1, 16, 17, 700])
 def test_a_layers_two_calls_are_the_calls_they_replace(rows: int) -> None:
     """A layer's second half in one call computes, bit for bit, what its five calls compute, and so does
     its q/k/v projection with the residual add and norm before it; each adds into x in place as
-    residual_rms_norm does."""
+    residual_rms_norm does (700 rows: its rows made in several sweeps, a barrier between them)."""
     if not cpu_kernels.has_packed_linear():
         pytest.skip("the panel matmul is built for AVX2 CPUs")
     generator = torch.Generator().manual_seed(4)

@@ -10,7 +10,6 @@
 #include <array>
 #include <memory>
 #include <utility>
-#include <vector>
 
 #ifdef __AVX2__
 namespace {
@@ -214,13 +213,16 @@ at::Tensor made_rows_linear(int64_t rows, int64_t in_features, const at::Tensor&
   const int64_t sweep =
       std::max<int64_t>(kRowBlock, (65536 / std::max<int64_t>(1, in_features)) / kRowBlock * kRowBlock);
   const int64_t padded = (in_features + kPanel - 1) / kPanel * kPanel;
-  // Left uninitialized: a pass reads only the in_features columns of each row.
+  const int threads =
+      at::in_parallel_region() ? 1 : static_cast<int>(std::clamp<int64_t>(panels, 1, at::get_num_threads()));
+  // Left uninitialized: a pass reads only the in_features columns of each row, and `row` writes a thread's
+  // scratch before it returns it.
   const std::unique_ptr<float[]> interleaved(new float[std::min(rows, sweep) * padded]);
-  const int threads = at::in_parallel_region() ? 1 : static_cast<int>(std::min<int64_t>(at::get_num_threads(), panels));
+  const std::unique_ptr<float[]> scratches(new float[threads * in_features]);
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
-    std::vector<float> scratch(in_features);
+    float* scratch = scratches.get() + thread * in_features;
     for (int64_t first = 0; first < rows; first += sweep) {
       const int64_t last = std::min(rows, first + sweep);
       // The sweep's rows in passes as even as the row block allows (17 rows: 9 and 8, not 16 and 1), each
@@ -231,7 +233,7 @@ at::Tensor made_rows_linear(int64_t rows, int64_t in_features, const at::Tensor&
         const int64_t begin = start(pass), block = start(pass + 1) - begin;
         float* xt = interleaved.get() + (begin - first) * padded;
         for (int64_t r = block * thread / team; r < block * (thread + 1) / team; ++r) {
-          const float* from = row(begin + r, scratch.data());
+          const float* from = row(begin + r, scratch);
           int64_t k = 0;
           // A whole chunk as vectors: std::copy's call to memmove, 64 bytes at a time, was ~3% of a step.
           for (; k + kPanel <= in_features; k += kPanel) {
@@ -291,11 +293,11 @@ at::Tensor decoder_qkv(at::Tensor x, const std::optional<at::Tensor>& delta, con
 at::Tensor decoder_mlp(at::Tensor x, const at::Tensor& attended, const at::Tensor& o, int64_t o_features,
                        const at::Tensor& norm_weight, double eps, const at::Tensor& gate_up,
                        int64_t gate_up_features, const at::Tensor& down, int64_t down_features) {
+  TORCH_CHECK(gate_up_features % 2 == 0, "gate/up must have an even number of out features");
+  const int64_t width = gate_up_features / 2;
   const std::optional<at::Tensor> projected = packed_linear(attended, o, o_features);
   const at::Tensor gated = made_rows_linear(x.size(0), x.size(1), gate_up, gate_up_features, x.options(),
                                             AddedAndNormedRows(x, projected, norm_weight, eps));
-  TORCH_CHECK(gate_up_features % 2 == 0, "gate/up must have an even number of out features");
-  const int64_t width = gate_up_features / 2;
   const float* gs = gated.data_ptr<float>();
   return made_rows_linear(x.size(0), width, down, down_features, x.options(), [&](int64_t r, float* scratch) {
     silu_and_multiply_row(gs + r * gate_up_features, gs + r * gate_up_features + width, scratch, width);
