@@ -189,9 +189,16 @@ def _sampler_misc(p: Probe) -> None:
 def _handle(p: Probe) -> None:
     sampler = p.service.create_sampling_client(model_path=p.sampler_path).result()
     again = tinker.SamplingClient.from_sampler_handle(sampler.get_sampler_handle(), api_key=p.engine.api_key)
-    expect_close(
-        again.compute_logprobs(PROMPT).result()[1:], sampler.compute_logprobs(PROMPT).result()[1:], "handle"
-    )
+    try:
+        expect_close(
+            again.compute_logprobs(PROMPT).result()[1:],
+            sampler.compute_logprobs(PROMPT).result()[1:],
+            "handle",
+        )
+    finally:
+        # The handle's client runs on a shadow of the session with a heartbeat of its own, which nothing
+        # else closes: it would outlive the engine, warning every 10 s, as in a worker process of a user's.
+        again.holder.close()
 
 
 def _with_spans(seq: types.SampledSequence) -> types.Datum:

@@ -5,6 +5,9 @@ request afterwards instead of sending it on a connection left open."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +16,7 @@ import pytest
 from svc import START_TIMEOUT
 
 from tinkerrpc_server.engine.auth import HEALTH_PATH
+from tinkerrpc_server.local.launch import EmbeddedEngine
 from tinkerrpc_server.local.stack import LocalEngine
 from tinkerrpc_server.service.backend import connect_backend
 
@@ -60,3 +64,29 @@ async def test_aclose_finishes_the_session_and_closes_every_client(engine: Local
         await streams.get(health)
     with pytest.raises(RuntimeError, match="closed"):
         await backend.rest.list_user_checkpoints()
+
+
+async def test_a_dead_engine_s_clients_stop_at_its_restart(tmp_path: Path, service_model_dir: Path) -> None:
+    """The session died with its engine: restart_engine stops the old client's heartbeat at once instead
+    of sending the SDK's finish, which retries against the dead port for 5 minutes while the heartbeat
+    warns; the new clients serve."""
+    engine = EmbeddedEngine(tmp_path / "data", service_model_dir, START_TIMEOUT)
+    try:
+        backend = await connect_backend(engine, None, None)
+        dead = backend.service.holder
+        assert dead._session_heartbeat_task is not None and not dead._session_heartbeat_task.done()
+        os.kill(engine.pid, signal.SIGKILL)
+        await asyncio.wait_for(engine.exited(), 30)
+
+        await backend.restart_engine()
+
+        for _ in range(50):
+            if dead._session_heartbeat_task.done():
+                break
+            await asyncio.sleep(0.1)
+        assert dead._session_heartbeat_task.done()
+        assert backend.service.holder is not dead
+        assert (await backend.rest.list_user_checkpoints()).checkpoints == []
+        await backend.aclose()
+    finally:
+        engine.stop()

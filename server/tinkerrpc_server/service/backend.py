@@ -99,15 +99,16 @@ class Backend:
         """After the engine child died: start a new one and point fresh SDK clients at it. Its data dir
         persists, so every tinker:// path stays valid."""
         assert self.engine is not None, "only the embedded engine is restarted"
-        dead_service, dead_rest = self.service, self.rest
+        # The session died with its engine: no finish is sent (the SDK would retry it for 5 minutes against
+        # the dead port, its heartbeat warning meanwhile); the client's loops and connections stop now. The
+        # SDK keeps a REST client's connections for the process, one set per URL and key: the dead engine's
+        # are never used again.
+        self.service.holder.close()
+        self.rest.holder.close()
         await self.engine.restart()
         self.url = self.base_url = self.engine.url
         self.api_key = self.engine.api_key
         self.service, self.rest = await _open_clients(self.base_url, self.api_key)
-        _let_go(dead_service, "embedded engine died")
-        # The SDK keeps a REST client's connections for the process, one set per URL and key: the dead
-        # engine's are never used again.
-        dead_rest.holder.close()
 
     async def session_finished(self, service: tinker.ServiceClient) -> bool:
         """Whether the backend has finished `service`'s session: its heartbeat answers 410. A backend
@@ -168,8 +169,8 @@ class Backend:
 
 
 def _let_go(service: tinker.ServiceClient, detail: str) -> None:
-    """Stop a replaced client's session loops (heartbeat and the rest). Its session is finished or its
-    engine gone, so the result is not awaited."""
+    """Stop a replaced client's session loops (heartbeat and the rest). Its session is finished, so the
+    result is not awaited."""
     with contextlib.suppress(Exception):
         service.close("errored", detail)
 
