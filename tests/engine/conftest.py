@@ -29,22 +29,25 @@ def engine(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterato
     running = start_engine(work / "data", model_dir, work / "engine.log")
     yield running
     assert running.stop() == 0, running.log()[-3000:]
-    assert not heartbeats_outliving(running.base_url), "a client of this module's engine was left open"
+    assert not loops_outliving(running.base_url), "a client of this module's engine was left open"
 
 
-def heartbeats_outliving(base_url: str, wait: float = 5.0) -> list[str]:
-    """The sessions of the SDK clients in this process still heartbeating to `base_url`, `wait` seconds
-    after their engine stopped (closing one stops its heartbeat on the SDK's loop, a moment later). A client
-    left open warns every 10 s for the rest of the test run."""
+def loops_outliving(base_url: str, wait: float = 5.0) -> list[str]:
+    """The SDK clients in this process still heartbeating a session to `base_url`, or refreshing a JWT
+    from it, `wait` seconds after their engine stopped (closing one stops its loops on the SDK's event
+    loop, a moment later). A client left open warns every 10 s (the heartbeat) or at its next refresh
+    for the rest of the test run."""
     deadline, url = time.monotonic() + wait, resolve_base_url(base_url)
     while True:
         live = [
-            holder.get_session_id()
+            f"{name} of {holder.get_session_id() if name == 'heartbeat' else 'a REST client'}"
             for holder in gc.get_objects()
-            if isinstance(holder, InternalClientHolder)
-            and holder._base_url == url
-            and holder._session_heartbeat_task is not None
-            and not holder._session_heartbeat_task.done()
+            if isinstance(holder, InternalClientHolder) and holder._base_url == url
+            for name, task in (
+                ("heartbeat", holder._session_heartbeat_task),
+                ("JWT refresh", getattr(getattr(holder, "_default_auth", None), "_refresh_task", None)),
+            )
+            if task is not None and not task.done()
         ]
         if not live or time.monotonic() > deadline:
             return live

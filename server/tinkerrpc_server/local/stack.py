@@ -117,6 +117,7 @@ class LocalEngine(EngineProcess):
         self.data_dir = data_dir
         self.model_dir = model_dir
         self._service_clients: list[tinker.ServiceClient] = []
+        self._rest_clients_made = False
         args = ["engine", "--host", "127.0.0.1", "--port", "0"]
         if session_timeout is not None:
             args += ["--session-timeout", str(session_timeout)]
@@ -147,11 +148,18 @@ class LocalEngine(EngineProcess):
                     client.close("success").result(timeout=CLIENT_CLOSE_SECONDS)
                 except Exception as err:  # best effort: the engine stops next anyway
                     log.warning("could not finish a tinker session on %s: %s", self.base_url, err)
+        if clients or self._rest_clients_made:
+            import tinker
+
+            # Every RestClient of one URL and key shares one holder, kept for the life of the process: its
+            # JWT refresh would outlive the engine and warn.
+            tinker.RestClient(base_url=self.base_url, api_key=self.api_key).holder.close()
         return super().stop(stop_timeout)
 
     def rest_client(self) -> tinker.RestClient:
         import tinker
 
+        self._rest_clients_made = True
         return tinker.RestClient(base_url=self.base_url, api_key=self.api_key)
 
     def sdk_user_env(self) -> dict[str, str]:
