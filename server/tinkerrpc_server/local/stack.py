@@ -117,7 +117,7 @@ class LocalEngine(EngineProcess):
         self.data_dir = data_dir
         self.model_dir = model_dir
         self._service_clients: list[tinker.ServiceClient] = []
-        self._rest_clients_made = False
+        self._made_clients = False  # of any kind, through service_client or rest_client
         args = ["engine", "--host", "127.0.0.1", "--port", "0"]
         if session_timeout is not None:
             args += ["--session-timeout", str(session_timeout)]
@@ -138,6 +138,7 @@ class LocalEngine(EngineProcess):
 
         client = tinker.ServiceClient(base_url=self.base_url, api_key=self.api_key)
         self._service_clients.append(client)
+        self._made_clients = True
         return client
 
     def stop(self, stop_timeout: float = 60.0) -> int | None:
@@ -148,7 +149,7 @@ class LocalEngine(EngineProcess):
                     client.close("success").result(timeout=CLIENT_CLOSE_SECONDS)
                 except Exception as err:  # best effort: the engine stops next anyway
                     log.warning("could not finish a tinker session on %s: %s", self.base_url, err)
-        if clients or self._rest_clients_made:
+        if self._made_clients:
             import tinker
 
             # Every RestClient of one URL and key shares one holder, kept for the life of the process: its
@@ -159,7 +160,7 @@ class LocalEngine(EngineProcess):
     def rest_client(self) -> tinker.RestClient:
         import tinker
 
-        self._rest_clients_made = True
+        self._made_clients = True
         return tinker.RestClient(base_url=self.base_url, api_key=self.api_key)
 
     def sdk_user_env(self) -> dict[str, str]:
