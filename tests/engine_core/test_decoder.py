@@ -29,7 +29,7 @@ from peft import LoraConfig
 from tinkerrpc_server.engine.compute.decoder import FusedDecoder, FusedTrainingForward
 from tinkerrpc_server.engine.compute.forward_call import ForwardCall, SamplingModel, TransformersSampler
 from tinkerrpc_server.engine.compute.kv_cache import new_cache
-from tinkerrpc_server.engine.compute.packing import PACKED_ROWS, DecodingWeight, PackingPlan
+from tinkerrpc_server.engine.compute.packing import PACKED_ROWS, DecodingWeight, PackedWeight, PackingPlan
 from tinkerrpc_server.engine.compute.samples import SampleJob
 from tinkerrpc_server.engine.compute.scheduler import generate
 from tinkerrpc_server.engine.runtime import SAMPLER_CACHE_SIZE, BaseModelRuntime, LoraSpec
@@ -254,7 +254,7 @@ def test_a_packed_projection_multiplies_any_row_count_as_a_matmul(
     generator = torch.Generator().manual_seed(rows)
     weight_t = torch.randn(*shape, generator=generator)
     x = torch.randn(rows, shape[0], generator=generator)
-    projection = DecodingWeight(weight_t).packed_copy(plan)
+    projection = DecodingWeight(weight_t).with_packed(PackedWeight.of(weight_t.t(), plan.kernel), plan)
     with torch.inference_mode(), torch.profiler.profile() as profiled:
         product = projection.times(x)
     assert product.shape == (rows, shape[1])

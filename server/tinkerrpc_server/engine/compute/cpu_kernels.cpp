@@ -164,6 +164,7 @@ TORCH_LIBRARY(tinkerrpc_cpu, m) {
   m.def("residual_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_multiply(Tensor gate_up) -> Tensor");
   m.def("rotary_qk(Tensor qk, Tensor cos, Tensor signed_sin, Tensor? norm_weight, float eps) -> Tensor");
+  m.def("pack_linear_weight_into(Tensor weight, Tensor(a!) packed) -> ()");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def(

@@ -125,6 +125,17 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+def packed_weight_shape(out_features: int, in_features: int) -> list[int]:
+    """The shape of `pack_linear_weight`'s layout of an (out_features, in_features) weight."""
+    shape: list[int] = torch.ops.tinkerrpc_cpu.packed_weight_shape(out_features, in_features)
+    return shape
+
+
+def pack_linear_weight_into(weight: torch.Tensor, packed: torch.Tensor) -> None:
+    """`pack_linear_weight(weight)` written into `packed` (contiguous, of `packed_weight_shape`)."""
+    torch.ops.tinkerrpc_cpu.pack_linear_weight_into(weight, packed)
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """x (rows, in) · weightᵀ for the weight `pack_linear_weight` packed: (rows, out_features)."""
     out: torch.Tensor = torch.ops.tinkerrpc_cpu.packed_linear(x, packed, out_features)

@@ -57,7 +57,7 @@ from tinkerrpc_server.engine.compute.fused_weights import (
     plain_lora,
     unless_not_plain,
 )
-from tinkerrpc_server.engine.compute.packing import DecodingWeight, PackedWeight, PackingPlan
+from tinkerrpc_server.engine.compute.packing import DecodingWeight, PackedWeight, PackingPlan, packed_in_order
 
 # x (tokens, in) times a fused projection: (tokens, sum of its outs), its members' outputs side by side.
 Project = Callable[[torch.Tensor, Projection], torch.Tensor]
@@ -257,8 +257,15 @@ class FusedDecoder:
                 self._pack(packing)
 
     def _pack(self, packing: PackingPlan) -> None:
-        self._weights = {key: weight.packed_copy(packing) for key, weight in self._weights.items()}
-        self._head_packed = PackedWeight.of(self._head_weight, packing.kernel)
+        # The layers' projections in order (base.layers', each layer's), then the unembedding: a decode
+        # step's order.
+        *layers, self._head_packed = packed_in_order(
+            [weight.plain.t() for weight in self._weights.values()] + [self._head_weight], packing.kernel
+        )
+        self._weights = {
+            key: weight.with_packed(packed, packing)
+            for (key, weight), packed in zip(self._weights.items(), layers, strict=True)
+        }
         self._packed_rows = packing.rows
         if packing.kernel != "panels" or self._base.architecture.activation != "silu":
             return

@@ -10,6 +10,7 @@
 #include <array>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #ifdef __AVX2__
 namespace {
@@ -60,15 +61,25 @@ constexpr int kSegments = 4;
 // Rows of each segment in the packed layout (the last segment's may be fewer).
 inline int64_t segment_rows(int64_t in_features) { return (in_features + kSegments - 1) / kSegments; }
 
-at::Tensor pack_linear_weight(const at::Tensor& weight) {
+// The shape of pack_linear_weight's layout of an (out_features, in_features) weight.
+std::vector<int64_t> packed_weight_shape(int64_t out_features, int64_t in_features) {
+  TORCH_CHECK(out_features > 0 && in_features > 0, "a weight's out and in features must be positive");
+  return {kSegments, (out_features + kPanel - 1) / kPanel, segment_rows(in_features), kPanel};
+}
+
+// weight (out, in) laid out as panels into `packed` (packed_weight_shape, contiguous): wherever the caller
+// keeps it, e.g. beside the other weights a decode step reads after it.
+void pack_linear_weight_into(const at::Tensor& weight, const at::Tensor& packed) {
   check_float_cpu(weight, "weight");
+  check_float_cpu(packed, "packed");
   TORCH_CHECK(weight.dim() == 2, "weight must be (out, in)");
   const int64_t out_features = weight.size(0), in_features = weight.size(1);
-  const int64_t panels = (out_features + kPanel - 1) / kPanel;
-  const int64_t segment = segment_rows(in_features);
+  TORCH_CHECK(packed.is_contiguous() && packed.sizes() == at::IntArrayRef(packed_weight_shape(out_features, in_features)),
+              "packed must be contiguous, of packed_weight_shape");
+  const int64_t panels = packed.size(1), segment = packed.size(2);
   // Zeros where no weight lands: the last panel's columns past out_features, the last segment's rows past
   // in_features.
-  at::Tensor packed = at::zeros({kSegments, panels, segment, kPanel}, weight.options());
+  packed.zero_();
   float* ps = packed.data_ptr<float>();
   // Where panel p's row k lies.
   auto row = [&](int64_t p, int64_t k) { return ps + ((k / segment * panels + p) * segment + k % segment) * kPanel; };
@@ -86,7 +97,7 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
         }
       }
     });
-    return packed;
+    return;
   }
   const at::Tensor w = weight.contiguous();
   const float* ws = w.data_ptr<float>();
@@ -100,6 +111,12 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
       }
     }
   });
+}
+
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "weight must be (out, in)");
+  at::Tensor packed = at::empty(packed_weight_shape(weight.size(0), weight.size(1)), weight.options());
+  pack_linear_weight_into(weight, packed);
   return packed;
 }
 
@@ -307,7 +324,13 @@ at::Tensor decoder_mlp(at::Tensor x, const at::Tensor& attended, const at::Tenso
 
 }  // namespace tinkerrpc_kernels
 
+// No tensor to dispatch on: one kernel for every caller.
+TORCH_LIBRARY_FRAGMENT(tinkerrpc_cpu, m) {
+  m.def("packed_weight_shape(int out_features, int in_features) -> int[]", packed_weight_shape);
+}
+
 TORCH_LIBRARY_IMPL(tinkerrpc_cpu, CPU, m) {
+  m.impl("pack_linear_weight_into", pack_linear_weight_into);
   m.impl("pack_linear_weight", pack_linear_weight);
   m.impl("packed_linear", packed_linear);
   m.impl("decoder_qkv", tinkerrpc_kernels::decoder_qkv);
