@@ -61,15 +61,21 @@ SIZES: dict[Literal["full", "short"], FloorSizes] = {
 }
 
 
-def read_bandwidth(size_bytes: int, repeats: int, device: torch.device) -> float:
-    """Bytes/s of summing a float32 tensor of `size_bytes`: the fastest of `repeats` timed reads (other
-    load on the machine only ever slows one down). On the CPU the tensor lies on huge pages, as the
-    engine's packed weights do: the sum reads ~1.15x as fast there as on 4 KiB pages on this VM, and a
-    floor must not be beaten by the memory it is compared with."""
+def bandwidth_tensor(size_bytes: int, device: torch.device) -> torch.Tensor:
+    """The float32 tensor of `size_bytes` that `read_bandwidth` sums, made once per run. On the CPU it lies
+    on huge pages, as the engine's packed weights do: the sum reads 1.11x [1.03-2.13x] as fast there as
+    on 4 KiB pages on this VM (20 rounds), and a floor must not be beaten by the memory it is set beside.
+    Made once, so that no round's measurement has the OS find 512 MiB of 2 MiB pages anew."""
     if device.type == "cpu":
-        data = huge_page_floats(size_bytes // 4).fill_(1.0)
-    else:
-        data = torch.ones(size_bytes // 4, device=device)
+        return huge_page_floats(size_bytes // 4).fill_(1.0)
+    return torch.ones(size_bytes // 4, device=device)
+
+
+def read_bandwidth(data: torch.Tensor, repeats: int) -> float:
+    """Bytes/s of summing `data`: the fastest of `repeats` timed reads (other load on the machine only
+    ever slows one down)."""
+    device = data.device
+    size_bytes = data.numel() * data.element_size()
     data.sum()
     times = []
     for _ in range(repeats):
@@ -148,11 +154,10 @@ def measure(
     sizes = SIZES[mode]
     service = engine.service_client()
 
+    bandwidth_data = bandwidth_tensor(sizes.bandwidth_bytes, device)
+
     def machine_rates() -> tuple[float, float]:
-        return (
-            read_bandwidth(sizes.bandwidth_bytes, sizes.bandwidth_repeats, device),
-            measure_peak_matmul()[0],
-        )
+        return read_bandwidth(bandwidth_data, sizes.bandwidth_repeats), measure_peak_matmul()[0]
 
     figures = []
     for label, name in MODELS[mode].items():

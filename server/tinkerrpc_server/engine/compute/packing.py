@@ -175,9 +175,10 @@ def huge_page_floats(count: int) -> torch.Tensor:
 def packed_in_order(weights: Sequence[torch.Tensor], kernel: Kernel) -> list[PackedWeight | None]:
     """Each (out, in) weight of `weights` packed for `kernel` (`PackedWeight.of`). The panels' kernel's
     lie end to end in one buffer on huge pages, in the order given, the order a decode step reads them:
-    its reads then run on from one weight into the next, through fewer page-table entries. A decode step
-    of SmolLM2's shapes: 1.06x at 16 rows, 1.02-1.07x at one row, the medians of three runs of
-    `python -m bench.packed_pages` against a buffer each on 4 KiB pages."""
+    its reads then run on from one weight into the next, through fewer page-table entries. Against a
+    buffer each on 4 KiB pages: a decode step of SmolLM2's shapes in process 1.06x at 16 rows, 1.02-1.07x
+    at one row (`python -m bench.packed_pages`); through the engine +1-6% decode steps/s at 16 rows and
+    one row within the host's drift (bench/README.md)."""
     if kernel != "panels" or not all(packable(weight) for weight in weights):
         return [PackedWeight.of(weight, kernel) for weight in weights]
     shapes = [cpu_kernels.packed_weight_shape(*weight.shape) for weight in weights]
