@@ -48,16 +48,19 @@ def test_weights_packed_in_order_lie_end_to_end_in_one_buffer() -> None:
         )
 
 
-def test_the_buffer_is_offered_huge_pages() -> None:
-    """Where transparent huge pages are on for madvise'd memory, the buffer's mapping is eligible."""
+def test_the_packed_weights_are_offered_huge_pages() -> None:
+    """Where transparent huge pages are on for madvise'd memory, the mapping that holds the weights
+    packed in order is eligible (and so is any buffer of huge_page_floats)."""
+    _panels_or_skip()
     setting = THP_SETTING.read_text() if THP_SETTING.exists() else "[never]"
     if "[never]" in setting:
         pytest.skip(f"transparent huge pages are off here: {setting.strip()}")
-    buffer = huge_page_floats(3 << 20)  # 12 MiB: whole 2 MiB blocks inside it wherever it starts
-    buffer.fill_(1.0)
-    address = buffer.data_ptr()
-    mapping = _smaps_entry(address)
-    assert re.search(r"^THPeligible:\s+1$", mapping, re.MULTILINE), mapping
+    # ~12 MiB of panels: whole 2 MiB blocks inside the buffer wherever it starts.
+    (packed,) = packed_in_order([torch.randn(3072, 1024)], "panels")
+    assert packed is not None
+    assert re.search(r"^THPeligible:\s+1$", _smaps_entry(packed.packed.data_ptr()), re.MULTILINE)
+    buffer = huge_page_floats(1 << 20).fill_(1.0)
+    assert re.search(r"^THPeligible:\s+1$", _smaps_entry(buffer.data_ptr()), re.MULTILINE)
 
 
 def _smaps_entry(address: int) -> str:
