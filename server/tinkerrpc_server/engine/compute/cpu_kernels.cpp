@@ -180,6 +180,7 @@ TORCH_LIBRARY(tinkerrpc_cpu, m) {
       "decode_layers(Tensor(a!) x, Tensor[] weights, Tensor[] qk_norms, int[] features, Tensor cos,"
       " Tensor signed_sin, Tensor(b!)[] keys, Tensor(c!)[] values, Tensor bias, float scale, int shared_begin,"
       " int shared_end, int heads, float eps) -> Tensor");
+  m.def("grown_views(Tensor[] views, Tensor(a)[] buffers, int rows, int heads) -> Tensor(a)[]");
   m.def(
       "choose_tokens(Tensor logits, Tensor scales, Tensor greedy, Tensor uniforms, int block)"
       " -> (Tensor, Tensor, Tensor, Tensor)");

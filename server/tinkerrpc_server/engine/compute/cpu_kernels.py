@@ -242,6 +242,16 @@ def decode_layers(
     return out
 
 
+def grown_views(
+    views: list[torch.Tensor], buffers: list[torch.Tensor], rows: int, heads: int
+) -> list[torch.Tensor]:
+    """Each view (rows', kv heads, columns, dim) grown to `rows` rows and one more column inside its
+    buffer, `buffer[:rows, :, :columns + 1]`; empty unless every view is its buffer's leading part and
+    every buffer has `heads` heads and that room."""
+    grown: list[torch.Tensor] = torch.ops.tinkerrpc_cpu.grown_views(views, buffers, rows, heads)
+    return grown
+
+
 def choose_tokens(
     logits: torch.Tensor, scales: torch.Tensor, greedy: torch.Tensor, uniforms: torch.Tensor, block: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from tinkerrpc_server.engine.compute import cpu_kernels
+
 RowT = TypeVar("RowT")
 
 
@@ -228,8 +230,31 @@ class SamplerCache(DynamicCache):  # type: ignore[misc]  # transformers is untyp
         (a one-token prompt's) start empty."""
         while len(self.layers) < layers:
             self.layers.append(self.layer_class_to_replicate())
+        in_place = self._grown_in_place(like)
+        if in_place is not None:
+            return in_place
         grown = [layer.grow(like) for layer in self.layers]
         return [keys for keys, _ in grown], [values for _, values in grown]
+
+    def _grown_in_place(self, like: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """`grow` for the usual step, where every layer's buffers have the room: each layer's views in one
+        kernel call for the keys and one for the values (cpu_kernels.grown_views); None otherwise."""
+        layers: list[GrowingLayer] = self.layers
+        # A layer a first pass has not met yet holds no buffers (nor their attributes).
+        key_buffers = [b for layer in layers if layer.is_initialized and (b := layer.key_buffer) is not None]
+        value_buffers = [
+            b for layer in layers if layer.is_initialized and (b := layer.value_buffer) is not None
+        ]
+        if len(key_buffers) < len(layers) or len(value_buffers) < len(layers):
+            return None
+        rows, heads = like.shape[0], like.shape[1]
+        keys = cpu_kernels.grown_views([layer.keys for layer in layers], key_buffers, rows, heads)
+        values = cpu_kernels.grown_views([layer.values for layer in layers], value_buffers, rows, heads)
+        if not keys or not values:
+            return None
+        for layer, layer_keys, layer_values in zip(layers, keys, values, strict=True):
+            layer.keys, layer.values = layer_keys, layer_values
+        return keys, values
 
 
 def new_cache() -> SamplerCache:
