@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tinkerrpc_server.engine.compute.execution_plan import process_plan
-from tinkerrpc_server.engine.compute.token_choice import choose
+from tinkerrpc_server.engine.compute.token_choice import RowSampling, choose
 
 pytestmark = pytest.mark.unit
 
@@ -44,7 +44,7 @@ def test_tokens_and_logprobs_are_the_plain_definitions(vocab: int, kernels: bool
     uniforms = torch.rand(rows, generator=generator)
     uniforms[:2] = torch.tensor([0.0, 1.0 - 1e-7])  # the ends of the distribution
     off = torch.zeros(rows, dtype=torch.long), torch.ones(rows)
-    tokens, logprobs = choose(logits, temperatures, off[0], off[1], uniforms, kernels)
+    tokens, logprobs = choose(logits, RowSampling.of(temperatures, *off), uniforms, kernels)
     expected_tokens, expected_logprobs = _reference(logits, temperatures, uniforms)
     # float32 sums may put a draw within ~1e-6 of a boundary on the other side: allow one such row.
     assert int((tokens != expected_tokens).sum()) <= 1
@@ -59,7 +59,7 @@ def test_a_draw_follows_the_distribution(kernels: bool) -> None:
     logits = probabilities.clamp(min=1e-30).log().expand(20_000, -1)
     uniforms = torch.rand(20_000, generator=torch.Generator().manual_seed(3))
     off = torch.zeros(20_000, dtype=torch.long), torch.ones(20_000)
-    tokens, _ = choose(logits, torch.ones(20_000), off[0], off[1], uniforms, kernels)
+    tokens, _ = choose(logits, RowSampling.of(torch.ones(20_000), *off), uniforms, kernels)
     counts = torch.bincount(tokens, minlength=2048).double() / 20_000
     torch.testing.assert_close(counts[:4], probabilities[:4].double(), atol=0.015, rtol=0)
     assert counts[4:].sum() == 0
@@ -75,15 +75,11 @@ def test_a_rows_choice_does_not_depend_on_the_rows_beside_it(kernels: bool) -> N
     temperatures = torch.tensor([0.9, 0.0, 1.0, 1.2])
     top_ks = torch.tensor([0, 5, 2, 0])
     top_ps = torch.tensor([1.0, 1.0, 1.0, 0.5])
-    tokens, logprobs = choose(logits, temperatures, top_ks, top_ps, uniforms, kernels)
+    tokens, logprobs = choose(logits, RowSampling.of(temperatures, top_ks, top_ps), uniforms, kernels)
     for row in range(4):
+        one = slice(row, row + 1)
         alone = choose(
-            logits[row : row + 1],
-            temperatures[row : row + 1],
-            top_ks[row : row + 1],
-            top_ps[row : row + 1],
-            uniforms[row : row + 1],
-            kernels,
+            logits[one], RowSampling.of(temperatures[one], top_ks[one], top_ps[one]), uniforms[one], kernels
         )
         assert (int(alone[0]), float(alone[1])) == (int(tokens[row]), float(logprobs[row]))
     assert int(tokens[1]) == int(logits[1].argmax())
@@ -105,8 +101,8 @@ def test_the_kernel_and_torch_choose_alike() -> None:
     temperatures = torch.tensor([1.0, 0.6, 0.0, 1.5] * (rows // 4))
     uniforms = torch.rand(rows, generator=generator)
     off = torch.zeros(rows, dtype=torch.long), torch.ones(rows)
-    on_torch = choose(logits, temperatures, *off, uniforms, kernels=False)
-    on_kernel = choose(logits, temperatures, *off, uniforms, kernels=True)
+    on_torch = choose(logits, RowSampling.of(temperatures, *off), uniforms, kernels=False)
+    on_kernel = choose(logits, RowSampling.of(temperatures, *off), uniforms, kernels=True)
     same = on_torch[0] == on_kernel[0]
     assert int((~same).sum()) <= 1
     torch.testing.assert_close(on_kernel[1][same], on_torch[1][same], atol=1e-5, rtol=0)

@@ -43,6 +43,40 @@ class Rotary:
         return x * self.cos + x.roll(x.shape[-1] // 2, dims=-1) * self.signed_sin
 
 
+# transformers' rope types whose inverse frequencies never depend on the sequence's length (the dynamic
+# ones, e.g. "dynamic" and "longrope", recompute them past the trained length).
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+# Positions a RotaryTable first holds; it doubles as longer sequences need.
+_FIRST_TABLE_POSITIONS = 256
+
+
+class RotaryTable:
+    """The Rotary of positions [0, n), computed once by the model's rotary embedding (`embedding(like,
+    position_ids)`, transformers' module) and looked up per pass. Each position's (cos, sin) is the same
+    elementwise computation whichever positions a call holds (its frequency times the position, one product),
+    so a lookup equals the per-pass call; the call's ~10 small ops took ~0.16 ms of a one-row decode step
+    with the step's weights through the caches, the lookup two. Only for STATIC_ROPE_TYPES (`of` gives None
+    for the others)."""
+
+    def __init__(self, embedding: torch.nn.Module, like: torch.Tensor) -> None:
+        self._embedding = embedding
+        self._like = like
+        self._cos = self._signed_sin = like.new_empty((0, 0))
+
+    @classmethod
+    def of(cls, embedding: torch.nn.Module, like: torch.Tensor) -> RotaryTable | None:
+        return cls(embedding, like) if getattr(embedding, "rope_type", None) in STATIC_ROPE_TYPES else None
+
+    def rotary(self, position_ids: torch.Tensor, bound: int) -> Rotary:
+        """The Rotary of `position_ids` (rows, length), each below `bound`."""
+        if self._cos.shape[0] < bound:
+            positions = max(bound, 2 * self._cos.shape[0], _FIRST_TABLE_POSITIONS)
+            ids = torch.arange(positions, device=self._like.device).unsqueeze(0)
+            table = Rotary.of(*self._embedding(self._like, ids))
+            self._cos, self._signed_sin = table.cos[0, 0], table.signed_sin[0, 0]
+        return Rotary(self._cos[position_ids].unsqueeze(1), self._signed_sin[position_ids].unsqueeze(1))
+
+
 @dataclass(frozen=True)
 class Segment:
     """`rows` × `length` tokens of one batch in a forward pass: their rotary (`Rotary`) and how they

@@ -39,6 +39,7 @@ from tinkerrpc_server.engine.compute.architecture import Architecture
 from tinkerrpc_server.engine.compute.attention import (
     FusedDecodeAttention,
     Rotary,
+    RotaryTable,
     Segment,
     attention_bias,
     attention_mask,
@@ -147,6 +148,8 @@ class FusedDecoder:
         self._panel_layers: PanelLayers | None = None
         # The head stays unmerged: its weight is usually the input embedding too.
         self._head_lora = plain_lora(head, adapter)
+        inner = base.causal_lm.model
+        self._rotary_table = RotaryTable.of(inner.rotary_emb, inner.embed_tokens.weight)
         if plan.packing is not None and plan.packing.pack_after_passes == 0:
             self._pack(plan.packing)
 
@@ -188,7 +191,16 @@ class FusedDecoder:
             shaped = segment.padded(part)
             kept.append(shaped[:, -keep:] if keep else shaped)
         hidden = torch.cat([k.reshape(-1, k.shape[-1]) for k in kept]) if len(kept) > 1 else kept[0]
-        logits = self._head(rms_norm(hidden, self._base.final_norm, self._base.architecture.norm_eps))
+        # On the kernels, one op where torch's norm is several: each cost ~40 us of a one-row decode step
+        # with the step's weights through the caches.
+        _, normed = _add_and_norm(
+            hidden.reshape(-1, hidden.shape[-1]).contiguous(),
+            None,
+            self._base.final_norm,
+            self._base.architecture.norm_eps,
+            kernels,
+        )
+        logits = self._head(normed.view(hidden.shape))
         if len(kept) == 1:
             return [logits]
         outputs = []
@@ -207,8 +219,12 @@ class FusedDecoder:
         padding, cache = call.attention_mask, call.cache
         rows, length = call.input_ids.shape
         inner = base.causal_lm.model
-        # Takes the dtype and device of its first argument.
-        rotary = Rotary.of(*inner.rotary_emb(inner.embed_tokens.weight, call.position_ids))
+        if self._rotary_table is not None:
+            # A token's position is below its row's columns: the real tokens before it are in them.
+            rotary = self._rotary_table.rotary(call.position_ids, padding.shape[-1])
+        else:
+            # Takes the dtype and device of its first argument.
+            rotary = Rotary.of(*inner.rotary_emb(inner.embed_tokens.weight, call.position_ids))
         # A decode step attends with two matmuls and a softmax under an additive mask.
         mask = attention_bias(padding) if length == 1 else attention_mask(padding, length)
         scale = base.architecture.head_dim**-0.5

@@ -3,6 +3,7 @@ per-row tensors move with their cache rows (rows leave, join, and shed leading p
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -12,6 +13,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from tinkerrpc_server.engine.compute import cpu_kernels
+from tinkerrpc_server.engine.compute.token_choice import RowSampling
 
 RowT = TypeVar("RowT")
 
@@ -30,6 +32,12 @@ class DecodingRows(Generic[RowT]):
     temperatures: torch.Tensor
     top_ks: torch.Tensor
     top_ps: torch.Tensor
+
+    @functools.cached_property
+    def sampling(self) -> RowSampling:
+        """The rows' sampling settings as token choice takes them: made once for these rows (keep and
+        merge make new DecodingRows)."""
+        return RowSampling.of(self.temperatures, self.top_ks, self.top_ps)
 
     def keep(self, indices: list[int]) -> DecodingRows[RowT]:
         """Only the rows at `indices` (ascending). Kept rows past the new end move into the places the

@@ -266,7 +266,7 @@ class DecodeBatch:
         uniforms = batch.uniforms.gather(1, drawn.unsqueeze(-1)).squeeze(-1)
         logits = batch.next_logits
         kernels = model.fused_kernels_for(logits)
-        tokens, logprobs = choose(logits, batch.temperatures, batch.top_ks, batch.top_ps, uniforms, kernels)
+        tokens, logprobs = choose(logits, batch.sampling, uniforms, kernels)
         wanted = [0 if row.stop_reason else row.owner.job.topk_sample_logprobs for row in batch.rows]
         tops = sampled_top_logprobs(batch.next_logits, batch.temperatures, wanted)
         live: list[int] = []
