@@ -193,7 +193,8 @@ def plot_ratios(results: Results, path: Path) -> None:
     ax.set_xlabel("ours / baseline")
     ax.set_xlim(0, max(ends + [f.goal for f in figures]) * 1.45)
     ax.set_title(f"tinkerrpc benchmarks ({results.mode} run; green = goal met)")
-    ax.legend(loc="lower right")
+    # Below the axes: inside, it covered the last figure's label.
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
