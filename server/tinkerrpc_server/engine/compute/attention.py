@@ -55,7 +55,7 @@ class RotaryTable:
     position_ids)`, transformers' module) and looked up per pass. Each position's (cos, sin) is the same
     elementwise computation whichever positions a call holds (its frequency times the position, one product),
     so a lookup equals the per-pass call; the call's ~10 small ops took ~0.16 ms of a one-row decode step
-    with the step's weights through the caches, the lookup two. Only for STATIC_ROPE_TYPES (`of` gives None
+    with the step's weights through the caches, the lookup four. Only for STATIC_ROPE_TYPES (`of` gives None
     for the others)."""
 
     def __init__(self, embedding: torch.nn.Module, like: torch.Tensor) -> None:
