@@ -27,7 +27,9 @@ def like(rows: int = ROWS, heads: int = KV_HEADS) -> torch.Tensor:
     return torch.empty(rows, heads, 0, DIM)
 
 
-def test_growth_in_place_gives_each_layer_one_more_column_of_its_buffer() -> None:
+def test_growth_in_place_gives_each_layer_one_more_column_of_its_buffer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     cache = new_cache()
     keys, values = cache.grow(LAYERS, like())  # the first growth allocates, layer by layer
     for index, (layer_keys, layer_values) in enumerate(zip(keys, values, strict=True)):
@@ -35,6 +37,10 @@ def test_growth_in_place_gives_each_layer_one_more_column_of_its_buffer() -> Non
         layer_values[:, :, -1] = -index
     buffers = [(layer.key_buffer, layer.value_buffer) for layer in cache.layers]
 
+    def layer_by_layer(*args: object) -> None:
+        raise AssertionError("a step with room grew its layers one by one")
+
+    monkeypatch.setattr(GrowingLayer, "grow", layer_by_layer)
     keys, values = cache.grow(LAYERS, like())
 
     for index, layer in enumerate(cache.layers):
@@ -78,3 +84,6 @@ def test_the_kernel_refuses_views_outside_their_buffers_or_room() -> None:
     assert cpu_kernels.grown_views([buffer[:ROWS, :, :6]], [buffer], ROWS, KV_HEADS) == []  # no column left
     assert cpu_kernels.grown_views([buffer[1:3, :, :3]], [buffer], 2, KV_HEADS) == []  # not the leading part
     assert cpu_kernels.grown_views([view.clone()], [buffer], ROWS, KV_HEADS) == []  # another tensor
+    for rows, heads in ((0, KV_HEADS), (-1, KV_HEADS), (ROWS, 0)):
+        with pytest.raises(RuntimeError, match="rows and heads must be positive"):
+            cpu_kernels.grown_views([view], [buffer], rows, heads)

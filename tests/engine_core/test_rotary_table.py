@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decoder_parity import assert_decoder_logits_equal_transformers, decoder_of, run_forward
 from transformers import LlamaConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from tinkerrpc_server.engine.compute.attention import Rotary, RotaryTable
+from tinkerrpc_server.engine.runtime import BaseModelRuntime
 
 pytestmark = pytest.mark.unit
 
@@ -58,3 +60,22 @@ def test_a_dynamic_rope_gets_no_table() -> None:
         **SHAPE, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10_000.0}
     )
     assert RotaryTable.of(LlamaRotaryEmbedding(config), torch.zeros(1)) is None
+
+
+def test_the_decoder_takes_every_pass_s_rotary_from_its_table(
+    runtime: BaseModelRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sampler's decoder looks each pass's rotary up (two prefill chunks and two decode steps: four
+    lookups, the model's rotary embedding called only to fill the table), and its logits still equal
+    transformers'."""
+    lookups: list[int] = []
+    real = RotaryTable.rotary
+
+    def counted(table: RotaryTable, position_ids: torch.Tensor, bound: int) -> Rotary:
+        lookups.append(bound)
+        return real(table, position_ids, bound)
+
+    monkeypatch.setattr(RotaryTable, "rotary", counted)
+    run_forward(decoder_of(runtime, None), steps=2)
+    assert len(lookups) == 4
+    assert_decoder_logits_equal_transformers(runtime, None)

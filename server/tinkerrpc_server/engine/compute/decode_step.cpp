@@ -83,6 +83,7 @@ at::Tensor decode_layers(at::Tensor x, at::TensorList weights, at::TensorList qk
 // data), or its buffer lacks the rows, the column or the `heads`: the caller then grows layer by layer.
 std::vector<at::Tensor> grown_views(at::TensorList views, at::TensorList buffers, int64_t rows, int64_t heads) {
   TORCH_CHECK(views.size() == buffers.size(), "one buffer per view");
+  TORCH_CHECK(rows > 0 && heads > 0, "rows and heads must be positive");
   std::vector<at::Tensor> grown;
   grown.reserve(views.size());
   for (size_t layer = 0; layer < views.size(); ++layer) {
